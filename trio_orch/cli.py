@@ -1,0 +1,62 @@
+"""The ``trio-orch`` command line: one subcommand per job, loaded lazily.
+
+Each entry of :data:`COMMANDS` names a module that provides
+``configure(parser)`` (add its options) and ``run(args) -> int``.  Modules
+are imported only when their subcommand runs, so ``trio-orch --help`` stays
+fast and the orchestrator never imports torch unless a job needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+#: subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("trio_orch.demo", "run a 3-stage pipeline of in-process stages and print the routed outputs"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trio-orch",
+        description=(
+            "trio-orch: a Trio (structured concurrency) orchestrator for multi-stage inference "
+            "pipelines (thinker -> talker -> vocoder), with ZeroMQ stage workers, an asyncio "
+            "reference, and benchmarks comparing the two."
+        ),
+        epilog="Run 'trio-orch COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-v info, -vv debug)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        p.add_argument("-v", "--verbose", action="count", default=0, dest="sub_verbose",
+                       help=argparse.SUPPRESS)
+        importlib.import_module(module).configure(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    verbosity = args.verbose + getattr(args, "sub_verbose", 0)
+    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""The Trio shell around the routing core (DESIGN §2, §4).
+
+One nursery, opened by :meth:`Orchestrator.run`, owns every task: one reader
+per stage client, the dispatcher and the request handler.  Readers only move
+outputs into the dispatcher's channel (their own failure becomes a message
+too); the dispatcher routes them through :class:`~trio_orch.router.Router`
+and performs the resulting I/O; the request handler admits requests from a
+bounded channel.  Both mutate the router only synchronously, between
+checkpoints, so every decision is atomic.  Whatever way ``run()`` ends --
+``shutdown()``, an outside cancel, a crash -- its ``finally`` gives every
+accepted request its terminal, stops the stages and closes the output channel.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+
+from trio_orch.router import Abort, Action, Emit, Router, Submit
+from trio_orch.types import OrchError, OrchOutput, StageClient
+
+__all__ = ["Orchestrator", "open_orchestrator"]
+
+log = logging.getLogger("trio_orch")
+
+Message = OrchOutput | OrchError
+OutputSink = Callable[[list[Message]], None]
+
+
+class _Admission:
+    """A request accepted by ``add_request`` and waiting for the request handler."""
+
+    __slots__ = ("cancelled", "done", "final_stage_id", "prompt", "request_id")
+
+    def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
+                 done: trio.Event | None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.final_stage_id = final_stage_id
+        self.done = done
+        self.cancelled = False
+
+
+class _StageDied:
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+
+class _Command:
+    """A client call routed through the dispatcher so it is ordered with outputs."""
+
+    __slots__ = ("done", "kind", "request_id")
+
+    def __init__(self, kind: str, request_id: str, done: trio.Event | None) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.done = done
+
+
+class Orchestrator:
+    """Routes requests through ``stages`` with Trio structured concurrency.
+
+    ``final_stage_ids``: the stages whose outputs reach the user.  In normal
+    mode a finished stage k forwards ``forward_fn(k, prompt, outputs_of_k)``
+    to stage k+1; with ``async_chunk`` every stage is submitted at add time
+    (``prewarm_fn(k, prompt)`` for k >= 1) and the terminal is gated until all
+    of them finished.  ``request_queue_size`` bounds the admission channel
+    (``add_request`` waits when it is full).  ``shutdown_grace`` bounds, in
+    seconds, the stage aborts and ``aclose`` calls made while stopping.
+    ``output_sink``, if given, receives each batch of messages instead of the
+    channel read by :meth:`next_output` (the thread bridge uses it).
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[StageClient],
+        final_stage_ids: Iterable[int],
+        *,
+        async_chunk: bool = False,
+        forward_fn: Callable[[int, Any, list[Any]], Any] | None = None,
+        prewarm_fn: Callable[[int, Any], Any] | None = None,
+        request_queue_size: int = 256,
+        shutdown_grace: float = 2.0,
+        output_sink: OutputSink | None = None,
+    ) -> None:
+        if request_queue_size < 1:
+            raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
+        self.stages = list(stages)
+        self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
+                             forward_fn=forward_fn, prewarm_fn=prewarm_fn)
+        self.shutdown_grace = shutdown_grace
+        self._req_send, self._req_recv = trio.open_memory_channel[_Admission](request_queue_size)
+        self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
+        self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
+        self._sink: OutputSink = output_sink or self._send_to_channel
+        self._live: set[str] = set()  # accepted, no terminal yet (queued or routed)
+        self._queued: dict[str, _Admission] = {}  # accepted, not yet taken by the handler
+        self._waiters: set[trio.Event] = set()  # callers waiting on a command
+        self._state = "new"  # new -> running -> stopping -> stopped
+        self._accepting = True
+        self._drain_timeout: float | None = None
+        self._stop_requested = trio.Event()
+        self._drained = trio.Event()
+        self._stopped = trio.Event()
+        self.stage_deaths: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def dropped_outputs(self) -> int:
+        """Outputs dropped because their request was unknown or already cleaned up."""
+        return self.router.dropped_outputs
+
+    @property
+    def active_requests(self) -> int:
+        """Accepted requests that have not had their terminal yet."""
+        return len(self._live)
+
+    @property
+    def queued_requests(self) -> int:
+        """Requests waiting in the bounded request channel."""
+        return len(self._queued)
+
+    @property
+    def running(self) -> bool:
+        return self._state == "running"
+
+    async def add_request(self, request_id: str, prompt: Any, *,
+                          final_stage_id: int | None = None) -> None:
+        """Accept a request; return once it is registered and submitted.
+
+        Waits while the request channel is full.  Raises ``ValueError`` for a
+        duplicate active id or bad parameters and ``RuntimeError`` once the
+        orchestrator stopped accepting; in both cases nothing is registered.
+        If the caller is cancelled after the request was accepted, the request
+        is aborted (it still gets its terminal).
+        """
+        adm = self._admit(request_id, prompt, final_stage_id, trio.Event())
+        try:
+            await self._req_send.send(adm)
+        except BaseException as exc:
+            self._unadmit(adm)  # trio guarantees a cancelled send did not send
+            if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
+                raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+            raise
+        try:
+            assert adm.done is not None
+            await adm.done.wait()
+        except trio.Cancelled:
+            self.abort_nowait(request_id)
+            raise
+
+    def add_request_nowait(self, request_id: str, prompt: Any, *,
+                           final_stage_id: int | None = None) -> None:
+        """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
+
+        Synchronous, so a thread bridge can call it via the Trio token.
+        """
+        adm = self._admit(request_id, prompt, final_stage_id, None)
+        try:
+            self._req_send.send_nowait(adm)
+        except BaseException as exc:
+            self._unadmit(adm)
+            if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
+                raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+            raise
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; it gets ``OrchError(kind="aborted")``.  Unknown id: no-op.
+
+        Returns once the abort was routed and sent to the stages.
+        """
+        done = trio.Event()
+        if self._abort(request_id, done):
+            self._waiters.add(done)
+            try:
+                await done.wait()
+            finally:
+                self._waiters.discard(done)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Synchronous :meth:`abort` that does not wait for the stages."""
+        self._abort(request_id, None)
+
+    async def next_output(self) -> Message:
+        """The next message in delivery order; ``trio.EndOfChannel`` once all is delivered."""
+        return await self._out_recv.receive()
+
+    async def outputs(self) -> AsyncIterator[Message]:
+        """Iterate over messages until the orchestrator stopped and all were delivered."""
+        async for msg in self._out_recv:
+            yield msg
+
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """Stop accepting and begin shutting down (synchronous, idempotent).
+
+        ``timeout`` lets active requests finish for up to that many seconds;
+        ``None`` gives them their ``shutdown`` terminal at once.
+        """
+        self._accepting = False
+        if not self._stop_requested.is_set():
+            self._drain_timeout = timeout
+            self._stop_requested.set()
+        if self._state == "new":
+            self._finish_sync()
+            self._out_send.close()
+            self._state = "stopped"
+            self._stopped.set()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Graceful shutdown; returns when ``run()`` has returned."""
+        self.request_shutdown(timeout)
+        await self._stopped.wait()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # ------------------------------------------------------------------ the nursery
+    async def run(self, *, task_status: trio.TaskStatus[Orchestrator] = trio.TASK_STATUS_IGNORED
+                  ) -> None:
+        """Run until shutdown or cancellation; signal readiness via ``task_status``."""
+        if self._state != "new":
+            raise RuntimeError(f"Orchestrator.run() called on a {self._state} orchestrator")
+        self._state = "running"
+        try:
+            async with trio.open_nursery() as nursery:
+                for k, stage in enumerate(self.stages):
+                    nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
+                nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
+                nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
+                task_status.started(self)
+                await self._stop_requested.wait()
+                self._state = "stopping"
+                self._accepting = False
+                if self._drain_timeout:
+                    with trio.move_on_after(self._drain_timeout):
+                        await self._wait_drained()
+                nursery.cancel_scope.cancel()
+        finally:
+            self._state = "stopping"
+            self._accepting = False
+            with trio.CancelScope(shield=True):
+                await self._finish()
+            self._state = "stopped"
+            self._stopped.set()
+
+    # ------------------------------------------------------------------ tasks
+    async def _reader(self, stage_id: int, stage: StageClient) -> None:
+        """Move a stage's outputs to the dispatcher; report the stage's death."""
+        send = self._ev_send.send_nowait
+        try:
+            while True:
+                outs = await stage.receive()
+                send((stage_id, outs))
+        except Exception as exc:
+            send((stage_id, _StageDied(exc)))
+
+    async def _dispatcher(self) -> None:
+        """Single router of outputs and commands; drains what is ready, then does I/O."""
+        recv = self._ev_recv
+        router = self.router
+        while True:
+            batch = [await recv.receive()]
+            while True:
+                try:
+                    batch.append(recv.receive_nowait())
+                except trio.WouldBlock:
+                    break
+            actions: list[Action] = []
+            commands: list[_Command] = []
+            for stage_id, item in batch:
+                if type(item) is list:
+                    for out in item:
+                        actions.extend(router.route(stage_id, out))
+                elif isinstance(item, _Command):
+                    commands.append(item)
+                    if item.kind == "abort":
+                        actions.extend(router.abort(item.request_id))
+                    else:
+                        actions.extend(router.expire(item.request_id))
+                elif isinstance(item, _StageDied):
+                    actions.extend(self._on_stage_died(stage_id, item.exc))
+            try:
+                await self._perform(actions)
+            finally:
+                for cmd in commands:
+                    if cmd.done is not None:
+                        cmd.done.set()
+
+    async def _request_handler(self) -> None:
+        """Admit queued requests: register first, then submit (DESIGN §3 Add)."""
+        async for adm in self._req_recv:
+            if adm.cancelled:
+                continue  # aborted while queued: its terminal was already delivered
+            self._queued.pop(adm.request_id, None)
+            try:
+                try:
+                    actions = self.router.add(adm.request_id, adm.prompt, adm.final_stage_id)
+                except Exception as exc:  # prewarm_fn raised: the request ends here
+                    actions = [Emit(OrchError(adm.request_id, None, "forward_failed",
+                                              f"prewarm_fn raised {type(exc).__name__}: {exc}"))]
+                await self._perform(actions)
+            finally:
+                if adm.done is not None:
+                    adm.done.set()
+
+    # ------------------------------------------------------------------ helpers
+    def _admit(self, request_id: str, prompt: Any, final_stage_id: int | None,
+               done: trio.Event | None) -> _Admission:
+        if not self._accepting:
+            raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
+        self.router.resolve_final_stage(request_id, final_stage_id)
+        if request_id in self._live:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
+        adm = _Admission(request_id, prompt, final_stage_id, done)
+        self._live.add(request_id)
+        self._queued[request_id] = adm
+        return adm
+
+    def _unadmit(self, adm: _Admission) -> None:
+        self._live.discard(adm.request_id)
+        if self._queued.get(adm.request_id) is adm:
+            del self._queued[adm.request_id]
+
+    def _abort(self, request_id: str, done: trio.Event | None) -> bool:
+        """Start an abort; return True if the caller should wait on ``done``."""
+        adm = self._queued.pop(request_id, None)
+        if adm is not None:
+            adm.cancelled = True
+            self._deliver([OrchError(request_id, None, "aborted", "aborted by the client while queued")])
+            return False
+        if request_id not in self.router:
+            return False
+        try:
+            self._ev_send.send_nowait((None, _Command("abort", request_id, done)))
+        except trio.ClosedResourceError:
+            return False  # stopping: the shutdown terminal is on its way
+        return True
+
+    def _on_stage_died(self, stage_id: int, exc: BaseException) -> list[Action]:
+        msg = f"stage {stage_id} died: {type(exc).__name__}: {exc}"
+        log.warning("%s", msg)
+        self.stage_deaths[stage_id] = msg
+        return self.router.stage_died(stage_id, msg)
+
+    def _send_to_channel(self, msgs: list[Message]) -> None:
+        send = self._out_send.send_nowait
+        for m in msgs:
+            send(m)
+
+    def _deliver(self, msgs: list[Message]) -> None:
+        live = self._live
+        for m in msgs:
+            if m.finished:
+                live.discard(m.request_id)
+        self._sink(msgs)
+        if not live and self._stop_requested.is_set():
+            self._drained.set()
+
+    async def _wait_drained(self) -> None:
+        if self._live:
+            await self._drained.wait()
+
+    async def _perform(self, actions: list[Action]) -> None:
+        """Deliver the emits at once, then do the stage I/O in decision order."""
+        if not actions:
+            return
+        msgs = [a.message for a in actions if type(a) is Emit]
+        if msgs:
+            self._deliver(msgs)
+        router = self.router
+        for a in actions:
+            if type(a) is Submit:
+                if a.request_id not in router:
+                    continue  # ended while an earlier action awaited
+                stage = self.stages[a.stage_id]
+                try:
+                    await stage.submit(a.request_id, a.payload)
+                except Exception as exc:
+                    more = router.submit_failed(a.stage_id, a.request_id,
+                                                f"submit to stage {a.stage_id} failed: "
+                                                f"{type(exc).__name__}: {exc}")
+                    await self._perform(more)
+                    continue
+                if a.request_id not in router:
+                    # Ended while we were submitting: its abort may have gone first.
+                    await self._abort_on(a.stage_id, [a.request_id])
+            elif type(a) is Abort:
+                await self._abort_on(a.stage_id, a.request_ids)
+
+    async def _abort_on(self, stage_id: int, request_ids: list[str]) -> None:
+        try:
+            await self.stages[stage_id].abort(request_ids)
+        except Exception as exc:  # the stage is dying; its reader reports that
+            log.debug("abort %s on stage %d failed: %r", request_ids, stage_id, exc)
+
+    def _finish_sync(self) -> list[Action]:
+        """Terminals for everything still accepted; close the input side."""
+        self._req_send.close()
+        msgs: list[Message] = []
+        while True:
+            try:
+                adm = self._req_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+            if adm.done is not None:
+                adm.done.set()
+            if not adm.cancelled:
+                msgs.append(OrchError(adm.request_id, None, "shutdown",
+                                      "orchestrator shut down before the request was handled"))
+        self._queued.clear()
+        actions: list[Action] = [Emit(m) for m in msgs]
+        actions.extend(self.router.shutdown())
+        self._deliver([a.message for a in actions if type(a) is Emit])
+        for ev in list(self._waiters):
+            ev.set()
+        self._ev_send.close()
+        return [a for a in actions if type(a) is not Emit]
+
+    async def _finish(self) -> None:
+        io = self._finish_sync()
+        with trio.move_on_after(self.shutdown_grace):
+            for a in io:
+                if type(a) is Abort and self.router.available[a.stage_id]:
+                    await self._abort_on(a.stage_id, a.request_ids)
+        async with trio.open_nursery() as nursery:
+            for stage in self.stages:
+                nursery.start_soon(self._close_stage, stage)
+        self._out_send.close()
+
+    async def _close_stage(self, stage: StageClient) -> None:
+        with trio.move_on_after(self.shutdown_grace) as scope:
+            try:
+                await stage.aclose()
+            except Exception as exc:
+                log.warning("closing stage %r failed: %r", stage, exc)
+        if scope.cancelled_caught:
+            log.warning("closing stage %r took longer than %.1fs; abandoned", stage, self.shutdown_grace)
+
+
+@asynccontextmanager
+async def open_orchestrator(stages: Sequence[StageClient], final_stage_ids: Iterable[int],
+                            **kwargs: Any) -> AsyncIterator[Orchestrator]:
+    """``async with open_orchestrator(...) as orch``: nursery + ``start(orch.run)``.
+
+    Leaving the block shuts the orchestrator down without draining.
+    """
+    orch = Orchestrator(stages, final_stage_ids, **kwargs)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(orch.run)
+        try:
+            yield orch
+        finally:
+            orch.request_shutdown()
+
+

@@ -1,0 +1,126 @@
+"""Test doubles: an in-process stage client driven by the test (DESIGN §4)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import trio
+
+from trio_orch.types import StageOutput, StageUnavailable
+
+__all__ = ["ScriptedStage"]
+
+
+class ScriptedStage:
+    """A stage client whose outputs are whatever the test tells it to emit.
+
+    Records every submission (``submissions``: ``(request_id, payload)`` in
+    submit order) and every aborted id (``aborts``).  ``emit`` delivers any
+    output for any request id -- it does not check that the request was ever
+    submitted, which is exactly what tests of dropped outputs need.  ``fail``
+    makes the next ``receive`` raise, as a dead stage does.  ``hold_submits``
+    makes ``submit`` block until ``release_submits`` (backpressure tests).
+    """
+
+    def __init__(self, stage_id: int = 0, *, name: str | None = None) -> None:
+        self.stage_id = stage_id
+        self.name = name or f"scripted-stage-{stage_id}"
+        self.submissions: list[tuple[str, Any]] = []
+        self.aborts: list[str] = []
+        self.closed = False
+        self._send, self._recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
+        self._dead: BaseException | None = None
+        self._submit_gate: trio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<ScriptedStage {self.name}>"
+
+    # ---------------------------------------------------------------- test side
+    async def emit(self, request_id: str, data: Any = None, finished: bool = False,
+                   error: str | None = None) -> None:
+        """Make the stage produce one output (``error`` = per-request failure)."""
+        self.emit_nowait(request_id, data, finished, error)
+        await trio.lowlevel.checkpoint()
+
+    def emit_nowait(self, request_id: str, data: Any = None, finished: bool = False,
+                    error: str | None = None) -> None:
+        out = StageOutput(request_id, data, finished, error, t_produced=time.perf_counter())
+        try:
+            self._send.send_nowait(out)
+        except trio.ClosedResourceError:
+            raise RuntimeError(f"{self.name} is closed or dead; cannot emit") from None
+
+    async def fail(self, exc: BaseException | None = None) -> None:
+        """Kill the stage: its reader's next ``receive`` raises ``exc``."""
+        self.fail_nowait(exc)
+        await trio.lowlevel.checkpoint()
+
+    def fail_nowait(self, exc: BaseException | None = None) -> None:
+        exc = exc or RuntimeError(f"{self.name} died")
+        if self._dead is None:
+            self._dead = exc
+            self._send.send_nowait(exc)
+            self._send.close()
+
+    def hold_submits(self) -> None:
+        """Make ``submit`` block (a saturated or hung stage) until released."""
+        if self._submit_gate is None:
+            self._submit_gate = trio.Event()
+
+    def release_submits(self) -> None:
+        if self._submit_gate is not None:
+            self._submit_gate.set()
+            self._submit_gate = None
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    # ---------------------------------------------------------------- client protocol
+    async def submit(self, request_id: str, payload: Any) -> None:
+        while self._submit_gate is not None:
+            await self._submit_gate.wait()
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.submissions.append((request_id, payload))
+        await trio.lowlevel.checkpoint()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.aborts.extend(request_ids)
+        await trio.lowlevel.checkpoint()
+
+    async def receive(self) -> list[StageOutput]:
+        """Wait for at least one output; return everything already emitted."""
+        try:
+            first = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._dead or RuntimeError(f"{self.name} is closed") from None
+        batch: list[StageOutput] = []
+        item: StageOutput | BaseException = first
+        while True:
+            if isinstance(item, BaseException):
+                if batch:  # deliver what came before the death first
+                    self._pending_death(item)
+                    return batch
+                raise item
+            batch.append(item)
+            try:
+                item = self._recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return batch
+
+    def _pending_death(self, exc: BaseException) -> None:
+        # Re-queue the death on a fresh channel so the next receive raises it.
+        send, recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
+        send.send_nowait(exc)
+        send.close()
+        self._recv = recv
+
+    async def aclose(self) -> None:
+        self.closed = True
+        self._send.close()
+        await trio.lowlevel.checkpoint()

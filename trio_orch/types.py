@@ -1,0 +1,99 @@
+"""Message types shared by the routing core, the Trio shell and the stage clients.
+
+Plain slotted classes with no I/O or event-loop dependency, so that the
+routing core, the Trio orchestrator and the asyncio references in ``bench/``
+all speak the same vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "ERROR_KINDS",
+    "OrchError",
+    "OrchOutput",
+    "StageClient",
+    "StageOutput",
+    "StageUnavailable",
+]
+
+#: Every ``OrchError.kind`` the orchestrator produces.
+ERROR_KINDS = (
+    "aborted",
+    "stage_failed",
+    "replica_died",
+    "stage_unavailable",
+    "forward_failed",
+    "shutdown",
+    "timeout",
+)
+
+
+@dataclass(slots=True)
+class StageOutput:
+    """One output of one stage for one request, as a stage client returns it.
+
+    ``error`` set means the stage failed this request (terminal for it);
+    ``error_kind`` lets a replica pool report ``"replica_died"`` per request.
+    ``t_produced`` is an optional monotonic timestamp (benchmarks).
+    """
+
+    request_id: str
+    data: Any
+    finished: bool = False
+    error: str | None = None
+    error_kind: str = "stage_failed"
+    t_produced: float = 0.0
+
+
+@dataclass(slots=True)
+class OrchOutput:
+    """An output delivered to the user; ``finished=True`` is the request's terminal."""
+
+    request_id: str
+    stage_id: int
+    data: Any
+    finished: bool
+
+    @property
+    def terminal(self) -> bool:
+        return self.finished
+
+
+@dataclass(slots=True)
+class OrchError:
+    """A terminal failure of one request; always the last message for it."""
+
+    request_id: str
+    stage_id: int | None
+    kind: str
+    message: str
+
+    @property
+    def terminal(self) -> bool:
+        return True
+
+    @property
+    def finished(self) -> bool:
+        return True
+
+
+class StageUnavailable(RuntimeError):
+    """Raised by a stage client's ``submit`` when it has no live replica."""
+
+
+@runtime_checkable
+class StageClient(Protocol):
+    """What the orchestrator talks to (scripted stage, ZMQ client, replica pool)."""
+
+    async def submit(self, request_id: str, payload: Any) -> None: ...
+
+    async def abort(self, request_ids: list[str]) -> None: ...
+
+    async def receive(self) -> list[StageOutput]:
+        """Wait for at least one output; raise when the stage is dead."""
+        ...
+
+    async def aclose(self) -> None: ...
