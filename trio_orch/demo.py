@@ -57,7 +57,9 @@ async def _transform(stage: ScriptedStage, fn: Any, delay: float, rng: random.Ra
             await trio.sleep(delay / 4)
 
 
-async def _emit_items(stage: ScriptedStage, rid: str, items: list[Any], delay: float, rng: random.Random) -> None:
+async def _emit_items(
+    stage: ScriptedStage, rid: str, items: list[Any], delay: float, rng: random.Random
+) -> None:
     for i, item in enumerate(items):
         await trio.sleep(delay * rng.uniform(0.5, 1.5))
         if rid in stage.aborts:

@@ -1,0 +1,43 @@
+"""The command line as a user meets it: help texts and the in-process demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from trio_orch.cli import COMMANDS, main
+
+
+def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for name in COMMANDS:
+        assert name in text
+    assert "Trio" in text
+
+
+def test_no_command_prints_help_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "COMMAND" in capsys.readouterr().out
+
+
+def test_demo_help_explains_options(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = capsys.readouterr().out
+    assert "--delay-ms" in text and "in-process" in text
+
+
+def test_demo_streams_every_request_to_its_terminal() -> None:
+    proc = subprocess.run([sys.executable, "-m", "trio_orch.cli", "demo", "--delay-ms", "1", "a b c", "d e"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sum("[finished]" in ln for ln in lines) == 2
+    assert any("req-0 stage 0 text  'a'" in ln for ln in lines)
+    assert any("req-1 stage 2 audio" in ln for ln in lines)
+    assert lines[-1].startswith("done: 2 requests, dropped outputs: 0")

@@ -1,0 +1,201 @@
+"""The routing core driven directly: no event loop, no I/O (DESIGN §3)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+from trio_orch.router import Abort, Emit, Router, Submit
+from trio_orch.types import OrchError, OrchOutput, StageOutput
+
+
+def warm(k: int, p: str) -> str:
+    return f"warm{k}:{len(p)}"
+
+
+def emitted(actions: list) -> list:
+    return [a.message for a in actions if isinstance(a, Emit)]
+
+
+def out(rid: str, data: object, finished: bool = False, error: str | None = None) -> StageOutput:
+    return StageOutput(rid, data, finished, error)
+
+
+def test_router_module_imports_no_event_loop() -> None:
+    src = pathlib.Path(__file__).parents[1].joinpath("trio_orch", "router.py").read_text()
+    names = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert not names & {"trio", "asyncio", "anyio", "janus"}
+
+
+def test_normal_mode_forward_chain() -> None:
+    r = Router(3, {0, 2}, forward_fn=lambda k, p, outs: f"{k}:{'+'.join(outs)}")
+    assert r.add("r1", "hello") == [Submit(0, "r1", "hello")]
+    assert r.route(0, out("r1", "a")) == [Emit(OrchOutput("r1", 0, "a", False))]
+    acts = r.route(0, out("r1", "b", True))
+    # the user's output comes first, then the forward with every output of stage 0
+    assert acts == [Emit(OrchOutput("r1", 0, "b", False)), Submit(1, "r1", "0:a+b")]
+    assert r.route(1, out("r1", "x")) == []  # stage 1 is not a final-output stage
+    assert r.route(1, out("r1", "y", True)) == [Submit(2, "r1", "1:x+y")]
+    assert r.route(2, out("r1", "w1")) == [Emit(OrchOutput("r1", 2, "w1", False))]
+    assert r.route(2, out("r1", "w2", True)) == [Emit(OrchOutput("r1", 2, "w2", True))]
+    assert "r1" not in r and len(r) == 0
+
+
+def test_async_chunk_worked_example_late_nonfinal_completion() -> None:
+    r = Router(3, {0, 2}, async_chunk=True, prewarm_fn=warm)
+    assert r.add("r1", "hi there") == [
+        Submit(0, "r1", "hi there"), Submit(1, "r1", "warm1:8"), Submit(2, "r1", "warm2:8")]
+    assert emitted(r.route(0, out("r1", "hi"))) == [OrchOutput("r1", 0, "hi", False)]
+    assert r.route(0, out("r1", "there", True)) == [Emit(OrchOutput("r1", 0, "there", False))]
+    assert emitted(r.route(2, out("r1", "wav:HI"))) == [OrchOutput("r1", 2, "wav:HI", False)]
+    assert r.route(2, out("r1", "wav:THERE", True)) == []  # held: stage 1 not finished
+    assert r.requests["r1"].pending_final == OrchOutput("r1", 2, "wav:THERE", True)
+    assert r.route(1, out("r1", None, True)) == [Emit(OrchOutput("r1", 2, "wav:THERE", True))]
+    assert "r1" not in r
+    assert r.route(2, out("r1", "wav:EXTRA")) == []
+    assert r.dropped_outputs == 1 and "r1" not in r
+
+
+def test_async_chunk_nonfinal_completes_first_needs_no_hold() -> None:
+    r = Router(3, {0, 2}, async_chunk=True, prewarm_fn=warm)
+    r.add("r1", "hi there")
+    r.route(0, out("r1", "hi", True))
+    assert r.route(1, out("r1", None, True)) == []
+    assert r.route(2, out("r1", "wav", True)) == [Emit(OrchOutput("r1", 2, "wav", True))]
+
+
+def test_async_chunk_stage0_is_last_final_stage() -> None:
+    r = Router(3, {0, 2}, async_chunk=True, prewarm_fn=warm)
+    r.add("r1", "hi there")
+    r.route(1, out("r1", None, True))
+    assert emitted(r.route(2, out("r1", "wav", True))) == [OrchOutput("r1", 2, "wav", False)]
+    assert r.route(0, out("r1", "end", True)) == [Emit(OrchOutput("r1", 0, "end", True))]
+
+
+def test_per_request_final_stage_id_text_only() -> None:
+    r = Router(3, {0, 2})
+    r.add("t", "p", final_stage_id=0)
+    assert r.route(0, out("t", "only", True)) == [Emit(OrchOutput("t", 0, "only", True))]
+    r = Router(3, {0, 2}, async_chunk=True)
+    assert [a.stage_id for a in r.add("t", "p", final_stage_id=0)] == [0]
+
+
+@pytest.mark.parametrize(
+    ("rid", "final", "match"),
+    [("r", 3, "out of range"), ("r", -1, "out of range"), ("", None, "non-empty"),
+     (7, None, "non-empty str"), ("r", "2", "must be an int")],
+)
+def test_bad_requests_raise_and_register_nothing(rid: object, final: object, match: str) -> None:
+    r = Router(3, {0, 2})
+    with pytest.raises(ValueError, match=match):
+        r.add(rid, "p", final_stage_id=final)  # type: ignore[arg-type]
+    assert len(r) == 0
+
+
+def test_empty_final_set_for_request() -> None:
+    r = Router(3, {2})
+    with pytest.raises(ValueError, match="no final-output stage"):
+        r.add("r", "p", final_stage_id=1)
+    assert len(r) == 0
+
+
+def test_router_construction_errors() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        Router(3, set())
+    with pytest.raises(ValueError, match="out of range"):
+        Router(3, {3})
+
+
+def test_duplicate_active_id_refused_then_allowed_after_terminal() -> None:
+    r = Router(1, {0})
+    r.add("r", "p")
+    with pytest.raises(ValueError, match="duplicate"):
+        r.add("r", "q")
+    r.route(0, out("r", "x", True))
+    assert r.add("r", "again") == [Submit(0, "r", "again")]
+
+
+def test_abort_aborts_open_stages_and_terminates() -> None:
+    r = Router(3, {0, 2}, async_chunk=True)
+    r.add("r", "p")
+    r.route(0, out("r", "x", True))
+    acts = r.abort("r")
+    assert acts[0] == Emit(OrchError("r", None, "aborted", "aborted by the client"))
+    assert acts[1:] == [Abort(1, ["r"]), Abort(2, ["r"])]
+    assert r.abort("r") == [] and r.abort("nope") == []
+    assert r.route(2, out("r", "late")) == [] and r.dropped_outputs == 1
+
+
+def test_stage_error_output_terminates_and_aborts_elsewhere() -> None:
+    r = Router(3, {0, 2}, async_chunk=True)
+    r.add("r", "p")
+    acts = r.route(1, out("r", None, error="oom"))
+    assert emitted(acts) == [OrchError("r", 1, "stage_failed", "oom")]
+    assert [a.stage_id for a in acts if isinstance(a, Abort)] == [0, 2]
+
+
+def test_output_from_unsubmitted_or_finished_stage_is_dropped() -> None:
+    r = Router(3, {0, 2})
+    r.add("r", "p")
+    assert r.route(2, out("r", "never submitted")) == []
+    r.route(0, out("r", "x"))
+    r.route(0, out("r", "y", True))
+    assert r.route(0, out("r", "after finished", True)) == []
+    assert r.dropped_outputs == 2 and "r" in r
+
+
+def test_stage_death_terminates_bound_requests_and_blocks_new_work() -> None:
+    r = Router(3, {0, 2})
+    r.add("a", "p")  # open on stage 0
+    r.add("b", "p")
+    r.route(0, out("b", "x", True))  # b moves to stage 1
+    acts = r.stage_died(1, "stage 1 died")
+    assert emitted(acts) == [OrchError("b", 1, "replica_died", "stage 1 died")]
+    assert "a" in r and "b" not in r
+    # a later forward to the dead stage fails at that moment
+    acts = r.route(0, out("a", "y", True))
+    assert emitted(acts) == [OrchOutput("a", 0, "y", False),
+                             OrchError("a", 1, "stage_unavailable", "stage 1 has no live replica")]
+    assert "a" not in r
+    # and so does a new request whose first stage is dead
+    r.stage_died(0, "gone")
+    assert emitted(r.add("c", "p")) == [OrchError("c", 0, "stage_unavailable", "stage 0 has no live replica")]
+    assert "c" not in r
+    r.set_available(0, True)
+    assert r.add("c", "p") == [Submit(0, "c", "p")]
+
+
+def test_submit_failure_and_forward_failure() -> None:
+    r = Router(2, {1}, forward_fn=lambda k, p, o: 1 / 0)
+    r.add("r", "p")
+    acts = r.submit_failed(0, "r", "no replica")
+    assert emitted(acts) == [OrchError("r", 0, "stage_unavailable", "no replica")]
+    r.add("r", "p")
+    acts = r.route(0, out("r", "x", True))
+    (err,) = emitted(acts)
+    assert err.kind == "forward_failed" and "ZeroDivisionError" in err.message
+    assert "r" not in r
+
+
+def test_shutdown_gives_every_active_request_a_terminal() -> None:
+    r = Router(3, {0, 2}, async_chunk=True)
+    for i in range(5):
+        r.add(f"r{i}", "p")
+    msgs = emitted(r.shutdown("bye"))
+    assert sorted(m.request_id for m in msgs) == [f"r{i}" for i in range(5)]
+    assert all(m.kind == "shutdown" for m in msgs) and len(r) == 0
+    assert r.terminals_by_kind["shutdown"] == 5
+
+
+def test_replica_death_reported_per_request_by_a_pool() -> None:
+    r = Router(2, {1})
+    r.add("r", "p")
+    o = StageOutput("r", None, True, error="replica 1 died", error_kind="replica_died")
+    assert emitted(r.route(0, o)) == [OrchError("r", 0, "replica_died", "replica 1 died")]
