@@ -240,8 +240,8 @@ async def test_shutdown_with_requests_in_flight_leaves_no_task() -> None:
             await orch.add_request(f"r{i}", "p")
         await stages[0].emit("r0", "partial")
         assert await nxt(orch) == OrchOutput("r0", 0, "partial", False)
-        # run() itself, 3 readers, the dispatcher and the request handler
-        assert len(orchestrator_tasks()) == 6
+        # run() itself, 3 readers, the dispatcher, the request handler, the deadline keeper
+        assert len(orchestrator_tasks()) == 7
         await orch.shutdown()
         assert orchestrator_tasks() == []
         msgs = await drain(orch)
@@ -380,3 +380,44 @@ async def test_run_twice_is_an_error() -> None:
         with pytest.raises(RuntimeError, match="running"):
             await orch.run()
         await orch.shutdown()
+
+
+async def test_per_request_deadline_on_a_stage_that_never_answers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    stages = three()
+    async with open_orchestrator(stages, {0, 2}, async_chunk=True, request_timeout=30) as orch:
+        t0 = trio.current_time()
+        await orch.add_request("slow", "p", timeout=5)
+        await orch.add_request("default", "p")  # the orchestrator's 30 s default
+        await orch.add_request("quick", "p", final_stage_id=0, timeout=1)
+        await stages[0].emit("quick", "x", finished=True)
+        assert await nxt(orch) == OrchOutput("quick", 0, "x", True)
+        msg = await orch.next_output()
+        assert (msg.request_id, msg.kind) == ("slow", "timeout")
+        assert trio.current_time() - t0 == pytest.approx(5, abs=0.1)
+        await trio.testing.wait_all_tasks_blocked()
+        assert all(s.aborts == ["slow"] for s in stages)  # aborted on every open stage
+        msg = await orch.next_output()
+        assert (msg.request_id, msg.kind) == ("default", "timeout")
+        assert trio.current_time() - t0 == pytest.approx(30, abs=0.1)
+        assert orch.active_requests == 0
+        # the finished request's deadline never fires later
+        await trio.sleep(100)
+        with pytest.raises(trio.WouldBlock):
+            orch._out_recv.receive_nowait()
+
+
+async def test_deadline_of_a_request_still_queued(autojump_clock: trio.testing.MockClock) -> None:
+    stages = three()
+    stages[0].hold_submits()
+    async with open_orchestrator(stages, {0, 2}) as orch:
+        orch.add_request_nowait("stuck", "p")
+        orch.add_request_nowait("queued", "p", timeout=2)
+        msg = await nxt(orch)
+        assert msg == OrchError("queued", None, "timeout", "its deadline passed while queued")
+        stages[0].release_submits()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [rid for rid, _ in stages[0].submissions] == ["stuck"]  # never submitted
+        with pytest.raises(ValueError, match="timeout must be a positive"):
+            await orch.add_request("bad", "p", timeout=0)

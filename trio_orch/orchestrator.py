@@ -13,6 +13,7 @@ accepted request its terminal, stops the stages and closes the output channel.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -43,7 +44,7 @@ class _Admission:
         self.prompt = prompt
         self.final_stage_id = final_stage_id
         self.done = done
-        self.cancelled = False
+        self.cancelled = False  # aborted or expired while queued: the handler skips it
 
 
 class _StageDied:
@@ -76,6 +77,9 @@ class Orchestrator:
     seconds, the stage aborts and ``aclose`` calls made while stopping.
     ``output_sink``, if given, receives each batch of messages instead of the
     channel read by :meth:`next_output` (the thread bridge uses it).
+    ``request_timeout`` is the default per-request deadline in seconds (None:
+    no deadline); a request past its deadline gets ``OrchError(kind="timeout")``
+    and is aborted on every stage it is open on.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Orchestrator:
         request_queue_size: int = 256,
         shutdown_grace: float = 2.0,
         output_sink: OutputSink | None = None,
+        request_timeout: float | None = None,
     ) -> None:
         if request_queue_size < 1:
             raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
@@ -96,6 +101,7 @@ class Orchestrator:
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
+        self.request_timeout = request_timeout
         self._req_send, self._req_recv = trio.open_memory_channel[_Admission](request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
@@ -110,6 +116,10 @@ class Orchestrator:
         self._drained = trio.Event()
         self._stopped = trio.Event()
         self.stage_deaths: dict[int, str] = {}
+        # per-request deadlines: rid -> deadline, plus a heap the deadline keeper sleeps on
+        self._deadlines: dict[str, float] = {}
+        self._deadline_heap: list[tuple[float, str]] = []
+        self._keeper_scope: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -132,8 +142,11 @@ class Orchestrator:
         return self._state == "running"
 
     async def add_request(self, request_id: str, prompt: Any, *,
-                          final_stage_id: int | None = None) -> None:
+                          final_stage_id: int | None = None, timeout: float | None = None) -> None:
         """Accept a request; return once it is registered and submitted.
+
+        ``timeout`` (seconds, default ``request_timeout``) bounds the request's
+        whole life, from acceptance to terminal.
 
         Waits while the request channel is full.  Raises ``ValueError`` for a
         duplicate active id or bad parameters and ``RuntimeError`` once the
@@ -141,7 +154,7 @@ class Orchestrator:
         If the caller is cancelled after the request was accepted, the request
         is aborted (it still gets its terminal).
         """
-        adm = self._admit(request_id, prompt, final_stage_id, trio.Event())
+        adm = self._admit(request_id, prompt, final_stage_id, trio.Event(), timeout)
         try:
             await self._req_send.send(adm)
         except BaseException as exc:
@@ -157,12 +170,12 @@ class Orchestrator:
             raise
 
     def add_request_nowait(self, request_id: str, prompt: Any, *,
-                           final_stage_id: int | None = None) -> None:
+                           final_stage_id: int | None = None, timeout: float | None = None) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
         Synchronous, so a thread bridge can call it via the Trio token.
         """
-        adm = self._admit(request_id, prompt, final_stage_id, None)
+        adm = self._admit(request_id, prompt, final_stage_id, None, timeout)
         try:
             self._req_send.send_nowait(adm)
         except BaseException as exc:
@@ -234,6 +247,7 @@ class Orchestrator:
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
                 nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
+                nursery.start_soon(self._deadline_keeper, name="trio_orch.deadline_keeper")
                 task_status.started(self)
                 await self._stop_requested.wait()
                 self._state = "stopping"
@@ -310,21 +324,54 @@ class Orchestrator:
                 if adm.done is not None:
                     adm.done.set()
 
+    async def _deadline_keeper(self) -> None:
+        """Sleep until the earliest request deadline; expire what is due."""
+        heap = self._deadline_heap
+        while True:
+            with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as scope:
+                self._keeper_scope = scope
+                await trio.sleep_forever()
+            now = trio.current_time()
+            while heap and heap[0][0] <= now:
+                deadline, rid = heapq.heappop(heap)
+                if self._deadlines.get(rid) == deadline:
+                    self._expire(rid)
+
+    def _expire(self, request_id: str) -> None:
+        limit = "its deadline"
+        adm = self._queued.pop(request_id, None)
+        if adm is not None:
+            adm.cancelled = True
+            self._deliver([OrchError(request_id, None, "timeout", f"{limit} passed while queued")])
+        elif request_id in self.router:
+            self._ev_send.send_nowait((None, _Command("expire", request_id, None)))
+
     # ------------------------------------------------------------------ helpers
     def _admit(self, request_id: str, prompt: Any, final_stage_id: int | None,
-               done: trio.Event | None) -> _Admission:
+               done: trio.Event | None, timeout: float | None = None) -> _Admission:
         if not self._accepting:
             raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
         self.router.resolve_final_stage(request_id, final_stage_id)
         if request_id in self._live:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
+        timeout = self.request_timeout if timeout is None else timeout
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         adm = _Admission(request_id, prompt, final_stage_id, done)
         self._live.add(request_id)
         self._queued[request_id] = adm
+        if timeout is not None:
+            deadline = trio.current_time() + timeout
+            self._deadlines[request_id] = deadline
+            heapq.heappush(self._deadline_heap, (deadline, request_id))
+            scope = self._keeper_scope
+            if scope is not None and deadline < scope.deadline:
+                scope.deadline = deadline
         return adm
 
     def _unadmit(self, adm: _Admission) -> None:
         self._live.discard(adm.request_id)
+        self._deadlines.pop(adm.request_id, None)
         if self._queued.get(adm.request_id) is adm:
             del self._queued[adm.request_id]
 
@@ -356,9 +403,12 @@ class Orchestrator:
 
     def _deliver(self, msgs: list[Message]) -> None:
         live = self._live
+        deadlines = self._deadlines
         for m in msgs:
             if m.finished:
                 live.discard(m.request_id)
+                if deadlines:
+                    deadlines.pop(m.request_id, None)
         self._sink(msgs)
         if not live and self._stop_requested.is_set():
             self._drained.set()
