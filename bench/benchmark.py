@@ -73,7 +73,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of the implementations (default: all); "
                              f"known: {', '.join(IMPLEMENTATIONS)}")
     parser.add_argument("--out", type=Path, default=Path("bench_results"),
-                        help="directory for results.json, results.md and the PNG plots (default ./bench_results)")
+                        help="directory for results.json, results.md and the PNG plots "
+                             "(default ./bench_results)")
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON to this path")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown to this path")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         "mode": "quick" if args.quick else "full", "rounds": rounds,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-        "command": "trio-orch bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "trio-orch bench",
+        "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+        else "trio-orch bench",
     }
     print(report.text_report(results))
     args.out.mkdir(parents=True, exist_ok=True)

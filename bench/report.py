@@ -128,7 +128,8 @@ def render_text(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = []
     for n, r in enumerate(rows):
-        lines.append("  ".join(c.rjust(w) if j >= 2 else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        cells = enumerate(zip(r, widths, strict=True))
+        lines.append("  ".join(c.rjust(w) if j >= 2 else c.ljust(w) for j, (c, w) in cells))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)
@@ -204,7 +205,7 @@ def plot(results: dict[str, Any], raw_latency: dict[str, list[float]], out_dir: 
                 series.setdefault(mode, {}).setdefault(impl, []).append((int(n), res["throughput_per_s"]))
     if series:
         fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.2), squeeze=False)
-        for ax, (mode, per_impl) in zip(axes[0], sorted(series.items())):
+        for ax, (mode, per_impl) in zip(axes[0], sorted(series.items()), strict=True):
             for impl, pts in per_impl.items():
                 pts.sort()
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
