@@ -1,0 +1,389 @@
+"""One stage replica in one process: ``python -m stages.worker --help``.
+
+The worker connects a DEALER socket to the orchestrator (which bound it),
+loads its model, sends ``Ready``, then loops: drain the control socket (and
+the async-chunk inbox) to EAGAIN, admit new requests, run ONE batched model
+step over every runnable request, send everything that step produced as one
+``Outputs`` message, stream chunks downstream, retire finished requests,
+heartbeat.  An ``Abort`` takes effect before the next step.  On SIGTERM, a
+``Shutdown`` message or a fatal error it sends the ``Dying`` sentinel and
+exits; it also exits when its parent process disappears (no orphans).
+
+Fault flags (``--fail-at-startup``, ``--crash-after-steps``, ``--garbage-after-steps``,
+...) exist for fault-injection tests; see ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import zmq
+
+from stages.base import EchoModel, ReqState, StageModel, StepResult
+from stages.connector import ChunkInbox, ChunkOutbox
+from trio_orch.wire import (
+    Abort,
+    Dying,
+    Heartbeat,
+    InboundMsg,
+    OutboundMsg,
+    OutItem,
+    Outputs,
+    Ready,
+    RequestError,
+    Rpc,
+    RpcReply,
+    Shutdown,
+    Submit,
+    WireCodec,
+    WireError,
+)
+
+log = logging.getLogger("stages.worker")
+
+MODEL_KINDS = ("echo", "thinker", "talker", "code2wav")
+
+
+def make_model(kind: str, options: dict[str, Any], device: str, seed: int) -> StageModel:
+    """Build the model of a stage kind (torch is imported only for torch kinds)."""
+    if kind == "echo":
+        return EchoModel(**options)
+    if kind in ("thinker", "talker", "code2wav"):
+        from stages import models  # torch
+
+        return models.build(kind, options, device=device, seed=seed)
+    raise ValueError(f"unknown model kind {kind!r} (expected one of {', '.join(MODEL_KINDS)})")
+
+
+class _Stop(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class Worker:
+    """The server loop of one replica (continuous batching over ``model``)."""
+
+    def __init__(self, args: argparse.Namespace, model: StageModel, ctx: zmq.Context) -> None:
+        self.args = args
+        self.model = model
+        self.ctx = ctx
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 500
+        self.sock.connect(args.connect)
+        self.in_codec = WireCodec(InboundMsg)
+        self.out_codec = WireCodec(OutboundMsg)
+        self.inbox = ChunkInbox(ctx, args.inbox) if args.inbox else None
+        self.outbox = ChunkOutbox(ctx, args.downstream) if args.downstream else None
+        self.active: dict[str, ReqState] = {}
+        self.waiting: deque[ReqState] = deque()
+        self.aborted: set[str] = set()
+        self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
+                      "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0}
+        self.t_start = time.monotonic()
+        self.parent = os.getppid()
+
+    # ------------------------------------------------------------------ sending
+    def send(self, msg: Any) -> None:
+        self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
+
+    # ------------------------------------------------------------------ inbound
+    def drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = self.in_codec.decode(frames)
+            except WireError as exc:
+                self.stats["garbage_in"] += 1
+                log.error("stage %d replica %d: dropped a garbage message: %s",
+                          self.args.stage_id, self.args.replica, exc)
+                continue
+            self.handle(msg)
+        if self.inbox is not None:
+            for chunk in self.inbox.drain():
+                self.stats["chunks_in"] += 1
+                req = self.active.get(chunk.request_id)
+                if req is None:
+                    req = next((r for r in self.waiting if r.request_id == chunk.request_id), None)
+                if req is not None:
+                    self.model.feed(req, chunk.data, chunk.end)
+                else:
+                    self.inbox.hold(chunk)
+
+    def handle(self, msg: Any) -> None:
+        if type(msg) is Submit:
+            self.stats["submits"] += 1
+            self.submit(msg)
+        elif type(msg) is Abort:
+            self.stats["aborts"] += len(msg.request_ids)
+            for rid in msg.request_ids:
+                self.retire(rid)
+                self.aborted.add(rid)
+        elif type(msg) is Rpc:
+            self.send(RpcReply(msg.call_id, self.rpc(msg.method)))
+        elif type(msg) is Shutdown:
+            raise _Stop(f"shutdown requested: {msg.reason}" if msg.reason else "shutdown requested")
+
+    def submit(self, msg: Submit) -> None:
+        rid = msg.request_id
+        if rid in self.active or any(r.request_id == rid for r in self.waiting):
+            self.send(RequestError(rid, f"request {rid!r} is already active on this worker"))
+            return
+        self.aborted.discard(rid)
+        req = ReqState(rid, msg.payload, msg.downstream)
+        if self.inbox is not None:
+            req.upstream = True
+            req.input_done = False
+        fail = self.args.fail_requests_containing
+        try:
+            if fail and fail in repr(msg.payload):
+                raise ValueError(f"injected failure (payload contains {fail!r})")
+            if req.downstream >= 0 and self.outbox is None:
+                raise ValueError("submit names a downstream replica but this worker has no --downstream")
+            self.model.admit(req)
+        except Exception as exc:
+            self.stats["errors"] += 1
+            self.send(RequestError(rid, f"stage {self.args.stage_id} refused the request: {exc}"))
+            return
+        if self.inbox is not None:
+            for data, end in self.inbox.claim(rid):
+                self.model.feed(req, data, end)
+        self.waiting.append(req)
+
+    def retire(self, rid: str) -> None:
+        req = self.active.pop(rid, None)
+        if req is None:
+            for r in self.waiting:
+                if r.request_id == rid:
+                    req = r
+                    self.waiting.remove(r)
+                    break
+        if req is not None:
+            self.model.release(req)
+        if self.inbox is not None:
+            self.inbox.forget(rid)
+
+    def rpc(self, method: str) -> dict[str, Any]:
+        if method == "health":
+            return {"ok": True, "active": len(self.active), "waiting": len(self.waiting),
+                    "uptime": time.monotonic() - self.t_start}
+        if method == "stats":
+            s: dict[str, Any] = dict(self.stats)
+            s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
+                     stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
+            if self.inbox is not None:
+                s["inbox_pending"] = self.inbox.pending
+            return s
+        return {"ok": False, "error": f"unknown rpc method {method!r}"}
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> bool:
+        """Admit, run one batched step, emit, retire; return whether work was done."""
+        while self.waiting and len(self.active) < self.args.max_batch:
+            req = self.waiting.popleft()
+            self.active[req.request_id] = req
+        batch = [r for r in self.active.values() if self.model.runnable(r)]
+        if not batch:
+            return False
+        if self.args.step_delay_ms:
+            time.sleep(self.args.step_delay_ms / 1000)
+        self.stats["steps"] += 1
+        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
+        try:
+            results = self.model.step(batch)
+        except Exception as exc:  # the step failed: fail its requests, keep serving
+            log.exception("stage %d: model step failed", self.args.stage_id)
+            results = [exc] * len(batch)  # type: ignore[list-item]
+        now = time.perf_counter()
+        items: list[OutItem] = []
+        control_only = self.args.control_only
+        for req, res in zip(batch, results, strict=True):
+            if isinstance(res, Exception):
+                self.stats["errors"] += 1
+                items.append(OutItem(req.request_id, None, True, f"model step failed: {res}", now))
+                self.retire(req.request_id)
+                continue
+            assert isinstance(res, StepResult)
+            if req.downstream >= 0 and self.outbox is not None and (res.chunk is not None or res.finished):
+                self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished)
+                self.stats["chunks_out"] += 1
+            if res.finished:
+                items.append(OutItem(req.request_id, None if control_only else res.data, True, None, now))
+                self.retire(req.request_id)
+            elif res.data is not None and not control_only:
+                items.append(OutItem(req.request_id, res.data, False, None, now))
+        if items:
+            self.stats["outputs"] += len(items)
+            self.send(Outputs(items))
+        self._faults_after_step()
+        return True
+
+    def _faults_after_step(self) -> None:
+        a, n = self.args, self.stats["steps"]
+        if a.garbage_after_steps and n == a.garbage_after_steps:
+            self.sock.send_multipart([b"\xc1 this is not msgpack", b"junk"])
+        if a.unknown_rid_after_steps and n == a.unknown_rid_after_steps:
+            self.send(Outputs([OutItem("no-such-request", "stray", False, None, time.perf_counter())]))
+        if a.crash_after_steps and n >= a.crash_after_steps:
+            os._exit(17)  # like kill -9: no Dying sentinel
+        if a.die_after_steps and n >= a.die_after_steps:
+            raise RuntimeError(f"injected fatal error after {n} steps")
+        if a.hang_after_steps and n >= a.hang_after_steps:
+            while True:  # silent: no heartbeats; the launcher must notice and kill us
+                time.sleep(1)
+
+    # ------------------------------------------------------------------ main loop
+    def serve(self) -> str:
+        a = self.args
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        if self.inbox is not None:
+            poller.register(self.inbox.sock, zmq.POLLIN)
+        hb_every = a.heartbeat_interval
+        next_hb = time.monotonic() + hb_every
+        next_purge = time.monotonic() + 5.0
+        busy = False
+        while True:
+            timeout = 0 if busy else max(0.0, min(next_hb - time.monotonic(), 1.0))
+            poller.poll(int(timeout * 1000))
+            self.drain()
+            busy = self.step()
+            now = time.monotonic()
+            if now >= next_hb:
+                next_hb = now + hb_every
+                if a.heartbeat_interval > 0:
+                    self.send(Heartbeat(time.perf_counter(), len(self.active) + len(self.waiting)))
+                if os.getppid() != self.parent:
+                    raise _Stop("parent process exited")
+            if self.inbox is not None and now >= next_purge:
+                next_purge = now + 5.0
+                self.inbox.purge()
+
+    def close(self) -> None:
+        if self.inbox is not None:
+            self.inbox.close()
+        if self.outbox is not None:
+            self.outbox.close()
+        self.sock.close(linger=500)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m stages.worker",
+        description="One stage replica of a trio-orch pipeline, served over ZeroMQ. Normally started "
+                    "by trio_orch.launcher (open_pipeline), which binds --connect and waits for Ready.",
+    )
+    p.add_argument("--connect", required=True, help="ZMQ address of the orchestrator's socket (DEALER)")
+    p.add_argument("--stage-id", type=int, default=0, help="stage index in the pipeline")
+    p.add_argument("--replica", type=int, default=0, help="replica index within the stage")
+    p.add_argument("--kind", default="echo", choices=MODEL_KINDS, help="model kind (default echo)")
+    p.add_argument("--model-json", default="{}",
+                   help="model options as a JSON object (sizes etc.; see stages/models.py)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+    p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and sampling")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--max-batch", type=int, default=32, help="most requests in one batched step")
+    p.add_argument("--heartbeat-interval", type=float, default=0.5,
+                   help="seconds between heartbeats (0: none; the launcher then cannot see a hang)")
+    p.add_argument("--inbox", default=None,
+                   help="async-chunk: bind a PULL inbox here; inputs then arrive as upstream chunks")
+    p.add_argument("--downstream", action="append", default=[],
+                   help="async-chunk: inbox address of a next-stage replica (repeat, in replica order)")
+    p.add_argument("--control-only", action="store_true",
+                   help="async-chunk, non-final stage: send only the finished control output upstream")
+    f = p.add_argument_group("fault injection (for tests and chaos runs)")
+    f.add_argument("--fail-at-startup", metavar="MSG", default=None,
+                   help="print MSG to stderr and exit with code 3 before the ready handshake")
+    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S",
+                   help="sleep S seconds before the ready handshake")
+    f.add_argument("--step-delay-ms", type=float, default=0.0, metavar="MS",
+                   help="sleep MS milliseconds in every step (a slow stage)")
+    f.add_argument("--garbage-after-steps", type=int, default=0, metavar="N",
+                   help="after step N, send one undecodable message to the orchestrator")
+    f.add_argument("--unknown-rid-after-steps", type=int, default=0, metavar="N",
+                   help="after step N, send an output for a request id nobody submitted")
+    f.add_argument("--crash-after-steps", type=int, default=0, metavar="N",
+                   help="after step N, exit at once (code 17) without the Dying sentinel, like kill -9")
+    f.add_argument("--die-after-steps", type=int, default=0, metavar="N",
+                   help="after step N, fail with a fatal error (sends Dying, exits 1)")
+    f.add_argument("--hang-after-steps", type=int, default=0, metavar="N",
+                   help="after step N, stop responding (no heartbeats) until killed")
+    f.add_argument("--fail-requests-containing", default=None, metavar="STR",
+                   help="refuse (per-request error) every request whose payload repr contains STR")
+    return p
+
+
+def _set_pdeathsig() -> None:
+    """Linux: get SIGTERM when the parent dies, even if it is SIGKILLed (best effort)."""
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    fmt = f"%(asctime)s worker[{args.stage_id}.{args.replica}] %(levelname)s %(message)s"
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=fmt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's job: it stops us
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise _Stop(f"signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, on_term)
+    _set_pdeathsig()
+    if args.fail_at_startup:
+        print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
+        return 3
+    if args.startup_delay:
+        time.sleep(args.startup_delay)
+    ctx = zmq.Context()
+    worker: Worker | None = None
+    reason = "exited"
+    code = 0
+    try:
+        options = json.loads(args.model_json)
+        if args.kind != "echo":
+            import torch
+
+            torch.set_num_threads(max(1, args.threads))
+        model = make_model(args.kind, options, args.device, args.seed)
+        worker = Worker(args, model, ctx)
+        worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, model.info()))
+        reason = worker.serve()
+    except _Stop as stop:
+        reason = stop.reason
+    except Exception as exc:
+        log.exception("fatal error")
+        reason = f"fatal error: {type(exc).__name__}: {exc}"
+        code = 1
+    finally:
+        if worker is not None:
+            try:
+                worker.send(Dying(reason))
+            except Exception:  # pragma: no cover
+                pass
+            worker.close()
+        ctx.term()
+    log.info("exiting: %s", reason)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

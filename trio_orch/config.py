@@ -1,0 +1,170 @@
+"""Pipeline configuration: which stages, their model kind and sizes, replicas, device.
+
+A pipeline is a TOML file (``trio-orch generate --config FILE``)::
+
+    [pipeline]
+    final_stages = [0, 2]     # stages whose outputs reach the user
+    async_chunk = false       # stream chunks worker-to-worker (DESIGN §3)
+    device = "cpu"            # or "cuda"
+    seed = 0
+
+    [[stages]]
+    kind = "thinker"          # echo | thinker | talker | code2wav
+    replicas = 1
+    [stages.model]            # model options (sizes), see stages/models.py
+    max_new_tokens = 48
+
+    [[stages]]
+    kind = "talker"
+    ...
+
+:func:`default_config` is the thinker -> talker -> code2wav pipeline;
+:func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
+No torch import here: the orchestrator side stays light.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["STAGE_KINDS", "PipelineConfig", "StageConfig", "default_config", "echo_config",
+           "from_dict", "load_config"]
+
+STAGE_KINDS = ("echo", "thinker", "talker", "code2wav")
+
+
+@dataclass
+class StageConfig:
+    """One stage: ``kind``, ``replicas`` worker processes, model options.
+
+    ``worker_args`` are extra ``python -m stages.worker`` flags (fault
+    injection: ``["--crash-after-steps", "3"]``); ``replica_args`` maps a
+    replica index to flags for that replica only.
+    """
+
+    kind: str
+    replicas: int = 1
+    model: dict[str, Any] = field(default_factory=dict)
+    max_batch: int = 32
+    threads: int = 1
+    worker_args: list[str] = field(default_factory=list)
+    replica_args: dict[int, list[str]] = field(default_factory=dict)
+    name: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.name or self.kind
+
+
+@dataclass
+class PipelineConfig:
+    """A whole pipeline.  ``heartbeat_timeout``: silence after which a replica is dead;
+    ``startup_timeout``: most seconds a worker may take to become ready;
+    ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers."""
+
+    stages: list[StageConfig]
+    final_stage_ids: list[int] = field(default_factory=lambda: [0])
+    async_chunk: bool = False
+    device: str = "cpu"
+    seed: int = 0
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 5.0
+    startup_timeout: float = 60.0
+    stop_grace: float = 3.0
+
+    def validate(self) -> PipelineConfig:
+        """Raise ValueError naming the problem; return self."""
+        if not self.stages:
+            raise ValueError("pipeline config: at least one stage is needed")
+        n = len(self.stages)
+        for k, st in enumerate(self.stages):
+            if st.kind not in STAGE_KINDS:
+                raise ValueError(f"pipeline config: stage {k} has unknown kind {st.kind!r} "
+                                 f"(expected one of {', '.join(STAGE_KINDS)})")
+            if st.replicas < 1:
+                raise ValueError(f"pipeline config: stage {k} needs replicas >= 1, got {st.replicas}")
+            if st.max_batch < 1:
+                raise ValueError(f"pipeline config: stage {k} needs max_batch >= 1, got {st.max_batch}")
+        if not self.final_stage_ids:
+            raise ValueError("pipeline config: final_stages must name at least one stage")
+        bad = [k for k in self.final_stage_ids if not 0 <= k < n]
+        if bad:
+            raise ValueError(f"pipeline config: final_stages {bad} out of range for {n} stages")
+        if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
+        return self
+
+    def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
+                       device: str | None = None) -> PipelineConfig:
+        """A copy with command-line overrides applied (``replicas`` applies to every stage)."""
+        cfg = replace(self, stages=[replace(s) for s in self.stages])
+        if async_chunk is not None:
+            cfg.async_chunk = async_chunk
+        if replicas is not None:
+            for s in cfg.stages:
+                s.replicas = replicas
+        if device is not None:
+            cfg.device = device
+        return cfg.validate()
+
+
+def default_config(**pipeline: Any) -> PipelineConfig:
+    """thinker -> talker -> code2wav, final-output stages 0 (text) and 2 (audio)."""
+    stages = [StageConfig("thinker"), StageConfig("talker"), StageConfig("code2wav")]
+    return PipelineConfig(stages, final_stage_ids=[0, 2], **pipeline).validate()
+
+
+def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None, replicas: int = 1,
+                outputs: int = 1, worker_args: list[str] | None = None, **pipeline: Any) -> PipelineConfig:
+    """A torch-free pipeline of echo stages (each echoes its input ``outputs`` times)."""
+    stages = [StageConfig("echo", replicas=replicas, model={"outputs": outputs},
+                          worker_args=list(worker_args or [])) for _ in range(num_stages)]
+    finals = final_stage_ids if final_stage_ids is not None else [num_stages - 1]
+    return PipelineConfig(stages, final_stage_ids=list(finals), **pipeline).validate()
+
+
+def from_dict(data: dict[str, Any]) -> PipelineConfig:
+    """Build a config from the parsed TOML layout (see the module docstring)."""
+    pipe = dict(data.get("pipeline", {}))
+    raw_stages = data.get("stages")
+    if not isinstance(raw_stages, list) or not raw_stages:
+        raise ValueError("pipeline config: a [[stages]] table array with at least one stage is needed")
+    stages = []
+    known = set(StageConfig.__dataclass_fields__)
+    for k, raw in enumerate(raw_stages):
+        extra = set(raw) - known
+        if extra:
+            raise ValueError(f"pipeline config: stage {k}: unknown keys {sorted(extra)}")
+        if "kind" not in raw:
+            raise ValueError(f"pipeline config: stage {k} needs a kind")
+        raw = dict(raw)
+        if "replica_args" in raw:
+            raw["replica_args"] = {int(i): list(v) for i, v in raw["replica_args"].items()}
+        stages.append(StageConfig(**raw))
+    if "final_stages" in pipe:
+        pipe["final_stage_ids"] = list(pipe.pop("final_stages"))
+    known_p = set(PipelineConfig.__dataclass_fields__) - {"stages"}
+    extra = set(pipe) - known_p
+    if extra:
+        raise ValueError(f"pipeline config: [pipeline] has unknown keys {sorted(extra)}")
+    if "final_stage_ids" not in pipe:
+        pipe["final_stage_ids"] = [len(stages) - 1]
+    return PipelineConfig(stages, **pipe).validate()
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read a TOML pipeline file; errors name the file."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ValueError(f"cannot read pipeline config {p}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"pipeline config {p} is not valid TOML: {exc}") from None
+    try:
+        return from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{p}: {exc}") from None

@@ -1,0 +1,252 @@
+"""Worker lifecycle under a Trio nursery: start, handshake, watch, stop.
+
+:func:`open_pipeline` starts every replica of every stage as a
+``python -m stages.worker`` process (``trio.lowlevel.open_process``), each
+behind a :class:`~trio_orch.transport.ZmqStageClient` whose socket lives in a
+private temporary directory, and yields a :class:`Pipeline` whose ``stages``
+(one :class:`~trio_orch.pool.ReplicaPool` per stage) plug into
+:class:`~trio_orch.orchestrator.Orchestrator`::
+
+    async with open_pipeline(default_config()) as pipe:
+        async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+            ...
+
+A replica is usable only after its ``Ready`` handshake; a worker that does
+not get there within ``startup_timeout`` (or exits first) raises
+:class:`WorkerStartupError` naming the stage with its stderr tail.  A worker
+that exits, says it is dying or misses heartbeats is a dead replica (its pool
+evicts it; a hung one is also killed).  Whenever the ``async with`` exits --
+normally, by exception, by cancellation or Ctrl-C -- every worker gets
+SIGTERM, then SIGKILL after ``stop_grace``, is reaped, and the temporary
+directory (ipc socket files, stderr logs) is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import trio
+import zmq
+
+from trio_orch.config import PipelineConfig, StageConfig
+from trio_orch.pool import ReplicaPool
+from trio_orch.transport import ReplicaDied, ZmqStageClient
+
+__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "open_pipeline", "prewarm_fn"]
+
+log = logging.getLogger("trio_orch.launcher")
+
+
+class WorkerStartupError(RuntimeError):
+    """A worker did not complete its ready handshake (message names stage and stderr tail)."""
+
+
+@dataclass
+class WorkerHandle:
+    """One worker process and its client."""
+
+    stage_id: int
+    replica: int
+    kind: str
+    client: ZmqStageClient
+    stderr_path: str
+    process: trio.Process | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def stderr_tail(self, lines: int = 20) -> str:
+        try:
+            with open(self.stderr_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return "(no stderr captured)"
+        tail = text.strip().splitlines()[-lines:]
+        return "\n".join(tail) if tail else "(stderr was empty)"
+
+
+def forward_fn_for(kinds: list[str]) -> Callable[[int, Any, list[Any]], Any]:
+    """The normal-mode ``forward_fn``: stage k's outputs -> stage k+1's input, by kind."""
+
+    def forward(k: int, prompt: Any, outputs: list[Any]) -> Any:
+        kind = kinds[k]
+        if kind == "thinker":
+            return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
+        if kind == "talker":
+            return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
+        return outputs[-1] if outputs else None
+
+    return forward
+
+
+def forward_fn(k: int, prompt: Any, outputs: list[Any]) -> Any:
+    """``forward_fn`` of the default thinker -> talker -> code2wav pipeline."""
+    return forward_fn_for(["thinker", "talker", "code2wav"])(k, prompt, outputs)
+
+
+def prewarm_fn(k: int, prompt: Any) -> Any:
+    """Async-chunk placeholder input for stage k >= 1: real input streams from stage k-1."""
+    return {"prewarm": k, "prompt_chars": len(str(prompt))}
+
+
+class Pipeline:
+    """A running pipeline: ``stages`` (one pool per stage) and the orchestrator glue."""
+
+    def __init__(self, config: PipelineConfig, stages: list[ReplicaPool], workers: list[WorkerHandle],
+                 tmpdir: str) -> None:
+        self.config = config
+        self.stages = stages
+        self.workers = workers
+        self.tmpdir = tmpdir
+        self.forward_fn = forward_fn_for([s.kind for s in config.stages])
+        self.prewarm_fn = prewarm_fn
+
+    @property
+    def final_stage_ids(self) -> list[int]:
+        return list(self.config.final_stage_ids)
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.pid for w in self.workers if w.pid is not None]
+
+    def orchestrator_kwargs(self) -> dict[str, Any]:
+        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn`` for Orchestrator."""
+        return {"final_stage_ids": self.final_stage_ids, "async_chunk": self.config.async_chunk,
+                "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn}
+
+    def worker(self, stage_id: int, replica: int = 0) -> WorkerHandle:
+        for w in self.workers:
+            if (w.stage_id, w.replica) == (stage_id, replica):
+                return w
+        raise KeyError((stage_id, replica))
+
+
+def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str) -> list[str]:
+    argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
+            "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
+            "--device", cfg.device, "--seed", str(cfg.seed + 1000 * k + r), "--threads", str(st.threads),
+            "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval)]
+    if cfg.async_chunk:
+        if k > 0:
+            argv += ["--inbox", _inbox(tmpdir, k, r)]
+        if k + 1 < len(cfg.stages):
+            for r2 in range(cfg.stages[k + 1].replicas):
+                argv += ["--downstream", _inbox(tmpdir, k + 1, r2)]
+        if k not in cfg.final_stage_ids:
+            argv.append("--control-only")
+    return argv + list(st.worker_args) + list(st.replica_args.get(r, []))
+
+
+def _inbox(tmpdir: str, k: int, r: int) -> str:
+    return f"ipc://{tmpdir}/in-s{k}r{r}"
+
+
+async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
+                      task_status: trio.TaskStatus[WorkerHandle] = trio.TASK_STATUS_IGNORED) -> None:
+    """Start one worker, wait for Ready, watch it; always stop and reap it on the way out."""
+    label = f"stage {h.stage_id} ({h.kind}) replica {h.replica}"
+    with open(h.stderr_path, "wb") as errf:
+        h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
+                                                     stderr=errf)
+    proc = h.process
+    try:
+        async with trio.open_nursery() as nursery:
+            async def watch_exit() -> None:
+                code = await proc.wait()
+                h.client.mark_dead(f"worker process {proc.pid} exited with code {code}; "
+                                   f"stderr tail:\n{h.stderr_tail(8)}")
+
+            nursery.start_soon(watch_exit)
+            try:
+                with trio.fail_after(cfg.startup_timeout):
+                    await h.client.wait_ready()
+            except (trio.TooSlowError, ReplicaDied) as exc:
+                why = (f"not ready after {cfg.startup_timeout:g}s" if isinstance(exc, trio.TooSlowError)
+                       else f"exited before it was ready (code {proc.returncode})")
+                raise WorkerStartupError(f"{label} failed to start: {why}\n--- worker stderr (tail) ---\n"
+                                         f"{h.stderr_tail()}") from None
+            log.info("%s ready (pid %d)", label, proc.pid)
+            task_status.started(h)
+            await h.client.dead_event.wait()  # exit, Dying sentinel or missed heartbeats
+            log.warning("%s is dead: %s", label, h.client.dead_reason)
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await _stop(proc, cfg.stop_grace, label)
+
+
+async def _stop(proc: trio.Process, grace: float, label: str) -> None:
+    """SIGTERM, wait ``grace`` seconds, SIGKILL; always reap."""
+    if proc.returncode is None:
+        with _suppress_lookup():
+            proc.send_signal(signal.SIGTERM)
+        with trio.move_on_after(grace):
+            await proc.wait()
+    if proc.returncode is None:
+        log.warning("%s did not exit %.1fs after SIGTERM: SIGKILL", label, grace)
+        with _suppress_lookup():
+            proc.kill()
+        await proc.wait()
+
+
+class _suppress_lookup:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+        return et is not None and issubclass(et, ProcessLookupError)
+
+
+@asynccontextmanager
+async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
+    """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all."""
+    config.validate()
+    tmpdir = tempfile.mkdtemp(prefix="trio-orch-")
+    ctx = zmq.Context()
+    pools: list[ReplicaPool] = []
+    workers: list[WorkerHandle] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            plans = []
+            for k, st in enumerate(config.stages):
+                pool = ReplicaPool(k, name=f"stage {k} ({st.label})")
+                pools.append(pool)
+                for r in range(st.replicas):
+                    addr = f"ipc://{tmpdir}/ctl-s{k}r{r}"
+                    client = ZmqStageClient(ctx, addr, stage_id=k, replica=r, sink=pool.sink,
+                                            heartbeat_timeout=config.heartbeat_timeout
+                                            if config.heartbeat_interval > 0 else None,
+                                            name=f"stage {k} ({st.label}) replica {r}")
+                    pool.add_replica(client)
+                    await nursery.start(client.run)
+                    h = WorkerHandle(k, r, st.kind, client, os.path.join(tmpdir, f"s{k}r{r}.stderr"))
+                    workers.append(h)
+                    plans.append((h, _worker_argv(config, k, r, st, addr, tmpdir)))
+            if config.async_chunk:
+                for k in range(len(pools) - 1):
+                    pools[k].downstream = pools[k + 1]
+            async with trio.open_nursery() as starters:  # start all workers at once
+                for h, argv in plans:
+                    starters.start_soon(nursery.start, _run_worker, h, argv, config)
+            try:
+                yield Pipeline(config, pools, workers, tmpdir)
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(tmpdir, ignore_errors=True)

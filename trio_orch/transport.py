@@ -1,0 +1,323 @@
+"""The Trio ZMQ stage client: one worker replica behind the stage-client protocol.
+
+One *owner task* (:meth:`ZmqStageClient.run`) does every operation on the
+socket.  Other tasks talk to it through a queue (``submit``/``abort``/``rpc``
+append and wake it) and a memory channel (``receive``).  The owner waits with
+``trio.lowlevel.wait_readable`` on the socket's ``ZMQ_FD`` and, after EVERY
+wakeup and after every send, drains the socket to ``EAGAIN``: the ZMQ fd is
+edge-triggered, so a message left behind would never wake us again (a hang).
+``aclose`` from another task uses ``trio.lowlevel.notify_closing``; the
+socket itself is always closed by the owner.
+
+An undecodable message is logged, counted in ``garbage_frames`` and dropped;
+the socket keeps working.  The replica is declared dead (``receive`` raises
+:class:`ReplicaDied` once the outputs received before were delivered) when it
+sends the ``Dying`` sentinel, misses heartbeats for ``heartbeat_timeout``
+seconds, or when the launcher calls :meth:`mark_dead` (process exit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import os
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import trio
+import zmq
+
+from trio_orch.types import StageOutput, StageUnavailable
+from trio_orch.wire import (
+    Abort,
+    Dying,
+    Heartbeat,
+    InboundMsg,
+    OutboundMsg,
+    Outputs,
+    Ready,
+    RequestError,
+    Rpc,
+    RpcReply,
+    Shutdown,
+    Submit,
+    WireCodec,
+    WireError,
+)
+
+__all__ = ["ReplicaDied", "ZmqStageClient"]
+
+log = logging.getLogger("trio_orch.transport")
+
+#: what a sink gets: a batch of outputs, or the replica's death
+Event = list[StageOutput] | BaseException
+Sink = Callable[["ZmqStageClient", Event], None]
+
+
+class ReplicaDied(RuntimeError):
+    """The worker replica behind a client is gone (exit, dying sentinel, silence)."""
+
+
+class ZmqStageClient:
+    """A :class:`~trio_orch.types.StageClient` for one worker replica.
+
+    The client BINDS ``address`` (the worker connects), so the launcher can
+    start the worker after the socket exists.  Start :meth:`run` in a nursery
+    (``await nursery.start(client.run)``) before using it.  ``sink``, if
+    given, receives every event instead of the client's own channel (a
+    :class:`~trio_orch.pool.ReplicaPool` merges its replicas this way).
+    """
+
+    def __init__(self, ctx: zmq.Context, address: str, *, stage_id: int = 0, replica: int = 0,
+                 heartbeat_timeout: float | None = None, sink: Sink | None = None,
+                 name: str | None = None) -> None:
+        self.stage_id = stage_id
+        self.replica = replica
+        self.name = name or f"stage{stage_id}.r{replica}"
+        self.address = address
+        self.heartbeat_timeout = heartbeat_timeout
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.bind(address)
+        self.in_codec = WireCodec(OutboundMsg)
+        self.out_codec = WireCodec(InboundMsg)
+        self.ready: Ready | None = None
+        self.ready_event = trio.Event()
+        self.dead_reason: str | None = None
+        self.dead_event = trio.Event()
+        self.closed = False
+        self.garbage_frames = 0
+        self.messages_in = 0
+        self.messages_out = 0
+        self.last_heard = trio.current_time()
+        self._outq: deque[list[Any]] = deque()
+        self._send, self._recv = trio.open_memory_channel[list[StageOutput]](math.inf)
+        self._sink: Sink = sink or self._to_channel
+        self._wake: trio.CancelScope | None = None
+        self._waiting_fd = False
+        self._owner_running = False
+        self._owner_done = trio.Event()
+        self._calls: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
+        self._call_ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        state = "dead" if self.dead_reason else "ready" if self.ready else "starting"
+        return f"<ZmqStageClient {self.name} {self.address} {state}>"
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and not self.closed
+
+    # ------------------------------------------------------------------ stage-client protocol
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
+        """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed."""
+        self._check_alive()
+        self._queue(Submit(request_id, payload, downstream))
+        await trio.lowlevel.checkpoint()
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.alive:
+            self._queue(Abort(list(request_ids)))
+        await trio.lowlevel.checkpoint()
+
+    async def receive(self) -> list[StageOutput]:
+        """Wait for at least one output; raise :class:`ReplicaDied` once dead and drained."""
+        try:
+            batch = await self._recv.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise ReplicaDied(f"{self.name}: {self.dead_reason or 'closed'}") from None
+        while True:
+            try:
+                batch.extend(self._recv.receive_nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return batch
+
+    async def aclose(self) -> None:
+        """Close the socket (via the owner if it runs); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._owner_running:
+            self._poke()
+            await self._owner_done.wait()
+        else:
+            self._close_socket()
+        self._send.close()
+
+    # ------------------------------------------------------------------ extras
+    async def wait_ready(self) -> Ready:
+        """Wait for the worker's ``Ready`` handshake; raise ReplicaDied if it dies first."""
+        async with trio.open_nursery() as nursery:
+            async def watch_death() -> None:
+                await self.dead_event.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watch_death)
+            await self.ready_event.wait()
+            nursery.cancel_scope.cancel()
+        if self.ready is None:
+            raise ReplicaDied(f"{self.name} died before it was ready: {self.dead_reason}")
+        return self.ready
+
+    async def rpc(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
+        """Call ``health`` or ``stats`` on the worker; raises TimeoutError / ReplicaDied."""
+        self._check_alive()
+        call_id = next(self._call_ids)
+        done = trio.Event()
+        slot: list[dict[str, Any]] = []
+        self._calls[call_id] = (done, slot)
+        try:
+            self._queue(Rpc(call_id, method))
+            with trio.fail_after(timeout):
+                await done.wait()
+        finally:
+            self._calls.pop(call_id, None)
+        if not slot:
+            raise ReplicaDied(f"{self.name}: {self.dead_reason}")
+        return slot[0]
+
+    def request_shutdown(self, reason: str = "") -> None:
+        """Ask the worker to exit (best effort; the launcher enforces it)."""
+        if self.alive:
+            self._queue(Shutdown(reason))
+
+    def mark_dead(self, reason: str) -> None:
+        """Declare the replica dead (idempotent); wakes receivers and waiters."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        self.dead_event.set()
+        for done, _ in self._calls.values():
+            done.set()
+        self._sink(self, ReplicaDied(f"{self.name} died: {reason}"))
+
+    # ------------------------------------------------------------------ the owner task
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Own the socket until closed or cancelled; closes it on the way out."""
+        if self._owner_running or self.closed:
+            raise RuntimeError(f"{self.name}: run() may be started once, before aclose()")
+        self._owner_running = True
+        fd = self.sock.getsockopt(zmq.FD)
+        self.last_heard = trio.current_time()
+        task_status.started()
+        try:
+            while not self.closed:
+                self._flush()
+                self._drain()
+                if self.closed:
+                    break
+                if self._outq and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    continue  # room again: send the rest before waiting
+                deadline = math.inf
+                if self.heartbeat_timeout and self.ready is not None and self.dead_reason is None:
+                    deadline = self.last_heard + self.heartbeat_timeout
+                self._wake = trio.CancelScope(deadline=deadline)
+                with self._wake:
+                    self._waiting_fd = True
+                    try:
+                        await trio.lowlevel.wait_readable(fd)
+                    except trio.ClosedResourceError:
+                        break  # aclose() from another task used notify_closing
+                    finally:
+                        self._waiting_fd = False
+                self._wake = None
+                if trio.current_time() >= deadline and self.dead_reason is None:
+                    self._drain()  # a message may have arrived at the last moment
+                    if trio.current_time() >= self.last_heard + (self.heartbeat_timeout or math.inf):
+                        self.mark_dead(f"no message for {self.heartbeat_timeout:.1f}s (missed heartbeats)")
+        finally:
+            self.closed = True
+            try:
+                self._flush()
+            except Exception:  # pragma: no cover - best effort on the way out
+                pass
+            self._close_socket()
+            self._send.close()
+            self._owner_done.set()
+
+    def _close_socket(self) -> None:
+        self.sock.close(linger=0)
+        if self.address.startswith("ipc://"):  # libzmq may leave the file behind
+            with contextlib.suppress(OSError):
+                os.unlink(self.address[len("ipc://"):])
+
+    def _poke(self) -> None:
+        """Wake the owner out of its fd wait (new work queued, or closing)."""
+        if self._waiting_fd:
+            if self.closed:
+                trio.lowlevel.notify_closing(self.sock.getsockopt(zmq.FD))
+            elif self._wake is not None:
+                self._wake.cancel()
+
+    def _queue(self, msg: Any) -> None:
+        self._outq.append(self.out_codec.encode(msg))
+        self._poke()
+
+    def _check_alive(self) -> None:
+        if self.closed:
+            raise StageUnavailable(f"{self.name} is closed")
+        if self.dead_reason is not None:
+            raise StageUnavailable(f"{self.name} is dead: {self.dead_reason}")
+
+    def _flush(self) -> None:
+        q = self._outq
+        while q:
+            try:
+                self.sock.send_multipart(q[0], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return  # high-water mark: the owner waits for POLLOUT
+            q.popleft()
+            self.messages_out += 1
+
+    def _drain(self) -> None:
+        """Receive until EAGAIN; hand outputs to the sink in one batch."""
+        batch: list[StageOutput] = []
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self.messages_in += 1
+            self.last_heard = trio.current_time()
+            try:
+                msg = self.in_codec.decode(frames)
+            except WireError as exc:
+                self.garbage_frames += 1
+                log.error("%s: dropped a garbage message from the worker: %s", self.name, exc)
+                continue
+            t = type(msg)
+            if t is Outputs:
+                for it in msg.items:
+                    batch.append(StageOutput(it.request_id, it.data, it.finished, it.error,
+                                             t_produced=it.t_produced))
+            elif t is Heartbeat:
+                pass
+            elif t is RequestError:
+                batch.append(StageOutput(msg.request_id, None, True, msg.message))
+            elif t is Ready:
+                self.ready = msg
+                self.ready_event.set()
+            elif t is RpcReply:
+                call = self._calls.get(msg.call_id)
+                if call is not None:
+                    call[1].append(msg.result)
+                    call[0].set()
+            elif t is Dying:
+                if batch:
+                    self._sink(self, batch)
+                    batch = []
+                self.mark_dead(f"worker is dying: {msg.reason}")
+        if batch:
+            self._sink(self, batch)
+
+    def _to_channel(self, client: ZmqStageClient, event: Event) -> None:
+        if isinstance(event, BaseException):
+            self._send.close()  # receive() raises ReplicaDied after the buffered outputs
+            return
+        try:
+            self._send.send_nowait(event)
+        except trio.ClosedResourceError:
+            pass  # dead or closed: late outputs are dropped

@@ -1,0 +1,212 @@
+"""The ZMQ wire protocol between the orchestrator and stage workers.
+
+A message is one ZMQ multipart message: frame 0 is the msgpack encoding of a
+tagged :mod:`msgspec` struct (the header); frames 1..n are raw array buffers.
+Any numpy array (or object with ``__array__``, e.g. a CPU torch tensor)
+inside a payload is replaced in the header by an msgpack extension
+(code :data:`ARRAY_EXT`) holding ``(frame_index, dtype, shape)``; its bytes
+travel as their own frame, sent with ``copy=False`` and decoded with
+``np.frombuffer`` (zero-copy, read-only).  Nothing is ever pickled.
+
+This module must not import torch: the orchestrator routes tensors as
+buffers.  See ``docs/wire-protocol.md`` for the one-page description.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+
+__all__ = [
+    "ARRAY_EXT",
+    "Abort",
+    "Chunk",
+    "Dying",
+    "Heartbeat",
+    "InboundMsg",
+    "OutItem",
+    "OutboundMsg",
+    "Outputs",
+    "Ready",
+    "RequestError",
+    "Rpc",
+    "RpcReply",
+    "Shutdown",
+    "Submit",
+    "WireCodec",
+    "WireError",
+]
+
+#: msgpack extension code marking an array stored in a separate frame.
+ARRAY_EXT = 1
+
+
+class WireError(ValueError):
+    """A multipart message that does not decode to a known message."""
+
+
+# --------------------------------------------------------------------- inbound (orchestrator -> worker)
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    """Start ``request_id`` with ``payload``; ``downstream`` = replica index of the
+    next stage that receives this request's chunks (async-chunk), or -1."""
+
+    request_id: str
+    payload: Any
+    downstream: int = -1
+
+
+class Abort(msgspec.Struct, tag="abort", array_like=True):
+    """Stop these requests at the next step; no further output is sent for them."""
+
+    request_ids: list[str]
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    """Stop the worker: send ``Dying`` and exit."""
+
+    reason: str = ""
+
+
+class Rpc(msgspec.Struct, tag="rpc", array_like=True):
+    """A small request/reply call: ``method`` is ``"health"`` or ``"stats"``."""
+
+    call_id: int
+    method: str
+
+
+InboundMsg = Submit | Abort | Shutdown | Rpc
+
+
+# --------------------------------------------------------------------- outbound (worker -> orchestrator)
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The handshake: the worker loaded its model and serves."""
+
+    stage_id: int
+    replica: int
+    pid: int
+    kind: str
+    info: dict[str, Any] = {}
+
+
+class OutItem(msgspec.Struct, array_like=True):
+    """One output of one request (``error`` set: the request failed)."""
+
+    request_id: str
+    data: Any
+    finished: bool = False
+    error: str | None = None
+    t_produced: float = 0.0
+
+
+class Outputs(msgspec.Struct, tag="outputs", array_like=True):
+    """Everything one batched step produced, in one message."""
+
+    items: list[OutItem]
+
+
+class RequestError(msgspec.Struct, tag="error", array_like=True):
+    """A request failed outside a step (e.g. a bad payload at admission)."""
+
+    request_id: str
+    message: str
+
+
+class Heartbeat(msgspec.Struct, tag="hb", array_like=True):
+    """Liveness: sent every heartbeat interval, even while idle."""
+
+    t: float
+    active: int
+
+
+class Dying(msgspec.Struct, tag="dying", array_like=True):
+    """The sentinel: the worker is about to exit (``reason`` says why)."""
+
+    reason: str
+
+
+class RpcReply(msgspec.Struct, tag="rpc_reply", array_like=True):
+    call_id: int
+    result: dict[str, Any]
+
+
+OutboundMsg = Ready | Outputs | RequestError | Heartbeat | Dying | RpcReply
+
+
+# ------------------------------------------------- worker -> worker (async-chunk connector)
+class Chunk(msgspec.Struct, tag="chunk", array_like=True):
+    """A piece of stage k's output streamed straight to stage k+1 (``end``: last one)."""
+
+    request_id: str
+    data: Any
+    end: bool = False
+
+
+class WireCodec:
+    """Encode/decode one direction's messages to/from multipart frames.
+
+    ``WireCodec(InboundMsg)`` decodes what a worker receives, etc.  Not
+    re-entrant (encode/decode are synchronous, so one per socket is enough).
+    """
+
+    def __init__(self, decode_type: Any) -> None:
+        self._bufs: list[Any] = []
+        self._frames: list[Any] = []
+        self._enc = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        self._dec = msgspec.msgpack.Decoder(decode_type, ext_hook=self._ext_hook)
+
+    # ------------------------------------------------------------ encode
+    def encode(self, msg: msgspec.Struct) -> list[Any]:
+        """``[header, *buffers]``, ready for ``send_multipart(..., copy=False)``."""
+        self._bufs = bufs = []
+        try:
+            header = self._enc.encode(msg)
+        finally:
+            self._bufs = []
+        return [header, *bufs]
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if not isinstance(obj, np.ndarray):
+            if not hasattr(obj, "__array__"):
+                raise TypeError(f"cannot send {type(obj).__name__} over the wire")
+            obj = np.asarray(obj)
+        if obj.dtype.hasobject:
+            raise TypeError("cannot send an object array over the wire")
+        arr = np.ascontiguousarray(obj)
+        self._bufs.append(arr.data if arr.size else b"")
+        meta = msgspec.msgpack.encode((len(self._bufs), arr.dtype.str, list(arr.shape)))
+        return msgspec.msgpack.Ext(ARRAY_EXT, meta)
+
+    # ------------------------------------------------------------ decode
+    def decode(self, frames: list[Any]) -> Any:
+        """Decode ``frames`` (bytes or zmq Frames); raise :class:`WireError` if garbage."""
+        if not frames:
+            raise WireError("empty multipart message")
+        self._frames = frames
+        try:
+            head = frames[0]
+            return self._dec.decode(getattr(head, "buffer", head))
+        except WireError:
+            raise
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError, IndexError) as exc:
+            raise WireError(f"undecodable message ({len(frames)} frames): {exc}") from None
+        finally:
+            self._frames = []
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code != ARRAY_EXT:
+            raise WireError(f"unknown msgpack extension code {code}")
+        idx, dtype, shape = msgspec.msgpack.decode(data)
+        if not 1 <= idx < len(self._frames):
+            raise WireError(f"array refers to frame {idx} but the message has {len(self._frames)} frames")
+        frame = self._frames[idx]
+        buf = getattr(frame, "buffer", frame)
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise WireError("object arrays are refused")
+        arr = np.frombuffer(buf, dtype=dt) if len(buf) else np.empty(0, dtype=dt)
+        try:
+            return arr.reshape(shape)
+        except ValueError:
+            raise WireError(f"array frame {idx}: {len(buf)} bytes do not fit shape {shape} {dtype}") from None
