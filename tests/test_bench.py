@@ -1,0 +1,53 @@
+"""The benchmark runs and reports every field; no timing is asserted (timings live in bench/)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from bench import report
+from bench.benchmark import IMPLEMENTATIONS, run_benchmark
+from trio_orch.cli import main
+
+LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
+
+
+def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
+    impls = list(IMPLEMENTATIONS)
+    results, raw = run_benchmark(["a_seq", "c_chain", "b_64_unbatched", "idle"], impls, rounds=1, quick=True)
+    wl = results["workloads"]
+    for impl in impls:
+        for name in ("a_seq", "c_chain", "b_64_unbatched"):
+            res = wl[name][impl]
+            assert set(res["latency"]) == LATENCY_FIELDS and res["latency"]["n"] > 0
+            assert res["throughput_per_s"] > 0 and res["cpu_us_per_output"] >= 0
+            assert res["shutdown_ms"]["median"] >= 0
+        assert wl["a_seq"][impl]["latency"]["n"] == 300  # every output was received once
+        assert wl["b_64_unbatched"][impl]["outputs"] == 64 * 20
+        chain = wl["c_chain"][impl]
+        for key, n in (("admission", 50), ("forward_0_1", 50), ("forward_1_2", 50), ("forward", 100)):
+            assert set(chain[key]) == LATENCY_FIELDS and chain[key]["n"] == n
+        assert not math.isnan(wl["idle"][impl]["idle_cpu_pct"])
+        assert len(raw[impl]) == 300
+    # ratios are computed from the numbers in the same run
+    rows = report.table_rows(results)
+    trio_row = next(r for r in rows if r[:2] == ["a_seq", "trio"])
+    assert trio_row[-3:] == ["1.00", "1.00", "1.00"]
+    names = {t["target"] for t in results["targets"]}
+    assert any(n.startswith("a_seq p50") for n in names) and any(n.startswith("idle") for n in names)
+
+
+def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "out"
+    rc = main(["bench", "--quick", "--workloads", "a_seq,b_64_batched", "--impls", "trio,floor",
+               "--out", str(out), "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "a_seq" in text and "Targets" in text
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data["workloads"]) == {"a_seq", "b_64_batched"}
+    assert set(data["workloads"]["a_seq"]) == {"trio", "floor"}
+    assert "| a_seq | trio |" in (out / "results.md").read_text()
+    for png in ("a_seq_latency_cdf.png", "throughput_vs_concurrency.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
