@@ -13,7 +13,6 @@ accepted request its terminal, stops the stages and closes the output channel.
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 
 import trio
 
+from trio_orch.deadlines import DeadlineKeeper
 from trio_orch.router import Abort, Action, Emit, Router, Submit
 from trio_orch.types import OrchError, OrchOutput, StageClient
 
@@ -116,10 +116,7 @@ class Orchestrator:
         self._drained = trio.Event()
         self._stopped = trio.Event()
         self.stage_deaths: dict[int, str] = {}
-        # per-request deadlines: rid -> deadline, plus a heap the deadline keeper sleeps on
-        self._deadlines: dict[str, float] = {}
-        self._deadline_heap: list[tuple[float, str]] = []
-        self._keeper_scope: trio.CancelScope | None = None
+        self._deadlines = DeadlineKeeper()
 
     # ------------------------------------------------------------------ public API
     @property
@@ -247,7 +244,7 @@ class Orchestrator:
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
                 nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
-                nursery.start_soon(self._deadline_keeper, name="trio_orch.deadline_keeper")
+                nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
                 task_status.started(self)
                 await self._stop_requested.wait()
                 self._state = "stopping"
@@ -324,19 +321,6 @@ class Orchestrator:
                 if adm.done is not None:
                     adm.done.set()
 
-    async def _deadline_keeper(self) -> None:
-        """Sleep until the earliest request deadline; expire what is due."""
-        heap = self._deadline_heap
-        while True:
-            with trio.CancelScope(deadline=heap[0][0] if heap else math.inf) as scope:
-                self._keeper_scope = scope
-                await trio.sleep_forever()
-            now = trio.current_time()
-            while heap and heap[0][0] <= now:
-                deadline, rid = heapq.heappop(heap)
-                if self._deadlines.get(rid) == deadline:
-                    self._expire(rid)
-
     def _expire(self, request_id: str) -> None:
         limit = "its deadline"
         adm = self._queued.pop(request_id, None)
@@ -361,17 +345,12 @@ class Orchestrator:
         self._live.add(request_id)
         self._queued[request_id] = adm
         if timeout is not None:
-            deadline = trio.current_time() + timeout
-            self._deadlines[request_id] = deadline
-            heapq.heappush(self._deadline_heap, (deadline, request_id))
-            scope = self._keeper_scope
-            if scope is not None and deadline < scope.deadline:
-                scope.deadline = deadline
+            self._deadlines.set(request_id, timeout)
         return adm
 
     def _unadmit(self, adm: _Admission) -> None:
         self._live.discard(adm.request_id)
-        self._deadlines.pop(adm.request_id, None)
+        self._deadlines.discard(adm.request_id)
         if self._queued.get(adm.request_id) is adm:
             del self._queued[adm.request_id]
 
@@ -408,7 +387,7 @@ class Orchestrator:
             if m.finished:
                 live.discard(m.request_id)
                 if deadlines:
-                    deadlines.pop(m.request_id, None)
+                    deadlines.discard(m.request_id)
         self._sink(msgs)
         if not live and self._stop_requested.is_set():
             self._drained.set()
