@@ -9,6 +9,23 @@ and every state change happens synchronously inside the call, before any I/O
 the asyncio references in ``bench/`` -- drives the same semantics and a
 comparison between shells measures the shell alone.
 
+Where each rule of DESIGN §3 lives:
+
+=============================  ==============================================
+Add (register, then submit)    :meth:`Router.add`
+Output, terminal gate          :meth:`Router.route` (``pending_final``)
+Forward on finish              :meth:`Router._forward` (called by ``route``)
+Drop-and-count                 :meth:`Router.route` (``dropped_outputs``)
+Abort / deadline               :meth:`Router.abort` / :meth:`Router.expire`
+Stage error output             :meth:`Router.route` (``out.error``)
+Replica death                  :meth:`Router.stage_died`, or per request via
+                               ``StageOutput(error_kind="replica_died")``
+Stage with no live replica     :meth:`Router.submit_failed`, ``available``
+Shutdown terminals             :meth:`Router.shutdown`
+Exactly one terminal, last     :meth:`Router._terminate` / ``_complete``
+                               (the only places state is deleted)
+=============================  ==============================================
+
 This module must never import trio or asyncio.
 """
 
