@@ -69,6 +69,9 @@ class StageModel:
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
         raise NotImplementedError
 
+    def warmup(self) -> None:
+        """Called once before the ready handshake (torch models run a dummy step)."""
+
     def release(self, req: ReqState) -> None:
         """The request left the batch (finished, aborted or failed)."""
 

@@ -106,7 +106,8 @@ class ChunkOutbox:
         self.socks = []
         for addr in addresses:
             s = ctx.socket(zmq.PUSH)
-            s.linger = 1000
+            s.linger = 200
+            s.setsockopt(zmq.RECONNECT_IVL, 10)  # the inbox may bind after we connect: retry fast
             s.connect(addr)
             self.socks.append(s)
         self.sent = 0
@@ -119,4 +120,4 @@ class ChunkOutbox:
 
     def close(self) -> None:
         for s in self.socks:
-            s.close(linger=200)
+            s.close(linger=100)

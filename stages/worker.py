@@ -52,14 +52,14 @@ log = logging.getLogger("stages.worker")
 MODEL_KINDS = ("echo", "thinker", "talker", "code2wav")
 
 
-def make_model(kind: str, options: dict[str, Any], device: str, seed: int) -> StageModel:
+def make_model(kind: str, options: dict[str, Any], device: str, seed: int, slots: int = 32) -> StageModel:
     """Build the model of a stage kind (torch is imported only for torch kinds)."""
     if kind == "echo":
         return EchoModel(**options)
     if kind in ("thinker", "talker", "code2wav"):
         from stages import models  # torch
 
-        return models.build(kind, options, device=device, seed=seed)
+        return models.build(kind, options, device=device, seed=seed, slots=slots)
     raise ValueError(f"unknown model kind {kind!r} (expected one of {', '.join(MODEL_KINDS)})")
 
 
@@ -77,7 +77,7 @@ class Worker:
         self.model = model
         self.ctx = ctx
         self.sock = ctx.socket(zmq.DEALER)
-        self.sock.linger = 500
+        self.sock.linger = 200
         self.sock.connect(args.connect)
         self.in_codec = WireCodec(InboundMsg)
         self.out_codec = WireCodec(OutboundMsg)
@@ -275,7 +275,7 @@ class Worker:
             self.inbox.close()
         if self.outbox is not None:
             self.outbox.close()
-        self.sock.close(linger=500)
+        self.sock.close(linger=200)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -344,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's job: it stops us
 
     def on_term(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
         raise _Stop(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_term)
@@ -363,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(max(1, args.threads))
-        model = make_model(args.kind, options, args.device, args.seed)
+        model = make_model(args.kind, options, args.device, args.seed, args.max_batch)
+        model.warmup()
         worker = Worker(args, model, ctx)
         worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, model.info()))
         reason = worker.serve()
@@ -386,4 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)  # skip interpreter teardown (a second with torch loaded): sockets are closed

@@ -63,6 +63,7 @@ class WorkerHandle:
     client: ZmqStageClient
     stderr_path: str
     process: trio.Process | None = None
+    stopping: bool = False  # set when the pipeline stops it on purpose (no warning then)
 
     @property
     def pid(self) -> int | None:
@@ -183,15 +184,23 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
             log.info("%s ready (pid %d)", label, proc.pid)
             task_status.started(h)
             await h.client.dead_event.wait()  # exit, Dying sentinel or missed heartbeats
-            log.warning("%s is dead: %s", label, h.client.dead_reason)
+            log.log(logging.INFO if h.stopping else logging.WARNING, "%s is dead: %s", label,
+                    h.client.dead_reason)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
-            await _stop(proc, cfg.stop_grace, label)
+            dying = (h.client.dead_reason or "").startswith("worker is dying")
+            await _stop(proc, cfg.stop_grace, label, exiting=dying)
 
 
-async def _stop(proc: trio.Process, grace: float, label: str) -> None:
-    """SIGTERM, wait ``grace`` seconds, SIGKILL; always reap."""
+async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool = False) -> None:
+    """SIGTERM, wait ``grace`` seconds, SIGKILL; always reap.
+
+    ``exiting``: the worker already said it is dying; give it ``grace`` first.
+    """
+    if exiting and proc.returncode is None:
+        with trio.move_on_after(grace):
+            await proc.wait()
     if proc.returncode is None:
         with _suppress_lookup():
             proc.send_signal(signal.SIGTERM)
@@ -246,6 +255,14 @@ async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
             try:
                 yield Pipeline(config, pools, workers, tmpdir)
             finally:
+                for h in workers:
+                    h.stopping = True
+                with trio.CancelScope(shield=True):  # stop workers while their sockets still listen
+                    async with trio.open_nursery() as stoppers:
+                        for h in workers:
+                            if h.process is not None:
+                                stoppers.start_soon(_stop, h.process, config.stop_grace,
+                                                    f"stage {h.stage_id} replica {h.replica}")
                 nursery.cancel_scope.cancel()
     finally:
         ctx.destroy(linger=0)

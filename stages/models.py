@@ -1,0 +1,409 @@
+"""Torch stage models with seeded dummy weights (nothing is downloaded).
+
+- ``thinker``: a small decoder-only transformer over a byte vocabulary with a
+  KV cache; batched sampled (or greedy, ``temperature=0``) decoding, one token
+  per request per step; sampling is restricted to printable ASCII (with a
+  letter-frequency bias) so its text decodes and reads like words.
+- ``talker``: a causal transformer that turns thinker tokens into
+  ``frames_per_token`` frames of ``codebooks`` speech codes each, emitted in
+  chunks of ``chunk_frames`` frames.
+- ``code2wav``: a vocoder: summed code embeddings through a conv upsampler
+  (``hop`` samples per frame) to float32 PCM at 24 kHz, ``chunk_frames`` frames
+  per step.
+
+Every model batches: one :meth:`step` runs one forward pass over every
+runnable request.  Arrays handed back are numpy (CPU), so the wire never
+sees a torch tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stages.base import ReqState, StageModel, StepResult
+
+__all__ = ["Code2Wav", "Talker", "Thinker", "TinyDecoder", "build"]
+
+SAMPLE_RATE = 24000
+EOS = 256  # thinker vocabulary: 256 bytes + EOS
+_FREQ = {" ": 13.0, "e": 10.2, "t": 7.5, "a": 6.5, "o": 6.2, "i": 5.7, "n": 5.7, "s": 5.3, "h": 4.9,
+         "r": 5.0, "d": 3.4, "l": 3.3, "u": 2.3, "c": 2.2, "m": 2.0, "w": 1.9, "f": 1.8, "g": 1.6,
+         "y": 1.6, "p": 1.5, "b": 1.2, ",": 1.0, ".": 1.0, "v": 0.8, "k": 0.6}
+
+
+class TinyDecoder(nn.Module):
+    """Pre-norm causal transformer with a slot-based KV cache.
+
+    The cache holds ``slots`` sequences of up to ``max_len`` positions; a
+    request owns one slot for its life.  :meth:`step` advances a batch of
+    slots by one position each (different lengths are masked).
+    """
+
+    def __init__(self, d_model: int, layers: int, heads: int, max_len: int, slots: int) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
+        self.h, self.dh, self.max_len = heads, d_model // heads, max_len
+        self.pos = nn.Embedding(max_len, d_model)
+        self.ln1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        self.qkv = nn.ModuleList(nn.Linear(d_model, 3 * d_model) for _ in range(layers))
+        self.proj = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(layers))
+        self.ln2 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
+        self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
+                                               nn.Linear(4 * d_model, d_model)) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d_model)
+        shape = (layers, slots, heads, max_len, self.dh)
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, d] at positions ``pos`` [B] of ``slots`` [B] -> hidden [B, d]."""
+        B = x.shape[0]
+        x = x + self.pos(pos)
+        L = int(pos.max()) + 1
+        mask = (torch.arange(L, device=x.device)[None, :] <= pos[:, None])[:, None, None, :]
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](self.ln1[i](x)).view(B, 3, self.h, self.dh).unbind(1)
+            self.k_cache[i, slots, :, pos] = k
+            self.v_cache[i, slots, :, pos] = v
+            K = self.k_cache[i, slots, :, :L]
+            V = self.v_cache[i, slots, :, :L]
+            a = F.scaled_dot_product_attention(q[:, :, None], K, V, attn_mask=mask)
+            x = x + self.proj[i](a.reshape(B, -1))
+            x = x + self.mlp[i](self.ln2[i](x))
+        return self.ln_f(x)
+
+    def prefill(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """Fill one slot with a whole prompt ``x`` [T, d]; return the last hidden state [d]."""
+        T = x.shape[0]
+        x = x + self.pos(torch.arange(T, device=x.device))
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](self.ln1[i](x)).view(T, 3, self.h, self.dh).permute(1, 2, 0, 3)
+            self.k_cache[i, slot, :, :T] = k
+            self.v_cache[i, slot, :, :T] = v
+            a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
+            x = x + self.proj[i](a.permute(1, 0, 2).reshape(T, -1))
+            x = x + self.mlp[i](self.ln2[i](x))
+        return self.ln_f(x[-1])
+
+
+class _SlotModel(StageModel):
+    """Shared slot bookkeeping for the torch models."""
+
+    def __init__(self, slots: int, device: str, seed: int) -> None:
+        self.device = torch.device(device)
+        self.free = list(range(slots))[::-1]
+        self.gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def _slot(self, req: ReqState) -> int:
+        """The request's cache slot, taken at its first step (the worker admits <= slots)."""
+        if req.model["slot"] is None:
+            if not self.free:
+                raise RuntimeError("no free cache slot: more active requests than slots")
+            req.model["slot"] = self.free.pop()
+        return req.model["slot"]
+
+    def _warm(self, payload: Any) -> None:
+        """Run one throwaway request through a few steps (first torch calls are slow)."""
+        req = ReqState("__warmup__", payload)
+        self.admit(req)
+        for _ in range(3):
+            if not self.runnable(req) or any(r.finished for r in self.step([req])):
+                break
+        self.release(req)
+
+    def release(self, req: ReqState) -> None:
+        if req.model is not None and req.model.get("slot") is not None:
+            self.free.append(req.model["slot"])
+            req.model["slot"] = None
+
+
+class Thinker(_SlotModel):
+    """Text LLM: prompt bytes -> one sampled byte token per step.
+
+    Payload: a string, or ``{"text": str, "max_new_tokens": int}``.
+    Output per step: ``{"text": str, "tokens": int32[1]}``; downstream chunk: the token.
+    """
+
+    kind = "thinker"
+
+    def __init__(self, d_model: int = 128, layers: int = 2, heads: int = 4, max_prompt: int = 192,
+                 max_new_tokens: int = 48, min_new_tokens: int = 8, temperature: float = 0.9,
+                 slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+        super().__init__(slots, device, seed)
+        torch.manual_seed(seed)
+        self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens
+        self.temperature = temperature
+        self.emb = nn.Embedding(EOS + 1, d_model).to(self.device)
+        self.dec = TinyDecoder(d_model, layers, heads, max_prompt + max_new_tokens, slots)
+        self.dec = self.dec.to(self.device).eval()
+        self.head = nn.Linear(d_model, EOS + 1).to(self.device)
+        bias = torch.full((EOS + 1,), -math.inf)
+        for c in range(32, 127):
+            bias[c] = math.log(0.05)
+        for ch, f in _FREQ.items():
+            bias[ord(ch)] = math.log(f)
+        bias[EOS] = math.log(1.0)
+        self.bias = bias.to(self.device)  # mostly letters and spaces, in English proportions
+
+    def admit(self, req: ReqState) -> None:
+        p = req.payload
+        text, max_new = (p, self.max_new) if isinstance(p, str) else (None, self.max_new)
+        if isinstance(p, dict):
+            text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
+        if not isinstance(text, str) or not text:
+            raise ValueError("thinker payload must be a non-empty string or {'text': str}")
+        ids = list(text.encode()[-self.max_prompt:])
+        req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0,
+                     "max_new": max(1, min(max_new, self.max_new)), "last": None}
+
+    @torch.inference_mode()
+    def step(self, reqs: list[ReqState]) -> list[StepResult]:
+        hidden: list[torch.Tensor | None] = [None] * len(reqs)
+        dec_idx = []
+        for i, r in enumerate(reqs):
+            m = r.model
+            if m["pos"] is None:  # prefill the prompt, then sample the first token from it
+                ids = torch.tensor(m["prompt"], device=self.device)
+                hidden[i] = self.dec.prefill(self.emb(ids), self._slot(r))
+                m["pos"] = len(m["prompt"])
+            else:
+                dec_idx.append(i)
+        if dec_idx:
+            last = torch.tensor([reqs[i].model["last"] for i in dec_idx], device=self.device)
+            slots = torch.tensor([reqs[i].model["slot"] for i in dec_idx], device=self.device)
+            pos = torch.tensor([reqs[i].model["pos"] for i in dec_idx], device=self.device)
+            h = self.dec.step(self.emb(last), slots, pos)
+            for j, i in enumerate(dec_idx):
+                hidden[i] = h[j]
+                reqs[i].model["pos"] += 1
+        logits = self.head(torch.stack(hidden)) + self.bias  # type: ignore[arg-type]
+        for i, r in enumerate(reqs):
+            if r.model["n"] < self.min_new:
+                logits[i, EOS] = -math.inf
+        if self.temperature > 0:
+            probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+            toks = torch.multinomial(probs, 1, generator=self.gen)[:, 0].tolist()
+        else:
+            toks = logits.argmax(-1).tolist()
+        results = []
+        for r, tok in zip(reqs, toks, strict=True):
+            m = r.model
+            m["n"] += 1
+            m["last"] = tok
+            done = tok == EOS or m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
+            if tok == EOS:
+                results.append(StepResult({"text": "", "tokens": np.zeros(0, np.int32)}, True, None))
+                continue
+            arr = np.array([tok], dtype=np.int32)
+            results.append(StepResult({"text": chr(tok), "tokens": arr}, done, arr))
+        return results
+
+    def warmup(self) -> None:
+        self._warm("warm up")
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "max_new_tokens": self.max_new, "device": str(self.device)}
+
+
+class Talker(_SlotModel):
+    """Speech-token LM: thinker tokens -> ``frames_per_token`` x ``codebooks`` codes per token.
+
+    Input: ``{"tokens": int[...]}`` (normal mode) or streamed token chunks.
+    Output: ``{"codes": int32[frames, codebooks]}`` every ``chunk_frames`` frames.
+    """
+
+    kind = "talker"
+
+    def __init__(self, d_model: int = 96, layers: int = 2, heads: int = 4, codebooks: int = 4,
+                 codebook_size: int = 256, frames_per_token: int = 2, chunk_frames: int = 8,
+                 max_tokens: int = 256, slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+        super().__init__(slots, device, seed)
+        torch.manual_seed(seed + 1)
+        self.cb, self.cbs, self.fpt, self.chunk = codebooks, codebook_size, frames_per_token, chunk_frames
+        self.emb = nn.Embedding(EOS + 1, d_model).to(self.device)
+        self.dec = TinyDecoder(d_model, layers, heads, max_tokens, slots).to(self.device).eval()
+        self.head = nn.Linear(d_model, frames_per_token * codebooks * codebook_size).to(self.device)
+
+    def admit(self, req: ReqState) -> None:
+        if not req.upstream:
+            p = req.payload
+            toks = p.get("tokens") if isinstance(p, dict) else None
+            if toks is None:
+                raise ValueError("talker payload must be {'tokens': int array}")
+            req.inputs.append(np.asarray(toks).reshape(-1))
+        req.model = {"slot": None, "queue": [], "pos": 0, "codes": []}
+
+    def runnable(self, req: ReqState) -> bool:
+        return bool(req.inputs) or bool(req.model["queue"]) or req.input_done
+
+    @torch.inference_mode()
+    def step(self, reqs: list[ReqState]) -> list[StepResult]:
+        active = []
+        for r in reqs:
+            m = r.model
+            while r.inputs:
+                m["queue"].extend(int(t) for t in np.asarray(r.inputs.pop(0)).reshape(-1))
+            if m["queue"] and m["pos"] < self.dec.max_len:
+                active.append(r)
+        if active:
+            toks = torch.tensor([r.model["queue"].pop(0) for r in active], device=self.device)
+            slots = torch.tensor([self._slot(r) for r in active], device=self.device)
+            pos = torch.tensor([r.model["pos"] for r in active], device=self.device)
+            h = self.dec.step(self.emb(toks), slots, pos)
+            logits = self.head(h).view(len(active), self.fpt, self.cb, self.cbs)
+            codes = logits.argmax(-1).to(torch.int32).cpu().numpy()
+            for r, c in zip(active, codes, strict=True):
+                r.model["pos"] += 1
+                r.model["codes"].append(c)
+        results = []
+        for r in reqs:
+            m = r.model
+            exhausted = not m["queue"] or m["pos"] >= self.dec.max_len
+            done = r.input_done and not r.inputs and exhausted
+            if m["pos"] >= self.dec.max_len:
+                m["queue"].clear()
+            have = len(m["codes"]) * self.fpt
+            if m["codes"] and (have >= self.chunk or done):
+                arr = np.concatenate(m["codes"], axis=0)
+                m["codes"] = []
+                results.append(StepResult({"codes": arr}, done, arr))
+            elif done:
+                results.append(StepResult({"codes": np.zeros((0, self.cb), np.int32)}, True, None))
+            else:
+                results.append(StepResult(None, False, None))
+        return results
+
+    def warmup(self) -> None:
+        self._warm({"tokens": np.arange(8, dtype=np.int32) + 97})
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "codebooks": self.cb, "frames_per_token": self.fpt,
+                "device": str(self.device)}
+
+
+class _Upsampler(nn.Module):
+    def __init__(self, codebooks: int, codebook_size: int, dim: int, factors: list[int]) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(codebooks * codebook_size, dim)
+        self.offsets = nn.Parameter(torch.arange(codebooks) * codebook_size, requires_grad=False)
+        self.pre = nn.Conv1d(dim, dim, 3, padding=1)
+        ups, ch = [], dim
+        for f in factors:
+            nxt = max(8, ch // 2)
+            ups += [nn.ConvTranspose1d(ch, nxt, 2 * f, stride=f, padding=f // 2 + f % 2,
+                                       output_padding=f % 2), nn.GELU()]
+            ch = nxt
+        self.ups = nn.Sequential(*ups)
+        self.post = nn.Conv1d(ch, 1, 7, padding=3)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [B, T * hop]
+        x = self.emb(codes.long() + self.offsets).sum(2).transpose(1, 2)
+        x = self.ups(F.gelu(self.pre(x)))
+        return torch.tanh(self.post(x))[:, 0]
+
+
+class Code2Wav(_SlotModel):
+    """Vocoder: codes -> float32 PCM at 24 kHz, ``chunk_frames`` frames per step.
+
+    Input: ``{"codes": int[frames, codebooks]}`` or streamed code chunks.
+    Output: ``{"pcm": float32[samples], "sample_rate": 24000}``.
+    """
+
+    kind = "code2wav"
+
+    def __init__(self, codebooks: int = 4, codebook_size: int = 256, dim: int = 64,
+                 upsample: tuple[int, ...] = (8, 6, 5, 2), chunk_frames: int = 8, gain: float = 0.5,
+                 slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+        super().__init__(slots, device, seed)
+        torch.manual_seed(seed + 2)
+        self.cb, self.chunk, self.gain = codebooks, chunk_frames, gain
+        self.hop = int(np.prod(upsample))
+        self.net = _Upsampler(codebooks, codebook_size, dim, list(upsample)).to(self.device).eval()
+
+    def admit(self, req: ReqState) -> None:
+        if not req.upstream:
+            p = req.payload
+            codes = p.get("codes") if isinstance(p, dict) else None
+            if codes is None:
+                raise ValueError("code2wav payload must be {'codes': int array [frames, codebooks]}")
+            req.inputs.append(np.asarray(codes))
+        req.model = {"queue": np.zeros((0, self.cb), np.int32), "phase": 0.0}
+
+    @torch.inference_mode()
+    def step(self, reqs: list[ReqState]) -> list[StepResult]:
+        take = []
+        for r in reqs:
+            m = r.model
+            while r.inputs:
+                c = np.asarray(r.inputs.pop(0)).reshape(-1, self.cb)
+                m["queue"] = np.concatenate([m["queue"], c.astype(np.int32)], axis=0)
+            n = min(self.chunk, len(m["queue"]))
+            take.append(m["queue"][:n])
+            m["queue"] = m["queue"][n:]
+        T = max(len(t) for t in take)
+        pcm = None
+        if T:
+            batch = np.zeros((len(reqs), T, self.cb), np.int32)
+            for i, t in enumerate(take):
+                batch[i, : len(t)] = t
+            pcm = (self.net(torch.from_numpy(batch).to(self.device)) * self.gain).float().cpu().numpy()
+        results = []
+        for i, r in enumerate(reqs):
+            done = r.input_done and not r.inputs and not len(r.model["queue"])
+            n = len(take[i])
+            if n:
+                assert pcm is not None
+                audio = self._voice(r, take[i], pcm[i, : n * self.hop])
+                results.append(StepResult({"pcm": audio, "sample_rate": SAMPLE_RATE}, done, None))
+            elif done:
+                results.append(StepResult({"pcm": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE},
+                                          True, None))
+            else:
+                results.append(StepResult(None, False, None))
+        return results
+
+    def _voice(self, req: ReqState, codes: np.ndarray, texture: np.ndarray) -> np.ndarray:
+        """A phase-continuous tone whose pitch follows codebook 0, plus the conv texture.
+
+        Random conv weights alone give a near-silent DC offset; this makes the
+        dummy audio audible and code-dependent.
+        """
+        f0 = np.repeat(110.0 + (codes[:, 0] % 24) * 15.0, self.hop)
+        phase = req.model["phase"] + np.cumsum(2 * np.pi * f0 / SAMPLE_RATE)
+        req.model["phase"] = float(phase[-1] % (2 * np.pi))
+        tex = texture - texture.mean()
+        tex = tex / (np.abs(tex).max() + 1e-6)
+        return (self.gain * (0.8 * np.sin(phase) + 0.2 * tex)).astype(np.float32)
+
+    def runnable(self, req: ReqState) -> bool:
+        return bool(req.inputs) or bool(len(req.model["queue"])) or req.input_done
+
+    def warmup(self) -> None:
+        self._warm({"codes": np.zeros((2 * self.chunk, self.cb), np.int32)})
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "sample_rate": SAMPLE_RATE, "hop": self.hop, "device": str(self.device)}
+
+
+_KINDS: dict[str, type[_SlotModel]] = {"thinker": Thinker, "talker": Talker, "code2wav": Code2Wav}
+
+
+def build(kind: str, options: dict[str, Any], *, device: str = "cpu", seed: int = 0,
+          slots: int = 32) -> StageModel:
+    """Instantiate a model kind; unknown options raise ValueError naming them."""
+    cls = _KINDS[kind]
+    opts = dict(options)
+    if "upsample" in opts:
+        opts["upsample"] = tuple(opts["upsample"])
+    opts.setdefault("slots", slots)
+    try:
+        return cls(device=device, seed=seed, **opts)
+    except TypeError as exc:
+        raise ValueError(f"{kind}: bad model options {sorted(options)}: {exc}") from None
