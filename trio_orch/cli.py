@@ -16,6 +16,7 @@ import sys
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("trio_orch.demo", "run a 3-stage pipeline of in-process stages and print the routed outputs"),
+    "generate": ("trio_orch.generate", "generate text + speech (WAV) for a prompt with the ZMQ stage workers"),
     "bench": ("bench.benchmark", "dispatch latency and throughput of every implementation, side by side"),
 }
 

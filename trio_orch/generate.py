@@ -1,0 +1,147 @@
+"""``trio-orch generate "text"``: run the speech pipeline once, end to end.
+
+Starts the stage workers of the pipeline (default: thinker -> talker ->
+code2wav, one process per replica), sends one request through the Trio
+orchestrator, streams the thinker's text to the terminal as it is generated,
+writes the vocoder's audio to a WAV file and prints per-stage timings.  With
+``--async-chunk`` the stages stream to each other chunk by chunk, so the
+first audio comes long before the text is finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import wave
+from typing import Any
+
+import numpy as np
+import trio
+
+from trio_orch.config import PipelineConfig, default_config, load_config
+from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
+from trio_orch.orchestrator import open_orchestrator
+from trio_orch.types import OrchError
+
+__all__ = ["configure", "run", "write_wav"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Generate text and speech for a prompt with the stage-worker pipeline "
+        "(thinker -> talker -> code2wav by default; torch models with seeded dummy weights, "
+        "so the text is gibberish but every stage really computes). Streams the text, "
+        "writes a WAV file, prints per-stage timings.")
+    parser.add_argument("text", nargs="?", default="Hello", help="the prompt (default: Hello)")
+    parser.add_argument("--out", default="out.wav", help="WAV file to write (default: out.wav)")
+    parser.add_argument("--async-chunk", action="store_true", default=None,
+                        help="stream chunks stage to stage (first audio comes earlier)")
+    parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="torch device of the workers (default: cpu, or the config's)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="most text tokens the thinker generates (default: its config, 48)")
+
+
+def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
+    """Write mono float PCM in [-1, 1] as a 16-bit WAV file."""
+    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(path, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(data.tobytes())
+
+
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    cfg = load_config(args.config) if args.config else default_config()
+    return cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+
+
+def _ms(t: float | None, t0: float) -> str:
+    return f"{(t - t0) * 1000:9.1f}" if t is not None else "        -"
+
+
+async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipeline) -> int:
+    payload: Any = args.text
+    if args.max_tokens is not None and cfg.stages[0].kind == "thinker":
+        payload = {"text": args.text, "max_new_tokens": args.max_tokens}
+    rid = "generate-1"
+    pcm: list[np.ndarray] = []
+    rate = 24000
+    t_text = t_audio = None
+    async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+        t0 = time.perf_counter()
+        await orch.add_request(rid, payload)
+        print("text: ", end="", flush=True)
+        while True:
+            msg = await orch.next_output()
+            now = time.perf_counter()
+            if isinstance(msg, OrchError):
+                print(f"\nerror: request failed at stage {msg.stage_id} ({msg.kind}): {msg.message}",
+                      file=sys.stderr)
+                return 1
+            data = msg.data
+            if isinstance(data, dict) and "text" in data:
+                t_text = t_text or now
+                print(data["text"], end="", flush=True)
+            elif isinstance(data, dict) and "pcm" in data:
+                if len(data["pcm"]):
+                    t_audio = t_audio or now
+                    pcm.append(np.asarray(data["pcm"], dtype=np.float32))
+                rate = int(data.get("sample_rate", rate))
+            elif data is not None:
+                t_text = t_text or now
+                print(f"[stage {msg.stage_id}] {data!r}", flush=True)
+            if msg.finished:
+                break
+        t_end = time.perf_counter()
+    print()
+    mode = "async-chunk" if cfg.async_chunk else "normal (stage by stage)"
+    print(f"\ntimings, {mode} mode, ms after the request was added:")
+    print(f"  {'stage':<22} {'submitted':>9} {'first out':>9} {'finished':>9}")
+    for k, pool in enumerate(pipe.stages):
+        tm = pool.timings.get(rid)
+        label = f"{k} {cfg.stages[k].label}"
+        if tm is None:
+            print(f"  {label:<22} (not run)")
+            continue
+        print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)}")
+    print(f"  time to first token: {_ms(t_text, t0).strip()} ms")
+    if any(cfg.stages[k].kind == "code2wav" for k in cfg.final_stage_ids):
+        print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
+    print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
+    if pcm:
+        audio = np.concatenate(pcm)
+        write_wav(args.out, audio, rate)
+        print(f"wrote {args.out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
+              f"{len(audio)} samples")
+    return 0
+
+
+async def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    kinds = ", ".join(f"{s.label} x{s.replicas}" for s in cfg.stages)
+    print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    try:
+        async with open_pipeline(cfg) as pipe:
+            print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            return await _generate(args, cfg, pipe)
+    except WorkerStartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None and args.replicas < 1:
+        print("error: --replicas must be >= 1", file=sys.stderr)
+        return 2
+    return trio.run(_main, args)
