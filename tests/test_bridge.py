@@ -1,0 +1,498 @@
+"""The thread bridge: sync, asyncio and Trio callers; backpressure; cancellation; the fatal drain.
+
+Sync tests drive an :class:`Engine` (Trio in its own thread) with
+:class:`ScriptedStage` stages; stage outputs are injected *in the Trio
+thread* with ``engine.call_soon``.  ``wait_until`` polls with a generous
+bound: it only guards against a hang, it asserts nothing about timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from trio_orch import OrchError, OrchOutput
+from trio_orch import demux as demux_mod
+from trio_orch.bridge import (
+    Engine,
+    EngineClosed,
+    EngineStartupError,
+    PipelineSpec,
+    open_trio_engine,
+    static_pipeline,
+)
+from trio_orch.testing import ScriptedStage
+
+HANG = 10.0  # seconds before a wait is declared a hang
+
+
+def wait_until(pred: Callable[[], bool], what: str = "condition") -> None:
+    end = time.monotonic() + HANG
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+async def await_until(pred: Callable[[], bool], what: str = "condition") -> None:
+    end = time.monotonic() + HANG
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.002)
+
+
+def run_async(coro_fn: Callable[[], Any]) -> Any:
+    async def main() -> Any:
+        async with asyncio.timeout(30):
+            return await coro_fn()
+    return asyncio.run(main())
+
+
+def make(num: int = 3, finals: set[int] | None = None, **kw: Any) -> tuple[Engine, list[ScriptedStage]]:
+    stages = [ScriptedStage(k) for k in range(num)]
+    engine = Engine(static_pipeline(stages, finals or {0, num - 1}), **kw)
+    return engine, stages
+
+
+class Boom(BaseException):
+    """Escapes the orchestrator's readers (they only catch Exception): kills the Trio thread."""
+
+
+class KillableStage(ScriptedStage):
+    """A stage whose receive() can be made to raise a BaseException: the orchestrator dies."""
+
+    def kill(self) -> None:
+        self.fail_nowait(Boom("the orchestrator thread was killed"))  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- sync callers
+def test_sync_request_streams_outputs_to_its_terminal() -> None:
+    engine, stages = make(3, {0, 2})
+    with engine:
+        h = engine.add_request("hello there", request_id="r1")  # returns once accepted
+        wait_until(lambda: stages[0].submissions == [("r1", "hello there")], "submission")
+        engine.call_soon(stages[0].emit_nowait, "r1", "hi", False)
+        engine.call_soon(stages[0].emit_nowait, "r1", "there", True)
+        assert h.get(timeout=HANG) == OrchOutput("r1", 0, "hi", False)
+        assert h.get(timeout=HANG) == OrchOutput("r1", 0, "there", False)
+        wait_until(lambda: len(stages[1].submissions) == 1, "forward to stage 1")
+        engine.call_soon(stages[1].emit_nowait, "r1", "codes", True)
+        wait_until(lambda: len(stages[2].submissions) == 1, "forward to stage 2")
+        engine.call_soon(stages[2].emit_nowait, "r1", "wav", True)
+        assert list(h) == [OrchOutput("r1", 2, "wav", True)]
+        assert h.finished
+        with pytest.raises(RuntimeError, match="already delivered its terminal"):
+            h.get()
+        assert engine.latency.count >= 2  # one observation per batch taken
+        stats = engine.stats()
+        assert stats["terminals_by_kind"] == {"finished": 1}
+        assert stats["outputs_routed"] == 3
+        # the id is free again after the terminal
+        engine.add_request("again", request_id="r1").close()
+
+
+def test_sync_bad_calls_raise_and_register_nothing() -> None:
+    engine, stages = make(3, {0, 2})
+    with pytest.raises(EngineClosed, match="not started"):
+        engine.add_request("x")
+    with engine:
+        h = engine.add_request("x", request_id="dup")
+        with pytest.raises(ValueError, match="duplicate request id"):
+            engine.add_request("y", request_id="dup")
+        with pytest.raises(ValueError, match="out of range"):
+            engine.add_request("y", final_stage_id=7)
+        with pytest.raises(ValueError, match="non-empty str"):
+            engine.add_request("y", request_id="")
+        with pytest.raises(ValueError, match="request_timeout"):
+            engine.add_request("y", request_timeout=-1)
+        wait_until(lambda: len(stages[0].submissions) == 1, "submission")
+        assert [rid for rid, _ in stages[0].submissions] == ["dup"]
+        assert engine.stats()["active_requests"] == 1
+        h.close()
+
+
+def test_sync_get_timeout_and_explicit_abort() -> None:
+    engine, stages = make(1, {0})
+    with engine:
+        h = engine.add_request("x", request_id="r1")
+        with pytest.raises(TimeoutError):
+            h.get(timeout=0.05)
+        h.abort()
+        m = h.get(timeout=HANG)
+        assert isinstance(m, OrchError) and m.kind == "aborted"
+        assert stages[0].aborts == ["r1"]
+        engine.abort("unknown-id")  # no-op
+
+
+def test_sync_iteration_left_early_aborts() -> None:
+    engine, stages = make(1, {0})
+    with engine:
+        h = engine.add_request("x", request_id="r1")
+        wait_until(lambda: len(stages[0].submissions) == 1, "submitted")
+        engine.call_soon(stages[0].emit_nowait, "r1", "a", False)
+        for m in h:
+            assert m.data == "a"
+            break
+        wait_until(lambda: stages[0].aborts == ["r1"], "abort after break")
+        wait_until(lambda: engine.stats()["active_requests"] == 0)
+        # generate_sync closed early aborts too
+        gen = engine.generate_sync("y", request_id="r2")
+        threading.Thread(target=lambda: (
+            wait_until(lambda: len(stages[0].submissions) == 2, "submitted"),
+            engine.call_soon(stages[0].emit_nowait, "r2", "b", False))).start()
+        assert next(gen).data == "b"  # the generator starts (and submits) here
+        gen.close()
+        wait_until(lambda: stages[0].aborts == ["r1", "r2"], "abort after close")
+
+
+def test_sync_backpressure_blocks_then_times_out_without_submitting() -> None:
+    engine, stages = make(1, {0}, request_queue_size=1)
+    with engine:
+        engine.call_soon(stages[0].hold_submits)
+        h1 = engine.add_request("a", request_id="r1")  # taken by the handler, stuck in submit
+        wait_until(lambda: engine.stats()["queued_requests"] == 0, "r1 taken by the handler")
+        h2 = engine.add_request("b", request_id="r2")  # fills the channel
+        with pytest.raises(TimeoutError, match="request channel stayed full"):
+            engine.add_request("c", request_id="r3", timeout=0.1)
+        # a blocked caller in another thread is admitted once there is room
+        got: list[Any] = []
+        t = threading.Thread(target=lambda: got.append(engine.add_request("d", request_id="r4")))
+        t.start()
+        wait_until(lambda: engine.stats()["admission_waiting"] == 1, "r4 waiting for room")
+        assert not got
+        engine.call_soon(stages[0].release_submits)
+        t.join(HANG)
+        assert got and got[0].request_id == "r4"
+        wait_until(lambda: len(stages[0].submissions) == 3, "submissions")
+        assert [rid for rid, _ in stages[0].submissions] == ["r1", "r2", "r4"]
+        engine.add_request("c2", request_id="r3").close()  # r3 was never registered
+        for h in (h1, h2, got[0]):
+            h.close()
+
+
+# ---------------------------------------------------------------- asyncio callers
+def test_asyncio_generate_and_one_wake_per_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    engine, stages = make(1, {0})
+    wakes: list[int] = []
+    real_wake = demux_mod.wake
+
+    def counting_wake(by_loop: Any) -> None:
+        wakes.append(sum(len(v) for v in by_loop.values()))
+        real_wake(by_loop)
+
+    monkeypatch.setattr(demux_mod, "wake", counting_wake)
+
+    async def scenario() -> None:
+        results: dict[str, list[Any]] = {}
+
+        async def consume(rid: str) -> None:
+            results[rid] = [m async for m in engine.generate(f"p-{rid}", request_id=rid)]
+
+        rids = [f"r{i}" for i in range(8)]
+        tasks = [asyncio.create_task(consume(r)) for r in rids]
+        streams = engine._demux.streams
+        await await_until(lambda: all(r in streams and streams[r].waiter is not None for r in rids),
+                          "every consumer waiting")
+
+        def burst() -> None:  # one Trio callback: one reader batch, one dispatcher batch
+            for r in rids:
+                for i in range(5):
+                    stages[0].emit_nowait(r, i, i == 4)
+
+        engine.call_soon(burst)
+        await asyncio.gather(*tasks)
+        for r in rids:
+            assert [m.data for m in results[r]] == [0, 1, 2, 3, 4]
+            assert results[r][-1].finished and not any(m.finished for m in results[r][:-1])
+        assert wakes == [len(rids)]  # one loop wake for the whole batch of 40 outputs
+
+    with engine:
+        run_async(scenario)
+
+
+def test_asyncio_cancellation_and_early_close_abort() -> None:
+    engine, stages = make(1, {0})
+
+    async def scenario() -> None:
+        async def consume(rid: str) -> None:
+            async for _ in engine.generate("p", request_id=rid):
+                pass
+
+        task = asyncio.create_task(consume("cancelled"))
+        await await_until(lambda: stages[0].submissions != [], "submitted")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await await_until(lambda: stages[0].aborts == ["cancelled"], "abort on cancel")
+
+        agen = engine.generate("p", request_id="closed")  # starts at the first __anext__
+        first = asyncio.ensure_future(agen.__anext__())
+        await await_until(lambda: len(stages[0].submissions) == 2, "submitted")
+        engine.call_soon(stages[0].emit_nowait, "closed", "x", False)
+        assert (await first).data == "x"
+        await agen.aclose()
+        await await_until(lambda: stages[0].aborts == ["cancelled", "closed"], "abort on aclose")
+
+        agen = engine.generate("p", request_id="aborted")
+        first = asyncio.ensure_future(agen.__anext__())
+        await await_until(lambda: len(stages[0].submissions) == 3, "submitted")
+        engine.abort("aborted")
+        m = await first
+        assert isinstance(m, OrchError) and m.kind == "aborted"
+        with pytest.raises(StopAsyncIteration):
+            await agen.__anext__()
+        with pytest.raises(ValueError, match="out of range"):
+            await engine.generate("p", final_stage_id=3).__anext__()
+
+    with engine:
+        run_async(scenario)
+        wait_until(lambda: engine.stats()["active_requests"] == 0)
+
+
+def test_asyncio_backpressure_waits_without_blocking_the_loop_and_cancel_withdraws() -> None:
+    engine, stages = make(1, {0}, request_queue_size=1)
+
+    async def scenario() -> None:
+        engine.call_soon(stages[0].hold_submits)
+        gens = {rid: engine.generate("p", request_id=rid) for rid in ("a", "b", "c", "d")}
+        firsts = {rid: asyncio.ensure_future(g.__anext__()) for rid, g in gens.items()}
+        # a: stuck in submit; b: in the channel; c and d: waiting in the bridge
+        await await_until(lambda: engine.stages and len(engine._demux.streams) == 4)
+        stats = await engine.stats_async()
+        await await_until(lambda: engine._n_waiting == 2, "two waiting for room")
+        ticks = 0
+        for _ in range(5):  # the loop keeps running while they wait
+            await asyncio.sleep(0)
+            ticks += 1
+        assert ticks == 5 and stats["running"]
+        firsts["c"].cancel()  # cancel one waiting for room: never submitted
+        await await_until(lambda: "c" not in engine._demux.streams, "c withdrawn")
+        engine.call_soon(stages[0].release_submits)
+        await await_until(lambda: len(stages[0].submissions) == 3, "a, b, d submitted")
+        assert [rid for rid, _ in stages[0].submissions] == ["a", "b", "d"]
+        for rid in ("a", "b", "d"):
+            engine.call_soon(stages[0].emit_nowait, rid, rid, True)
+            assert (await firsts[rid]) == OrchOutput(rid, 0, rid, True)
+        assert "c" not in stages[0].aborts
+
+    with engine:
+        run_async(scenario)
+
+
+def test_abort_while_waiting_for_room_gives_aborted_terminal() -> None:
+    engine, stages = make(1, {0}, request_queue_size=1)
+    with engine:
+        engine.call_soon(stages[0].hold_submits)
+        engine.add_request("a", request_id="a")
+        wait_until(lambda: engine.stats()["queued_requests"] == 0)
+        engine.add_request("b", request_id="b")
+
+        async def scenario() -> list[Any]:
+            agen = engine.generate("p", request_id="c")
+            first = asyncio.ensure_future(agen.__anext__())
+            await await_until(lambda: engine._n_waiting == 1, "c waiting")
+            engine.abort("c")
+            return [await first]
+
+        [m] = run_async(scenario)
+        assert isinstance(m, OrchError) and m.kind == "aborted" and "waiting for room" in m.message
+        engine.call_soon(stages[0].release_submits)
+        wait_until(lambda: len(stages[0].submissions) == 2)
+        assert [rid for rid, _ in stages[0].submissions] == ["a", "b"]
+
+
+# ---------------------------------------------------------------- the fatal drain
+def test_close_drains_every_waiter_then_every_call_raises() -> None:
+    engine, stages = make(1, {0}, request_queue_size=1)
+    engine.start()
+    engine.call_soon(stages[0].hold_submits)
+    routed = engine.add_request("a", request_id="routed")  # handler stuck submitting it
+    wait_until(lambda: engine.stats()["queued_requests"] == 0)
+    queued = engine.add_request("b", request_id="queued")  # in the channel, not handled
+    blocked: list[Any] = []
+    t = threading.Thread(target=lambda: blocked.append(engine.add_request("c", request_id="blocked")))
+    t.start()  # waiting for room, in a sync caller
+    wait_until(lambda: engine.stats()["admission_waiting"] == 1)
+    loop_result: list[Any] = []
+
+    def asyncio_waiter() -> None:
+        async def go() -> None:
+            loop_result.extend([m async for m in engine.generate("d", request_id="async-waiting")])
+        run_async(go)
+
+    ta = threading.Thread(target=asyncio_waiter)
+    ta.start()
+    wait_until(lambda: engine.stats()["admission_waiting"] == 2)
+    engine.close()
+    t.join(HANG)
+    ta.join(HANG)
+    assert not t.is_alive() and not ta.is_alive()
+    for h in (routed, queued, blocked[0]):
+        msgs = list(h)
+        assert len(msgs) == 1 and isinstance(msgs[0], OrchError) and msgs[0].kind == "shutdown"
+    assert len(loop_result) == 1 and loop_result[0].kind == "shutdown"
+    assert engine._demux.streams == {}
+    with pytest.raises(EngineClosed, match="closed"):
+        engine.add_request("x")
+    with pytest.raises(EngineClosed):
+        run_async(lambda: engine.generate("x").__anext__())
+    with pytest.raises(EngineClosed):
+        engine.abort("routed")
+    assert not engine.running
+    engine.close()  # idempotent
+    assert engine.stats()["running"] is False
+
+
+def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
+    stages = [KillableStage(0)]
+    engine = Engine(static_pipeline(stages, {0}))
+    with engine:
+        sync_h = engine.add_request("a", request_id="sync")
+        got: list[Any] = []
+
+        def asyncio_consumer() -> None:
+            async def go() -> None:
+                got.extend([m async for m in engine.generate("b", request_id="async")])
+            run_async(go)
+
+        t = threading.Thread(target=asyncio_consumer)
+        t.start()
+        wait_until(lambda: len(stages[0].submissions) == 2)
+        engine.call_soon(stages[0].emit_nowait, "sync", "partial", False)
+        assert sync_h.get(timeout=HANG).data == "partial"
+        engine.call_soon(stages[0].kill)
+        rest = list(sync_h)
+        t.join(HANG)
+        assert len(rest) == 1 and isinstance(rest[0], OrchError) and rest[0].kind == "shutdown"
+        assert len(got) == 1 and isinstance(got[0], OrchError)
+        wait_until(lambda: not engine._thread.is_alive(), "engine thread exit")
+        with pytest.raises(EngineClosed, match="crashed: Boom"):
+            engine.add_request("later")
+        assert isinstance(engine._failure, Boom)
+
+
+def test_orchestrator_stopping_on_its_own_drains() -> None:
+    engine, _ = make(1, {0})
+    with engine:
+        h = engine.add_request("a", request_id="r1")
+        engine.call_soon(engine.orchestrator.request_shutdown)
+        msgs = list(h)
+        assert [type(m) for m in msgs] == [OrchError] and msgs[0].kind == "shutdown"
+        wait_until(lambda: not engine._thread.is_alive(), "engine thread exit")
+        with pytest.raises(EngineClosed, match="orchestrator stopped"):
+            engine.add_request("later")
+
+
+def test_startup_failure_is_reraised_with_its_cause() -> None:
+    @asynccontextmanager
+    async def broken() -> AsyncIterator[PipelineSpec]:
+        raise OSError("worker set cannot start: stage 1 exited with code 3")
+        yield  # pragma: no cover
+
+    engine = Engine(broken)
+    with pytest.raises(EngineStartupError, match="stage 1 exited") as info:
+        engine.start()
+    assert isinstance(info.value.__cause__, OSError)
+    assert not engine._thread.is_alive()
+    with pytest.raises(EngineClosed):
+        engine.add_request("x")
+    engine.close()
+
+
+def test_startup_timeout_stops_the_thread() -> None:
+    @asynccontextmanager
+    async def hangs() -> AsyncIterator[PipelineSpec]:
+        await trio.sleep_forever()
+        yield  # pragma: no cover
+
+    engine = Engine(hangs, startup_timeout=0.2)
+    with pytest.raises(EngineStartupError, match="did not become ready"):
+        engine.start()
+    assert not engine._thread.is_alive()
+    with pytest.raises(EngineClosed):
+        engine.add_request("x")
+
+
+def test_close_is_bounded_when_the_pipeline_will_not_stop() -> None:
+    release = threading.Event()
+    stages = [ScriptedStage(0)]
+
+    @asynccontextmanager
+    async def stubborn() -> AsyncIterator[PipelineSpec]:
+        try:
+            yield PipelineSpec(stages, {0})
+        finally:
+            release.wait(HANG)  # blocks the Trio thread itself: no cancellation can help
+
+    engine = Engine(stubborn, close_timeout=0.2)
+    engine.start()
+    h = engine.add_request("x", request_id="r1")
+    engine.close()  # returns after close_timeout although the thread is stuck
+    assert engine._thread.is_alive()
+    msgs = list(h)
+    assert msgs[-1].kind == "shutdown"
+    with pytest.raises(EngineClosed):
+        engine.add_request("y")
+    release.set()
+    engine._thread.join(HANG)
+    assert not engine._thread.is_alive()
+
+
+def test_close_before_start_and_drain_on_close() -> None:
+    engine, stages = make(1, {0})
+    engine.close()
+    with pytest.raises(EngineClosed):
+        engine.add_request("x")
+    engine, stages = make(1, {0})
+    engine.start()
+    h = engine.add_request("x", request_id="r1")
+    # finish the request from the Trio side while close() drains
+    wait_until(lambda: len(stages[0].submissions) == 1, "submitted")
+    threading.Timer(0.05, lambda: engine.call_soon(stages[0].emit_nowait, "r1", "done", True)).start()
+    engine.close(drain=HANG)
+    assert list(h) == [OrchOutput("r1", 0, "done", True)]
+
+
+# ---------------------------------------------------------------- the Trio API
+async def _consume(engine: Any, rid: str, into: list[Any]) -> None:
+    async for m in engine.generate("p", request_id=rid):
+        into.append(m)
+
+
+async def test_trio_api_generate_cancel_and_close() -> None:
+    stages = [ScriptedStage(0)]
+    async with open_trio_engine(static_pipeline(stages, {0}), request_queue_size=2) as engine:
+        got: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_consume, engine, "r1", got)
+            await trio.testing.wait_all_tasks_blocked()
+            await stages[0].emit("r1", "a")
+            await stages[0].emit("r1", "b", finished=True)
+        assert [m.data for m in got] == ["a", "b"] and got[-1].finished
+
+        cancelled: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_consume, engine, "r2", cancelled)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert cancelled == [] and stages[0].aborts == ["r2"]
+        assert engine.stats()["active_requests"] == 0
+
+        left: list[Any] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_consume, engine, "r3", left)
+            await trio.testing.wait_all_tasks_blocked()
+            engine.orchestrator.request_shutdown()  # the orchestrator stops under a waiting caller
+    assert len(left) == 1 and left[0].kind == "shutdown"
+    with pytest.raises(EngineClosed):
+        await engine.generate("p").__anext__()

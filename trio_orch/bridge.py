@@ -1,0 +1,749 @@
+"""The thread bridge: the Trio orchestrator in a background thread, used from sync and asyncio code.
+
+:class:`Engine` runs ``trio.run`` in a daemon thread that hosts the pipeline
+(stage clients, possibly worker processes) and the :class:`Orchestrator`.
+Inbound calls never block the caller's event loop: they are posted with the
+Trio token's ``run_sync_soon`` and admitted with ``add_request_nowait``; when
+the request channel is full they wait, in FIFO order, in the bridge's own
+admitter task (backpressure).  Outbound, the orchestrator's ``output_sink``
+feeds a :class:`~trio_orch.demux.Demux` that wakes each waiting side once per
+dispatcher batch (one ``call_soon_threadsafe`` per asyncio loop per batch).
+
+Fatal drain: whatever ends the Trio thread (``close()``, a crash, a pipeline
+that cannot start), every registered request -- queued, waiting for
+admission or in flight -- gets a terminal ``OrchError(kind="shutdown")`` and
+every later call raises :class:`EngineClosed` at once.
+
+:func:`open_trio_engine` is the same API for Trio code, without a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass, field
+from time import monotonic, perf_counter
+from typing import Any
+
+import trio
+
+from trio_orch.demux import (
+    ACK,
+    DONE,
+    PENDING,
+    WITHDRAWN,
+    AsyncioStream,
+    Demux,
+    Stream,
+    SyncStream,
+    TrioStream,
+)
+from trio_orch.orchestrator import Orchestrator
+from trio_orch.types import OrchError, OrchOutput, StageClient
+
+__all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineSpec", "RequestHandle", "TrioEngine",
+           "open_trio_engine", "static_pipeline"]
+
+log = logging.getLogger("trio_orch.bridge")
+
+Message = OrchOutput | OrchError
+
+
+class EngineClosed(RuntimeError):
+    """The engine is closed or its orchestrator thread has exited; the message says why."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine could not start; ``__cause__`` is the original failure."""
+
+
+@dataclass
+class PipelineSpec:
+    """What a pipeline factory yields: stage clients plus Orchestrator options."""
+
+    stages: Sequence[StageClient]
+    final_stage_ids: Iterable[int]
+    options: dict[str, Any] = field(default_factory=dict)  # async_chunk, forward_fn, prewarm_fn, ...
+
+
+#: A zero-argument callable, called *inside the Trio thread*, returning an async
+#: context manager that yields a PipelineSpec (or any object with ``stages`` and
+#: ``final_stage_ids``, and optionally ``orchestrator_kwargs()``, as
+#: :class:`trio_orch.launcher.Pipeline` has).  Leaving it stops the pipeline
+#: (e.g. worker processes).
+PipelineFactory = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+def static_pipeline(stages: Sequence[StageClient], final_stage_ids: Iterable[int],
+                    **options: Any) -> PipelineFactory:
+    """A factory for already-built, in-process stage clients (tests, demos)."""
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[PipelineSpec]:
+        yield PipelineSpec(stages, final_stage_ids, dict(options))
+
+    return factory
+
+
+def _as_spec(obj: Any) -> PipelineSpec:
+    if isinstance(obj, PipelineSpec):
+        return obj
+    stages = getattr(obj, "stages", None)
+    finals = getattr(obj, "final_stage_ids", None)
+    if stages is None or finals is None:
+        raise TypeError(f"a pipeline factory must yield a PipelineSpec or an object with .stages and "
+                        f".final_stage_ids, got {type(obj).__name__}")
+    opts = getattr(obj, "orchestrator_kwargs", None) or getattr(obj, "orchestrator_options", None)
+    opts = dict(opts() if callable(opts) else opts or {})
+    opts.pop("final_stage_ids", None)
+    return PipelineSpec(stages, finals, opts)
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+def _collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: int,
+                   alive: bool) -> dict[str, Any]:
+    """A snapshot for /metrics; must run in the orchestrator's thread (it reads routing state)."""
+    stats: dict[str, Any] = {
+        "running": alive and orch is not None and orch.running,
+        "admission_waiting": admission_waiting,
+        "terminals_by_kind": dict(demux.terminals_by_kind),
+        "errors_by_kind": dict(demux.errors_by_kind),
+        "open_streams": len(demux.streams),
+    }
+    if orch is None:
+        return stats
+    router = orch.router
+    inflight = dict.fromkeys(range(router.num_stages), 0)
+    for req in router.requests.values():
+        for k in req.submitted - req.finished:
+            inflight[k] += 1
+    by_replica: dict[tuple[int, str], int] = {}
+    for k, stage in enumerate(orch.stages):
+        fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
+        if callable(fn):
+            for replica, n in enumerate(fn()):
+                by_replica[(k, str(replica))] = int(n)
+    stats.update(
+        queued_requests=orch.queued_requests, active_requests=orch.active_requests,
+        inflight_by_stage=inflight, inflight_by_replica=by_replica,
+        stage_available=list(router.available), outputs_routed=router.outputs_routed,
+        dropped_outputs=router.dropped_outputs, stage_deaths=dict(orch.stage_deaths),
+    )
+    return stats
+
+
+class RequestHandle:
+    """A sync caller's view of one request: iterate it to get its messages, terminal last.
+
+    Leaving the iteration early (``break``, an exception, ``close()``) aborts
+    the request in the orchestrator.
+    """
+
+    def __init__(self, engine: Engine, stream: SyncStream) -> None:
+        self._engine = engine
+        self._s = stream
+        self._msgs: deque[Message] = deque()
+        self._ended = False  # the terminal (or an exception) reached the handle
+        self.finished = False  # the caller has taken the terminal
+
+    @property
+    def request_id(self) -> str:
+        return self._s.request_id
+
+    def _take(self, item: Any) -> bool:
+        """Absorb one item from the queue; True when it carried messages."""
+        if item is ACK or item is WITHDRAWN:
+            return False
+        if isinstance(item, BaseException):
+            self._ended = self.finished = True
+            raise item
+        t, msgs = item
+        self._engine._demux.latency.observe(perf_counter() - t)
+        self._msgs.extend(msgs)
+        if msgs[-1].finished:
+            self._ended = True
+        return True
+
+    def get(self, timeout: float | None = None) -> Message:
+        """The next message; ``TimeoutError`` after ``timeout`` seconds without one."""
+        if not self._msgs:
+            if self.finished:
+                raise RuntimeError(f"request {self.request_id!r} already delivered its terminal")
+            q = self._s.q
+            deadline = None if timeout is None else monotonic() + timeout
+            while not self._msgs:
+                if deadline is None:
+                    item = q.get()
+                else:
+                    try:
+                        item = q.get(timeout=max(0.0, deadline - monotonic()))
+                    except Exception:  # queue.Empty
+                        raise TimeoutError(f"no output for request {self.request_id!r} "
+                                           f"within {timeout}s") from None
+                self._take(item)
+        m = self._msgs.popleft()
+        if m.finished:
+            self.finished = True
+        return m
+
+    def __iter__(self) -> Iterator[Message]:
+        try:
+            while not self.finished:
+                yield self.get()
+        finally:
+            self.close()
+
+    def abort(self) -> None:
+        """Abort the request; iterating on yields its ``aborted`` terminal."""
+        self._engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not ended."""
+        if not self._ended:
+            self._ended = self.finished = True
+            self._engine._client_gone(self._s)
+
+    def __enter__(self) -> RequestHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Engine:
+    """The orchestrator in a background Trio thread; see the module docstring.
+
+    ``pipeline`` is a :data:`PipelineFactory`.  ``startup_timeout`` bounds
+    :meth:`start`; ``close_timeout`` bounds :meth:`close` (beyond any drain).
+    """
+
+    def __init__(self, pipeline: PipelineFactory, *, startup_timeout: float = 60.0,
+                 close_timeout: float = 10.0, request_queue_size: int = 256,
+                 shutdown_grace: float = 2.0, name: str = "trio-orch-engine") -> None:
+        self._pipeline = pipeline
+        self.startup_timeout = startup_timeout
+        self.close_timeout = close_timeout
+        self._orch_options = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace}
+        self.name = name
+        self._demux = Demux()
+        self._ids = itertools.count()
+        self._id_prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}"
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._main_scope: trio.CancelScope | None = None
+        self._orch: Orchestrator | None = None
+        self._failure: BaseException | None = None
+        self._stop_flag = False
+        self._drain: float | None = None
+        self._closing: str | None = None  # set: new requests are refused with this reason
+        self._dead: str | None = None  # set: the Trio thread is gone (or abandoned)
+        # admitter state (Trio thread only)
+        self._adm_send, self._adm_recv = trio.open_memory_channel[Stream](math.inf)
+        self._n_waiting = 0
+        self._sending: tuple[Stream, trio.CancelScope] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> Engine:
+        """Start the thread; return once the orchestrator runs.  Raises EngineStartupError."""
+        if self._thread is not None:
+            raise RuntimeError("Engine.start() called twice")
+        self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(self.startup_timeout):
+            self._request_stop(None)
+            self._thread.join(self.close_timeout)
+            self._mark_dead(f"it did not become ready within {self.startup_timeout}s")
+            raise EngineStartupError(f"engine did not become ready within {self.startup_timeout}s "
+                                     "(the pipeline is still starting or hung)")
+        if self._failure is not None or self._dead is not None:
+            self._thread.join(self.close_timeout)
+            f = self._failure
+            what = f"{type(f).__name__}: {f}" if f is not None else self._dead
+            raise EngineStartupError(f"engine failed to start: {what}") from f
+        return self
+
+    def close(self, drain: float | None = None) -> None:
+        """Stop the orchestrator and the pipeline; idempotent, bounded in time.
+
+        ``drain``: let in-flight requests finish for up to that many seconds
+        first; otherwise they get their ``shutdown`` terminal at once.
+        """
+        if self._closing is None:
+            self._closing = "the engine was closed"
+        if self._thread is None:
+            self._mark_dead("the engine was closed before it started")
+            return
+        self._request_stop(drain)
+        self._thread.join(self.close_timeout + (drain or 0.0))
+        if self._thread.is_alive():
+            log.warning("engine thread did not stop within %.1fs; abandoning it", self.close_timeout)
+            self._mark_dead(f"its thread did not stop within {self.close_timeout}s")
+
+    def __enter__(self) -> Engine:
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._ready.is_set() and self._closing is None and self._dead is None
+
+    @property
+    def orchestrator(self) -> Orchestrator | None:
+        """The orchestrator (lives in the Trio thread: read it there, see :meth:`call_soon`)."""
+        return self._orch
+
+    @property
+    def stages(self) -> list[StageClient]:
+        return list(self._orch.stages) if self._orch is not None else []
+
+    def _request_stop(self, drain: float | None) -> None:
+        self._stop_flag = True
+        self._drain = drain
+        self._post_quiet(self._stop_cb)
+
+    def _stop_cb(self) -> None:
+        if self._orch is not None:
+            self._orch.request_shutdown(self._drain)
+        elif self._main_scope is not None:
+            self._main_scope.cancel()
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        if self._closing is None:
+            self._closing = reason
+        self._demux.sweep("shutdown", f"the engine stopped: {self._dead}")
+
+    # ------------------------------------------------------------------ the Trio thread
+    def _thread_main(self) -> None:
+        reason = None
+        try:
+            trio.run(self._trio_main)
+        except BaseException as exc:
+            exc = _unwrap(exc)
+            self._failure = exc
+            reason = f"its orchestrator thread crashed: {type(exc).__name__}: {exc}"
+            if self._ready.is_set():
+                log.error("engine thread crashed", exc_info=exc)
+        finally:
+            self._mark_dead(reason or ("the engine was closed" if self._stop_flag
+                                       else "its orchestrator stopped"))
+            self._ready.set()
+
+    async def _trio_main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as scope:
+            self._main_scope = scope
+            if self._stop_flag:
+                return
+            async with self._pipeline() as raw:
+                spec = _as_spec(raw)
+                orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
+                                    **{**self._orch_options, **spec.options})
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(orch.run)
+                    nursery.start_soon(self._admitter, orch, name="trio_orch.bridge.admitter")
+                    self._orch = orch
+                    self._ready.set()
+                    if self._stop_flag:
+                        orch.request_shutdown(self._drain)
+                    await orch.wait_stopped()
+                    # No more terminals can come from the orchestrator: refuse and drain now,
+                    # before the pipeline's own shutdown (which may take a while).
+                    if self._closing is None:
+                        self._closing = "its orchestrator stopped"
+                    self._demux.sweep("shutdown", f"the engine stopped: {self._closing}")
+                    nursery.cancel_scope.cancel()
+
+    def _admit_cb(self, s: Stream) -> None:
+        """Trio thread: admit at once if there is room and nobody is waiting, else queue."""
+        try:
+            if s.state != PENDING:
+                return
+            if s.detached:
+                self._demux.unregister(s)
+                return
+            orch = self._orch
+            assert orch is not None
+            if self._n_waiting == 0:
+                try:
+                    orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
+                                            timeout=s.timeout)
+                except trio.WouldBlock:
+                    pass
+                except Exception as exc:
+                    self._refused(s, exc)
+                    return
+                else:
+                    self._admitted(s)
+                    return
+            self._n_waiting += 1
+            self._adm_send.send_nowait(s)
+        except BaseException as exc:  # never let a callback kill the Trio run
+            log.exception("admission of %r failed", s.request_id)
+            self._demux.fail(s, exc)
+
+    async def _admitter(self, orch: Orchestrator) -> None:
+        """Admit, in FIFO order, the requests that found the request channel full."""
+        async for s in self._adm_recv:
+            try:
+                if s.state != PENDING:
+                    continue  # aborted or withdrawn while waiting
+                with trio.CancelScope() as cs:
+                    self._sending = (s, cs)
+                    try:
+                        await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
+                                               timeout=s.timeout)
+                    except Exception as exc:
+                        self._refused(s, exc)
+                        continue
+                    finally:
+                        self._sending = None
+                if cs.cancelled_caught:
+                    # Aborted while waiting.  If it was accepted, add_request aborted it and its
+                    # terminal comes from the orchestrator; otherwise we end it here.
+                    if s.state != DONE and s.request_id not in orch.router:
+                        self._ended_unadmitted(s)
+                    continue
+                self._admitted(s)
+            finally:
+                self._n_waiting -= 1
+
+    def _refused(self, s: Stream, exc: Exception) -> None:
+        if isinstance(exc, RuntimeError):  # the orchestrator stopped accepting: a terminal, not a raise
+            self._demux.end(s, OrchError(s.request_id, None, "shutdown", str(exc)))
+        else:
+            self._demux.fail(s, exc)
+
+    def _admitted(self, s: Stream) -> None:
+        if s.state == PENDING:
+            s.state = 1  # ADMITTED
+            if s.want_ack:
+                s.put(ACK)
+
+    def _ended_unadmitted(self, s: Stream) -> None:
+        if s.withdrawn:
+            self._demux.unregister(s)
+            s.put(WITHDRAWN)
+        else:
+            self._demux.end(s, OrchError(s.request_id, None, "aborted",
+                                         "aborted while waiting for room in the request channel"))
+
+    def _abort_cb(self, s: Stream) -> None:
+        """Trio thread: abort ``s`` wherever it is (waiting for admission, queued, routed)."""
+        try:
+            if s.state == DONE:
+                return
+            if s.state == PENDING:
+                sending = self._sending
+                if sending is not None and sending[0] is s:
+                    sending[1].cancel()  # the admitter sorts out whether it was accepted
+                else:
+                    self._ended_unadmitted(s)  # still in the admitter's queue: it will skip it
+                return
+            if self._orch is not None:
+                self._orch.abort_nowait(s.request_id)
+        except BaseException:
+            log.exception("abort of %r failed", s.request_id)
+
+    # ------------------------------------------------------------------ plumbing
+    def _post(self, fn: Callable[..., object], *args: Any) -> None:
+        token = self._token
+        if token is None or self._dead is not None:
+            raise EngineClosed(self._closed_message())
+        try:
+            token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise EngineClosed(self._closed_message()) from None
+
+    def _post_quiet(self, fn: Callable[..., object], *args: Any) -> None:
+        token = self._token
+        if token is not None:
+            try:
+                token.run_sync_soon(fn, *args)
+            except trio.RunFinishedError:
+                pass
+
+    def _closed_message(self) -> str:
+        if not self._ready.is_set() and self._closing is None:
+            return "the engine is not started: call start() or use it as a context manager"
+        return f"the engine is closed: {self._dead or self._closing}"
+
+    def _open(self, cls: type[Stream], prompt: Any, request_id: str | None, final_stage_id: int | None,
+              request_timeout: float | None, **kw: Any) -> Stream:
+        if self._closing is not None or self._dead is not None or self._orch is None:
+            raise EngineClosed(self._closed_message())
+        rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
+        self._orch.router.resolve_final_stage(rid, final_stage_id)  # immutable config: thread-safe
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
+        s = cls(rid, prompt, final_stage_id, request_timeout, **kw)
+        self._demux.register(s)
+        if self._dead is not None or self._closing is not None:  # raced with the fatal drain
+            self._demux.unregister(s)
+            raise EngineClosed(self._closed_message())
+        try:
+            self._post(self._admit_cb, s)
+        except EngineClosed:
+            self._demux.unregister(s)
+            raise
+        return s
+
+    def _client_gone(self, s: Stream) -> None:
+        """The consumer stopped listening before the terminal: abort the request."""
+        if s.state != DONE:
+            s.detached = True
+            self._post_quiet(self._abort_cb, s)
+
+    # ------------------------------------------------------------------ sync API
+    def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
+                    timeout: float | None = None, request_timeout: float | None = None) -> RequestHandle:
+        """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
+
+        Blocks while the request channel is full, for at most ``timeout``
+        seconds (then ``TimeoutError``; nothing was registered).
+        ``request_timeout`` bounds the request's life in the orchestrator.
+        Raises ``ValueError`` for bad parameters or a duplicate active id and
+        :class:`EngineClosed` once the engine is closed.  Do not call it on an
+        asyncio loop's thread (it blocks): use :meth:`generate` there.
+        """
+        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, want_ack=True)
+        assert isinstance(s, SyncStream)
+        h = RequestHandle(self, s)
+        deadline = None if timeout is None else monotonic() + timeout
+        while True:
+            if deadline is None or s.withdrawn:
+                item = s.q.get()
+            else:
+                try:
+                    item = s.q.get(timeout=max(0.0, deadline - monotonic()))
+                except Exception:  # queue.Empty: withdraw; the Trio thread answers ACK or WITHDRAWN
+                    s.withdrawn = True
+                    self._post_quiet(self._withdraw_cb, s)
+                    continue
+            if item is ACK:
+                return h
+            if item is WITHDRAWN:
+                raise TimeoutError(f"request channel stayed full for {timeout}s; request not submitted")
+            h._take(item)  # outputs (or the terminal) overtook the acknowledgement
+            if h._ended:
+                return h
+
+    def _withdraw_cb(self, s: Stream) -> None:
+        try:
+            if s.state != PENDING:
+                return  # already admitted or ended: the ACK/terminal is in its queue
+            sending = self._sending
+            if sending is not None and sending[0] is s:
+                sending[1].cancel()
+            else:
+                self._ended_unadmitted(s)
+        except BaseException:
+            log.exception("withdrawal of %r failed", s.request_id)
+
+    def generate_sync(self, prompt: Any, **kwargs: Any) -> Iterator[Message]:
+        """``for out in engine.generate_sync(prompt)``: add_request + iterate; closing early aborts."""
+        yield from self.add_request(prompt, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request from any thread, without blocking; its consumer gets ``aborted``.
+
+        Unknown or finished id: no-op.  Raises EngineClosed once the engine is dead.
+        """
+        if self._dead is not None:
+            raise EngineClosed(self._closed_message())
+        s = self._demux.streams.get(request_id)
+        if s is not None:
+            self._post_quiet(self._abort_cb, s)
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` in the Trio thread soon (any thread; never blocks).  Must not raise."""
+        self._post(fn, *args)
+
+    def run_sync_in_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` in the Trio thread and return its result (plain threads only)."""
+        if self._token is None or self._dead is not None:
+            raise EngineClosed(self._closed_message())
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise EngineClosed(self._closed_message()) from None
+
+    def stats(self) -> dict[str, Any]:
+        """A metrics snapshot (plain threads only; use :meth:`stats_async` on an asyncio loop)."""
+        try:
+            return self.run_sync_in_trio(self._stats_now)
+        except EngineClosed:
+            return _collect_stats(None, self._demux, 0, False)
+
+    def _stats_now(self) -> dict[str, Any]:
+        return _collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
+
+    @property
+    def latency(self) -> Any:
+        """The handover-latency histogram (dispatcher batch -> consumer)."""
+        return self._demux.latency
+
+    # ------------------------------------------------------------------ asyncio API
+    async def generate(self, prompt: Any, *, request_id: str | None = None,
+                       final_stage_id: int | None = None,
+                       request_timeout: float | None = None) -> AsyncIterator[Message]:
+        """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
+
+        Never blocks the event loop.  Cancellation of the consuming task, or
+        closing the generator before the terminal, aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        assert isinstance(s, AsyncioStream)
+        observe = self._demux.latency.observe
+        ended = False
+        try:
+            while True:
+                item = await s.next_item()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                t, msgs = item
+                observe(perf_counter() - t)
+                for m in msgs:
+                    if m.finished:
+                        ended = True
+                    yield m
+                if ended:
+                    return
+        finally:
+            if not ended:
+                self._client_gone(s)
+
+    async def stats_async(self, timeout: float = 5.0) -> dict[str, Any]:
+        """A metrics snapshot, awaited on an asyncio loop without blocking it."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+
+        def settle(value: Any, exc: BaseException | None) -> None:
+            if not fut.done():
+                fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+        def collect() -> None:
+            try:
+                value, exc = self._stats_now(), None
+            except BaseException as e:
+                value, exc = None, e
+            try:
+                loop.call_soon_threadsafe(settle, value, exc)
+            except RuntimeError:
+                pass
+
+        try:
+            self._post(collect)
+            return await asyncio.wait_for(fut, timeout)
+        except (EngineClosed, TimeoutError):
+            return _collect_stats(None, self._demux, 0, False)
+
+
+class TrioEngine:
+    """The bridge's API for Trio code running in the orchestrator's own thread."""
+
+    def __init__(self, orch: Orchestrator, demux: Demux) -> None:
+        self.orchestrator = orch
+        self._demux = demux
+        self._ids = itertools.count()
+        self._closed: str | None = None
+
+    @property
+    def stages(self) -> list[StageClient]:
+        return list(self.orchestrator.stages)
+
+    @property
+    def latency(self) -> Any:
+        return self._demux.latency
+
+    async def generate(self, prompt: Any, *, request_id: str | None = None,
+                       final_stage_id: int | None = None,
+                       request_timeout: float | None = None) -> AsyncIterator[Message]:
+        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
+        if self._closed is not None:
+            raise EngineClosed(f"the engine is closed: {self._closed}")
+        orch = self.orchestrator
+        rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
+        s = TrioStream(rid, prompt, final_stage_id, request_timeout)
+        self._demux.register(s)
+        try:
+            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
+        except BaseException as exc:
+            if isinstance(exc, RuntimeError) and not isinstance(exc, EngineClosed):
+                self._demux.unregister(s)
+                raise EngineClosed(f"the engine is closed: {exc}") from None
+            if s.state != DONE and rid not in orch.router:
+                self._demux.unregister(s)  # never accepted (or ended while queued)
+            else:
+                s.detached = True  # accepted: its abort's terminal will free the id
+            raise
+        s.state = 1 if s.state == PENDING else s.state
+        observe = self._demux.latency.observe
+        ended = False
+        try:
+            while True:
+                t, msgs = await s.next_item()
+                observe(perf_counter() - t)
+                for m in msgs:
+                    if m.finished:
+                        ended = True
+                    yield m
+                if ended:
+                    return
+        finally:
+            if not ended:
+                s.detached = True
+                orch.abort_nowait(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self.orchestrator.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return _collect_stats(self.orchestrator, self._demux, 0, self._closed is None)
+
+
+@asynccontextmanager
+async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
+                           shutdown_grace: float = 2.0) -> AsyncIterator[TrioEngine]:
+    """``async with open_trio_engine(factory) as engine``: the Trio API, no thread.
+
+    Leaving the block shuts the orchestrator down (no drain); every request
+    still open gets its ``shutdown`` terminal.
+    """
+    demux = Demux()
+    async with pipeline() as raw:
+        spec = _as_spec(raw)
+        opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
+        orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
+        engine = TrioEngine(orch, demux)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(orch.run)
+                try:
+                    yield engine
+                finally:
+                    engine._closed = "the engine was closed"
+                    orch.request_shutdown()
+        finally:
+            engine._closed = engine._closed or "its orchestrator stopped"
+            demux.sweep("shutdown", f"the engine stopped: {engine._closed}")
