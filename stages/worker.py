@@ -348,7 +348,9 @@ def main(argv: list[str] | None = None) -> int:
         raise _Stop(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_term)
-    _set_pdeathsig()
+    # No PR_SET_PDEATHSIG: it fires when the *thread* that forked us exits, and trio's open_process
+    # forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed healthy workers.
+    # Orphans are still caught: serve() exits when getppid() changes (checked every heartbeat).
     if args.fail_at_startup:
         print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
         return 3
