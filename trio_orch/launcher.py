@@ -222,6 +222,28 @@ class _suppress_lookup:
 
 
 @asynccontextmanager
+async def _unwrap_single() -> AsyncIterator[None]:
+    """Re-raise a nursery's lone exception as itself (``except WorkerStartupError`` works)."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaves = _leaves(group)
+        if len(leaves) == 1:
+            raise leaves[0] from None
+        startup = [e for e in leaves if isinstance(e, WorkerStartupError)]
+        if startup and all(isinstance(e, WorkerStartupError | trio.Cancelled) for e in leaves):
+            raise startup[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+@asynccontextmanager
 async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
     """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all."""
     config.validate()
@@ -230,7 +252,7 @@ async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
     pools: list[ReplicaPool] = []
     workers: list[WorkerHandle] = []
     try:
-        async with trio.open_nursery() as nursery:
+        async with _unwrap_single(), trio.open_nursery() as nursery:
             plans = []
             for k, st in enumerate(config.stages):
                 pool = ReplicaPool(k, name=f"stage {k} ({st.label})")

@@ -1,0 +1,104 @@
+"""``trio-orch generate`` and the pipeline config."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import wave
+from pathlib import Path
+
+import pytest
+
+from trio_orch import cli
+from trio_orch.config import default_config, echo_config, load_config
+
+TINY_TOML = """
+[pipeline]
+final_stages = [0, 2]
+seed = 3
+
+[[stages]]
+kind = "thinker"
+[stages.model]
+d_model = 32
+layers = 1
+heads = 2
+max_new_tokens = 10
+min_new_tokens = 10
+
+[[stages]]
+kind = "talker"
+[stages.model]
+d_model = 32
+layers = 1
+heads = 2
+
+[[stages]]
+kind = "code2wav"
+[stages.model]
+dim = 16
+"""
+
+
+def test_generate_streams_text_writes_a_wav_and_prints_timings(tmp_path: Path, capsys, monkeypatch) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    out = tmp_path / "hello.wav"
+    scratch = tmp_path / "scratch"  # where the pipeline's private ipc directory goes
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    rc = cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), "--async-chunk"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "text: " in text and "time to first audio" in text and "async-chunk mode" in text
+    with wave.open(str(out)) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.getnframes() == 10 * 2 * 480  # tokens x frames per token x hop
+        assert any(w.readframes(w.getnframes()))
+    assert not os.listdir(scratch)
+
+
+def test_generate_reports_a_bad_config_clearly(tmp_path: Path, capsys) -> None:
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text('[[stages]]\nkind = "vocoder"\n')
+    assert cli.main(["generate", "Hi", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.toml" in err and "unknown kind 'vocoder'" in err
+
+
+def test_default_config_is_thinker_talker_code2wav() -> None:
+    cfg = default_config()
+    assert [s.kind for s in cfg.stages] == ["thinker", "talker", "code2wav"]
+    assert cfg.final_stage_ids == [0, 2] and not cfg.async_chunk and cfg.device == "cpu"
+    cfg2 = cfg.with_overrides(async_chunk=True, replicas=3, device="cuda")
+    assert cfg2.async_chunk and cfg2.device == "cuda" and all(s.replicas == 3 for s in cfg2.stages)
+    assert cfg.stages[0].replicas == 1  # overrides copy
+
+
+def test_load_config_parses_toml(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text(TINY_TOML)
+    cfg = load_config(p)
+    assert cfg.final_stage_ids == [0, 2] and cfg.seed == 3
+    assert cfg.stages[0].model["max_new_tokens"] == 10
+
+
+@pytest.mark.parametrize("toml, message", [
+    ("[pipeline]\nasync_chunk = true\n", "at least one stage"),
+    ('[[stages]]\nkind = "echo"\nreplicas = 0\n', "replicas >= 1"),
+    ('[pipeline]\nfinal_stages = [3]\n[[stages]]\nkind = "echo"\n', "out of range"),
+    ('[pipeline]\nbogus = 1\n[[stages]]\nkind = "echo"\n', "unknown keys"),
+    ('[[stages]]\nkind = "echo"\ncolour = "red"\n', "unknown keys"),
+    ("not toml [", "not valid TOML"),
+])
+def test_bad_configs_raise_value_error_naming_the_problem(tmp_path: Path, toml: str, message: str) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text(toml)
+    with pytest.raises(ValueError, match=message):
+        load_config(p)
+
+
+def test_echo_config_defaults() -> None:
+    cfg = echo_config(3, replicas=2)
+    assert [s.kind for s in cfg.stages] == ["echo"] * 3 and cfg.final_stage_ids == [2]
+    assert all(s.replicas == 2 for s in cfg.stages)
