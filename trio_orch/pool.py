@@ -6,8 +6,11 @@ flight (ties: lowest index).  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
 (DESIGN §3 replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
-``receive`` raises :class:`StageDead` only once every replica is dead (no
-replica ever comes back: there is no respawn).
+``receive`` raises :class:`StageDead` only once every replica is dead and
+no supervisor will bring one back (``supervised``; see
+:mod:`trio_orch.supervisor`, which swaps a replacement in with
+:meth:`ReplicaPool.replace_replica`).  A *cordoned* replica keeps serving
+the requests it has but gets no new ones (a replica leaving the pool).
 
 Async-chunk: a pool may have a ``downstream`` pool (the next stage).  When
 it submits a request it first *reserves* the downstream replica for it, so
@@ -17,6 +20,7 @@ pool's later (prewarm) submit then uses the reserved replica.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import OrderedDict
@@ -29,6 +33,8 @@ from trio_orch.transport import Event, ZmqStageClient
 from trio_orch.types import StageOutput, StageUnavailable
 
 __all__ = ["ReplicaPool", "StageDead", "StageTiming"]
+
+log = logging.getLogger("trio_orch.pool")
 
 
 class StageDead(RuntimeError):
@@ -70,8 +76,16 @@ class ReplicaPool:
         self.reservation_ttl = 120.0
         self._load: list[int] = []
         self._evicted: set[int] = set()
-        self._send, self._recv = trio.open_memory_channel[tuple[int, Event]](math.inf)
+        self._send, self._recv = trio.open_memory_channel[tuple[int, Event, ZmqStageClient | None]](math.inf)
         self._closed = False
+        #: a supervisor may bring replicas back: ``receive`` then waits instead of raising StageDead
+        self.supervised = False
+        self.cordoned: set[int] = set()
+        self._late: list[StageOutput] = []  # replica_died outputs made outside receive()
+        #: outputs a replica sent for a request it does not hold, dropped here: "unknown" (never
+        #: given to it), "duplicate_finish" (it already finished it), "late" (after an abort; benign)
+        self.stray_outputs: dict[str, int] = {"unknown": 0, "duplicate_finish": 0, "late": 0}
+        self._ended: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # rid -> (replica, finished)
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"
@@ -89,7 +103,45 @@ class ReplicaPool:
     def sink(self, client: ZmqStageClient, event: Event) -> None:
         """Where replica clients put their outputs and their death (synchronous)."""
         try:
-            self._send.send_nowait((client.replica, event))
+            self._send.send_nowait((client.replica, event, client))
+        except trio.ClosedResourceError:
+            pass
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def replace_replica(self, idx: int, client: ZmqStageClient, reason: str = "replaced") -> None:
+        """Put a new, ready ``client`` (made with ``sink=self.sink``) in slot ``idx``.
+
+        The old client of that slot is evicted first if its death was not
+        handled yet (its requests get ``replica_died``); its later events are
+        ignored.  Keeping the index keeps async-chunk ``downstream`` indices valid.
+        """
+        if not 0 <= idx < len(self.replicas):
+            raise IndexError(f"{self.name}: no replica slot {idx}")
+        if idx not in self._evicted:
+            self._evict(idx, reason, self._late)
+        client.replica = idx
+        self.replicas[idx] = client
+        self._evicted.discard(idx)
+        self._wake()
+
+    def cordon(self, idx: int) -> None:
+        """Stop placing new requests on replica ``idx`` (it keeps its current ones)."""
+        self.cordoned.add(idx)
+
+    def uncordon(self, idx: int) -> None:
+        self.cordoned.discard(idx)
+
+    def stop_supervision(self) -> None:
+        """No replica will come back: ``receive`` raises StageDead once none is live."""
+        self.supervised = False
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._send.send_nowait((-1, [], None))
         except trio.ClosedResourceError:
             pass
 
@@ -132,7 +184,7 @@ class ReplicaPool:
             self.release_reservation(rid)
 
     def _place(self) -> int:
-        live = self.live_replicas()
+        live = [i for i in self.live_replicas() if i not in self.cordoned]
         if not live:
             raise StageUnavailable(f"{self.name} has no live replica")
         return min(live, key=lambda i: (self._load[i], i))
@@ -178,7 +230,7 @@ class ReplicaPool:
     async def receive(self) -> list[StageOutput]:
         """At least one output; per-request ``replica_died`` outputs on a replica's death."""
         while True:
-            if not self.live_replicas() and self.replicas:
+            if not self.live_replicas() and self.replicas and not self.supervised and not self._late:
                 try:
                     item = self._recv.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
@@ -188,7 +240,7 @@ class ReplicaPool:
                     item = await self._recv.receive()
                 except trio.EndOfChannel:
                     raise StageDead(f"{self.name} is closed") from None
-            outs: list[StageOutput] = []
+            outs, self._late = self._late, []
             self._handle(item, outs)
             while True:
                 try:
@@ -205,13 +257,17 @@ class ReplicaPool:
         self._send.close()
 
     # ------------------------------------------------------------------ internals
-    def _handle(self, item: tuple[int, Event], outs: list[StageOutput]) -> None:
-        idx, event = item
+    def _handle(self, item: tuple[int, Event, ZmqStageClient | None], outs: list[StageOutput]) -> None:
+        idx, event, client = item
         if isinstance(event, BaseException):
-            self._evict(idx, str(event), outs)
+            if client is self.replicas[idx]:  # not a replaced replica's late death
+                self._evict(idx, str(event), outs)
             return
         now = time.perf_counter()
+        current = client is None or client is self.replicas[idx]
         for o in event:
+            if current and self._bound.get(o.request_id) != idx and self._stray(idx, o):
+                continue
             tm = self.timings.get(o.request_id)
             if tm is not None and tm.replica == idx:
                 if tm.t_first is None:
@@ -219,8 +275,24 @@ class ReplicaPool:
                 if o.finished or o.error is not None:
                     tm.t_done = now
             if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
-                self._unbind(o.request_id)
+                self._unbind(o.request_id, finished=True)
             outs.append(o)
+
+    def _stray(self, idx: int, o: StageOutput) -> bool:
+        """Classify, count and log an output of replica ``idx`` for a request it does not hold."""
+        ended = self._ended.get(o.request_id)
+        if ended is None or ended[0] != idx:
+            kind, what = "unknown", "a request id it was never given"
+        elif ended[1] and (o.finished or o.error is not None):
+            kind, what = "duplicate_finish", "a request it had already finished"
+        else:
+            self.stray_outputs["late"] += 1  # raced with an abort or a death: expected
+            return True
+        n = self.stray_outputs[kind] = self.stray_outputs[kind] + 1
+        if n <= 5 or n % 1000 == 0:
+            log.error("%s replica %d sent an output for %s (%r); dropped (%d such so far)",
+                      self.name, idx, what, o.request_id, n)
+        return True
 
     def _evict(self, idx: int, reason: str, outs: list[StageOutput]) -> None:
         if idx in self._evicted:
@@ -234,10 +306,14 @@ class ReplicaPool:
         for rid in [r for r, i in self._reserved.items() if i == idx]:
             self.release_reservation(rid)
 
-    def _unbind(self, request_id: str) -> int | None:
+    def _unbind(self, request_id: str, *, finished: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
+            ended = self._ended
+            ended[request_id] = (idx, finished)
+            if len(ended) > 8192:
+                ended.popitem(last=False)
         return idx
 
     def _remember(self, request_id: str, timing: StageTiming) -> None:

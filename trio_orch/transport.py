@@ -10,7 +10,10 @@ edge-triggered, so a message left behind would never wake us again (a hang).
 socket itself is always closed by the owner.
 
 An undecodable message is logged, counted in ``garbage_frames`` and dropped;
-the socket keeps working.  The replica is declared dead (``receive`` raises
+the socket keeps working.  A message larger than ``max_message_bytes`` is
+logged and counted in ``oversized_messages``; if it carries outputs, each of
+its requests gets a per-request error instead (so none of them hangs).
+The replica is declared dead (``receive`` raises
 :class:`ReplicaDied` once the outputs received before were delivered) when it
 sends the ``Dying`` sentinel, misses heartbeats for ``heartbeat_timeout``
 seconds, or when the launcher calls :meth:`mark_dead` (process exit).
@@ -73,7 +76,7 @@ class ZmqStageClient:
 
     def __init__(self, ctx: zmq.Context, address: str, *, stage_id: int = 0, replica: int = 0,
                  heartbeat_timeout: float | None = None, sink: Sink | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, max_message_bytes: int | None = None) -> None:
         self.stage_id = stage_id
         self.replica = replica
         self.name = name or f"stage{stage_id}.r{replica}"
@@ -90,6 +93,8 @@ class ZmqStageClient:
         self.dead_event = trio.Event()
         self.closed = False
         self.garbage_frames = 0
+        self.oversized_messages = 0
+        self.max_message_bytes = max_message_bytes
         self.messages_in = 0
         self.messages_out = 0
         self.last_heard = trio.current_time()
@@ -289,6 +294,11 @@ class ZmqStageClient:
                 log.error("%s: dropped a garbage message from the worker: %s", self.name, exc)
                 continue
             t = type(msg)
+            if self.max_message_bytes is not None:
+                size = sum(len(f) for f in frames)
+                if size > self.max_message_bytes:
+                    self._oversized(msg, size, batch)
+                    continue
             if t is Outputs:
                 for it in msg.items:
                     batch.append(StageOutput(it.request_id, it.data, it.finished, it.error,
@@ -312,6 +322,16 @@ class ZmqStageClient:
                 self.mark_dead(f"worker is dying: {msg.reason}")
         if batch:
             self._sink(self, batch)
+
+    def _oversized(self, msg: Any, size: int, batch: list[StageOutput]) -> None:
+        """Refuse a too-large message; fail the requests whose outputs it carried."""
+        self.oversized_messages += 1
+        why = f"worker sent a {size}-byte message, over the limit of {self.max_message_bytes} bytes"
+        rids = [it.request_id for it in msg.items] if type(msg) is Outputs else []
+        log.error("%s: %s (%s); dropped%s", self.name, why, type(msg).__name__,
+                  f", failing requests {sorted(set(rids))[:5]}" if rids else "")
+        for rid in dict.fromkeys(rids):
+            batch.append(StageOutput(rid, None, True, f"{self.name}: {why}"))
 
     def _to_channel(self, client: ZmqStageClient, event: Event) -> None:
         if isinstance(event, BaseException):

@@ -1,0 +1,202 @@
+"""The supervisor and bad worker input, with real worker processes and real ZMQ sockets.
+
+Every test checks DESIGN §3's "exactly one terminal per request" with a
+:class:`~bench.faults.TerminalLedger` and that nothing is left behind
+(:class:`~bench.faults.LeakProbe`: processes, ipc files).  No timing asserts.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from bench.faults import LeakProbe, TerminalLedger, echo_argv, open_stage, rogue_argv
+from trio_orch.config import echo_config
+from trio_orch.launcher import Pipeline, open_pipeline
+from trio_orch.orchestrator import Orchestrator, open_orchestrator
+from trio_orch.supervisor import RestartPolicy, Supervisor, classify_death, open_supervisor
+
+FAST = RestartPolicy(max_restarts=3, window=30.0, backoff_initial=0.05, backoff_max=0.5)
+
+
+@asynccontextmanager
+async def serving(cfg: Any, policy: RestartPolicy = FAST, **sup_kwargs: Any
+                  ) -> AsyncIterator[tuple[Pipeline, Supervisor, Orchestrator, TerminalLedger]]:
+    """Pipeline + supervisor + orchestrator + a consumer feeding a ledger; checks leaks on exit."""
+    probe = LeakProbe()
+    ledger = TerminalLedger()
+    async with open_pipeline(cfg) as pipe, open_supervisor(pipe, policy, **sup_kwargs) as sup:
+        probe.saw(pipe.pids)
+        probe.saw_dir(pipe.tmpdir)
+        async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+            async with trio.open_nursery() as nursery:
+                async def consume() -> None:
+                    async for msg in orch.outputs():
+                        ledger.record(msg)
+
+                nursery.start_soon(consume)
+                yield pipe, sup, orch, ledger
+                orch.request_shutdown()
+        probe.saw(e.new_pid for e in sup.events)
+    assert ledger.without_terminal() == 0
+    assert ledger.duplicates == 0 and ledger.after_terminal == 0
+    assert probe.leaks()["processes"] == 0
+    assert probe.leaks()["ipc_files"] == 0
+
+
+async def add(orch: Orchestrator, ledger: TerminalLedger, rid: str, prompt: Any = "p") -> None:
+    await orch.add_request(rid, prompt)
+    ledger.accepted.add(rid)
+
+
+async def settle(ledger: TerminalLedger) -> None:
+    """Wait until every accepted request has its terminal."""
+    with trio.fail_after(20):
+        while ledger.without_terminal():
+            await trio.sleep(0.01)
+
+
+def slow_echo(replicas: int = 2, stages: int = 2, **kw: Any) -> Any:
+    return echo_config(stages, replicas=replicas, outputs=3, worker_args=["--step-delay-ms", "20"],
+                       heartbeat_interval=0.2, heartbeat_timeout=1.0, stop_grace=1.0, **kw)
+
+
+def test_policy_backoff_and_validation() -> None:
+    p = RestartPolicy(backoff_initial=0.1, backoff_factor=2.0, backoff_max=0.5)
+    assert [p.backoff(n) for n in (1, 2, 3, 4)] == [0.1, 0.2, 0.4, 0.5]
+    with pytest.raises(ValueError, match="invalid restart policy"):
+        RestartPolicy(window=0)
+    assert classify_death("no message for 1.0s (missed heartbeats)") == "heartbeat_timeout"
+    assert classify_death("worker process 7 exited with code -9; stderr") == "exited"
+    assert classify_death("worker is dying: shutdown requested: leaving the pool") == "left"
+
+
+async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
+    async with serving(slow_echo()) as (pipe, sup, orch, ledger):
+        for i in range(20):
+            await add(orch, ledger, f"a{i}")
+        victim = pipe.worker(0, 0).pid
+        os.kill(victim, signal.SIGKILL)
+        await sup.wait_restarts(1)
+        await settle(ledger)
+        kinds = ledger.by_kind()
+        assert set(kinds) <= {"ok", "replica_died"}
+        assert kinds.get("replica_died", 0) >= 1  # requests bound to the victim ended at once
+        assert pipe.worker(0, 0).pid != victim
+        ev = sup.events[0]
+        assert (ev.stage_id, ev.replica, ev.cause, ev.outcome) == (0, 0, "exited", "restarted")
+        assert sup.counters()["restarts.exited"] == 1
+        before = pipe.stages[0].placements[0]
+        for i in range(10):
+            await add(orch, ledger, f"b{i}")
+        await settle(ledger)
+        assert pipe.stages[0].placements[0] > before  # the replacement serves
+        assert all(ledger.terminal[f"b{i}"] == "ok" for i in range(10))
+        fams = sup.prometheus_counters()
+        assert fams["trio_orch_supervisor_restarts"][1] == {(("stage", "0"), ("cause", "exited")): 1}
+
+
+async def test_sigstopped_worker_is_detected_by_heartbeat_killed_and_restarted() -> None:
+    async with serving(slow_echo()) as (pipe, sup, orch, ledger):
+        for i in range(10):
+            await add(orch, ledger, f"a{i}")
+        victim = pipe.worker(1, 1).pid
+        os.kill(victim, signal.SIGSTOP)
+        await sup.wait_restarts(1)
+        assert sup.events[0].cause == "heartbeat_timeout"
+        assert not os.path.exists(f"/proc/{victim}")  # killed and reaped, not left stopped
+        for i in range(10):
+            await add(orch, ledger, f"b{i}")
+        await settle(ledger)
+        assert set(ledger.by_kind()) <= {"ok", "replica_died"}
+        assert [ledger.terminal[f"b{i}"] for i in range(10)] == ["ok"] * 10
+
+
+async def test_last_replica_down_fails_fast_with_stage_unavailable_then_recovers() -> None:
+    # The replacement takes a second to start: requests meanwhile must not wait for it.
+    slow_start = lambda k, r, attempt: ["--startup-delay", "1.0"]  # noqa: E731
+    async with serving(slow_echo(replicas=1, stages=1), extra_args=slow_start) as (pipe, sup, orch, ledger):
+        os.kill(pipe.worker(0, 0).pid, signal.SIGKILL)
+        await sup.wait_for(lambda: bool(sup.events))
+        await add(orch, ledger, "during")
+        await settle(ledger)
+        assert ledger.terminal["during"] == "stage_unavailable"
+        await sup.wait_restarts(1)
+        await add(orch, ledger, "after")
+        await settle(ledger)
+        assert ledger.terminal["after"] == "ok"
+        assert orch.running
+
+
+async def test_crash_loop_exceeds_intensity_and_the_stage_is_given_up() -> None:
+    policy = RestartPolicy(max_restarts=2, window=60.0, backoff_initial=0.01)
+    always_fail = lambda k, r, attempt: ["--fail-at-startup", "bad weights"]  # noqa: E731
+    async with serving(slow_echo(replicas=1, stages=1), policy, extra_args=always_fail) as (pipe, sup, orch,
+                                                                                             ledger):
+        os.kill(pipe.worker(0, 0).pid, signal.SIGKILL)
+        with trio.fail_after(30):
+            await sup.wait_for(lambda: sup.counters().get("gave_up", 0) == 1)
+        assert sup.counters()["restart_failures"] == 2
+        assert sup.events[0].outcome == "gave_up"
+        await add(orch, ledger, "late")
+        await settle(ledger)
+        assert ledger.terminal["late"] == "stage_unavailable"
+        assert orch.running  # the orchestrator survives a dead stage
+
+
+async def test_replica_leaves_gracefully_and_rejoins() -> None:
+    async with serving(slow_echo(stages=1)) as (pipe, sup, orch, ledger):
+        for i in range(10):
+            await add(orch, ledger, f"a{i}")
+        await sup.leave(0, 1)
+        await settle(ledger)
+        assert ledger.by_kind() == {"ok": 10}  # leaving loses nothing
+        placed = pipe.stages[0].placements[1]
+        for i in range(6):
+            await add(orch, ledger, f"b{i}")
+        assert pipe.stages[0].placements[1] == placed  # nothing placed on a replica that left
+        await sup.rejoin(0, 1)
+        for i in range(6):
+            await add(orch, ledger, f"c{i}")
+        await settle(ledger)
+        assert pipe.stages[0].placements[1] > placed
+        assert ledger.by_kind() == {"ok": 22}
+        assert sup.restarts == 0 and sup.counters()["deaths.left"] == 1
+
+
+@pytest.mark.parametrize("mode", ["unknown_rid", "duplicate_finish", "oversized", "garbage"])
+async def test_bad_worker_output_is_counted_and_loses_no_other_output(mode: str) -> None:
+    probe = LeakProbe()
+    ledger = TerminalLedger()
+    argvs = [lambda a: rogue_argv(a, mode, replica=0),
+             lambda a: echo_argv(a, replica=1, extra=["--step-delay-ms", "30"])]
+    async with open_stage(argvs, max_message_bytes=1 << 20, probe=probe) as (pool, handles):
+        async with open_orchestrator([pool], final_stage_ids=[0]) as orch:
+            async with trio.open_nursery() as nursery:
+                async def consume() -> None:
+                    async for msg in orch.outputs():
+                        ledger.record(msg)
+
+                nursery.start_soon(consume)
+                for i in range(40):
+                    await add(orch, ledger, f"r{i}", f"bad{i}")  # the rogue misbehaves on all it gets
+                await settle(ledger)
+                orch.request_shutdown()
+        rogue = handles[0].client
+        counts = {"unknown_rid": pool.stray_outputs["unknown"],
+                  "duplicate_finish": pool.stray_outputs["duplicate_finish"],
+                  "oversized": rogue.oversized_messages, "garbage": rogue.garbage_frames}
+        bad_on_rogue = [f"r{i}" for i in range(40) if pool.timings[f"r{i}"].replica == 0]
+    assert 0 < len(bad_on_rogue) < 40 and counts[mode] == len(bad_on_rogue)
+    assert ledger.without_terminal() == 0 and ledger.duplicates == 0 and ledger.after_terminal == 0
+    want_bad = "stage_failed" if mode == "oversized" else "ok"
+    for i in range(40):
+        expect = want_bad if f"r{i}" in bad_on_rogue else "ok"
+        assert ledger.terminal[f"r{i}"] == expect, (i, ledger.terminal[f"r{i}"])
+    assert probe.leaks()["processes"] == 0 and probe.leaks()["ipc_files"] == 0
