@@ -1,0 +1,68 @@
+"""The modern asyncio reference: the same orchestrator under ``asyncio.TaskGroup`` (3.11+).
+
+Same thread/loop boundary, janus queues, request handler, reader-per-stage and
+serial dispatcher as :class:`bench.asyncio_omni.OmniEventDriven`, but the tasks
+live in one :class:`asyncio.TaskGroup`: a task that crashes cancels its
+siblings and the error comes out of ``run()`` as an ``ExceptionGroup``;
+shutdown cancels the group's tasks and the group waits for them; the cleanup
+is bounded with ``asyncio.timeout``; there is no ``all_tasks()`` sweep (the
+thread runs the loop with :class:`asyncio.Runner`, whose close cancels what is
+left).  Readers use ``Task.cancelling()`` (3.11+) to tell a cancellation of
+their own task from a ``CancelledError`` raised by the stage client (pyzmq
+raises one when a socket is closed under a pending ``recv``).
+
+What TaskGroup does not change is that cancellation stays edge-triggered: a
+task that catches ``CancelledError`` once and keeps awaiting is not cancelled
+again, and the group waits for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from bench.asyncio_shell import AsyncioOrchestrator, StageDied
+from trio_orch.types import StageClient
+
+__all__ = ["TaskGroupOrchestrator"]
+
+
+class TaskGroupOrchestrator(AsyncioOrchestrator):
+    """Event-driven asyncio orchestrator with structured task supervision."""
+
+    variant = "asyncio-taskgroup"
+    bounded_cleanup = True
+
+    async def run(self) -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+                tasks = [tg.create_task(self._request_handler(), name="orchestrator-request-handler"),
+                         tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
+                tasks += [tg.create_task(self._reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
+                          for k, s in enumerate(self.stages)]
+                await self._wait_stop_requested()
+                self._stop.set()
+                for t in tasks:
+                    t.cancel()
+        finally:
+            self._stop.set()
+            await self._finish()
+
+    async def _dispatcher(self, ready_q: asyncio.Queue[tuple[int, Any]]) -> None:
+        while True:
+            stage_id, item = await ready_q.get()
+            await self._perform(self._route(stage_id, item))
+
+    async def _reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
+        try:
+            while True:
+                outs = await stage.receive()
+                ready_q.put_nowait((stage_id, outs))
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our own cancellation
+            ready_q.put_nowait((stage_id, StageDied(exc)))
+        except Exception as exc:
+            ready_q.put_nowait((stage_id, StageDied(exc)))

@@ -1,0 +1,195 @@
+"""The asyncio references behind the thread-side :class:`~bench.harness.Harness`.
+
+As in vLLM-Omni, the orchestrator runs in a thread with its own event loop
+and the serving thread talks to it through janus queues: adds and aborts go
+into the request queue (``sync_q.put``), output batches come out of the
+output queue (``sync_q.get``).  Stage handovers use
+``loop.call_soon_threadsafe``.  The serving-thread side validates a request
+and refuses a duplicate active id before queueing it (the loop-side handler
+would otherwise crash on it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import janus
+
+from bench.asyncio_omni import OmniEventDriven, OmniPolling
+from bench.asyncio_shell import AbortMsg, AddMsg, AsyncioOrchestrator
+from bench.asyncio_stages import AsyncScriptedStage
+from bench.asyncio_taskgroup import TaskGroupOrchestrator
+from bench.harness import Harness, Message
+
+__all__ = ["AsyncioHarness", "OmniEventHarness", "OmniPollingHarness", "TaskGroupHarness"]
+
+
+class AsyncioHarness(Harness):
+    """Drive an :class:`AsyncioOrchestrator` subclass from a thread."""
+
+    framework = "asyncio"
+    orchestrator_cls: type[AsyncioOrchestrator] = OmniEventDriven
+    #: run the loop with asyncio.Runner (cancels leftover tasks on close) instead of
+    #: new_event_loop + run_until_complete + close (what vLLM-Omni's thread does)
+    use_runner = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.orch: AsyncioOrchestrator | None = None
+
+    # ------------------------------------------------------------------ the loop thread
+    def _thread_main(self) -> None:
+        try:
+            if self.use_runner:
+                with asyncio.Runner() as runner:
+                    runner.run(self._amain())
+                    self.tasks_pending_at_loop_end = _pending(runner.get_loop())
+            else:
+                loop = asyncio.new_event_loop()
+                asyncio.set_event_loop(loop)
+                try:
+                    loop.run_until_complete(self._amain())
+                finally:
+                    self.tasks_pending_at_loop_end = _pending(loop)
+                    loop.close()
+        except BaseException as exc:
+            if self.run_error is None:
+                self.run_error = exc
+        finally:
+            self._started.set()
+            self._run_returned.set()
+
+    async def _amain(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        try:
+            self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k))
+                           for k in range(self.num_stages)]
+            self.orch = self.orchestrator_cls(
+                self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
+                forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
+                request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace)
+        except BaseException as exc:
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        me = asyncio.current_task()
+        try:
+            await self.orch.run()
+        except BaseException as exc:
+            self.run_error = exc
+        finally:
+            self.orch.output_queue.shutdown()
+            self.tasks_alive_after_run = sum(1 for t in asyncio.all_tasks() if t is not me and not t.done())
+            self._run_returned.set()
+
+    def _next_batch(self, timeout: float) -> list[Message] | None:
+        assert self.orch is not None
+        try:
+            return self.orch.output_queue.sync_q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output within {timeout}s") from None
+        except janus.SyncQueueShutDown:
+            return None
+
+    async def loop_next_batch(self) -> list[Message] | None:
+        assert self.orch is not None
+        try:
+            return await self.orch.output_queue.async_q.get()
+        except janus.AsyncQueueShutDown:
+            return None
+
+    # ------------------------------------------------------------------ handovers
+    def _request_shutdown(self, timeout: float | None) -> None:
+        assert self.orch is not None
+        self.call_soon(self.orch.request_shutdown, timeout)
+
+    def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                    wait: bool = True, timeout: float = 5.0) -> None:
+        orch = self.orch
+        assert orch is not None
+        orch.router.resolve_final_stage(request_id, final_stage_id)  # ValueError, nothing queued
+        with orch.live_lock:
+            if request_id in orch.live:
+                raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
+            orch.live.add(request_id)
+        done = threading.Event() if wait else None
+        try:
+            orch.request_queue.sync_q.put(AddMsg(request_id, prompt, final_stage_id, done))
+        except janus.SyncQueueShutDown:
+            with orch.live_lock:
+                orch.live.discard(request_id)
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        if done is not None and not done.wait(timeout):
+            raise TimeoutError(f"request {request_id!r} was not handled within {timeout}s")
+
+    def abort(self, request_id: str) -> None:
+        assert self.orch is not None
+        try:
+            self.orch.request_queue.sync_q.put(AbortMsg(request_id))
+        except janus.SyncQueueShutDown:
+            pass  # stopped: every request already had its terminal
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
+        assert self.loop is not None
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the loop did not run the call within {timeout}s") from None
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def run_in_loop(self, afn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
+        assert self.loop is not None
+        fut = asyncio.run_coroutine_threadsafe(afn(*args), self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"the coroutine did not finish within {timeout}s") from None
+
+    @property
+    def active_requests(self) -> int:
+        assert self.orch is not None
+        return len(self.orch.live)
+
+    def _router(self) -> Any:
+        assert self.orch is not None
+        return self.orch.router
+
+
+def _pending(loop: asyncio.AbstractEventLoop) -> int:
+    return sum(1 for t in asyncio.all_tasks(loop) if not t.done())
+
+
+class OmniEventHarness(AsyncioHarness):
+    impl = "omni-event"
+    orchestrator_cls = OmniEventDriven
+
+
+class OmniPollingHarness(AsyncioHarness):
+    impl = "omni-poll"
+    orchestrator_cls = OmniPolling
+
+
+class TaskGroupHarness(AsyncioHarness):
+    impl = "asyncio-taskgroup"
+    orchestrator_cls = TaskGroupOrchestrator
+    use_runner = True
