@@ -227,15 +227,21 @@ class Engine:
 
     ``pipeline`` is a :data:`PipelineFactory`.  ``startup_timeout`` bounds
     :meth:`start`; ``close_timeout`` bounds :meth:`close` (beyond any drain).
+    ``request_queue_size``, ``shutdown_grace`` and ``request_timeout`` go to
+    the :class:`Orchestrator` (the pipeline's own options come on top).
     """
 
     def __init__(self, pipeline: PipelineFactory, *, startup_timeout: float = 60.0,
                  close_timeout: float = 10.0, request_queue_size: int = 256,
-                 shutdown_grace: float = 2.0, name: str = "trio-orch-engine") -> None:
+                 shutdown_grace: float = 2.0, request_timeout: float | None = None,
+                 name: str = "trio-orch-engine") -> None:
         self._pipeline = pipeline
         self.startup_timeout = startup_timeout
         self.close_timeout = close_timeout
-        self._orch_options = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace}
+        self._orch_options: dict[str, Any] = {"request_queue_size": request_queue_size,
+                                              "shutdown_grace": shutdown_grace}
+        if request_timeout is not None:
+            self._orch_options["request_timeout"] = request_timeout
         self.name = name
         self._demux = Demux()
         self._ids = itertools.count()
@@ -312,6 +318,16 @@ class Engine:
     @property
     def stages(self) -> list[StageClient]:
         return list(self._orch.stages) if self._orch is not None else []
+
+    @property
+    def final_stage_ids(self) -> frozenset[int]:
+        """The pipeline's final-output stages (empty before start)."""
+        return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
+
+    @property
+    def closed_reason(self) -> str | None:
+        """Why the engine refuses requests (None while it runs)."""
+        return self._dead or self._closing
 
     def _request_stop(self, drain: float | None) -> None:
         self._stop_flag = True
