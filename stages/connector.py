@@ -66,7 +66,8 @@ class ChunkInbox:
         entry[1].append((chunk.data, chunk.end))
 
     def claim(self, request_id: str) -> list[tuple[Any, bool]]:
-        """The buffered chunks of a request that just arrived, in order."""
+        """The buffered chunks of a request that just arrived, in order (a reused id is live again)."""
+        self._gone.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
         return entry[1] if entry else []
 
@@ -113,9 +114,15 @@ class ChunkOutbox:
         self.sent = 0
 
     def send(self, replica: int, request_id: str, data: Any, end: bool) -> None:
+        """Queue one chunk; raise ``zmq.Again`` rather than block when the replica's queue is full.
+
+        Never blocking matters: a dead downstream replica must not hang this
+        worker (and with it the heartbeats of every request it serves).
+        """
         if not 0 <= replica < len(self.socks):
             raise ValueError(f"no downstream replica {replica} (have {len(self.socks)})")
-        self.socks[replica].send_multipart(self.codec.encode(Chunk(request_id, data, end)), copy=False)
+        frames = self.codec.encode(Chunk(request_id, data, end))
+        self.socks[replica].send_multipart(frames, zmq.NOBLOCK, copy=False)
         self.sent += 1
 
     def close(self) -> None:

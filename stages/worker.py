@@ -85,7 +85,6 @@ class Worker:
         self.outbox = ChunkOutbox(ctx, args.downstream) if args.downstream else None
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
-        self.aborted: set[str] = set()
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
                       "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0}
         self.t_start = time.monotonic()
@@ -129,7 +128,6 @@ class Worker:
             self.stats["aborts"] += len(msg.request_ids)
             for rid in msg.request_ids:
                 self.retire(rid)
-                self.aborted.add(rid)
         elif type(msg) is Rpc:
             self.send(RpcReply(msg.call_id, self.rpc(msg.method)))
         elif type(msg) is Shutdown:
@@ -140,7 +138,6 @@ class Worker:
         if rid in self.active or any(r.request_id == rid for r in self.waiting):
             self.send(RequestError(rid, f"request {rid!r} is already active on this worker"))
             return
-        self.aborted.discard(rid)
         req = ReqState(rid, msg.payload, msg.downstream)
         if self.inbox is not None:
             req.upstream = True
@@ -157,7 +154,7 @@ class Worker:
             self.send(RequestError(rid, f"stage {self.args.stage_id} refused the request: {exc}"))
             return
         if self.inbox is not None:
-            for data, end in self.inbox.claim(rid):
+            for data, end in self.inbox.claim(rid):  # chunks that came before the submit
                 self.model.feed(req, data, end)
         self.waiting.append(req)
 
@@ -216,7 +213,14 @@ class Worker:
                 continue
             assert isinstance(res, StepResult)
             if req.downstream >= 0 and self.outbox is not None and (res.chunk is not None or res.finished):
-                self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished)
+                try:
+                    self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished)
+                except zmq.Again:  # downstream dead or far behind: fail the request, never block
+                    self.stats["errors"] += 1
+                    items.append(OutItem(req.request_id, None, True, f"downstream replica {req.downstream} "
+                                         "of the next stage is not taking chunks (dead or full)", now))
+                    self.retire(req.request_id)
+                    continue
                 self.stats["chunks_out"] += 1
             if res.finished:
                 items.append(OutItem(req.request_id, None if control_only else res.data, True, None, now))

@@ -73,6 +73,7 @@ class ReplicaPool:
         self._bound: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
         self._reserved_at: OrderedDict[str, float] = OrderedDict()
+        self._doomed: OrderedDict[str, None] = OrderedDict()  # reservations lost with their replica
         self.reservation_ttl = 120.0
         self._load: list[int] = []
         self._evicted: set[int] = set()
@@ -161,6 +162,7 @@ class ReplicaPool:
         if idx is not None and idx in self.live_replicas():
             return idx
         self._expire_reservations()
+        self._doomed.pop(request_id, None)
         idx = self._place()
         self._reserved[request_id] = idx
         self._reserved_at[request_id] = time.monotonic()
@@ -195,6 +197,8 @@ class ReplicaPool:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
             raise ValueError(f"{self.name}: request {request_id!r} is already active here")
+        if self._doomed.pop(request_id, 0) is None:
+            raise StageUnavailable(f"{self.name}: the replica reserved for {request_id!r} died")
         idx = self._reserved.pop(request_id, None)
         self._reserved_at.pop(request_id, None)
         if idx is not None:
@@ -305,6 +309,9 @@ class ReplicaPool:
                                     error_kind="replica_died", t_produced=time.perf_counter()))
         for rid in [r for r, i in self._reserved.items() if i == idx]:
             self.release_reservation(rid)
+            self._doomed[rid] = None  # upstream streams its chunks there: its submit must fail
+        while len(self._doomed) > 4096:
+            self._doomed.popitem(last=False)
 
     def _unbind(self, request_id: str, *, finished: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)

@@ -1,0 +1,118 @@
+"""ReplicaPool placement, binding, eviction and reservations, with in-process fake replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+
+from trio_orch.pool import ReplicaPool, StageDead
+from trio_orch.transport import ReplicaDied
+from trio_orch.types import StageOutput, StageUnavailable
+
+
+class FakeReplica:
+    """Stands in for a ZmqStageClient: records calls, emits through the pool's sink."""
+
+    def __init__(self, pool: ReplicaPool) -> None:
+        self.pool = pool
+        self.replica = -1
+        self.alive = True
+        self.submits: list[tuple[str, Any, int]] = []
+        self.aborts: list[str] = []
+        pool.add_replica(self)  # type: ignore[arg-type]
+
+    async def submit(self, rid: str, payload: Any, *, downstream: int = -1) -> None:
+        if not self.alive:
+            raise StageUnavailable("dead")
+        self.submits.append((rid, payload, downstream))
+
+    async def abort(self, rids: list[str]) -> None:
+        self.aborts.extend(rids)
+
+    async def aclose(self) -> None:
+        self.alive = False
+
+    def emit(self, rid: str, data: Any = None, finished: bool = False) -> None:
+        self.pool.sink(self, [StageOutput(rid, data, finished)])  # type: ignore[arg-type]
+
+    def die(self, why: str = "boom") -> None:
+        self.alive = False
+        self.pool.sink(self, ReplicaDied(why))  # type: ignore[arg-type]
+
+
+async def test_least_in_flight_placement_and_binding() -> None:
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    for i in range(4):
+        await pool.submit(f"r{i}", i)
+    assert [s[0] for s in a.submits] == ["r0", "r2"] and [s[0] for s in b.submits] == ["r1", "r3"]
+    a.emit("r0", "x", finished=True)
+    a.emit("r2", "y", finished=True)
+    outs = await pool.receive()
+    assert [o.data for o in outs] == ["x", "y"]
+    assert pool.in_flight() == [0, 2]
+    await pool.submit("r4", 4)  # a now has the fewest in flight
+    assert pool.replica_of("r4") == 0 and pool.placements == [3, 2]
+
+
+async def test_replica_death_fails_only_its_requests_and_evicts_it() -> None:
+    pool = ReplicaPool(1, name="talker")
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    for i in range(4):
+        await pool.submit(f"r{i}", i)
+    a.emit("r0", "partial")
+    a.die("worker process exited with code -9")
+    outs = await pool.receive()
+    assert outs[0].data == "partial"
+    died = {o.request_id: o for o in outs[1:]}
+    assert set(died) == {"r0", "r2"}
+    assert all(o.finished and o.error_kind == "replica_died" and "code -9" in o.error for o in died.values())
+    assert pool.live_replicas() == [1]
+    await pool.submit("r5", 5)
+    assert b.submits[-1][0] == "r5"  # new work goes to the survivor
+    b.die()
+    outs = await pool.receive()
+    assert {o.request_id for o in outs} == {"r1", "r3", "r5"}
+    with pytest.raises(StageUnavailable):
+        await pool.submit("r6", 6)
+    with pytest.raises(StageDead, match="every replica is dead"):
+        await pool.receive()
+
+
+async def test_abort_goes_to_the_bound_replica_and_frees_it() -> None:
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    await pool.submit("r0", 0)
+    await pool.submit("r1", 1)
+    await pool.abort(["r1", "unknown"])
+    assert b.aborts == ["r1"] and a.aborts == []
+    assert pool.in_flight() == [1, 0]
+
+
+async def test_downstream_reservation_routes_chunks_and_the_prewarm_submit() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    u = FakeReplica(up)
+    d0, d1 = FakeReplica(down), FakeReplica(down)
+    await down.submit("busy", None)  # d0 has one in flight
+    await up.submit("r1", "prompt")
+    assert u.submits == [("r1", "prompt", 1)]  # stage 0 streams r1's chunks to replica 1
+    await down.submit("r1", {"prewarm": 1})
+    assert d1.submits == [("r1", {"prewarm": 1}, -1)] and d0.submits[-1][0] == "busy"
+
+
+async def test_submit_fails_when_the_reserved_replica_died() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    FakeReplica(up)
+    d0, _ = FakeReplica(down), FakeReplica(down)
+    await up.submit("r1", "prompt")
+    assert down.replica_of("r1") == 0
+    d0.die()
+    with trio.move_on_after(0.05):  # the death is processed (no request was bound: no output)
+        await down.receive()
+    assert down.live_replicas() == [1]
+    with pytest.raises(StageUnavailable, match="reserved"):
+        await down.submit("r1", {"prewarm": 1})  # its chunks went to the dead replica
