@@ -496,3 +496,43 @@ async def test_trio_api_generate_cancel_and_close() -> None:
     assert len(left) == 1 and left[0].kind == "shutdown"
     with pytest.raises(EngineClosed):
         await engine.generate("p").__anext__()
+
+
+# ---------------------------------------------------------------- real worker processes
+def test_worker_set_that_cannot_start_raises_startup_error_with_cause(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    from trio_orch.config import echo_config
+    from trio_orch.launcher import WorkerStartupError, open_pipeline
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's ipc dir goes here
+    cfg = echo_config(2, worker_args=["--fail-at-startup", "no GPU here"], startup_timeout=20)
+    engine = Engine(lambda: open_pipeline(cfg), startup_timeout=30)
+    with pytest.raises(EngineStartupError, match="no GPU here") as info:
+        engine.start()
+    assert isinstance(info.value.__cause__, WorkerStartupError)
+    assert not engine._thread.is_alive()
+    assert list(tmp_path.iterdir()) == []  # no ipc socket or log left
+    with pytest.raises(EngineClosed, match=r"failed|crashed"):
+        engine.add_request("x")
+
+
+def test_sync_and_asyncio_callers_over_real_echo_workers() -> None:
+    from trio_orch.config import echo_config
+    from trio_orch.launcher import open_pipeline
+
+    cfg = echo_config(2, final_stage_ids=[0, 1], outputs=3)
+    with Engine(lambda: open_pipeline(cfg)) as engine:
+        msgs = list(engine.add_request("ping", request_id="s1"))
+        assert [(m.stage_id, m.data) for m in msgs] == [(0, "ping")] * 3 + [(1, "ping")] * 3
+        assert msgs[-1].finished and not any(m.finished for m in msgs[:-1])
+
+        async def many() -> list[list[Any]]:
+            async def one(i: int) -> list[Any]:
+                return [m async for m in engine.generate(f"p{i}", final_stage_id=0)]
+            return await asyncio.gather(*(one(i) for i in range(20)))
+
+        for i, out in enumerate(run_async(many)):
+            assert [m.data for m in out] == [f"p{i}"] * 3 and out[-1].finished
+        assert engine.stats()["inflight_by_replica"] == {(0, "0"): 0, (1, "0"): 0}

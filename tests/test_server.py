@@ -300,6 +300,32 @@ def test_engine_death_mid_stream_ends_streams_and_later_requests_get_503() -> No
         s.stop()
 
 
+# ---------------------------------------------------------------- real worker processes
+def test_disconnect_mid_stream_aborts_on_the_worker_process() -> None:
+    from trio_orch.config import echo_config
+    from trio_orch.launcher import open_pipeline
+
+    # one slow echo worker: 400 outputs, 5 ms apart
+    cfg = echo_config(1, final_stage_ids=[0], outputs=400, worker_args=["--step-delay-ms", "5"])
+    s = Served(Engine(lambda: open_pipeline(cfg)).start())
+    try:
+        worker = s.engine.stages[0].replicas[0]  # the pool's ZMQ client of replica 0
+
+        def worker_stats() -> dict[str, Any]:
+            return s.engine.run_in_trio(worker.rpc, "stats")
+
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            with c.stream("POST", "/v1/chat/completions", json=chat("echo me", stream=True)) as r:
+                lines = r.iter_lines()
+                got = [next(lines) for _ in range(3)]
+                assert "user: echo me" in got[2]
+            wait_until(lambda: worker_stats()["aborts"] == 1, "the worker process sees the abort")
+            assert worker_stats()["active"] == 0
+            assert metrics(c)["trio_orch_http_client_disconnects_total"] == 1
+    finally:
+        s.stop()
+
+
 # ---------------------------------------------------------------- the real command, real workers
 def _children(pid: int) -> list[int]:
     kids = []

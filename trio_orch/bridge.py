@@ -24,6 +24,7 @@ import itertools
 import logging
 import math
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
@@ -36,6 +37,7 @@ import trio
 
 from trio_orch.demux import (
     ACK,
+    ADMITTED,
     DONE,
     PENDING,
     WITHDRAWN,
@@ -189,7 +191,7 @@ class RequestHandle:
                 else:
                     try:
                         item = q.get(timeout=max(0.0, deadline - monotonic()))
-                    except Exception:  # queue.Empty
+                    except queue.Empty:
                         raise TimeoutError(f"no output for request {self.request_id!r} "
                                            f"within {timeout}s") from None
                 self._take(item)
@@ -450,7 +452,7 @@ class Engine:
 
     def _admitted(self, s: Stream) -> None:
         if s.state == PENDING:
-            s.state = 1  # ADMITTED
+            s.state = ADMITTED
             if s.want_ack:
                 s.put(ACK)
 
@@ -550,7 +552,7 @@ class Engine:
             else:
                 try:
                     item = s.q.get(timeout=max(0.0, deadline - monotonic()))
-                except Exception:  # queue.Empty: withdraw; the Trio thread answers ACK or WITHDRAWN
+                except queue.Empty:  # withdraw; the Trio thread answers ACK or WITHDRAWN
                     s.withdrawn = True
                     self._post_quiet(self._withdraw_cb, s)
                     continue
@@ -599,6 +601,15 @@ class Engine:
             raise EngineClosed(self._closed_message())
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise EngineClosed(self._closed_message()) from None
+
+    def run_in_trio(self, async_fn: Callable[..., Any], *args: Any) -> Any:
+        """Await ``async_fn(*args)`` in the Trio thread and return its result (plain threads only)."""
+        if self._token is None or self._dead is not None:
+            raise EngineClosed(self._closed_message())
+        try:
+            return trio.from_thread.run(async_fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise EngineClosed(self._closed_message()) from None
 
@@ -713,7 +724,8 @@ class TrioEngine:
             else:
                 s.detached = True  # accepted: its abort's terminal will free the id
             raise
-        s.state = 1 if s.state == PENDING else s.state
+        if s.state == PENDING:
+            s.state = ADMITTED
         observe = self._demux.latency.observe
         ended = False
         try:
