@@ -19,6 +19,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import time
@@ -88,7 +89,7 @@ class Worker:
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
                       "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0}
         self.t_start = time.monotonic()
-        self.parent = os.getppid()
+        self.parent: int = args.parent_pid
 
     # ------------------------------------------------------------------ sending
     def send(self, msg: Any) -> None:
@@ -244,8 +245,9 @@ class Worker:
         if a.die_after_steps and n >= a.die_after_steps:
             raise RuntimeError(f"injected fatal error after {n} steps")
         if a.hang_after_steps and n >= a.hang_after_steps:
-            while True:  # silent: no heartbeats; the launcher must notice and kill us
-                time.sleep(1)
+            while os.getppid() == self.parent:  # silent: no heartbeats; the launcher must kill us
+                time.sleep(0.2)
+            raise _Stop("parent process exited")
 
     # ------------------------------------------------------------------ main loop
     def serve(self) -> str:
@@ -254,7 +256,7 @@ class Worker:
         poller.register(self.sock, zmq.POLLIN)
         if self.inbox is not None:
             poller.register(self.inbox.sock, zmq.POLLIN)
-        hb_every = a.heartbeat_interval
+        hb_every = a.heartbeat_interval if a.heartbeat_interval > 0 else 1.0  # also the parent check
         next_hb = time.monotonic() + hb_every
         next_purge = time.monotonic() + 5.0
         busy = False
@@ -304,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="async-chunk: bind a PULL inbox here; inputs then arrive as upstream chunks")
     p.add_argument("--downstream", action="append", default=[],
                    help="async-chunk: inbox address of a next-stage replica (repeat, in replica order)")
+    p.add_argument("--cleanup-dir", default=None, metavar="DIR",
+                   help="the launcher's private ipc directory: removed by the worker if it exits because "
+                        "its parent died (a SIGKILLed orchestrator leaves no ipc file behind)")
     p.add_argument("--control-only", action="store_true",
                    help="async-chunk, non-final stage: send only the finished control output upstream")
     f = p.add_argument_group("fault injection (for tests and chaos runs)")
@@ -328,19 +333,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _set_pdeathsig() -> None:
-    """Linux: get SIGTERM when the parent dies, even if it is SIGKILLed (best effort)."""
-    if sys.platform != "linux":
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # pragma: no cover
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fmt = f"%(asctime)s worker[{args.stage_id}.{args.replica}] %(levelname)s %(message)s"
@@ -358,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fail_at_startup:
         print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
         return 3
-    if args.startup_delay:
-        time.sleep(args.startup_delay)
+    args.parent_pid = parent = os.getppid()
+    deadline = time.monotonic() + args.startup_delay
+    while time.monotonic() < deadline and os.getppid() == parent:
+        time.sleep(min(0.1, deadline - time.monotonic()))
     ctx = zmq.Context()
     worker: Worker | None = None
     reason = "exited"
@@ -389,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
                 pass
             worker.close()
         ctx.term()
+        if args.cleanup_dir and reason == "parent process exited":
+            shutil.rmtree(args.cleanup_dir, ignore_errors=True)
     log.info("exiting: %s", reason)
     return code
 

@@ -252,3 +252,56 @@ async def test_per_request_stage_error_fails_only_that_request() -> None:
     assert isinstance(terminals["bad"], OrchError) and terminals["bad"].kind == "stage_failed"
     assert "injected failure" in terminals["bad"].message
     assert isinstance(terminals["good"], OrchOutput)
+
+
+HOLDER = """
+import sys, trio
+from trio_orch.config import echo_config
+from trio_orch.launcher import open_pipeline
+
+async def main():
+    async with open_pipeline(echo_config(2, replicas=2, heartbeat_interval=0.2)) as pipe:
+        print(pipe.tmpdir, *pipe.pids, flush=True)
+        await trio.sleep_forever()
+
+trio.run(main)
+"""
+
+
+async def _start_holder() -> tuple[trio.Process, str, list[int]]:
+    """A separate orchestrator process holding a pipeline open; returns (process, ipc dir, worker pids)."""
+    import subprocess
+    import sys
+
+    proc = await trio.lowlevel.open_process([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    line = b""
+    with trio.fail_after(30):
+        while not line.endswith(b"\n"):
+            chunk = await proc.stdout.receive_some(4096)
+            assert chunk, "the holder exited early"
+            line += chunk
+    tmpdir, *pids = line.decode().split()
+    return proc, tmpdir, [int(p) for p in pids]
+
+
+async def _gone(pids: list[int], tmpdir: str, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while any(_alive(p) for p in pids) or os.path.exists(tmpdir):
+            await trio.sleep(0.05)
+
+
+async def test_sigterm_to_the_orchestrator_process_stops_workers_and_cleans_up() -> None:
+    proc, tmpdir, pids = await _start_holder()
+    assert len(pids) == 4 and os.path.isdir(tmpdir)
+    proc.send_signal(signal.SIGTERM)
+    with trio.fail_after(10):
+        assert await proc.wait() == 143
+    await _gone(pids, tmpdir, timeout=1)  # cleaned up before the process exited
+
+
+async def test_sigkill_of_the_orchestrator_process_leaves_no_worker_or_ipc_file() -> None:
+    proc, tmpdir, pids = await _start_holder()
+    proc.kill()
+    await proc.wait()
+    await _gone(pids, tmpdir)  # the orphaned workers notice and clean up after their parent

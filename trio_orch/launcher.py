@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
     argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
             "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
             "--device", cfg.device, "--seed", str(cfg.seed + 1000 * k + r), "--threads", str(st.threads),
-            "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval)]
+            "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval),
+            "--cleanup-dir", tmpdir]
     if cfg.async_chunk:
         if k > 0:
             argv += ["--inbox", _inbox(tmpdir, k, r)]
@@ -243,9 +245,31 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+async def _exit_on_sigterm(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """Turn SIGTERM into ``SystemExit(143)`` so the pipeline unwinds and stops its workers.
+
+    Python's default SIGTERM action kills the process on the spot, skipping
+    every ``finally``: the workers would be orphaned and the ipc directory left.
+    """
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        task_status.started()
+        async for _ in signals:
+            log.warning("SIGTERM: stopping the pipeline's workers")
+            raise SystemExit(128 + signal.SIGTERM)
+
+
 @asynccontextmanager
-async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
-    """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all."""
+async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) -> AsyncIterator[Pipeline]:
+    """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all.
+
+    Raises :class:`WorkerStartupError` if a worker does not become ready.  A
+    lone exception from inside the block is re-raised as itself, not wrapped
+    in an exception group.  With ``handle_sigterm`` (and only in the main
+    thread), SIGTERM while the pipeline is open raises ``SystemExit(143)``
+    after the workers were stopped, instead of killing the process without
+    cleanup.  Workers also exit, and remove the ipc directory, if this
+    process dies without cleaning up (e.g. SIGKILL).
+    """
     config.validate()
     tmpdir = tempfile.mkdtemp(prefix="trio-orch-")
     ctx = zmq.Context()
@@ -253,6 +277,8 @@ async def open_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
     workers: list[WorkerHandle] = []
     try:
         async with _unwrap_single(), trio.open_nursery() as nursery:
+            if handle_sigterm and threading.current_thread() is threading.main_thread():
+                await nursery.start(_exit_on_sigterm)
             plans = []
             for k, st in enumerate(config.stages):
                 pool = ReplicaPool(k, name=f"stage {k} ({st.label})")
