@@ -380,6 +380,41 @@ def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
         assert isinstance(engine._failure, Boom)
 
 
+def test_crash_drains_queued_and_backpressured_callers_too() -> None:
+    stages = [KillableStage(0)]
+    engine = Engine(static_pipeline(stages, {0}), request_queue_size=1)
+    engine.start()
+    engine.call_soon(stages[0].hold_submits)
+    stuck = engine.add_request("a", request_id="stuck")  # the handler is stuck submitting it
+    wait_until(lambda: engine.stats()["queued_requests"] == 0)
+    queued = engine.add_request("b", request_id="queued")  # in the channel, never handled
+    results: dict[str, list[Any]] = {"sync": [], "async": []}
+
+    def sync_waiter() -> None:
+        results["sync"].extend(engine.add_request("c", request_id="sync-waiting"))
+
+    def async_waiter() -> None:
+        async def go() -> None:
+            results["async"].extend([m async for m in engine.generate("d", request_id="async-waiting")])
+        run_async(go)
+
+    threads = [threading.Thread(target=sync_waiter), threading.Thread(target=async_waiter)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: engine.stats()["admission_waiting"] == 2, "two callers waiting for room")
+    engine.call_soon(stages[0].kill)
+    for t in threads:
+        t.join(HANG)
+        assert not t.is_alive()
+    for msgs in (list(stuck), list(queued), results["sync"], results["async"]):
+        assert len(msgs) == 1 and isinstance(msgs[0], OrchError) and msgs[0].kind == "shutdown"
+    engine._thread.join(HANG)
+    assert engine._demux.streams == {}
+    with pytest.raises(EngineClosed, match="crashed: Boom"):
+        engine.add_request("later")
+    engine.close()
+
+
 def test_orchestrator_stopping_on_its_own_drains() -> None:
     engine, _ = make(1, {0})
     with engine:

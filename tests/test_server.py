@@ -385,3 +385,37 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_request_timeout_gives_504_or_a_timeout_error_event() -> None:
+    s = Served(Engine(toy_pipeline(token_delay=0.01), request_timeout=0.1).start())
+    try:
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            words = " ".join(f"w{i}" for i in range(300))
+            r = c.post("/v1/chat/completions", json=chat(words))
+            assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
+            with c.stream("POST", "/v1/chat/completions", json=chat(words, stream=True)) as r:
+                events = sse_events(r.iter_lines())
+            assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+            assert metrics(c)["trio_orch_errors_total{kind=timeout}"] == 2
+            assert c.post("/v1/chat/completions", json=chat("quick")).status_code == 200
+    finally:
+        s.stop()
+
+
+def test_health_is_degraded_when_a_stage_dies() -> None:
+    from trio_orch.bridge import static_pipeline
+    from trio_orch.testing import ScriptedStage
+
+    stages = [ScriptedStage(0), ScriptedStage(1)]
+    s = Served(Engine(static_pipeline(stages, {0, 1})).start())
+    try:
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            assert c.get("/health").json()["status"] == "ok"
+            s.engine.call_soon(stages[1].fail_nowait)
+            wait_until(lambda: c.get("/health").status_code == 503, "health reports the dead stage")
+            h = c.get("/health").json()
+            assert h["status"] == "degraded" and h["stages_available"] == [True, False]
+            assert metrics(c)["trio_orch_stage_available{stage=1}"] == 0
+    finally:
+        s.stop()

@@ -20,6 +20,7 @@ every later call raises :class:`EngineClosed` at once.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import math
@@ -270,6 +271,7 @@ class Engine:
             raise RuntimeError("Engine.start() called twice")
         self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
         self._thread.start()
+        atexit.register(self.close)  # a daemon thread dies abruptly at exit: stop the pipeline first
         if not self._ready.wait(self.startup_timeout):
             self._request_stop(None)
             self._thread.join(self.close_timeout)
@@ -294,6 +296,7 @@ class Engine:
         if self._thread is None:
             self._mark_dead("the engine was closed before it started")
             return
+        atexit.unregister(self.close)
         self._request_stop(drain)
         self._thread.join(self.close_timeout + (drain or 0.0))
         if self._thread.is_alive():
