@@ -305,3 +305,11 @@ async def test_sigkill_of_the_orchestrator_process_leaves_no_worker_or_ipc_file(
     proc.kill()
     await proc.wait()
     await _gone(pids, tmpdir)  # the orphaned workers notice and clean up after their parent
+
+
+async def test_ctrl_c_in_the_orchestrator_process_stops_workers_and_cleans_up() -> None:
+    proc, tmpdir, pids = await _start_holder()
+    proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the orchestrator (workers ignore it)
+    with trio.fail_after(10):
+        assert await proc.wait() != 0  # KeyboardInterrupt propagated out of trio.run
+    await _gone(pids, tmpdir, timeout=1)

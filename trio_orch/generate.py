@@ -114,6 +114,9 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
     if any(cfg.stages[k].kind == "code2wav" for k in cfg.final_stage_ids):
         print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
     print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
+    if not cfg.async_chunk and len(cfg.stages) > 1:
+        print("  (each stage starts when the previous one finished; --async-chunk streams chunks "
+              "stage to stage, so audio starts while the text is still being generated)")
     if pcm:
         audio = np.concatenate(pcm)
         write_wav(args.out, audio, rate)
