@@ -313,3 +313,31 @@ async def test_ctrl_c_in_the_orchestrator_process_stops_workers_and_cleans_up() 
     with trio.fail_after(10):
         assert await proc.wait() != 0  # KeyboardInterrupt propagated out of trio.run
     await _gone(pids, tmpdir, timeout=1)
+
+
+async def test_async_chunk_routes_each_request_to_its_reserved_downstream_replica() -> None:
+    cfg = echo_config(3, final_stage_ids=[0, 2], replicas=2, outputs=3, async_chunk=True)
+    async with checked_pipeline(cfg) as pipe:
+        orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orch.run)
+            for i in range(8):
+                await orch.add_request(f"r{i}", f"p{i}")
+            msgs = await collect(orch, 8)
+            stats = [[await c.rpc("stats") for c in pool.replicas] for pool in pipe.stages]
+            await orch.shutdown()
+    assert all(isinstance(m, OrchOutput) for m in msgs), [m for m in msgs if isinstance(m, OrchError)]
+    for i in range(8):  # stage 0 echoed 3 times, each echo went through stages 1 and 2 as a chunk
+        by_stage = [[m.data for m in msgs if m.request_id == f"r{i}" and m.stage_id == k] for k in (0, 2)]
+        assert by_stage == [[f"p{i}"] * 3, [f"p{i}"] * 3]
+    assert [pool.placements for pool in pipe.stages] == [[4, 4]] * 3
+    assert [[s["chunks_in"] for s in st] for st in stats[1:]] == [[12, 12], [12, 12]]
+    assert all(s["inbox_pending"] == 0 for st in stats[1:] for s in st)
+
+
+async def test_bad_model_options_fail_startup_with_the_reason() -> None:
+    cfg = echo_config(1)
+    cfg.stages[0].model = {"bogus_size": 3}
+    with pytest.raises(WorkerStartupError, match="bogus_size"):
+        async with open_pipeline(cfg):
+            pass
