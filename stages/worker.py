@@ -310,7 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the launcher's private ipc directory: removed by the worker if it exits because "
                         "its parent died (a SIGKILLed orchestrator leaves no ipc file behind)")
     p.add_argument("--control-only", action="store_true",
-                   help="async-chunk, non-final stage: send the orchestrator only the finishing control output")
+                   help="async-chunk, non-final stage: send the orchestrator only the finishing "
+                        "control output")
     f = p.add_argument_group("fault injection (for tests and chaos runs)")
     f.add_argument("--fail-at-startup", metavar="MSG", default=None,
                    help="print MSG to stderr and exit with code 3 before the ready handshake")
