@@ -20,6 +20,8 @@ import queue
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
@@ -83,15 +85,34 @@ class BenchDriver(ABC):
 
 
 class _FedStage:
-    """A Trio stage client fed from the main thread via the Trio token."""
+    """A Trio stage client fed from the main thread via the Trio token.
 
-    def __init__(self, stage_id: int, submissions: queue.SimpleQueue[tuple[int, str, float]]) -> None:
+    Offers both ``receive`` and the push fast path ``pump``: once pumped,
+    ``feed`` (run by the token's callback) hands batches straight to the
+    orchestrator.
+    """
+
+    def __init__(self, stage_id: int, submissions: queue.SimpleQueue[tuple[int, str, float]],
+                 push: bool = True) -> None:
         self.stage_id = stage_id
         self._submissions = submissions
         self._send, self._recv = trio.open_memory_channel[list[StageOutput]](math.inf)
+        self._deliver: Callable[[list[StageOutput]], None] | None = None
+        if not push:
+            self.pump = None  # type: ignore[assignment]
 
     def feed(self, outputs: list[StageOutput]) -> None:
-        self._send.send_nowait(outputs)
+        if self._deliver is not None:
+            self._deliver(outputs)
+        else:
+            self._send.send_nowait(outputs)
+
+    async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None:
+        self._deliver = deliver
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._deliver = None
 
     async def submit(self, request_id: str, payload: Any) -> None:
         self._submissions.put((self.stage_id, request_id, time.perf_counter()))
@@ -152,12 +173,14 @@ class TrioDriver(_TrioThread):
 
     name = "trio"
     description = "trio-orch Orchestrator (Trio thread, token in, one queue put per batch out)"
+    push = True
 
     async def _trio_main(self, num_stages: int, final_stage_ids: set[int]) -> None:
         self.token = trio.lowlevel.current_trio_token()
-        self.stages = [_FedStage(k, self.submissions) for k in range(num_stages)]
+        self.stages = [_FedStage(k, self.submissions, self.push) for k in range(num_stages)]
         self.orch = Orchestrator(self.stages, final_stage_ids, output_sink=self.outputs.put)
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await nursery.start(self.orch.run)
             self._ready.set()
 
@@ -165,10 +188,15 @@ class TrioDriver(_TrioThread):
         self.orch.request_shutdown()
 
     def add_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
-        trio.from_thread.run(self._add, request_id, prompt, final_stage_id, trio_token=self.token)
+        """Post the add with the token (no wait); a full request channel queues it in a task."""
+        self.token.run_sync_soon(self._add, request_id, prompt, final_stage_id)
 
-    async def _add(self, request_id: str, prompt: Any, final_stage_id: int | None) -> None:
-        await self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id)
+    def _add(self, request_id: str, prompt: Any, final_stage_id: int | None) -> None:
+        try:
+            self.orch.add_request_nowait(request_id, prompt, final_stage_id=final_stage_id)
+        except trio.WouldBlock:
+            self._nursery.start_soon(
+                partial(self.orch.add_request, request_id, prompt, final_stage_id=final_stage_id))
 
     def hand_over(self, stage_id: int, outputs: list[StageOutput]) -> None:
         self.token.run_sync_soon(self.stages[stage_id].feed, outputs)

@@ -421,3 +421,50 @@ async def test_deadline_of_a_request_still_queued(autojump_clock: trio.testing.M
         assert [rid for rid, _ in stages[0].submissions] == ["stuck"]  # never submitted
         with pytest.raises(ValueError, match="timeout must be a positive"):
             await orch.add_request("bad", "p", timeout=0)
+
+
+class PushStage(ScriptedStage):
+    """A ScriptedStage that also offers the push fast path (``pump``)."""
+
+    def __init__(self, stage_id: int) -> None:
+        super().__init__(stage_id)
+        self.deliver = None
+        self._dead_event = trio.Event()
+        self._exc: BaseException | None = None
+
+    async def pump(self, deliver) -> None:  # type: ignore[no-untyped-def]
+        self.deliver = deliver
+        await self._dead_event.wait()
+        raise self._exc or RuntimeError("gone")
+
+    def push(self, rid: str, data: object, finished: bool = False) -> None:
+        from trio_orch import StageOutput
+
+        assert self.deliver is not None, "the reader did not pump this stage"
+        self.deliver([StageOutput(rid, data, finished)])
+
+    def kill(self, exc: BaseException) -> None:
+        self._exc = exc
+        self._dead_event.set()
+
+
+async def test_push_stage_clients_are_pumped_not_polled() -> None:
+    stages = [PushStage(0), ScriptedStage(1), PushStage(2)]
+    async with open_orchestrator(stages, {0, 2}) as orch:
+        await orch.add_request("r", "p")
+        await trio.testing.wait_all_tasks_blocked()
+        stages[0].push("r", "a")
+        stages[0].push("r", "b", finished=True)
+        assert await nxt(orch) == OrchOutput("r", 0, "a", False)
+        assert await nxt(orch) == OrchOutput("r", 0, "b", False)
+        await trio.testing.wait_all_tasks_blocked()
+        await stages[1].emit("r", "x", finished=True)  # a pull stage in the same pipeline
+        await trio.testing.wait_all_tasks_blocked()
+        assert stages[2].submissions == [("r", ["x"])]
+        stages[2].kill(RuntimeError("pushed stage died"))
+        msg = await nxt(orch)
+        assert (msg.request_id, msg.kind, msg.stage_id) == ("r", "replica_died", 2)
+        assert "pushed stage died" in msg.message
+    # a deliver after shutdown is dropped quietly, never raised into the pusher
+    stages[0].push("r", "late")
+    assert await drain(orch) == []

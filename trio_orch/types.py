@@ -7,6 +7,7 @@ all speak the same vocabulary.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -14,6 +15,7 @@ __all__ = [
     "ERROR_KINDS",
     "OrchError",
     "OrchOutput",
+    "PushStageClient",
     "StageClient",
     "StageOutput",
     "StageUnavailable",
@@ -97,3 +99,17 @@ class StageClient(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class PushStageClient(StageClient, Protocol):
+    """Optional fast path: a stage client that pushes its outputs.
+
+    ``pump(deliver)`` calls ``deliver(batch)`` synchronously for every batch
+    of outputs as it arrives (from the task or callback that receives them)
+    and returns or raises when the stage is dead.  The orchestrator's reader
+    for such a stage awaits ``pump`` instead of looping on ``receive``,
+    which removes one task hop per batch.
+    """
+
+    async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None: ...
