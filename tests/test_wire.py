@@ -112,10 +112,16 @@ def test_unsendable_payloads_raise_type_error() -> None:
 
 
 def test_importing_trio_orch_never_imports_torch() -> None:
+    """The orchestrator routes tensors as buffers: no module under trio_orch may pull in torch."""
     code = (
-        "import sys\n"
-        "import trio_orch, trio_orch.wire, trio_orch.transport, trio_orch.pool, trio_orch.launcher\n"
-        "import trio_orch.config, trio_orch.generate, trio_orch.cli, stages.worker, stages.connector\n"
+        "import importlib, pkgutil, sys\n"
+        "import trio_orch, stages.worker, stages.connector\n"
+        "for m in pkgutil.walk_packages(trio_orch.__path__, 'trio_orch.'):\n"
+        "    try:\n"
+        "        importlib.import_module(m.name)\n"
+        "    except ImportError as exc:\n"
+        "        if 'torch' in str(exc):\n"
+        "            raise\n"
         "trio_orch.cli.build_parser()\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
