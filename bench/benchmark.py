@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report, workloads
+from bench.asyncio_drivers import ASYNCIO_DRIVERS
 from bench.drivers import BenchDriver, FloorDriver, TrioDriver
 from bench.stats import summarize
 
@@ -44,23 +45,15 @@ WORKLOADS: dict[str, tuple[Workload, str]] = {
              "orchestrator-thread CPU with no requests (5 s)"),
 }
 
-#: name -> driver factory (the asyncio references register themselves below when present)
+#: name -> driver factory
 IMPLEMENTATIONS: dict[str, Callable[[], BenchDriver]] = {
     "floor": FloorDriver,
     "trio": TrioDriver,
+    **ASYNCIO_DRIVERS,
 }
 
 
-def _register_asyncio_drivers() -> None:
-    try:
-        from bench.asyncio_drivers import ASYNCIO_DRIVERS
-    except ImportError:
-        return
-    IMPLEMENTATIONS.update(ASYNCIO_DRIVERS)
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    _register_asyncio_drivers()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "workloads:\n" + "\n".join(f"  {k:16s} {v[1]}" for k, v in WORKLOADS.items())
     parser.add_argument("--quick", action="store_true",
@@ -143,7 +136,6 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    _register_asyncio_drivers()
     wls = _pick(args.workloads, WORKLOADS, "workload")
     impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
     if "trio" not in impls:
