@@ -231,9 +231,11 @@ async def test_garbage_and_stray_outputs_from_a_worker_are_survived() -> None:
             await nursery.start(orch.run)
             await orch.add_request("r1", "x")
             msgs = await collect(orch, 1)
+            stats = await pipe.stats()
             await orch.shutdown()
     assert [m.data for m in msgs] == ["x"] * 5 and msgs[-1].finished
     assert pipe.stages[0].replicas[0].garbage_frames == 1
+    assert stats[0]["stage_id"] == 0 and stats[0]["outputs"] == 5 and stats[0]["steps"] == 5
     pool = pipe.stages[0]  # the stray output is dropped by the pool or by the router, and counted
     assert orch.dropped_outputs + getattr(pool, "stray_outputs", {}).get("unknown", 0) == 1
 

@@ -44,6 +44,7 @@ import zmq
 from trio_orch.config import PipelineConfig, StageConfig
 from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied, ZmqStageClient
+from trio_orch.types import StageUnavailable
 
 __all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "open_pipeline", "prewarm_fn"]
 
@@ -130,6 +131,22 @@ class Pipeline:
         """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn`` for Orchestrator."""
         return {"final_stage_ids": self.final_stage_ids, "async_chunk": self.config.async_chunk,
                 "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn}
+
+    async def stats(self, timeout: float = 2.0) -> list[dict[str, Any]]:
+        """Every worker's ``stats`` RPC, in parallel; a dead or silent one gets ``{"error": ...}``."""
+        results: list[dict[str, Any]] = [{} for _ in self.workers]
+
+        async def one(i: int, h: WorkerHandle) -> None:
+            base = {"stage_id": h.stage_id, "replica": h.replica, "kind": h.kind}
+            try:
+                results[i] = {**base, **await h.client.rpc("stats", timeout=timeout)}
+            except (trio.TooSlowError, ReplicaDied, StageUnavailable) as exc:
+                results[i] = {**base, "error": f"{type(exc).__name__}: {exc}"}
+
+        async with trio.open_nursery() as nursery:
+            for i, h in enumerate(self.workers):
+                nursery.start_soon(one, i, h)
+        return results
 
     def worker(self, stage_id: int, replica: int = 0) -> WorkerHandle:
         for w in self.workers:
