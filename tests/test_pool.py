@@ -116,3 +116,15 @@ async def test_submit_fails_when_the_reserved_replica_died() -> None:
     assert down.live_replicas() == [1]
     with pytest.raises(StageUnavailable, match="reserved"):
         await down.submit("r1", {"prewarm": 1})  # its chunks went to the dead replica
+
+
+async def test_a_request_that_stops_upstream_frees_its_downstream_reservation() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    u = FakeReplica(up)
+    FakeReplica(down)
+    await up.submit("text-only", "prompt")  # final_stage_id=0: stage 1 never gets a submit
+    assert down.in_flight() == [1]
+    u.emit("text-only", "done", finished=True)
+    await up.receive()
+    assert down.in_flight() == [0] and down.replica_of("text-only") is None

@@ -317,6 +317,11 @@ class ReplicaPool:
         idx = self._bound.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
+            if self.downstream is not None:
+                # The orchestrator performs all of a request's async-chunk submits before any
+                # reply can be routed, so a reservation still open now is one no submit will use
+                # (a request that stops at this stage): free it.
+                self.downstream.release_reservation(request_id)
             ended = self._ended
             ended[request_id] = (idx, finished)
             if len(ended) > 8192:
