@@ -269,7 +269,7 @@ def test_stage_inflight_gauge_moves_while_a_request_streams(client: httpx.Client
     words = " ".join(f"w{i}" for i in range(100))
     with client.stream("POST", "/v1/chat/completions", json=chat(words, stream=True)) as r:
         lines = r.iter_lines()
-        next(lines)
+        assert "You" in [next(lines) for _ in range(3)][2]  # role chunk, blank, first text
         assert metrics(client)["trio_orch_stage_inflight{stage=0}"] == 1
         assert metrics(client)["trio_orch_active_requests"] == 1
     wait_until(lambda: metrics(client)["trio_orch_active_requests"] == 0)
