@@ -103,6 +103,9 @@ class Harness:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 10.0) -> Harness:
+        """Start the implementation's thread; return once it accepts requests.  Idempotent."""
+        if self._thread is not None:
+            return self
         self._thread = threading.Thread(target=self._thread_main, name=f"orchestrator-{self.impl}",
                                         daemon=True)
         self._thread.start()
@@ -118,6 +121,10 @@ class Harness:
     def __exit__(self, *exc: object) -> None:
         if not self._run_returned.is_set():
             self.shutdown(wait=5.0)
+
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """Begin shutting down without waiting (``timeout``: let active requests finish that long)."""
+        self._request_shutdown(timeout)
 
     def shutdown(self, timeout: float | None = None, *, wait: float = 5.0) -> ShutdownReport:
         """Ask for shutdown (drain up to ``timeout``); wait up to ``wait`` s for run() to return."""
@@ -144,10 +151,11 @@ class Harness:
     # ------------------------------------------------------------------ consuming
     def next_output(self, timeout: float = 5.0) -> Message:
         """Next message in delivery order; TimeoutError, or EndOfStream once all was consumed."""
-        if not self._pending:
+        deadline = time.monotonic() + timeout
+        while not self._pending:  # (a batch may be empty)
             if self._ended:
                 raise EndOfStream
-            batch = self._next_batch(timeout)
+            batch = self._next_batch(max(0.0, deadline - time.monotonic()))
             if batch is None:
                 self._ended = True
                 raise EndOfStream
