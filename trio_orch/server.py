@@ -18,7 +18,8 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -113,8 +114,13 @@ class _Counters:
         self.requests[key] = self.requests.get(key, 0) + 1
 
 
-def create_app(engine: Engine, *, model_name: str = "trio-orch") -> Starlette:
-    """The ASGI app over a started :class:`Engine`."""
+def create_app(engine: Engine, *, model_name: str = "trio-orch",
+               extra_metrics: Callable[[], dict[str, Any]] | None = None) -> Starlette:
+    """The ASGI app over a started :class:`Engine`.
+
+    ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's restarts),
+    in ``render_prometheus``'s ``extra_counters`` shape.
+    """
     counters = _Counters()
 
     def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -229,6 +235,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch") -> Starlette:
             "trio_orch_http_client_disconnects": ("clients that left before their answer (request aborted)",
                                                   {(): counters.disconnects}),
         }
+        if extra_metrics is not None:
+            extra.update(extra_metrics())
         return Response(render_prometheus(stats, engine.latency, extra), media_type=PROMETHEUS_TEXT)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -265,10 +273,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-name", default="trio-orch", help="model id reported to clients")
     parser.add_argument("--request-queue-size", type=int, default=256,
                         help="bound of the orchestrator's request channel (backpressure; default 256)")
-    parser.add_argument("--request-timeout", type=float, default=None,
-                        help="seconds a request may take in the orchestrator (default: no limit)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take in the orchestrator before it ends with a "
+                             "timeout error and is aborted on every stage (default 300; 0: no limit)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for the pipeline to become ready (default 120)")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts of one worker replica within --restart-window before it is "
+                             "given up (default 5; see docs/fault-tolerance.md)")
+    parser.add_argument("--restart-window", type=float, default=60.0,
+                        help="seconds of the restart-intensity window (default 60)")
 
 
 def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str]:
@@ -277,12 +291,27 @@ def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str]:
 
         return toy_pipeline(), "in-process toy pipeline (thinker -> talker -> vocoder, no workers)"
     from trio_orch.config import default_config, load_config
-    from trio_orch.launcher import open_pipeline
+    from trio_orch.supervisor import RestartPolicy, supervised_pipeline
 
     cfg = load_config(args.config) if args.config else default_config()
     cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
     kinds = " -> ".join(s.label for s in cfg.stages)
-    return (lambda: open_pipeline(cfg)), f"worker pipeline {kinds} on {cfg.device}"
+    policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[Any]:
+        async with supervised_pipeline(cfg, policy) as pipe:  # dead or hung workers are restarted
+            _supervisors[:] = [pipe.supervisor]
+            yield pipe
+
+    return factory, f"worker pipeline {kinds} on {cfg.device} (supervised)"
+
+
+_supervisors: list[Any] = []  # the running pipeline's supervisor, for /metrics
+
+
+def _supervisor_metrics() -> dict[str, Any]:
+    return _supervisors[0].prometheus_counters() if _supervisors else {}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -303,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"starting {what} ...", flush=True)
     engine = Engine(factory, startup_timeout=args.startup_timeout,
-                    request_queue_size=args.request_queue_size, request_timeout=args.request_timeout)
+                    request_queue_size=args.request_queue_size, request_timeout=args.request_timeout or None)
     try:
         engine.start()
     except EngineStartupError as exc:
@@ -313,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
           "Ctrl-C stops)", flush=True)
-    app = create_app(engine, model_name=args.model_name)
+    app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics)
     level = logging.getLogger().getEffectiveLevel()
     config = uvicorn.Config(app, log_level="info" if level <= logging.INFO else "warning",
                             lifespan="off", timeout_graceful_shutdown=5)

@@ -47,10 +47,19 @@ from typing import Any
 
 import trio
 
-from trio_orch.launcher import Pipeline, WorkerHandle, WorkerStartupError, _run_worker, _worker_argv
+from trio_orch.config import PipelineConfig
+from trio_orch.launcher import (
+    Pipeline,
+    WorkerHandle,
+    WorkerStartupError,
+    _run_worker,
+    _worker_argv,
+    open_pipeline,
+)
 from trio_orch.transport import ZmqStageClient
 
-__all__ = ["RestartEvent", "RestartPolicy", "Supervisor", "classify_death", "open_supervisor"]
+__all__ = ["RestartEvent", "RestartPolicy", "Supervisor", "classify_death", "open_supervisor",
+           "supervised_pipeline"]
 
 log = logging.getLogger("trio_orch.supervisor")
 
@@ -164,7 +173,8 @@ class Supervisor:
         }
         fams: dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]] = {
             f"trio_orch_supervisor_{name}": (text, {}) for name, text in helps.items()}
-        for (name, stage, cause), n in self._counts.items():
+        counts = dict(self._counts)  # one C-level copy: safe to call from another thread
+        for (name, stage, cause), n in counts.items():
             if f"trio_orch_supervisor_{name}" in fams:
                 fams[f"trio_orch_supervisor_{name}"][1][(("stage", str(stage)), ("cause", cause))] = n
         fams["trio_orch_bad_worker_messages"] = (
@@ -175,8 +185,8 @@ class Supervisor:
 
     def bad_input(self) -> dict[tuple[int, str], int]:
         """Bad messages from workers by (stage, kind): garbage, oversized, unknown, duplicate_finish."""
-        out: Counter[tuple[int, str]] = Counter(self._retired)
-        for w in self.pipeline.workers:
+        out: Counter[tuple[int, str]] = Counter(dict(self._retired))
+        for w in list(self.pipeline.workers):
             out[(w.stage_id, "garbage")] += w.client.garbage_frames
             out[(w.stage_id, "oversized")] += w.client.oversized_messages
         for pool in self.pipeline.stages:
@@ -376,6 +386,15 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc if isinstance(exc, WorkerStartupError) else None
+
+
+@asynccontextmanager
+async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None,
+                              **kwargs: Any) -> AsyncIterator[Pipeline]:
+    """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
+    async with open_pipeline(config) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
+        pipe.supervisor = sup  # type: ignore[attr-defined]
+        yield pipe
 
 
 @asynccontextmanager
