@@ -571,3 +571,51 @@ def test_sync_and_asyncio_callers_over_real_echo_workers() -> None:
         for i, out in enumerate(run_async(many)):
             assert [m.data for m in out] == [f"p{i}"] * 3 and out[-1].finished
         assert engine.stats()["inflight_by_replica"] == {(0, "0"): 0, (1, "0"): 0}
+
+
+def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> None:
+    import random
+
+    from trio_orch.toy_pipeline import toy_pipeline
+
+    rng = random.Random(4)
+    engine = Engine(toy_pipeline(token_delay=0.001, audio_delay=0.0005), request_queue_size=8)
+    outcomes: dict[str, Any] = {}
+
+    async def one(i: int) -> None:
+        rid = f"r{i}"
+        fate = rng.choice(["finish", "cancel", "abort", "close"])
+        n = 0
+        agen = engine.generate(f"request {i} " + "word " * rng.randint(1, 6), request_id=rid)
+        try:
+            async for m in agen:
+                n += 1
+                if m.finished:
+                    outcomes[rid] = m
+                elif fate == "abort" and n == 2:
+                    engine.abort(rid)
+                elif fate == "close" and n == 2:
+                    outcomes[rid] = "closed"
+                    break
+        finally:
+            await agen.aclose()
+
+    async def main() -> None:
+        tasks = [asyncio.create_task(one(i)) for i in range(150)]
+        await asyncio.sleep(0.01)
+        for t in rng.sample(tasks, 30):
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    with engine:
+        run_async(main)
+        wait_until(lambda: engine.stats()["active_requests"] == 0, "every request ended")
+        stats = engine.stats()
+        assert stats["queued_requests"] == 0 and stats["admission_waiting"] == 0
+        assert all(v == 0 for v in stats["inflight_by_stage"].values())
+        assert engine._demux.streams == {}
+        kinds = [m.kind if isinstance(m, OrchError) else "finished" for m in outcomes.values()
+                 if not isinstance(m, str)]
+        assert set(kinds) <= {"finished", "aborted"} and "finished" in kinds and "aborted" in kinds
+        # the engine still serves after all that
+        assert list(engine.generate_sync("after"))[-1].finished
