@@ -16,6 +16,7 @@ Fault flags (``--fail-at-startup``, ``--crash-after-steps``, ``--garbage-after-s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -79,6 +80,7 @@ class Worker:
         self.ctx = ctx
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 200
+        self.sock.sndtimeo = 1000
         self.sock.connect(args.connect)
         self.in_codec = WireCodec(InboundMsg)
         self.out_codec = WireCodec(OutboundMsg)
@@ -93,7 +95,16 @@ class Worker:
 
     # ------------------------------------------------------------------ sending
     def send(self, msg: Any) -> None:
-        self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
+        """Send to the orchestrator; blocks while its queue is full (backpressure), but
+        gives up and exits if the orchestrator process is gone (no orphan stuck in send)."""
+        frames = self.out_codec.encode(msg)
+        while True:
+            try:
+                self.sock.send_multipart(frames, copy=False)
+                return
+            except zmq.Again:  # SNDTIMEO expired: the orchestrator is not reading
+                if os.getppid() != self.parent:
+                    raise _Stop("parent process exited") from None
 
     # ------------------------------------------------------------------ inbound
     def drain(self) -> None:
@@ -378,10 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         code = 1
     finally:
         if worker is not None:
-            try:
-                worker.send(Dying(reason))
-            except Exception:  # pragma: no cover
-                pass
+            with contextlib.suppress(zmq.ZMQError):  # best effort, never wait for a stuck reader
+                worker.sock.send_multipart(worker.out_codec.encode(Dying(reason)), zmq.NOBLOCK)
             worker.close()
         ctx.term()
         if args.cleanup_dir and reason == "parent process exited":

@@ -318,7 +318,8 @@ async def test_ctrl_c_in_the_orchestrator_process_stops_workers_and_cleans_up() 
 
 
 async def test_async_chunk_routes_each_request_to_its_reserved_downstream_replica() -> None:
-    cfg = echo_config(3, final_stage_ids=[0, 2], replicas=2, outputs=3, async_chunk=True)
+    cfg = echo_config(3, final_stage_ids=[0, 2], replicas=2, outputs=3, async_chunk=True,
+                      worker_args=["--step-delay-ms", "20"])  # all 8 in flight while they are placed
     async with checked_pipeline(cfg) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
