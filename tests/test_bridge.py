@@ -619,3 +619,17 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
         assert set(kinds) <= {"finished", "aborted"} and "finished" in kinds and "aborted" in kinds
         # the engine still serves after all that
         assert list(engine.generate_sync("after"))[-1].finished
+
+
+async def test_trio_api_caller_waiting_for_room_gets_a_terminal_when_it_stops() -> None:
+    stages = [ScriptedStage(0)]
+    async with open_trio_engine(static_pipeline(stages, {0}), request_queue_size=1) as engine:
+        stages[0].hold_submits()
+        got: dict[str, list[Any]] = {"a": [], "b": [], "c": []}
+        async with trio.open_nursery() as nursery:
+            for rid in got:  # a: stuck in submit, b: queued, c: waiting for room
+                nursery.start_soon(_consume, engine, rid, got[rid])
+                await trio.testing.wait_all_tasks_blocked()
+            engine.orchestrator.request_shutdown()
+    for rid, msgs in got.items():
+        assert len(msgs) == 1 and msgs[0].kind == "shutdown", rid

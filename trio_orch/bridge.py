@@ -710,18 +710,17 @@ class TrioEngine:
                        final_stage_id: int | None = None,
                        request_timeout: float | None = None) -> AsyncIterator[Message]:
         """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
-        if self._closed is not None:
-            raise EngineClosed(f"the engine is closed: {self._closed}")
         orch = self.orchestrator
+        if self._closed is not None or not orch.running:
+            raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
         rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
         s = TrioStream(rid, prompt, final_stage_id, request_timeout)
         self._demux.register(s)
         try:
             await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
-        except BaseException as exc:
-            if isinstance(exc, RuntimeError) and not isinstance(exc, EngineClosed):
-                self._demux.unregister(s)
-                raise EngineClosed(f"the engine is closed: {exc}") from None
+        except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
+            self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
+        except BaseException:
             if s.state != DONE and rid not in orch.router:
                 self._demux.unregister(s)  # never accepted (or ended while queued)
             else:
