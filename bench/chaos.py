@@ -138,7 +138,10 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
     for i, name in enumerate(names, 1):
         f = faults[name]
         print(f"[{i}/{len(names)}] {name}: {f.description}", file=sys.stderr, flush=True)
-        res = await run_fault(name, f.description, f.inject, opts, **f.options)
+        if hasattr(f, "run"):  # an HTTP fault: it runs its own server
+            res = await f.run(opts)
+        else:
+            res = await run_fault(name, f.description, f.inject, opts, **f.options)
         print(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed {res.failed or '-'}, "
               f"{res.without_terminal} without terminal, {res.wall_s:.1f}s", file=sys.stderr, flush=True)
         results.append(res)
