@@ -219,6 +219,24 @@ def test_asyncio_generate_and_one_wake_per_batch(monkeypatch: pytest.MonkeyPatch
         run_async(scenario)
 
 
+def test_asyncio_generate_batches_yields_one_list_per_dispatcher_batch() -> None:
+    engine, stages = make(1, {0})
+
+    async def scenario() -> list[list[Any]]:
+        gen = engine.generate_batches("p", request_id="b1")
+        first = asyncio.ensure_future(gen.__anext__())
+        await await_until(lambda: stages[0].submissions != [], "submitted")
+        engine.call_soon(lambda: [stages[0].emit_nowait("b1", i, i == 4) for i in range(5)])
+        batches = [await first]
+        batches += [b async for b in gen]
+        return batches
+
+    with engine:
+        batches = run_async(scenario)
+    assert [[m.data for m in b] for b in batches] == [[0, 1, 2, 3, 4]]
+    assert batches[-1][-1].finished
+
+
 def test_asyncio_cancellation_and_early_close_abort() -> None:
     engine, stages = make(1, {0})
 

@@ -663,6 +663,33 @@ class Engine:
             if not ended:
                 self._client_gone(s)
 
+    async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
+                               final_stage_id: int | None = None,
+                               request_timeout: float | None = None) -> AsyncIterator[list[Message]]:
+        """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
+
+        For consumers that write in bulk (one HTTP chunk per batch) or count
+        every microsecond; the terminal is the last message of the last list.
+        """
+        loop = asyncio.get_running_loop()
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        assert isinstance(s, AsyncioStream)
+        observe = self._demux.latency.observe
+        ended = False
+        try:
+            while not ended:
+                item = await s.next_item()
+                if isinstance(item, BaseException):
+                    ended = True
+                    raise item
+                t, msgs = item
+                observe(perf_counter() - t)
+                ended = msgs[-1].finished
+                yield msgs
+        finally:
+            if not ended:
+                self._client_gone(s)
+
     async def stats_async(self, timeout: float = 5.0) -> dict[str, Any]:
         """A metrics snapshot, awaited on an asyncio loop without blocking it."""
         loop = asyncio.get_running_loop()

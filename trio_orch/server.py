@@ -194,20 +194,24 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         cs = ChatStream(req)
         yield _sse(cs.first_chunk())
         try:
-            gen = engine.generate(req.payload(), final_stage_id=final)
+            gen = engine.generate_batches(req.payload(), final_stage_id=final)
             try:
-                async for m in gen:
-                    if isinstance(m, OrchError):
-                        yield _sse(error_body(f"request failed: {m.kind}: {m.message}", "server_error",
-                                              code=m.kind))
-                        break
-                    chunk = cs.add(m)
-                    if chunk is not None:
-                        yield _sse(chunk)
-                else:
-                    yield _sse(cs.last_chunk())
-                    if req.include_usage:
-                        yield _sse(cs.usage_chunk())
+                async for msgs in gen:  # one HTTP chunk per dispatcher batch
+                    out = []
+                    for m in msgs:
+                        if isinstance(m, OrchError):
+                            out.append(_sse(error_body(f"request failed: {m.kind}: {m.message}",
+                                                       "server_error", code=m.kind)))
+                            break
+                        chunk = cs.add(m)
+                        if chunk is not None:
+                            out.append(_sse(chunk))
+                        if m.finished:
+                            out.append(_sse(cs.last_chunk()))
+                            if req.include_usage:
+                                out.append(_sse(cs.usage_chunk()))
+                    if out:
+                        yield b"".join(out)
             finally:
                 await gen.aclose()
         except (EngineClosed, ValueError) as exc:
