@@ -40,17 +40,20 @@ dim = 16
 """
 
 
-def test_generate_streams_text_writes_a_wav_and_prints_timings(tmp_path: Path, capsys, monkeypatch) -> None:
+def test_generate_compare_runs_both_modes_writes_a_wav_and_prints_timings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "tiny.toml"
     cfg.write_text(TINY_TOML)
     out = tmp_path / "hello.wav"
     scratch = tmp_path / "scratch"  # where the pipeline's private ipc directory goes
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    rc = cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), "--async-chunk"])
+    rc = cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), "--compare"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert "text: " in text and "time to first audio" in text and "async-chunk mode" in text
+    assert "normal (stage by stage) mode" in text and "async-chunk mode" in text  # both ran
+    assert text.count("time to first audio") == 3  # one per run + the comparison line
+    assert "earlier with async-chunk" in text
     with wave.open(str(out)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
         assert w.getnframes() == 10 * 2 * 480  # tokens x frames per token x hop

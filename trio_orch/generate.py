@@ -44,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="most text tokens the thinker generates (default: its config, 48)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the prompt twice, stage by stage and then with --async-chunk, "
+                             "and compare the time to first audio")
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -65,7 +68,9 @@ def _ms(t: float | None, t0: float) -> str:
     return f"{(t - t0) * 1000:9.1f}" if t is not None else "        -"
 
 
-async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipeline) -> int:
+async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
+                    pipe: Pipeline) -> tuple[int, float | None]:
+    """Run the prompt once; return (exit code, time to first audio in ms or None)."""
     payload: Any = args.text
     if args.max_tokens is not None and cfg.stages[0].kind == "thinker":
         payload = {"text": args.text, "max_new_tokens": args.max_tokens}
@@ -83,7 +88,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
             if isinstance(msg, OrchError):
                 print(f"\nerror: request failed at stage {msg.stage_id} ({msg.kind}): {msg.message}",
                       file=sys.stderr)
-                return 1
+                return 1, None
             data = msg.data
             if isinstance(data, dict) and "text" in data:
                 t_text = t_text or now
@@ -122,15 +127,10 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
         write_wav(args.out, audio, rate)
         print(f"wrote {args.out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
               f"{len(audio)} samples")
-    return 0
+    return 0, (t_audio - t0) * 1000 if t_audio is not None else None
 
 
-async def _main(args: argparse.Namespace) -> int:
-    try:
-        cfg = _config(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int, float | None]:
     kinds = ", ".join(f"{s.label} x{s.replicas}" for s in cfg.stages)
     print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
@@ -140,7 +140,29 @@ async def _main(args: argparse.Namespace) -> int:
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return 1, None
+
+
+async def _main(args: argparse.Namespace) -> int:
+    try:
+        cfg = _config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not args.compare:
+        return (await _run_once(args, cfg))[0]
+    results = []
+    for async_chunk in (False, True):
+        print(f"\n=== {'async-chunk' if async_chunk else 'stage by stage'} ===", flush=True)
+        rc, ttfa = await _run_once(args, cfg.with_overrides(async_chunk=async_chunk))
+        if rc:
+            return rc
+        results.append(ttfa)
+    if None not in results:
+        normal, chunked = results
+        print(f"\ntime to first audio: stage by stage {normal:.1f} ms, async-chunk {chunked:.1f} ms "
+              f"({normal / max(chunked, 1e-3):.1f}x earlier with async-chunk)")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
