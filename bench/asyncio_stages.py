@@ -153,6 +153,8 @@ class AsyncScriptedStage:
         mb = self.misbehaviour
         if mb.hang_aclose:
             await asyncio.Event().wait()
+        if mb.aclose_delay:
+            await asyncio.sleep(mb.aclose_delay)
         if mb.aclose_error is not None:
             raise mb.aclose_error
         await asyncio.sleep(0)

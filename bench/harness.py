@@ -93,6 +93,7 @@ class Harness:
         self.run_error: BaseException | None = None
         self.tasks_alive_after_run: int | None = None
         self.tasks_pending_at_loop_end: int | None = None
+        self.alive_after_run_names: list[str] = []
         self.received: list[Message] = []  # everything next_output returned, in order
         self._thread: threading.Thread | None = None
         self._started = threading.Event()
@@ -137,6 +138,9 @@ class Harness:
         ok = self._run_returned.wait(wait)
         seconds = time.perf_counter() - t0
         return ShutdownReport(seconds, not ok, self.run_error, self.tasks_alive_after_run)
+
+    def abandon(self) -> None:
+        """After a watchdog cut: stop the loop thread as far as the framework allows (best effort)."""
 
     def join(self, timeout: float) -> bool:
         """Wait for the implementation's thread to end; True if it did."""

@@ -47,17 +47,21 @@ class AsyncioHarness(Harness):
     def _thread_main(self) -> None:
         try:
             if self.use_runner:
-                with asyncio.Runner() as runner:
+                runner = asyncio.Runner()
+                try:
                     runner.run(self._amain())
-                    self.tasks_pending_at_loop_end = _pending(runner.get_loop())
+                finally:
+                    loop = runner.get_loop()
+                    runner.close()  # cancels and awaits what is left, as asyncio.run() does
+                    self.tasks_pending_at_loop_end = _pending(loop)
             else:
                 loop = asyncio.new_event_loop()
                 asyncio.set_event_loop(loop)
                 try:
                     loop.run_until_complete(self._amain())
                 finally:
+                    loop.close()  # leaves pending tasks pending ("destroyed but it is pending")
                     self.tasks_pending_at_loop_end = _pending(loop)
-                    loop.close()
         except BaseException as exc:
             if self.run_error is None:
                 self.run_error = exc
@@ -86,8 +90,19 @@ class AsyncioHarness(Harness):
             self.run_error = exc
         finally:
             self.orch.output_queue.shutdown()
-            self.tasks_alive_after_run = sum(1 for t in asyncio.all_tasks() if t is not me and not t.done())
+            alive = [t for t in asyncio.all_tasks(self.loop) if t is not me and not t.done()]
+            self.tasks_alive_after_run = len(alive)
+            self.alive_after_run_names = [t.get_name() for t in alive]
             self._run_returned.set()
+
+    def abandon(self) -> None:
+        """Stop the loop under the hung run() (its pending tasks are left unfinished)."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:
+                pass
 
     def _next_batch(self, timeout: float) -> list[Message] | None:
         assert self.orch is not None

@@ -11,6 +11,7 @@ production bridge (``trio_orch/bridge.py``) is built separately.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,17 +25,17 @@ from trio_orch.orchestrator import Orchestrator
 __all__ = ["TrioHarness"]
 
 
-def _count_descendants(task: trio.lowlevel.Task, exclude: set[trio.lowlevel.Task]) -> int:
-    n = 0
+def _descendants(task: trio.lowlevel.Task, exclude: set[trio.lowlevel.Task]) -> list[trio.lowlevel.Task]:
+    out: list[trio.lowlevel.Task] = []
     stack = list(task.child_nurseries)
     while stack:
         nursery = stack.pop()
         for t in nursery.child_tasks:
             if t in exclude:
                 continue
-            n += 1
+            out.append(t)
             stack.extend(t.child_nurseries)
-    return n
+    return out
 
 
 class TrioHarness(Harness):
@@ -50,6 +51,7 @@ class TrioHarness(Harness):
         self._stream_closed = False
         self.token: trio.lowlevel.TrioToken | None = None
         self.orch: Orchestrator | None = None
+        self._app_scope: trio.CancelScope | None = None
 
     # ------------------------------------------------------------------ the Trio thread
     def _thread_main(self) -> None:
@@ -67,6 +69,7 @@ class TrioHarness(Harness):
         self.token = trio.lowlevel.current_trio_token()
         me = trio.lowlevel.current_task()
         async with trio.open_nursery() as app:
+            self._app_scope = app.cancel_scope
             self.stages = [TrioScriptedStage(k, misbehaviour=self.misbehaviour.get(k), helper_nursery=app)
                            for k in range(self.num_stages)]
             try:
@@ -96,11 +99,21 @@ class TrioHarness(Harness):
             await app.start(run_orch)
             self._started.set()
             await returned.wait()
-            self.tasks_alive_after_run = _count_descendants(me, run_task)
+            alive = _descendants(me, run_task)
+            self.tasks_alive_after_run = len(alive)
+            self.alive_after_run_names = [t.name for t in alive]
             self._close_stream()
             self._run_returned.set()
             app.cancel_scope.cancel()  # helpers the stages started in the application's nursery
-        self.tasks_pending_at_loop_end = _count_descendants(me, set())
+        self.tasks_pending_at_loop_end = len(_descendants(me, set()))
+
+    def abandon(self) -> None:
+        """Cancel the application's nursery under a hung run() (shielded cleanup may still hang)."""
+        if self.token is not None and self._app_scope is not None:
+            try:
+                self.token.run_sync_soon(self._app_scope.cancel)
+            except trio.RunFinishedError:
+                pass
 
     def _sink(self, msgs: list[Message]) -> None:
         with self._cond:
@@ -140,8 +153,8 @@ class TrioHarness(Harness):
                 trio.from_thread.run(self._add_with_timeout, request_id, prompt, final_stage_id, timeout,
                                      trio_token=self.token)
             else:
-                trio.from_thread.run_sync(self.orch.add_request_nowait, request_id, prompt,
-                                          final_stage_id=final_stage_id, trio_token=self.token)
+                add = functools.partial(self.orch.add_request_nowait, final_stage_id=final_stage_id)
+                trio.from_thread.run_sync(add, request_id, prompt, trio_token=self.token)
         except trio.RunFinishedError as exc:
             raise RuntimeError("orchestrator is not running") from exc
 

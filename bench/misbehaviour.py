@@ -25,6 +25,8 @@ class Misbehaviour:
     hang_abort: bool = False
     #: aclose() never returns (it waits forever; it can be cancelled).
     hang_aclose: bool = False
+    #: aclose() takes this long (seconds) before closing.
+    aclose_delay: float = 0.0
     #: aclose() raises this.
     aclose_error: BaseException | None = None
     #: every submit() starts a background helper task (a heartbeat that sleeps for an hour).

@@ -64,6 +64,8 @@ class TrioScriptedStage(ScriptedStage):
         mb = self.misbehaviour
         if mb.hang_aclose:
             await trio.sleep_forever()
+        if mb.aclose_delay:
+            await trio.sleep(mb.aclose_delay)
         if mb.aclose_error is not None:
             raise mb.aclose_error
         await trio.lowlevel.checkpoint()
