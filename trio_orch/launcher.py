@@ -23,6 +23,7 @@ directory (ipc socket files, stderr logs) is removed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -221,23 +222,15 @@ async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool =
         with trio.move_on_after(grace):
             await proc.wait()
     if proc.returncode is None:
-        with _suppress_lookup():
+        with contextlib.suppress(ProcessLookupError):
             proc.send_signal(signal.SIGTERM)
         with trio.move_on_after(grace):
             await proc.wait()
     if proc.returncode is None:
         log.warning("%s did not exit %.1fs after SIGTERM: SIGKILL", label, grace)
-        with _suppress_lookup():
+        with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
-
-
-class _suppress_lookup:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
-        return et is not None and issubclass(et, ProcessLookupError)
 
 
 @asynccontextmanager
