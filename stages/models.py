@@ -66,6 +66,8 @@ class Thinker(SlotModel):
         self.bias = bias.to(self.device)  # mostly letters and spaces, in English proportions
 
     def admit(self, req: ReqState) -> None:
+        if req.upstream:
+            raise ValueError("a thinker takes a whole prompt, not streamed chunks: make it stage 0")
         p = req.payload
         text, max_new = (p, self.max_new) if isinstance(p, str) else (None, self.max_new)
         if isinstance(p, dict):
