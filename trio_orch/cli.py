@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("trio_orch.generate", "generate text + speech (WAV) for a prompt with the ZMQ stage workers"),
     "bench": ("bench.benchmark", "dispatch latency and throughput of every implementation, side by side"),
     "chaos": ("bench.chaos", "fault matrix over real workers: kill -9, SIGSTOP, garbage, aborts, shutdown, ..."),
+    "compare": ("bench.compare", "cancellation semantics measured: Trio vs. the asyncio references"),
     "serve": ("trio_orch.server", "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
 }
 

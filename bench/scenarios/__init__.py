@@ -8,12 +8,13 @@ whose ``measure(impl)`` runs it against one implementation and whose
 from __future__ import annotations
 
 from bench.scenarios.base import Outcome, Scenario, run_scenario
+from bench.scenarios.client import S7, S9, S10, S11
 from bench.scenarios.faults import S3, S6, S12
 from bench.scenarios.shutdown import S1, S2, S4, S5, S8
 
 __all__ = ["SCENARIOS", "Outcome", "Scenario", "by_number", "run_scenario"]
 
-SCENARIOS: list[Scenario] = sorted([S1, S2, S3, S4, S5, S6, S8, S12], key=lambda s: s.number)
+SCENARIOS: list[Scenario] = [S1, S2, S3, S4, S5, S6, S7, S8, S9, S10, S11, S12]
 
 
 def by_number(n: int) -> Scenario:

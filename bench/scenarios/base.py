@@ -191,7 +191,7 @@ def start(impl: str, *args: Any, **kwargs: Any) -> Harness:
 
 
 def shut_fmt(m: dict[str, Any]) -> str:
-    """``hang (cut 2.0 s)`` or ``0.012 s``."""
+    """``cut at 2.0 s`` or ``0.012 s``."""
     if m.get("hung"):
-        return f"hang (cut {m['cut_s']:.1f} s)"
+        return f"cut at {m['cut_s']:.1f} s"
     return f"{m['shutdown_s']:.3f} s"
