@@ -344,3 +344,25 @@ async def test_bad_model_options_fail_startup_with_the_reason() -> None:
     with pytest.raises(WorkerStartupError, match="bogus_size"):
         async with open_pipeline(cfg):
             pass
+
+
+async def test_abort_in_async_chunk_mode_reaches_every_stage_and_drops_late_chunks() -> None:
+    cfg = echo_config(3, final_stage_ids=[0, 2], outputs=100_000, async_chunk=True,
+                      worker_args=["--step-delay-ms", "2"])
+    async with checked_pipeline(cfg) as pipe:
+        orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orch.run)
+            await orch.add_request("r1", "x")
+            with trio.fail_after(10):
+                while (await orch.next_output()).stage_id != 2:  # chunks flow through stage 1 to 2
+                    pass
+            await orch.abort("r1")
+            with trio.fail_after(10):
+                while not all(s["aborts"] == 1 for s in await pipe.stats()):
+                    await trio.sleep(0.01)
+            await trio.sleep(0.05)  # chunks stage 0 sent before its abort arrive now ...
+            stats = await pipe.stats()
+            await orch.shutdown()
+    assert all(s["active"] == 0 and s["waiting"] == 0 for s in stats)
+    assert all(s["inbox_pending"] == 0 for s in stats[1:])  # ... and are dropped, not buffered
