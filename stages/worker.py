@@ -376,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(max(1, args.threads))
+            if args.device.startswith("cuda") and not torch.cuda.is_available():
+                print(f"worker stage {args.stage_id}: --device {args.device} requested, but CUDA is not "
+                      f"available to torch {torch.__version__} on this machine; use --device cpu",
+                      file=sys.stderr, flush=True)
+                return 3
         model = make_model(args.kind, options, args.device, args.seed, args.max_batch)
         model.warmup()
         worker = Worker(args, model, ctx)
