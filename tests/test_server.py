@@ -419,3 +419,29 @@ def test_health_is_degraded_when_a_stage_dies() -> None:
             assert metrics(c)["trio_orch_stage_available{stage=1}"] == 0
     finally:
         s.stop()
+
+
+def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
+    import types
+
+    from trio_orch.server import watch_engine
+
+    engine = Engine(toy_pipeline()).start()
+    server = types.SimpleNamespace(should_exit=False)
+    died: list[str] = []
+    watcher = threading.Thread(target=watch_engine, args=(engine, server, threading.Event(), died))
+    watcher.start()
+    engine.call_soon(engine.orchestrator.request_shutdown)
+    watcher.join(HANG)
+    assert server.should_exit and died == ["its orchestrator stopped"]
+    # a deliberate stop (close while serving) is not reported as a death
+    engine = Engine(toy_pipeline()).start()
+    stopping = threading.Event()
+    server = types.SimpleNamespace(should_exit=False)
+    died = []
+    watcher = threading.Thread(target=watch_engine, args=(engine, server, stopping, died))
+    watcher.start()
+    stopping.set()
+    engine.close()
+    watcher.join(HANG)
+    assert not server.should_exit and died == []

@@ -303,6 +303,13 @@ class Engine:
             log.warning("engine thread did not stop within %.1fs; abandoning it", self.close_timeout)
             self._mark_dead(f"its thread did not stop within {self.close_timeout}s")
 
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the engine thread has exited (for any reason); False on timeout."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def __enter__(self) -> Engine:
         if self._thread is None:
             self.start()

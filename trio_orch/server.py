@@ -18,6 +18,7 @@ import logging
 import signal
 import socket
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -353,18 +354,39 @@ def run(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # previous handlers restored: make those raise, so the engine (and its workers) always stop.
     previous = {sig: signal.signal(sig, _stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
+    server = uvicorn.Server(config)
+    stopping = threading.Event()
+    died: list[str] = []
+    threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
+                     name="trio-orch-engine-watch").start()
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     except _StopServing:
         pass
     finally:
+        stopping.set()
         print("stopping the engine ...", flush=True)
         engine.close()
         sock.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if died:
+        print(f"error: the engine stopped on its own ({died[0]}); the server stopped with it",
+              file=sys.stderr)
+        return 1
     print("stopped", flush=True)
     return 0
+
+
+def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: list[str]) -> None:
+    """If the engine thread ends while we serve (a crash), stop the HTTP server too: exit 1.
+
+    Serving only 503s would hide the failure from whoever restarts the process.
+    """
+    engine.join()
+    if not stopping.is_set():
+        died.append(engine.closed_reason or "its thread exited")
+        server.should_exit = True
 
 
 class _StopServing(Exception):
