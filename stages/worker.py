@@ -363,14 +363,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
         return 3
     args.parent_pid = parent = os.getppid()
-    deadline = time.monotonic() + args.startup_delay
-    while time.monotonic() < deadline and os.getppid() == parent:
-        time.sleep(min(0.1, deadline - time.monotonic()))
     ctx = zmq.Context()
     worker: Worker | None = None
     reason = "exited"
     code = 0
     try:
+        deadline = time.monotonic() + args.startup_delay
+        while time.monotonic() < deadline and os.getppid() == parent:
+            time.sleep(min(0.1, deadline - time.monotonic()))
         options = json.loads(args.model_json)
         if args.kind != "echo":
             import torch
