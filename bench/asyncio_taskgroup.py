@@ -4,8 +4,10 @@ Same thread/loop boundary, janus queues, request handler, reader-per-stage and
 serial dispatcher as :class:`bench.asyncio_omni.OmniEventDriven`, but the tasks
 live in one :class:`asyncio.TaskGroup`: a task that crashes cancels its
 siblings and the error comes out of ``run()`` as an ``ExceptionGroup``;
-shutdown cancels the group's tasks and the group waits for them; the cleanup
-is bounded with ``asyncio.timeout``; there is no ``all_tasks()`` sweep (the
+shutdown cancels the group's tasks and the group waits for them, at most
+``shutdown_grace`` before an ``asyncio.timeout`` cancels them a second time;
+the cleanup is bounded with ``asyncio.timeout`` too; there is no
+``all_tasks()`` sweep (the
 thread runs the loop with :class:`asyncio.Runner`, whose close cancels what is
 left).  Readers use ``Task.cancelling()`` (3.11+) to tell a cancellation of
 their own task from a ``CancelledError`` raised by the stage client (pyzmq
@@ -13,18 +15,21 @@ raises one when a socket is closed under a pending ``recv``).
 
 What TaskGroup does not change is that cancellation stays edge-triggered: a
 task that catches ``CancelledError`` once and keeps awaiting is not cancelled
-again, and the group waits for it.
+again until something delivers a second cancel (here: the stop deadline).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from bench.asyncio_shell import AsyncioOrchestrator, StageDied
 from trio_orch.types import StageClient
 
 __all__ = ["TaskGroupOrchestrator"]
+
+log = logging.getLogger("bench.asyncio_taskgroup")
 
 
 class TaskGroupOrchestrator(AsyncioOrchestrator):
@@ -35,16 +40,24 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
 
     async def run(self) -> None:
         try:
-            async with asyncio.TaskGroup() as tg:
-                ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-                tasks = [tg.create_task(self._request_handler(), name="orchestrator-request-handler"),
-                         tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
-                tasks += [tg.create_task(self._reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
-                          for k, s in enumerate(self.stages)]
-                await self._wait_stop_requested()
-                self._stop.set()
-                for t in tasks:
-                    t.cancel()
+            # The stop is bounded: if the group's tasks have not finished ``shutdown_grace``
+            # after being cancelled, the deadline cancels this task, and TaskGroup answers
+            # that by cancelling its children once more.
+            async with asyncio.timeout(None) as stop_deadline:
+                async with asyncio.TaskGroup() as tg:
+                    ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+                    tasks = [tg.create_task(self._request_handler(), name="orchestrator-request-handler"),
+                             tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
+                    tasks += [tg.create_task(self._reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
+                              for k, s in enumerate(self.stages)]
+                    await self._wait_stop_requested()
+                    self._stop.set()
+                    stop_deadline.reschedule(asyncio.get_running_loop().time() + self.shutdown_grace)
+                    for t in tasks:
+                        t.cancel()
+        except TimeoutError:
+            log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
+                        self.shutdown_grace)
         finally:
             self._stop.set()
             await self._finish()

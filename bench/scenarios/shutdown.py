@@ -57,12 +57,19 @@ def judge_no_hang_no_leak(m: dict[str, Any]) -> tuple[str, str]:
     return "ok", "returned, every request had one terminal, no task left"
 
 
+def judge_swallow(m: dict[str, Any]) -> tuple[str, str]:
+    v = judge_no_hang_no_leak(m)
+    if v[0] == "ok" and m["shutdown_s"] > GRACE / 2:
+        return "slow", f"run() returned after {m['shutdown_s']:.2f} s: it had to cancel a second time"
+    return v
+
+
 S1 = Scenario(
     1, "swallowed-cancel", "stage receive() swallows one cancellation",
     "A stage client's receive() catches the cancellation once and waits again. Does shutdown finish?",
     "hang if run() has not returned within the watchdog; lost if a request lacks its terminal or got two; "
-    "leak if tasks outlive run(); else ok",
-    measure_swallow, judge_no_hang_no_leak,
+    f"leak if tasks outlive run(); slow if run() took more than {GRACE / 2} s; else ok",
+    measure_swallow, judge_swallow,
     lambda m: f"{shut_fmt(m)}, swallowed {m['cancellations_swallowed']}",
 )
 

@@ -1,0 +1,150 @@
+"""`trio-orch compare`: the Trio orchestrator's guarantees asserted on the comparison's scenarios.
+
+The asyncio rows are recorded by the tool, not asserted here (what they show
+is the finding); the asyncio references' routing is asserted in
+tests/test_asyncio_refs.py.  Verdicts must come from measurements: a test
+changes an implementation and watches its verdict change.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.asyncio_omni import OmniEventDriven
+from bench.asyncio_taskgroup import TaskGroupOrchestrator
+from bench.scenarios import SCENARIOS, by_number, run_scenario
+from bench.scenarios.base import CUT
+from bench.scenarios.client import SLACK9
+from bench.scenarios.shutdown import judge_no_hang_no_leak
+from trio_orch.cli import main
+
+
+def trio_run(n: int) -> dict:
+    out = run_scenario(by_number(n), "trio")
+    assert out.driver_error is None, out.driver_error
+    return out.metrics
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12])
+def test_trio_shutdown_and_faults_leave_nothing(n: int) -> None:
+    """No hang, no task left, every request exactly one terminal and nothing after it."""
+    m = trio_run(n)
+    assert m["hung"] is False and m["stream_ended"] is True
+    assert m["tasks_alive_after_run"] == 0
+    assert m["without_terminal"] == 0
+    assert m["duplicate_terminals"] == 0 and m["after_terminal"] == 0
+    assert m["run_error"] is None
+
+
+def test_trio_level_triggered_cancel_beats_a_swallowing_stage() -> None:
+    m = trio_run(1)
+    assert m["cancellations_swallowed"] == 1  # the stage did swallow one...
+    assert m["shutdown_s"] < CUT  # ...and shutdown still finished (no grace needed)
+
+
+def test_trio_reader_failure_reported_and_siblings_keep_serving() -> None:
+    m = trio_run(3)
+    assert m["orchestrator_running_after"] and m["sibling_served"]
+    assert m["bound_request_terminal_before_shutdown"] and m["error_surfaced"]
+
+
+def test_trio_no_state_leaked_when_cancelled_mid_submit() -> None:
+    m = trio_run(6)
+    assert m["registered_before_cancel"]
+    assert m["router_state_left"] == 0 and m["stage_state_left"] == 0
+
+
+def test_trio_consumer_cancellation_loses_nothing() -> None:
+    m = trio_run(7)
+    assert m["consumer_cancellations"] > 0
+    assert m["lost"] == 0 and m["duplicated"] == 0 and m["out_of_order"] == 0
+    assert m["delivered"] == m["sent"] and m["terminal_seen"]
+
+
+def test_trio_no_orchestrator_task_outlives_run() -> None:
+    m = trio_run(8)
+    assert m["tasks_alive_after_run"] == m["helpers_alive_after_run"]  # only the application's helpers
+    assert m["tasks_pending_at_loop_end"] == 0 and m["thread_ended"]
+
+
+def test_trio_deadline_honoured_even_when_the_stage_is_saturated() -> None:
+    m = trio_run(9)
+    assert not m["overrun_cut"]
+    assert m["overrun_plain_s"] <= SLACK9 and m["overrun_s"] <= SLACK9
+    assert m["without_terminal"] == 0
+
+
+def test_trio_sigint_in_a_serving_process() -> None:
+    m = trio_run(10)
+    assert not m["exit_hung"] and m["terminals"] == m["in_flight"]
+
+
+def test_trio_bridge_after_shutdown_raises_never_hangs() -> None:
+    m = trio_run(11)
+    probes = [*m["during_shutdown"].values(), *m["after_shutdown"].values()]
+    assert "hang" not in probes
+    assert m["during_shutdown"]["add_request"].startswith("error:")
+    assert m["after_shutdown"]["add_request"].startswith("error:")
+    assert m["after_shutdown"]["next_output"] == "error:EndOfStream"
+    assert m["accepted_late"] == []
+
+
+def test_trio_stage_death_ends_every_request_before_shutdown() -> None:
+    m = trio_run(12)
+    assert m["without_terminal_before_shutdown"] == 0
+    kinds = m["kinds"]
+    assert kinds["a1"] == ["replica_died"] and kinds["a0"] == ["stage_unavailable"]
+
+
+def test_verdicts_are_derived_from_measurements() -> None:
+    base = {"hung": False, "cut_s": None, "without_terminal": 0, "duplicate_terminals": 0,
+            "tasks_alive_after_run": 0}
+    assert judge_no_hang_no_leak(base)[0] == "ok"
+    assert judge_no_hang_no_leak({**base, "hung": True, "cut_s": 2.0})[0] == "hang"
+    assert judge_no_hang_no_leak({**base, "without_terminal": 1})[0] == "lost"
+    assert judge_no_hang_no_leak({**base, "tasks_alive_after_run": 3})[0] == "leak"
+
+
+def test_changing_an_implementation_changes_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TaskGroup's reader tells its own cancellation from the stage's; give it omni's and S3 turns silent."""
+    assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "ok"
+    monkeypatch.setattr(TaskGroupOrchestrator, "_reader", OmniEventDriven._reader)
+    assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "silent"
+
+
+def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
+    js, md = tmp_path / "out.json", tmp_path / "out.md"
+    rc = main(["compare", "--only", "1", "--json", str(js), "--markdown", str(md), "-q"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    result = json.loads(js.read_text())
+    impls = ["trio", "omni-event", "omni-poll", "asyncio-taskgroup"]
+    assert list(result["implementations"]) == impls
+    assert [s["number"] for s in result["scenarios"]] == [1]
+    sc = result["scenarios"][0]
+    assert {"number", "key", "title", "question", "rule", "results"} <= set(sc)
+    for impl in impls:
+        r = sc["results"][impl]
+        assert set(r) == {"scenario", "impl", "verdict", "reason", "headline", "wall_s", "driver_error",
+                          "metrics"}
+        assert r["driver_error"] is None and r["verdict"] and r["reason"]
+        assert {"shutdown_s", "hung", "cut_s", "run_error", "tasks_alive_after_run", "requests",
+                "without_terminal", "duplicate_terminals", "after_terminal", "sent",
+                "delivered_before_shutdown", "cancellations_swallowed"} <= set(r["metrics"])
+        assert r["verdict"] in printed.split(impl, 1)[1] or r["verdict"] in printed
+    assert sc["results"]["trio"]["verdict"] == "ok"
+    text = md.read_text()
+    assert "| 1 | stage receive() swallows one cancellation |" in text and "Rule:" in text
+    assert {"watchdog_cut_s", "shutdown_grace_s", "python", "platform", "elapsed_s"} <= set(result)
+
+
+def test_compare_cli_rejects_unknown_scenario(capsys) -> None:
+    assert main(["compare", "--only", "13"]) == 2
+    assert "no scenario 13" in capsys.readouterr().err
+
+
+def test_every_scenario_is_listed() -> None:
+    assert [s.number for s in SCENARIOS] == list(range(1, 13))
+    assert main(["compare", "--list"]) == 0
