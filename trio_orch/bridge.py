@@ -14,7 +14,9 @@ that cannot start), every registered request -- queued, waiting for
 admission or in flight -- gets a terminal ``OrchError(kind="shutdown")`` and
 every later call raises :class:`EngineClosed` at once.
 
-:func:`open_trio_engine` is the same API for Trio code, without a thread.
+:func:`open_trio_engine` (:mod:`trio_orch.trio_engine`) is the same API for
+Trio code, without a thread; :mod:`trio_orch.engine_base` holds the errors,
+the pipeline factory contract and the metrics snapshot they share.
 """
 
 from __future__ import annotations
@@ -28,9 +30,7 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Iterator
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -46,106 +46,28 @@ from trio_orch.demux import (
     Demux,
     Stream,
     SyncStream,
-    TrioStream,
+)
+from trio_orch.engine_base import (
+    EngineClosed,
+    EngineStartupError,
+    PipelineFactory,
+    PipelineSpec,
+    as_spec,
+    collect_stats,
+    static_pipeline,
+    unwrap,
 )
 from trio_orch.orchestrator import Orchestrator
+from trio_orch.trio_engine import TrioEngine, open_trio_engine
 from trio_orch.types import OrchError, OrchOutput, StageClient
 
-__all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineSpec", "RequestHandle", "TrioEngine",
-           "open_trio_engine", "static_pipeline"]
+# The engine API in one import: the shared pieces and the Trio engine are re-exported.
+__all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineFactory", "PipelineSpec", "RequestHandle",
+           "TrioEngine", "open_trio_engine", "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
 
 Message = OrchOutput | OrchError
-
-
-class EngineClosed(RuntimeError):
-    """The engine is closed or its orchestrator thread has exited; the message says why."""
-
-
-class EngineStartupError(RuntimeError):
-    """The engine could not start; ``__cause__`` is the original failure."""
-
-
-@dataclass
-class PipelineSpec:
-    """What a pipeline factory yields: stage clients plus Orchestrator options."""
-
-    stages: Sequence[StageClient]
-    final_stage_ids: Iterable[int]
-    options: dict[str, Any] = field(default_factory=dict)  # async_chunk, forward_fn, prewarm_fn, ...
-
-
-#: A zero-argument callable, called *inside the Trio thread*, returning an async
-#: context manager that yields a PipelineSpec (or any object with ``stages`` and
-#: ``final_stage_ids``, and optionally ``orchestrator_kwargs()``, as
-#: :class:`trio_orch.launcher.Pipeline` has).  Leaving it stops the pipeline
-#: (e.g. worker processes).
-PipelineFactory = Callable[[], AbstractAsyncContextManager[Any]]
-
-
-def static_pipeline(stages: Sequence[StageClient], final_stage_ids: Iterable[int],
-                    **options: Any) -> PipelineFactory:
-    """A factory for already-built, in-process stage clients (tests, demos)."""
-
-    @asynccontextmanager
-    async def factory() -> AsyncIterator[PipelineSpec]:
-        yield PipelineSpec(stages, final_stage_ids, dict(options))
-
-    return factory
-
-
-def _as_spec(obj: Any) -> PipelineSpec:
-    if isinstance(obj, PipelineSpec):
-        return obj
-    stages = getattr(obj, "stages", None)
-    finals = getattr(obj, "final_stage_ids", None)
-    if stages is None or finals is None:
-        raise TypeError(f"a pipeline factory must yield a PipelineSpec or an object with .stages and "
-                        f".final_stage_ids, got {type(obj).__name__}")
-    opts = getattr(obj, "orchestrator_kwargs", None) or getattr(obj, "orchestrator_options", None)
-    opts = dict(opts() if callable(opts) else opts or {})
-    opts.pop("final_stage_ids", None)
-    return PipelineSpec(stages, finals, opts)
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
-def _collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: int,
-                   alive: bool) -> dict[str, Any]:
-    """A snapshot for /metrics; must run in the orchestrator's thread (it reads routing state)."""
-    stats: dict[str, Any] = {
-        "running": alive and orch is not None and orch.running,
-        "admission_waiting": admission_waiting,
-        "terminals_by_kind": dict(demux.terminals_by_kind),
-        "errors_by_kind": dict(demux.errors_by_kind),
-        "open_streams": len(demux.streams),
-    }
-    if orch is None:
-        return stats
-    router = orch.router
-    inflight = dict.fromkeys(range(router.num_stages), 0)
-    for req in router.requests.values():
-        for k in req.submitted - req.finished:
-            inflight[k] += 1
-    by_replica: dict[tuple[int, str], int] = {}
-    for k, stage in enumerate(orch.stages):
-        fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
-        if callable(fn):
-            for replica, n in enumerate(fn()):
-                by_replica[(k, str(replica))] = int(n)
-    stats.update(
-        queued_requests=orch.queued_requests, active_requests=orch.active_requests,
-        inflight_by_stage=inflight, inflight_by_replica=by_replica,
-        stage_available=list(router.available), outputs_routed=router.outputs_routed,
-        dropped_outputs=router.dropped_outputs, stage_deaths=dict(orch.stage_deaths),
-    )
-    return stats
-
 
 class RequestHandle:
     """A sync caller's view of one request: iterate it to get its messages, terminal last.
@@ -365,7 +287,7 @@ class Engine:
         try:
             trio.run(self._trio_main)
         except BaseException as exc:
-            exc = _unwrap(exc)
+            exc = unwrap(exc)
             self._failure = exc
             reason = f"its orchestrator thread crashed: {type(exc).__name__}: {exc}"
             if self._ready.is_set():
@@ -382,7 +304,7 @@ class Engine:
             if self._stop_flag:
                 return
             async with self._pipeline() as raw:
-                spec = _as_spec(raw)
+                spec = as_spec(raw)
                 orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
                                     **{**self._orch_options, **spec.options})
                 async with trio.open_nursery() as nursery:
@@ -628,10 +550,10 @@ class Engine:
         try:
             return self.run_sync_in_trio(self._stats_now)
         except EngineClosed:
-            return _collect_stats(None, self._demux, 0, False)
+            return collect_stats(None, self._demux, 0, False)
 
     def _stats_now(self) -> dict[str, Any]:
-        return _collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
+        return collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
 
     @property
     def latency(self) -> Any:
@@ -720,94 +642,4 @@ class Engine:
             self._post(collect)
             return await asyncio.wait_for(fut, timeout)
         except (EngineClosed, TimeoutError):
-            return _collect_stats(None, self._demux, 0, False)
-
-
-class TrioEngine:
-    """The bridge's API for Trio code running in the orchestrator's own thread."""
-
-    def __init__(self, orch: Orchestrator, demux: Demux) -> None:
-        self.orchestrator = orch
-        self._demux = demux
-        self._ids = itertools.count()
-        self._closed: str | None = None
-
-    @property
-    def stages(self) -> list[StageClient]:
-        return list(self.orchestrator.stages)
-
-    @property
-    def latency(self) -> Any:
-        return self._demux.latency
-
-    async def generate(self, prompt: Any, *, request_id: str | None = None,
-                       final_stage_id: int | None = None,
-                       request_timeout: float | None = None) -> AsyncIterator[Message]:
-        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
-        orch = self.orchestrator
-        if self._closed is not None or not orch.running:
-            raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
-        rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
-        s = TrioStream(rid, prompt, final_stage_id, request_timeout)
-        self._demux.register(s)
-        try:
-            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
-        except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
-            self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
-        except BaseException:
-            if s.state != DONE and rid not in orch.router:
-                self._demux.unregister(s)  # never accepted (or ended while queued)
-            else:
-                s.detached = True  # accepted: its abort's terminal will free the id
-            raise
-        if s.state == PENDING:
-            s.state = ADMITTED
-        observe = self._demux.latency.observe
-        ended = False
-        try:
-            while True:
-                t, msgs = await s.next_item()
-                observe(perf_counter() - t)
-                for m in msgs:
-                    if m.finished:
-                        ended = True
-                    yield m
-                if ended:
-                    return
-        finally:
-            if not ended:
-                s.detached = True
-                orch.abort_nowait(rid)
-
-    async def abort(self, request_id: str) -> None:
-        await self.orchestrator.abort(request_id)
-
-    def stats(self) -> dict[str, Any]:
-        return _collect_stats(self.orchestrator, self._demux, 0, self._closed is None)
-
-
-@asynccontextmanager
-async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
-                           shutdown_grace: float = 2.0) -> AsyncIterator[TrioEngine]:
-    """``async with open_trio_engine(factory) as engine``: the Trio API, no thread.
-
-    Leaving the block shuts the orchestrator down (no drain); every request
-    still open gets its ``shutdown`` terminal.
-    """
-    demux = Demux()
-    async with pipeline() as raw:
-        spec = _as_spec(raw)
-        opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
-        orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
-        engine = TrioEngine(orch, demux)
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(orch.run)
-                try:
-                    yield engine
-                finally:
-                    engine._closed = "the engine was closed"
-                    orch.request_shutdown()
-        finally:
-            engine._closed = engine._closed or "its orchestrator stopped"
-            demux.sweep("shutdown", f"the engine stopped: {engine._closed}")
+            return collect_stats(None, self._demux, 0, False)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from trio_orch.bridge import PipelineSpec
+from trio_orch.engine_base import PipelineSpec
 from trio_orch.types import StageOutput, StageUnavailable
 
 __all__ = ["SAMPLE_RATE", "ToyStage", "open_toy_pipeline", "toy_pipeline"]

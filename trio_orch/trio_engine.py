@@ -1,0 +1,116 @@
+"""The engine API for Trio code: the same ``generate`` as the thread bridge, without a thread.
+
+``async with open_trio_engine(factory) as engine`` runs the pipeline and the
+orchestrator in the caller's Trio run; ``async for out in
+engine.generate(prompt)`` waits (as a Trio task) while the request channel is
+full, and leaving the iteration early or being cancelled aborts the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from time import perf_counter
+from typing import Any
+
+import trio
+
+from trio_orch.demux import ADMITTED, DONE, PENDING, Demux, TrioStream
+from trio_orch.engine_base import EngineClosed, PipelineFactory, as_spec, collect_stats
+from trio_orch.orchestrator import Orchestrator
+from trio_orch.types import OrchError, OrchOutput, StageClient
+
+__all__ = ["TrioEngine", "open_trio_engine"]
+
+Message = OrchOutput | OrchError
+
+
+class TrioEngine:
+    """The bridge's API for Trio code running in the orchestrator's own thread."""
+
+    def __init__(self, orch: Orchestrator, demux: Demux) -> None:
+        self.orchestrator = orch
+        self._demux = demux
+        self._ids = itertools.count()
+        self._closed: str | None = None
+
+    @property
+    def stages(self) -> list[StageClient]:
+        return list(self.orchestrator.stages)
+
+    @property
+    def latency(self) -> Any:
+        return self._demux.latency
+
+    async def generate(self, prompt: Any, *, request_id: str | None = None,
+                       final_stage_id: int | None = None,
+                       request_timeout: float | None = None) -> AsyncIterator[Message]:
+        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
+        orch = self.orchestrator
+        if self._closed is not None or not orch.running:
+            raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
+        rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
+        s = TrioStream(rid, prompt, final_stage_id, request_timeout)
+        self._demux.register(s)
+        try:
+            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
+        except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
+            self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
+        except BaseException:
+            if s.state != DONE and rid not in orch.router:
+                self._demux.unregister(s)  # never accepted (or ended while queued)
+            else:
+                s.detached = True  # accepted: its abort's terminal will free the id
+            raise
+        if s.state == PENDING:
+            s.state = ADMITTED
+        observe = self._demux.latency.observe
+        ended = False
+        try:
+            while True:
+                t, msgs = await s.next_item()
+                observe(perf_counter() - t)
+                for m in msgs:
+                    if m.finished:
+                        ended = True
+                    yield m
+                if ended:
+                    return
+        finally:
+            if not ended:
+                s.detached = True
+                orch.abort_nowait(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self.orchestrator.abort(request_id)
+
+    def stats(self) -> dict[str, Any]:
+        return collect_stats(self.orchestrator, self._demux, 0, self._closed is None)
+
+
+@asynccontextmanager
+async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
+                           shutdown_grace: float = 2.0) -> AsyncIterator[TrioEngine]:
+    """``async with open_trio_engine(factory) as engine``: the Trio API, no thread.
+
+    Leaving the block shuts the orchestrator down (no drain); every request
+    still open gets its ``shutdown`` terminal.
+    """
+    demux = Demux()
+    async with pipeline() as raw:
+        spec = as_spec(raw)
+        opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
+        orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
+        engine = TrioEngine(orch, demux)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(orch.run)
+                try:
+                    yield engine
+                finally:
+                    engine._closed = "the engine was closed"
+                    orch.request_shutdown()
+        finally:
+            engine._closed = engine._closed or "its orchestrator stopped"
+            demux.sweep("shutdown", f"the engine stopped: {engine._closed}")
