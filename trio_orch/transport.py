@@ -1,8 +1,10 @@
 """The Trio ZMQ stage client: one worker replica behind the stage-client protocol.
 
 One *owner task* (:meth:`ZmqStageClient.run`) does every operation on the
-socket.  Other tasks talk to it through a queue (``submit``/``abort``/``rpc``
-append and wake it) and a memory channel (``receive``).  The owner waits with
+socket.  Other tasks talk to it through memory channels: ``submit``/``abort``/
+``rpc`` put encoded messages in the outbound channel and wake the owner out of
+its fd wait (by cancelling that wait's scope); the owner puts outputs in the
+inbound channel that ``receive`` reads.  The owner waits with
 ``trio.lowlevel.wait_readable`` on the socket's ``ZMQ_FD`` and, after EVERY
 wakeup and after every send, drains the socket to ``EAGAIN``: the ZMQ fd is
 edge-triggered, so a message left behind would never wake us again (a hang).
@@ -26,7 +28,6 @@ import itertools
 import logging
 import math
 import os
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -98,7 +99,10 @@ class ZmqStageClient:
         self.messages_in = 0
         self.messages_out = 0
         self.last_heard = trio.current_time()
-        self._outq: deque[list[Any]] = deque()
+        # Outbound: other tasks put encoded messages in this channel and wake the owner; the
+        # owner alone sends them.  ``_stalled`` holds the one message the high-water mark refused.
+        self._out_send, self._out_recv = trio.open_memory_channel[list[Any]](math.inf)
+        self._stalled: list[Any] | None = None
         self._send, self._recv = trio.open_memory_channel[list[StageOutput]](math.inf)
         self._sink: Sink = sink or self._to_channel
         self._wake: trio.CancelScope | None = None
@@ -214,7 +218,7 @@ class ZmqStageClient:
                 self._drain()
                 if self.closed:
                     break
-                if self._outq and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                if self._stalled is not None and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
                     continue  # room again: send the rest before waiting
                 deadline = math.inf
                 if self.heartbeat_timeout and self.ready is not None and self.dead_reason is None:
@@ -258,7 +262,7 @@ class ZmqStageClient:
                 self._wake.cancel()
 
     def _queue(self, msg: Any) -> None:
-        self._outq.append(self.out_codec.encode(msg))
+        self._out_send.send_nowait(self.out_codec.encode(msg))
         self._poke()
 
     def _check_alive(self) -> None:
@@ -268,13 +272,18 @@ class ZmqStageClient:
             raise StageUnavailable(f"{self.name} is dead: {self.dead_reason}")
 
     def _flush(self) -> None:
-        q = self._outq
-        while q:
+        """Send queued messages until the queue is empty or ZMQ's high-water mark is hit."""
+        while True:
+            if self._stalled is None:
+                try:
+                    self._stalled = self._out_recv.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    return
             try:
-                self.sock.send_multipart(q[0], zmq.NOBLOCK, copy=False)
+                self.sock.send_multipart(self._stalled, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return  # high-water mark: the owner waits for POLLOUT
-            q.popleft()
+            self._stalled = None
             self.messages_out += 1
 
     def _drain(self) -> None:
