@@ -91,11 +91,15 @@ class ServerProcess:
                     if addr.startswith("ipc://"):
                         self.ipc_dirs.add(os.path.dirname(addr[len("ipc://"):]))
 
-    async def stop(self, sig: int = signal.SIGINT, timeout: float = 30.0) -> tuple[int | None, float]:
-        """Send ``sig``; return (exit code, seconds to exit); SIGKILL after ``timeout``."""
+    async def stop(self, sig: int | None = signal.SIGINT, timeout: float = 30.0,
+                   t0: float | None = None) -> tuple[int | None, float]:
+        """Send ``sig`` (None: it was sent already, at ``t0``); return (exit code, seconds to exit).
+
+        SIGKILL after ``timeout`` (the exit code is then None).
+        """
         assert self.proc is not None
-        t0 = time.monotonic()
-        if self.proc.returncode is None:
+        t0 = time.monotonic() if t0 is None else t0
+        if self.proc.returncode is None and sig is not None:
             self.proc.send_signal(sig)
         with trio.move_on_after(timeout):
             await self.proc.wait()
@@ -197,8 +201,9 @@ class HttpFault:
             await server.start()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(server.drain_output)
-                await self._load(server, opts, res, outcomes)
-                code, took = await server.stop(signal.SIGINT)
+                t_sigint = await self._load(server, opts, res, outcomes)
+                # one SIGINT only (the sigint fault sent it already): a second Ctrl-C is another fault
+                code, took = await server.stop(None if t_sigint else signal.SIGINT, t0=t_sigint)
                 res.notes["exit_code"] = code
                 if self.mode == "sigint":
                     res.recover_s = took
@@ -219,16 +224,21 @@ class HttpFault:
         res.leaked_fds = max(0, _fd_count() - fds_before)
         if res.notes.get("exit_code") != 0:
             res.error = res.error or f"server exit code {res.notes.get('exit_code')} (None: killed)"
+        if res.error and opts.progress:
+            tail = "".join(server.output)[-3000:]
+            print(f"  {self.name}: server output (tail):\n{tail}", file=sys.stderr, flush=True)
         res.wall_s = time.monotonic() - t_start
         return res
 
     async def _load(self, server: ServerProcess, opts: ChaosOptions, res: ChaosResult,
-                    outcomes: dict[str, int]) -> None:
+                    outcomes: dict[str, int]) -> float | None:
+        """Send the load; return when SIGINT was sent (sigint mode) or None."""
         limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency)
         timeout = httpx.Timeout(opts.request_timeout + 30)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
             sent = 0
             stop_at = opts.requests // 2 if self.mode == "sigint" else None
+            t_sigint: float | None = None
             slots = trio.Semaphore(opts.concurrency)
 
             async def one(i: int) -> None:
@@ -245,6 +255,7 @@ class HttpFault:
                     if stop_at is not None and i == stop_at:
                         assert server.proc is not None
                         server.proc.send_signal(signal.SIGINT)
+                        t_sigint = time.monotonic()
                     nursery.start_soon(one, i)
                     sent += 1
                     if opts.progress and sent % 250 == 0:
@@ -252,7 +263,7 @@ class HttpFault:
             if self.mode == "sigint":
                 res.still_serving = "n/a (stopped)"
                 res.notes["sigint_after"] = stop_at
-                return
+                return t_sigint
             # server-side: every request ended (disconnected ones aborted), exactly once
             t_load_done = time.monotonic()
             metrics: dict[str, float] = {}
@@ -278,6 +289,7 @@ class HttpFault:
             res.still_serving = "yes" if ok == opts.probe_requests else "no"
             res.notes["probe_ok"] = ok
             res.restarts = int(_sum(after, "trio_orch_supervisor_restarts_total"))
+            return None
 
 
 HTTP_FAULTS: dict[str, HttpFault] = {
