@@ -47,7 +47,8 @@ from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied, ZmqStageClient
 from trio_orch.types import StageUnavailable
 
-__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "open_pipeline", "prewarm_fn"]
+__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "open_pipeline",
+           "prewarm_fn", "run_worker", "worker_argv"]
 
 log = logging.getLogger("trio_orch.launcher")
 
@@ -173,6 +174,12 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
     return argv + list(st.worker_args) + list(st.replica_args.get(r, []))
 
 
+def worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str) -> list[str]:
+    """The ``python -m stages.worker`` command line of replica ``r`` of stage ``k`` (public for
+    supervisors and fault harnesses that start replicas themselves)."""
+    return _worker_argv(cfg, k, r, st, addr, tmpdir)
+
+
 def _inbox(tmpdir: str, k: int, r: int) -> str:
     return f"ipc://{tmpdir}/in-s{k}r{r}"
 
@@ -211,6 +218,12 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
         with trio.CancelScope(shield=True):
             dying = (h.client.dead_reason or "").startswith("worker is dying")
             await _stop(proc, cfg.stop_grace, label, exiting=dying)
+
+
+#: Start one worker under the caller's nursery: ``await nursery.start(run_worker, handle, argv, cfg)``
+#: returns once it is ready (raises WorkerStartupError otherwise); the task then watches the process
+#: (exit -> ``handle.client.mark_dead``) and always stops and reaps it when it ends.
+run_worker = _run_worker
 
 
 async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool = False) -> None:
