@@ -199,3 +199,11 @@ def test_replica_death_reported_per_request_by_a_pool() -> None:
     r.add("r", "p")
     o = StageOutput("r", None, True, error="replica 1 died", error_kind="replica_died")
     assert emitted(r.route(0, o)) == [OrchError("r", 0, "replica_died", "replica 1 died")]
+
+
+def test_production_timestamp_travels_with_the_output_but_not_into_equality() -> None:
+    r = Router(1, {0})
+    r.add("r", "p")
+    (emit,) = r.route(0, StageOutput("r", "x", True, t_produced=12.5))
+    assert emit.message.t_produced == 12.5
+    assert emit.message == OrchOutput("r", 0, "x", True)

@@ -251,7 +251,7 @@ class Router:
         actions: list[Action] = []
         if stage_id in req.finals:
             all_final = req.finals <= req.finished
-            msg = OrchOutput(rid, stage_id, out.data, all_final)
+            msg = OrchOutput(rid, stage_id, out.data, all_final, out.t_produced)
             if all_final:
                 if req.submitted <= req.finished:
                     return self._complete(req, msg)

@@ -8,7 +8,7 @@ all speak the same vocabulary.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
@@ -52,12 +52,18 @@ class StageOutput:
 
 @dataclass(slots=True)
 class OrchOutput:
-    """An output delivered to the user; ``finished=True`` is the request's terminal."""
+    """An output delivered to the user; ``finished=True`` is the request's terminal.
+
+    ``t_produced`` is copied from the stage output (monotonic clock, where the
+    stage produced it) so a consumer can measure dispatch latency; it takes
+    no part in equality.
+    """
 
     request_id: str
     stage_id: int
     data: Any
     finished: bool
+    t_produced: float = field(default=0.0, compare=False, repr=False)
 
     @property
     def terminal(self) -> bool:
