@@ -21,6 +21,7 @@ from typing import Any
 from bench import report, workloads
 from bench.asyncio_drivers import ASYNCIO_DRIVERS
 from bench.drivers import BenchDriver, FloorDriver, TrioDriver
+from bench.engine_driver import EngineDriver
 from bench.stats import summarize
 
 Workload = Callable[[BenchDriver, bool], dict[str, Any]]
@@ -49,6 +50,7 @@ WORKLOADS: dict[str, tuple[Workload, str]] = {
 IMPLEMENTATIONS: dict[str, Callable[[], BenchDriver]] = {
     "floor": FloorDriver,
     "trio": TrioDriver,
+    "trio-engine": EngineDriver,
     **ASYNCIO_DRIVERS,
 }
 
