@@ -29,6 +29,9 @@ class FakeReplica:
         self.submits.append((rid, payload, downstream))
 
     async def abort(self, rids: list[str]) -> None:
+        self.abort_nowait(rids)
+
+    def abort_nowait(self, rids: list[str]) -> None:
         self.aborts.extend(rids)
 
     async def aclose(self) -> None:
@@ -122,9 +125,21 @@ async def test_a_request_that_stops_upstream_frees_its_downstream_reservation() 
     up, down = ReplicaPool(0), ReplicaPool(1)
     up.downstream = down
     u = FakeReplica(up)
-    FakeReplica(down)
+    d = FakeReplica(down)
     await up.submit("text-only", "prompt")  # final_stage_id=0: stage 1 never gets a submit
     assert down.in_flight() == [1]
     u.emit("text-only", "done", finished=True)
     await up.receive()
     assert down.in_flight() == [0] and down.replica_of("text-only") is None
+    assert d.aborts == ["text-only"]  # the chunks streamed to it are dropped at once
+
+
+async def test_a_used_reservation_is_not_aborted_when_upstream_finishes() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    u, d = FakeReplica(up), FakeReplica(down)
+    await up.submit("r1", "prompt")
+    await down.submit("r1", {"prewarm": 1})
+    u.emit("r1", "done", finished=True)
+    await up.receive()
+    assert d.aborts == [] and down.replica_of("r1") == 0

@@ -366,3 +366,20 @@ async def test_abort_in_async_chunk_mode_reaches_every_stage_and_drops_late_chun
             await orch.shutdown()
     assert all(s["active"] == 0 and s["waiting"] == 0 for s in stats)
     assert all(s["inbox_pending"] == 0 for s in stats[1:])  # ... and are dropped, not buffered
+
+
+async def test_text_only_request_in_async_chunk_mode_leaves_no_chunks_downstream() -> None:
+    cfg = echo_config(3, final_stage_ids=[0, 2], outputs=3, async_chunk=True)
+    async with checked_pipeline(cfg) as pipe:
+        orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orch.run)
+            await orch.add_request("text", "x", final_stage_id=0)  # stage 1 and 2 never submitted
+            msgs = await collect(orch, 1)
+            with trio.fail_after(10):  # stage 0 streamed 3 chunks to stage 1: they are dropped
+                while (s1 := (await pipe.stats())[1])["aborts"] < 1 or s1["inbox_pending"]:
+                    await trio.sleep(0.01)
+            in_flight = [pool.in_flight() for pool in pipe.stages]
+            await orch.shutdown()
+    assert [m.data for m in msgs] == ["x"] * 3 and all(m.stage_id == 0 for m in msgs)
+    assert in_flight == [[0], [0], [0]]

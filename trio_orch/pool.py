@@ -169,12 +169,20 @@ class ReplicaPool:
         self._load[idx] += 1
         return idx
 
-    def release_reservation(self, request_id: str) -> None:
-        """Forget a reservation that no submit used (the request ended upstream)."""
+    def release_reservation(self, request_id: str, *, drop_chunks: bool = False) -> None:
+        """Forget a reservation that no submit used (the request ended upstream).
+
+        ``drop_chunks``: also abort the request on the reserved replica, whose
+        inbox would otherwise hold the chunks streamed to it until they expire.
+        """
         idx = self._reserved.pop(request_id, None)
         self._reserved_at.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
+            if drop_chunks:
+                abort_nowait = getattr(self.replicas[idx], "abort_nowait", None)
+                if abort_nowait is not None:
+                    abort_nowait([request_id])
 
     def _expire_reservations(self) -> None:
         """Drop reservations no submit used in time (e.g. a text-only request upstream)."""
@@ -320,8 +328,9 @@ class ReplicaPool:
             if self.downstream is not None:
                 # The orchestrator performs all of a request's async-chunk submits before any
                 # reply can be routed, so a reservation still open now is one no submit will use
-                # (a request that stops at this stage): free it.
-                self.downstream.release_reservation(request_id)
+                # (a request that stops at this stage): free it, and tell that replica to drop
+                # the chunks this stage already streamed to it.
+                self.downstream.release_reservation(request_id, drop_chunks=True)
             ended = self._ended
             ended[request_id] = (idx, finished)
             if len(ended) > 8192:

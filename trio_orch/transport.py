@@ -128,9 +128,13 @@ class ZmqStageClient:
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:
+        self.abort_nowait(request_ids)
+        await trio.lowlevel.checkpoint()
+
+    def abort_nowait(self, request_ids: list[str]) -> None:
+        """Synchronous :meth:`abort` (queues the message; a no-op once dead or closed)."""
         if request_ids and self.alive:
             self._queue(Abort(list(request_ids)))
-        await trio.lowlevel.checkpoint()
 
     async def receive(self) -> list[StageOutput]:
         """Wait for at least one output; raise :class:`ReplicaDied` once dead and drained."""
