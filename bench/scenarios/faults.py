@@ -81,7 +81,7 @@ S3 = Scenario(
     "stage 1 got no terminal before shutdown; stalled if the stage-0 request was not served; else ok",
     measure_reader_raises, judge_reader,
     lambda m: (f"running: {m['orchestrator_running_after']}, sibling served: {m['sibling_served']}, "
-               f"error terminal: {m['bound_request_terminal_before_shutdown']}"),
+               f"stage-1 request ended: {m['bound_request_terminal_before_shutdown']}"),
 )
 
 
