@@ -53,7 +53,7 @@ def test_generate_compare_runs_both_modes_writes_a_wav_and_prints_timings(
     text = capsys.readouterr().out
     assert "normal (stage by stage) mode" in text and "async-chunk mode" in text  # both ran
     assert text.count("time to first audio") == 3  # one per run + the comparison line
-    assert "earlier with async-chunk" in text
+    assert "time to first audio: stage by stage" in text  # the comparison (no timing assert)
     with wave.open(str(out)) as w:
         assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
         assert w.getnframes() == 10 * 2 * 480  # tokens x frames per token x hop
