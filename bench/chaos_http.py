@@ -32,8 +32,9 @@ __all__ = ["HTTP_FAULTS", "HttpFault", "ServerProcess"]
 class ServerProcess:
     """``trio-orch serve --port 0`` as a child process; knows its URL, workers and ipc directory."""
 
-    def __init__(self, opts: ChaosOptions) -> None:
+    def __init__(self, opts: ChaosOptions, replicas: int = 2) -> None:
         self.opts = opts
+        self.replicas = replicas
         self.proc: trio.Process | None = None
         self.url = ""
         self.worker_pids: set[int] = set()
@@ -41,8 +42,8 @@ class ServerProcess:
         self.output: list[str] = []
 
     async def start(self) -> None:
-        argv = [sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--replicas", "2",
-                "--request-timeout", str(self.opts.request_timeout)]
+        argv = [sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
+                "--replicas", str(self.replicas), "--request-timeout", str(self.opts.request_timeout)]
         self.proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None
@@ -98,6 +99,7 @@ class ServerProcess:
         SIGKILL after ``timeout`` (the exit code is then None).
         """
         assert self.proc is not None
+        self.scan_workers()  # replacements started since
         t0 = time.monotonic() if t0 is None else t0
         if self.proc.returncode is None and sig is not None:
             self.proc.send_signal(sig)

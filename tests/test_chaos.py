@@ -86,3 +86,39 @@ def test_chaos_cli_writes_table_json_markdown(tmp_path: Path, capsys: pytest.Cap
     data = json.loads(jpath.read_text())
     assert data["results"][0]["fault"] == "kill9" and data["results"][0]["ok"] is True
     assert "| kill9 |" in mpath.read_text()
+
+
+async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
+    """kill -9 a worker of a real ``trio-orch serve``: restarted, counted on /metrics, still serving."""
+    import os
+    import signal
+
+    import httpx
+
+    from bench.chaos_http import ServerProcess, _body, parse_metrics
+
+    opts = ChaosOptions(request_timeout=20.0, progress=False)
+    server = ServerProcess(opts, replicas=1)
+    await server.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(server.drain_output)
+            async with httpx.AsyncClient(timeout=30) as client:
+                victim = min(server.worker_pids)
+                os.kill(victim, signal.SIGKILL)
+                metrics: dict[str, float] = {}
+                with trio.fail_after(30):
+                    while not any(k.startswith("trio_orch_supervisor_restarts_total") for k in metrics):
+                        await trio.sleep(0.1)
+                        metrics = parse_metrics((await client.get(server.url + "/metrics")).text)
+                deaths = [k for k in metrics if k.startswith("trio_orch_supervisor_deaths_total")]
+                assert deaths and all('cause="exited"' in k for k in deaths)
+                r = await client.post(server.url + "/v1/chat/completions", json=_body(opts, 0, stream=False))
+                assert r.status_code == 200
+            code, _ = await server.stop(signal.SIGINT)
+            assert code == 0
+    finally:
+        if server.proc is not None and server.proc.returncode is None:
+            await server.stop(signal.SIGKILL)
+    assert len(server.worker_pids) == 4  # 3 first workers + the replacement, all gone now
+    assert server.leaks() == (0, 0)

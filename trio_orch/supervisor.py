@@ -229,6 +229,8 @@ class Supervisor:
         finally:
             self._closing = True
             self._nursery = None
+            for pool in self.pipeline.stages:  # nobody restarts replicas any more
+                pool.stop_supervision()
 
     async def leave(self, stage_id: int, replica: int, *, drain_timeout: float = 10.0) -> None:
         """Take a replica out gracefully: no new requests, let its own finish, stop it."""
