@@ -23,6 +23,7 @@ from bench.asyncio_drivers import ASYNCIO_DRIVERS
 from bench.drivers import BenchDriver, FloorDriver, TrioDriver
 from bench.engine_driver import EngineDriver
 from bench.stats import summarize
+from bench.zmq_bench import run_zmq_workload
 
 Workload = Callable[[BenchDriver, bool], dict[str, Any]]
 
@@ -46,6 +47,14 @@ WORKLOADS: dict[str, tuple[Workload, str]] = {
              "orchestrator-thread CPU with no requests (5 s)"),
 }
 
+#: worker-process workloads (trio-orch only: the asyncio references have no ZMQ client)
+ZMQ_WORKLOADS: dict[str, str] = {
+    "zmq_a_seq": "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
+    "zmq_b_64": "64 concurrent requests x 50 outputs from ZMQ echo workers (worker batches per step)",
+    "e2e": "default torch pipeline, stage by stage: time to first text and to first audio",
+    "e2e_async_chunk": "default torch pipeline with async-chunk: time to first text and to first audio",
+}
+
 #: name -> driver factory
 IMPLEMENTATIONS: dict[str, Callable[[], BenchDriver]] = {
     "floor": FloorDriver,
@@ -57,13 +66,14 @@ IMPLEMENTATIONS: dict[str, Callable[[], BenchDriver]] = {
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = "workloads:\n" + "\n".join(f"  {k:16s} {v[1]}" for k, v in WORKLOADS.items())
+    parser.epilog = ("workloads:\n" + "\n".join(f"  {k:16s} {v[1]}" for k, v in WORKLOADS.items())
+                     + "\n" + "\n".join(f"  {k:16s} {v}" for k, v in ZMQ_WORKLOADS.items()))
     parser.add_argument("--quick", action="store_true",
                         help="smaller workloads and fewer rounds (under a minute)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds per workload (default 3, --quick 1)")
     parser.add_argument("--workloads", default=None,
-                        help=f"comma-separated subset of: {', '.join(WORKLOADS)} (default: all)")
+                        help="comma-separated subset of the workloads below (default: all)")
     parser.add_argument("--impls", default=None,
                         help="comma-separated subset of the implementations (default: all); "
                              f"known: {', '.join(IMPLEMENTATIONS)}")
@@ -113,6 +123,14 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
     results: dict[str, Any] = {"implementations": impl_names, "workloads": {}}
     raw_a_seq: dict[str, list[float]] = {}
     for wl in workload_names:
+        if wl in ZMQ_WORKLOADS:
+            zruns = []
+            for r in range(1 if wl.startswith("e2e") else rounds):
+                zruns.append(run_zmq_workload(wl, quick))
+                if progress:
+                    progress.step(f"{wl} trio (round {r + 1})")
+            results["workloads"][wl] = {"trio": summarize(zruns)}
+            continue
         fn = WORKLOADS[wl][0]
         runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impl_names}
         for r in range(rounds):
@@ -138,12 +156,13 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    wls = _pick(args.workloads, WORKLOADS, "workload")
+    wls = _pick(args.workloads, {**WORKLOADS, **ZMQ_WORKLOADS}, "workload")
     impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator
     rounds = args.rounds or (1 if args.quick else 3)
-    progress = Progress(len(wls) * len(impls) * rounds)
+    progress = Progress(sum(1 if w.startswith("e2e") else rounds if w in ZMQ_WORKLOADS
+                            else rounds * len(impls) for w in wls))
     results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,

@@ -75,7 +75,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [header]
     for wl, per_impl in results.get("workloads", {}).items():
         for impl, res in per_impl.items():
-            if wl == "idle":
+            if wl == "idle" or wl.startswith("e2e"):
                 continue
             key = "latency" if "latency" in res else "forward"
             lat = res.get(key, {})
@@ -101,6 +101,19 @@ def chain_rows(results: dict[str, Any]) -> list[list[str]]:
                      _fmt(res.get("forward_1_2", {}).get("p50_us")),
                      _fmt(res.get("forward", {}).get("p99_us")),
                      _fmt(res.get("latency", {}).get("p50_us"))])
+    return rows
+
+
+def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
+    rows = [["pipeline", "requests", "first text p50 ms", "first audio p50 ms", "total p50 ms"]]
+    for wl in ("e2e", "e2e_async_chunk"):
+        res = results.get("workloads", {}).get(wl, {}).get(BASE)
+        if not res:
+            continue
+        keys = ("first_text", "first_audio", "total")
+        ms = [(res.get(k, {}).get("p50_us") or math.nan) / 1000 for k in keys]
+        rows.append(["async-chunk" if wl.endswith("chunk") else "stage by stage",
+                     str(res.get("first_text", {}).get("n", 0)), *(_fmt(v) for v in ms)])
     return rows
 
 
@@ -147,6 +160,8 @@ def text_report(results: dict[str, Any]) -> str:
              render_text(table_rows(results))]
     if "c_chain" in results.get("workloads", {}):
         parts += ["", "c_chain: admission and forward latency", render_text(chain_rows(results))]
+    if len(e2e_rows(results)) > 1:
+        parts += ["", "End to end, default torch pipeline (trio-orch)", render_text(e2e_rows(results))]
     parts += ["", "Idle CPU and shutdown", render_text(misc_rows(results)),
               "", "Targets (trio-orch, this run)", render_text(target_rows(results))]
     return "\n".join(parts)
@@ -159,6 +174,9 @@ def markdown_report(results: dict[str, Any]) -> str:
              "## Dispatch latency and throughput", "", render_markdown(table_rows(results))]
     if "c_chain" in results.get("workloads", {}):
         parts += ["", "## c_chain: admission and forward latency", "", render_markdown(chain_rows(results))]
+    if len(e2e_rows(results)) > 1:
+        parts += ["", "## End to end, default torch pipeline (trio-orch)", "",
+                  render_markdown(e2e_rows(results))]
     parts += ["", "## Idle CPU and shutdown", "", render_markdown(misc_rows(results)),
               "", "## Targets", "", render_markdown(target_rows(results)), ""]
     return "\n".join(parts)

@@ -21,7 +21,8 @@ def percentiles_us(samples: list[float]) -> dict[str, float]:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Merge the runs (rounds) of one implementation on one workload."""
     out: dict[str, Any] = {"rounds": len(runs)}
-    for key in ("latency", "admission", "forward", "forward_0_1", "forward_1_2"):
+    for key in ("latency", "admission", "forward", "forward_0_1", "forward_1_2",
+                "first_text", "first_audio", "total"):
         if any(key in r for r in runs):
             merged = [x for r in runs for x in r.get(key, [])]
             out[key] = percentiles_us(merged)
