@@ -51,3 +51,27 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) ->
     assert "| a_seq | trio |" in (out / "results.md").read_text()
     for png in ("a_seq_latency_cdf.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _worker_pids() -> set[int]:
+    pids = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"stages.worker" in cmd:
+                pids.add(int(proc.name))
+    return pids
+
+
+def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
+    from bench.zmq_bench import run_zmq_workload
+
+    before = _worker_pids()
+    res = run_zmq_workload("zmq_a_seq", quick=True)
+    assert res["outputs"] == 200
+    assert len(res["latency"]) == 200  # every output carried the worker's production time
+    assert all(x > 0 for x in res["latency"])
+    assert _worker_pids() - before == set()  # the workers are gone
