@@ -53,25 +53,18 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) ->
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _worker_pids() -> set[int]:
-    pids = set()
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                cmd = (proc / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"stages.worker" in cmd:
-                pids.add(int(proc.name))
-    return pids
-
-
 def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
-    from bench.zmq_bench import run_zmq_workload
+    from bench.zmq_bench import ZmqTrioDriver, echo_pipeline, zmq_seq
 
-    before = _worker_pids()
-    res = run_zmq_workload("zmq_a_seq", quick=True)
+    driver = ZmqTrioDriver(echo_pipeline(1))
+    driver.start()
+    pids = list(driver.pipe.pids)
+    assert len(pids) == 3 and all(Path(f"/proc/{p}").exists() for p in pids)
+    try:
+        res = zmq_seq(driver, 200)
+    finally:
+        driver.shutdown()
     assert res["outputs"] == 200
     assert len(res["latency"]) == 200  # every output carried the worker's production time
     assert all(x > 0 for x in res["latency"])
-    assert _worker_pids() - before == set()  # the workers are gone
+    assert not any(Path(f"/proc/{p}").exists() for p in pids)  # the workers are gone (and reaped)
