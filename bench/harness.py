@@ -62,6 +62,11 @@ class Harness:
     ``misbehaviour`` maps a stage index to the faults that stage has.
     ``in_loop_consumer=True`` leaves outputs in the implementation's own
     output channel/queue, for a consumer running inside its loop.
+    ``workers`` (a :class:`trio_orch.config.PipelineConfig`, e.g. ``echo_config(2)``)
+    replaces the scripted stages by real ``stages.worker`` processes over ZMQ
+    (Trio: ``open_pipeline``; asyncio: :func:`bench.asyncio_zmq.open_worker_stages`);
+    the config then sets the number of stages, the final stages and async-chunk mode,
+    and ``emit``/``fail_stage`` are not available.
     """
 
     framework = "?"
@@ -79,7 +84,18 @@ class Harness:
         shutdown_grace: float = 2.0,
         request_queue_size: int = 256,
         in_loop_consumer: bool = False,
+        workers: Any = None,
     ) -> None:
+        if workers is not None:  # real stage workers: the pipeline config decides the shape
+            from trio_orch import launcher
+
+            num_stages, final_stage_ids = len(workers.stages), workers.final_stage_ids
+            async_chunk = workers.async_chunk
+            forward_fn = forward_fn or launcher.forward_fn_for([st.kind for st in workers.stages])
+            prewarm_fn = prewarm_fn or launcher.prewarm_fn
+        self.workers = workers
+        self.worker_pids: list[int] = []
+        self.worker_dir: str | None = None  # the workers' private ipc directory
         self.num_stages = num_stages
         self.final_stage_ids = frozenset(final_stage_ids)
         self.async_chunk = async_chunk

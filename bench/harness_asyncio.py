@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from bench.asyncio_omni import OmniEventDriven, OmniPolling
 from bench.asyncio_shell import AbortMsg, AddMsg, AsyncioOrchestrator
 from bench.asyncio_stages import AsyncScriptedStage
 from bench.asyncio_taskgroup import TaskGroupOrchestrator
+from bench.asyncio_zmq import open_worker_stages
 from bench.harness import Harness, Message
 
 __all__ = ["AsyncioHarness", "OmniEventHarness", "OmniPollingHarness", "TaskGroupHarness"]
@@ -71,29 +74,35 @@ class AsyncioHarness(Harness):
 
     async def _amain(self) -> None:
         self.loop = asyncio.get_running_loop()
-        try:
-            self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k))
-                           for k in range(self.num_stages)]
-            self.orch = self.orchestrator_cls(
-                self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
-                forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
-                request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace)
-        except BaseException as exc:
-            self._start_error = exc
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                if self.workers is not None:
+                    self.stages = await stack.enter_async_context(open_worker_stages(self.workers))
+                    self.worker_pids = [s.pid for s in self.stages if s.pid is not None]
+                    self.worker_dir = os.path.dirname(self.stages[0].address.removeprefix("ipc://"))
+                else:
+                    self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k))
+                                   for k in range(self.num_stages)]
+                self.orch = self.orchestrator_cls(
+                    self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
+                    forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
+                    request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace)
+            except BaseException as exc:
+                self._start_error = exc
+                self._started.set()
+                return
             self._started.set()
-            return
-        self._started.set()
-        me = asyncio.current_task()
-        try:
-            await self.orch.run()
-        except BaseException as exc:
-            self.run_error = exc
-        finally:
-            self.orch.output_queue.shutdown()
-            alive = [t for t in asyncio.all_tasks(self.loop) if t is not me and not t.done()]
-            self.tasks_alive_after_run = len(alive)
-            self.alive_after_run_names = [t.get_name() for t in alive]
-            self._run_returned.set()
+            me = asyncio.current_task()
+            try:
+                await self.orch.run()
+            except BaseException as exc:
+                self.run_error = exc
+            finally:
+                self.orch.output_queue.shutdown()
+                alive = [t for t in asyncio.all_tasks(self.loop) if t is not me and not t.done()]
+                self.tasks_alive_after_run = len(alive)
+                self.alive_after_run_names = [t.get_name() for t in alive]
+                self._run_returned.set()
 
     def abandon(self) -> None:
         """Stop the loop under the hung run() (its pending tasks are left unfinished)."""

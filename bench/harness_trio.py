@@ -11,6 +11,7 @@ production bridge (``trio_orch/bridge.py``) is built separately.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import threading
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import trio
 
 from bench.harness import Harness, Message
 from bench.trio_stages import TrioScriptedStage
+from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
 
 __all__ = ["TrioHarness"]
@@ -70,40 +72,50 @@ class TrioHarness(Harness):
         me = trio.lowlevel.current_task()
         async with trio.open_nursery() as app:
             self._app_scope = app.cancel_scope
-            self.stages = [TrioScriptedStage(k, misbehaviour=self.misbehaviour.get(k), helper_nursery=app)
-                           for k in range(self.num_stages)]
-            try:
-                self.orch = Orchestrator(
-                    self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
-                    forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
-                    request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace,
-                    output_sink=None if self.in_loop_consumer else self._sink)
-            except BaseException as exc:
-                self._start_error = exc
-                return
-            returned = trio.Event()
-            run_task: set[trio.lowlevel.Task] = set()
-
-            async def run_orch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                run_task.add(trio.lowlevel.current_task())
-                assert self.orch is not None
+            async with contextlib.AsyncExitStack() as stack:
                 try:
-                    await self.orch.run(task_status=task_status)
-                except trio.Cancelled:
-                    raise
+                    if self.workers is not None:
+                        pipeline = await stack.enter_async_context(
+                            open_pipeline(self.workers, handle_sigterm=False))
+                        self.stages = list(pipeline.stages)
+                        self.worker_pids = pipeline.pids
+                        self.worker_dir = pipeline.tmpdir
+                    else:
+                        self.stages = [TrioScriptedStage(k, misbehaviour=self.misbehaviour.get(k),
+                                                         helper_nursery=app)
+                                       for k in range(self.num_stages)]
+                    self.orch = Orchestrator(
+                        self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
+                        forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
+                        request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace,
+                        output_sink=None if self.in_loop_consumer else self._sink)
                 except BaseException as exc:
-                    self.run_error = exc
-                finally:
-                    returned.set()
+                    self._start_error = exc
+                    app.cancel_scope.cancel()
+                    return
+                returned = trio.Event()
+                run_task: set[trio.lowlevel.Task] = set()
 
-            await app.start(run_orch)
-            self._started.set()
-            await returned.wait()
-            alive = _descendants(me, run_task)
-            self.tasks_alive_after_run = len(alive)
-            self.alive_after_run_names = [t.name for t in alive]
-            self._close_stream()
-            self._run_returned.set()
+                async def run_orch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                    run_task.add(trio.lowlevel.current_task())
+                    assert self.orch is not None
+                    try:
+                        await self.orch.run(task_status=task_status)
+                    except trio.Cancelled:
+                        raise
+                    except BaseException as exc:
+                        self.run_error = exc
+                    finally:
+                        returned.set()
+
+                await app.start(run_orch)
+                self._started.set()
+                await returned.wait()
+                alive = _descendants(me, run_task)
+                self.tasks_alive_after_run = len(alive)
+                self.alive_after_run_names = [t.name for t in alive]
+                self._close_stream()
+                self._run_returned.set()
             app.cancel_scope.cancel()  # helpers the stages started in the application's nursery
         self.tasks_pending_at_loop_end = len(_descendants(me, set()))
 

@@ -8,11 +8,13 @@ implementation (Trio included).
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
 
 from bench.harness import IMPLEMENTATIONS, EndOfStream, Harness, make_harness
+from trio_orch.config import echo_config
 from trio_orch.types import OrchError, OrchOutput
 
 IMPLS = list(IMPLEMENTATIONS)
@@ -272,3 +274,27 @@ def test_malformed_input_raises_and_registers_nothing(impl: str, rid, kwargs, ma
         assert h.active_requests == 0
         h.add_request("ok", "p")
         assert h.submissions(0) == [("ok", "p")]
+
+
+def test_real_zmq_workers(impl: str) -> None:
+    """Every implementation drives real `stages.worker` processes (asyncio: pyzmq asyncio sockets)."""
+    h = start(impl, workers=echo_config(2, final_stage_ids=[0, 1], outputs=2))
+    assert len(h.worker_pids) == 2 and os.path.isdir(h.worker_dir)
+    rids = {f"r{i}" for i in range(3)}
+    for r in sorted(rids):
+        h.add_request(r, f"hello-{r}")
+    msgs = []
+    while sum(m.finished for m in msgs) < 3:
+        msgs.append(h.next_output(timeout=10))
+    assert all(isinstance(m, OrchOutput) for m in msgs)
+    assert_one_terminal_last(msgs, rids)
+    for r in rids:  # echo: 2 outputs at stage 0, then stage 1 echoes the forwarded list twice
+        mine = [(m.stage_id, m.finished) for m in msgs if m.request_id == r]
+        assert mine == [(0, False), (0, False), (1, False), (1, True)]
+    report = h.shutdown(wait=10)
+    assert not report.hung and report.run_error is None
+    assert h.join(15)
+    for pid in h.worker_pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not os.path.exists(h.worker_dir)
