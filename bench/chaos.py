@@ -55,6 +55,7 @@ def _faults() -> dict[str, Any]:
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
     parser.epilog = "faults: " + ", ".join(_faults())
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REQUESTS} requests per fault instead of 1000 (2-3 minutes in all)")
@@ -67,6 +68,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="echo workers instead of the torch models (model compute is irrelevant to "
                              "most faults; the table says which workers ran)")
     parser.add_argument("--max-new-tokens", type=int, default=4, help="thinker tokens per request")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="torch device of the workers (default cpu)")
     parser.add_argument("--request-timeout", type=float, default=30.0,
                         help="per-request deadline (the server default); a hang shows up as 'timeout'")
     parser.add_argument("--probe", type=int, default=20,
@@ -133,7 +136,8 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
     n_req = args.requests or (QUICK_REQUESTS if args.quick else 1000)
     opts = ChaosOptions(requests=n_req, concurrency=args.concurrency, echo=args.echo,
                         max_new_tokens=args.max_new_tokens, request_timeout=args.request_timeout,
-                        probe_requests=args.probe, progress=not args.no_progress, seed=args.seed)
+                        probe_requests=args.probe, progress=not args.no_progress, seed=args.seed,
+                        device=args.device)
     results = []
     for i, name in enumerate(names, 1):
         f = faults[name]

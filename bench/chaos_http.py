@@ -43,7 +43,8 @@ class ServerProcess:
 
     async def start(self) -> None:
         argv = [sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
-                "--replicas", str(self.replicas), "--request-timeout", str(self.opts.request_timeout)]
+                "--replicas", str(self.replicas), "--request-timeout", str(self.opts.request_timeout),
+                "--device", self.opts.device]
         self.proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None

@@ -42,6 +42,7 @@ class ChaosOptions:
     probe_requests: int = 20
     progress: bool = True
     seed: int = 0
+    device: str = "cpu"  # torch device of the workers: cpu or cuda
 
 
 @dataclass
@@ -81,7 +82,7 @@ def build_config(opts: ChaosOptions, *, async_chunk: bool = False) -> PipelineCo
     if opts.echo:
         cfg = echo_config(3, replicas=2, outputs=3, final_stage_ids=[0, 2], **timing)
     else:
-        cfg = default_config(**timing).with_overrides(replicas=2)
+        cfg = default_config(**timing).with_overrides(replicas=2, device=opts.device)
         cfg.stages[0].model.update(max_new_tokens=opts.max_new_tokens, min_new_tokens=1)
     cfg.async_chunk = async_chunk
     return cfg.validate()
