@@ -270,12 +270,29 @@ trio.run(main)
 """
 
 
-async def _start_holder() -> tuple[trio.Process, str, list[int]]:
+DAEMON_HOLDER = """
+import sys, threading, trio
+from trio_orch.config import echo_config
+from trio_orch.launcher import open_pipeline
+
+async def main():
+    # heartbeats (and the workers' own parent check) every 5 s: only the atexit net can be quick
+    async with open_pipeline(echo_config(1, replicas=2, heartbeat_interval=5, heartbeat_timeout=10)) as pipe:
+        print(pipe.tmpdir, *pipe.pids, flush=True)
+        await trio.sleep_forever()
+
+threading.Thread(target=trio.run, args=(main,), daemon=True).start()
+sys.stdin.readline()  # then the interpreter exits under the daemon thread's feet
+"""
+
+
+async def _start_holder(script: str = HOLDER) -> tuple[trio.Process, str, list[int]]:
     """A separate orchestrator process holding a pipeline open; returns (process, ipc dir, worker pids)."""
     import subprocess
     import sys
 
-    proc = await trio.lowlevel.open_process([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE)
+    proc = await trio.lowlevel.open_process([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                            stdin=subprocess.PIPE)
     assert proc.stdout is not None
     line = b""
     with trio.fail_after(30):
@@ -383,3 +400,13 @@ async def test_text_only_request_in_async_chunk_mode_leaves_no_chunks_downstream
             await orch.shutdown()
     assert [m.data for m in msgs] == ["x"] * 3 and all(m.stage_id == 0 for m in msgs)
     assert in_flight == [[0], [0], [0]]
+
+
+async def test_interpreter_exit_with_a_pipeline_open_in_a_daemon_thread_leaves_nothing() -> None:
+    proc, tmpdir, pids = await _start_holder(DAEMON_HOLDER)
+    assert len(pids) == 2
+    assert proc.stdin is not None
+    await proc.stdin.send_all(b"exit\n")
+    with trio.fail_after(10):
+        assert await proc.wait() == 0
+    await _gone(pids, tmpdir, timeout=2)  # the atexit safety net killed them and removed the dir

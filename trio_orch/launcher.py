@@ -23,6 +23,7 @@ directory (ipc socket files, stderr logs) is removed.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -268,6 +269,29 @@ def _leaves(group: BaseExceptionGroup) -> list[BaseException]:
     return out
 
 
+#: pipelines not closed yet (ipc dir -> workers): the atexit safety net's work list
+_LIVE: dict[str, list[WorkerHandle]] = {}
+
+
+def _register_for_exit(tmpdir: str, workers: list[WorkerHandle]) -> None:
+    if not _LIVE:
+        atexit.unregister(_cleanup_at_exit)
+        atexit.register(_cleanup_at_exit)
+    _LIVE[tmpdir] = workers
+
+
+def _cleanup_at_exit() -> None:
+    """The interpreter exits with a pipeline still open (e.g. run in a daemon thread that never
+    unwound): kill its workers and remove its ipc directory rather than leave them behind."""
+    for tmpdir, workers in list(_LIVE.items()):
+        for h in list(workers):
+            if h.process is not None and h.process.returncode is None:
+                with contextlib.suppress(OSError):
+                    os.kill(h.process.pid, signal.SIGKILL)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+    _LIVE.clear()
+
+
 async def _exit_on_sigterm(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Turn SIGTERM into ``SystemExit(143)`` so the pipeline unwinds and stops its workers.
 
@@ -298,6 +322,7 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
     ctx = zmq.Context()
     pools: list[ReplicaPool] = []
     workers: list[WorkerHandle] = []
+    _register_for_exit(tmpdir, workers)
     try:
         async with _unwrap_single(), trio.open_nursery() as nursery:
             if handle_sigterm and threading.current_thread() is threading.main_thread():
@@ -334,7 +359,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
                             if h.process is not None:
                                 stoppers.start_soon(_stop, h.process, config.stop_grace,
                                                     f"stage {h.stage_id} replica {h.replica}")
+                shutil.rmtree(tmpdir, ignore_errors=True)  # at once: nothing below can leave it behind
                 nursery.cancel_scope.cancel()
     finally:
+        _LIVE.pop(tmpdir, None)
         ctx.destroy(linger=0)
         shutil.rmtree(tmpdir, ignore_errors=True)
