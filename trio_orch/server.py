@@ -365,6 +365,8 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         stopping.set()
+        for sig in previous:  # a second Ctrl-C must not abort the (bounded) cleanup: workers would leak
+            signal.signal(sig, signal.SIG_IGN)
         print("stopping the engine ...", flush=True)
         engine.close()
         sock.close()
