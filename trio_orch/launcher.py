@@ -111,7 +111,14 @@ def prewarm_fn(k: int, prompt: Any) -> Any:
 
 
 class Pipeline:
-    """A running pipeline: ``stages`` (one pool per stage) and the orchestrator glue."""
+    """A running pipeline: ``stages`` (one pool per stage) and the orchestrator glue.
+
+    ``open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs())`` routes through it.  An
+    orchestrator closes its stage clients when it stops, so use one orchestrator per pipeline.
+    ``workers`` (one :class:`WorkerHandle` per replica: pid, client, stderr tail), ``pids``,
+    ``tmpdir`` (the private ipc directory) and :meth:`stats` are there for tests, fault
+    injection and monitoring.
+    """
 
     def __init__(self, config: PipelineConfig, stages: list[ReplicaPool], workers: list[WorkerHandle],
                  tmpdir: str) -> None:
