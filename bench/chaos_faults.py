@@ -46,8 +46,9 @@ async def sigstop(run: ChaosRun) -> None:
 
 
 def _garbage_config(cfg: Any) -> None:
-    cfg.stages[0].replica_args[0] = ["--garbage-after-steps", "20", "--unknown-rid-after-steps", "30"]
-    cfg.stages[2].replica_args[1] = ["--garbage-after-steps", "10"]
+    # Early steps of replica 0 (the first placement of every stage): sure to happen under any load.
+    cfg.stages[0].replica_args[0] = ["--garbage-after-steps", "2", "--unknown-rid-after-steps", "3"]
+    cfg.stages[2].replica_args[0] = ["--garbage-after-steps", "1"]
 
 
 async def garbage(run: ChaosRun) -> None:

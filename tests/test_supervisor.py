@@ -200,3 +200,94 @@ async def test_bad_worker_output_is_counted_and_loses_no_other_output(mode: str)
         expect = want_bad if f"r{i}" in bad_on_rogue else "ok"
         assert ledger.terminal[f"r{i}"] == expect, (i, ledger.terminal[f"r{i}"])
     assert probe.leaks()["processes"] == 0 and probe.leaks()["ipc_files"] == 0
+
+
+# ---------------------------------------------------------------------- pool hooks, with fake replicas
+class FakeReplica:
+    """Just enough of a ZmqStageClient for the pool: alive flag, submit/abort records."""
+
+    def __init__(self) -> None:
+        self.replica = -1
+        self.alive = True
+        self.closed = False
+        self.submitted: list[str] = []
+
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
+        self.submitted.append(request_id)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        pass
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def fake_pool(n: int = 2) -> tuple[Any, list[FakeReplica]]:
+    from trio_orch.pool import ReplicaPool
+
+    pool = ReplicaPool(0)
+    reps = [FakeReplica() for _ in range(n)]
+    for r in reps:
+        pool.add_replica(r)  # type: ignore[arg-type]
+    return pool, reps
+
+
+async def test_replace_replica_evicts_an_unhandled_death_and_ignores_the_old_clients_late_events() -> None:
+    from trio_orch.transport import ReplicaDied
+    from trio_orch.types import StageOutput
+
+    pool, (r0, r1) = fake_pool()
+    pool.supervised = True
+    await pool.submit("a", "x")  # -> replica 0
+    await pool.submit("b", "y")  # -> replica 1
+    r0.alive = False
+    new = FakeReplica()
+    pool.replace_replica(0, new)  # type: ignore[arg-type]  # the death was never received
+    pool.sink(r0, ReplicaDied("r0 died"))  # type: ignore[arg-type]  # ... and arrives late
+    outs = await pool.receive()
+    assert [(o.request_id, o.error_kind) for o in outs] == [("a", "replica_died")]
+    assert pool.live_replicas() == [0, 1]  # the late death did not evict the replacement
+    await pool.submit("c", "z")
+    assert new.submitted == ["c"]
+    pool.sink(r1, [StageOutput("b", "ok", True)])  # type: ignore[arg-type]
+    assert [o.request_id for o in await pool.receive()] == ["b"]
+
+
+async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervision_stops() -> None:
+    from trio_orch.pool import StageDead
+    from trio_orch.transport import ReplicaDied
+    from trio_orch.types import StageUnavailable
+
+    pool, (r0,) = fake_pool(1)
+    pool.supervised = True
+    r0.alive = False
+    pool.sink(r0, ReplicaDied("gone"))  # type: ignore[arg-type]
+    with trio.move_on_after(0.2) as scope:
+        while True:
+            await pool.receive()  # the death has no request to report: keeps waiting
+    assert scope.cancelled_caught
+    with pytest.raises(StageUnavailable):
+        await pool.submit("r", "x")  # fail fast while no replica is live
+    pool.stop_supervision()
+    with pytest.raises(StageDead):
+        await pool.receive()
+
+
+async def test_stray_outputs_are_classified_counted_and_never_routed() -> None:
+    from trio_orch.types import StageOutput
+
+    pool, (r0, r1) = fake_pool()
+    await pool.submit("a", "x")  # replica 0
+    await pool.submit("b", "y")  # replica 1
+    pool.sink(r0, [StageOutput("a", 1, True)])  # type: ignore[arg-type]
+    assert [o.request_id for o in await pool.receive()] == ["a"]
+    pool.sink(r0, [StageOutput("a", 2, True),  # finished twice
+                   StageOutput("b", 3, False),  # b belongs to replica 1
+                   StageOutput("zz", 4, True)])  # type: ignore[arg-type]  # never given
+    await pool.abort(["b"])
+    pool.sink(r1, [StageOutput("b", 5, True), StageOutput("a", 6, False)])  # type: ignore[arg-type]
+    pool.sink(r1, [StageOutput("ok?", 7, True)])  # type: ignore[arg-type]
+    with trio.move_on_after(0.1):
+        got = await pool.receive()
+        pytest.fail(f"stray outputs were routed: {got}")
+    assert pool.stray_outputs == {"unknown": 4, "duplicate_finish": 1, "late": 1}
