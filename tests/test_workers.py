@@ -93,6 +93,7 @@ async def test_one_request_end_to_end_through_torch_workers(async_chunk: bool) -
 async def test_eight_concurrent_requests_spread_over_two_replicas() -> None:
     cfg = echo_config(2, replicas=1, outputs=3, worker_args=["--step-delay-ms", "5"])
     cfg.stages[1].replicas = 2
+    cfg.stages[1].worker_args = ["--step-delay-ms", "25"]  # all 8 still in flight there while placed
     async with checked_pipeline(cfg) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
