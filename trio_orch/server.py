@@ -127,6 +127,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
     def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
               code: str | None = None) -> JSONResponse:
         counters.count("/v1/chat/completions", status)
+        if status < 500:  # bad client input: say what was refused (counted by status on /metrics)
+            log.warning("refused a chat completion request (%d): %s", status, message)
         return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
     def final_stage_for(req: ChatRequest) -> int | None:
@@ -139,6 +141,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
 
     def disconnected() -> None:
         counters.disconnects += 1
+        log.info("a client disconnected before its answer; its request was aborted")
 
     async def chat_completions(request: Request) -> Response:
         raw = await request.body()
