@@ -46,7 +46,7 @@ class AddMsg:
     __slots__ = ("done", "final_stage_id", "prompt", "request_id")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 done: threading.Event | None) -> None:
+                 done: threading.Event | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
@@ -108,6 +108,9 @@ class AsyncioOrchestrator:
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
         self._drain_timeout: float | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # per-request deadlines
+        self._expired_queued: set[str] = set()  # expired before the handler took them
+        self._io_tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ control (loop thread)
     def request_shutdown(self, timeout: float | None = None) -> None:
@@ -116,6 +119,33 @@ class AsyncioOrchestrator:
             self._drain_timeout = timeout
             self._stop_requested.set()
             self._check_drained()
+
+    def set_deadline(self, request_id: str, timeout: float) -> None:
+        """(Loop thread.)  Expire ``request_id`` ``timeout`` s from now, queued or running.
+
+        Requests are not tasks, so ``asyncio.timeout`` does not apply; the
+        idiom is a ``call_later`` timer whose callback decides synchronously.
+        """
+        old = self._timers.pop(request_id, None)
+        if old is not None:
+            old.cancel()
+        loop = asyncio.get_running_loop()
+        self._timers[request_id] = loop.call_later(timeout, self._expire, request_id)
+
+    def _expire(self, request_id: str) -> None:
+        self._timers.pop(request_id, None)
+        if request_id in self.router:
+            actions = self.router.expire(request_id)
+            msgs = [a.message for a in actions if type(a) is Emit]
+            self._deliver(msgs)
+            io = [a for a in actions if type(a) is not Emit]
+            if io:  # the stage aborts: fire and forget, as the source does for its side jobs
+                task = asyncio.get_running_loop().create_task(self._perform(io))
+                self._io_tasks.add(task)
+                task.add_done_callback(self._io_tasks.discard)
+        elif request_id in self.live:  # accepted, still in the request queue
+            self._expired_queued.add(request_id)
+            self._deliver([OrchError(request_id, None, "timeout", "its deadline passed while queued")])
 
     async def run(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -141,6 +171,11 @@ class AsyncioOrchestrator:
                 await self._perform(self.router.abort(msg.request_id))
 
     async def _handle_add(self, msg: AddMsg) -> None:
+        if msg.request_id in self._expired_queued:  # its timeout terminal was already delivered
+            self._expired_queued.discard(msg.request_id)
+            if msg.done is not None:
+                msg.done.set()
+            return
         try:
             try:
                 actions = self.router.add(msg.request_id, msg.prompt, msg.final_stage_id)
@@ -163,10 +198,15 @@ class AsyncioOrchestrator:
 
     # ------------------------------------------------------------------ I/O
     def _deliver(self, msgs: list[Message]) -> None:
+        timers = self._timers
         with self.live_lock:
             for m in msgs:
                 if m.finished:
                     self.live.discard(m.request_id)
+                    if timers:
+                        handle = timers.pop(m.request_id, None)
+                        if handle is not None:
+                            handle.cancel()
         self.output_queue.async_q.put_nowait(msgs)
         self._check_drained()
 
@@ -207,6 +247,9 @@ class AsyncioOrchestrator:
     # ------------------------------------------------------------------ shutdown
     def _finish_sync(self) -> list[Action]:
         """Refuse new work, give every accepted request its terminal; return the stage I/O left."""
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
         rq = self.request_queue
         rq.shutdown()  # the serving thread's put now raises janus.SyncQueueShutDown
         msgs: list[Message] = []
@@ -215,7 +258,7 @@ class AsyncioOrchestrator:
                 m = rq.async_q.get_nowait()
             except (asyncio.QueueEmpty, janus.AsyncQueueShutDown):
                 break
-            if type(m) is AddMsg:
+            if type(m) is AddMsg and m.request_id not in self._expired_queued:
                 msgs.append(OrchError(m.request_id, None, "shutdown",
                                       "orchestrator shut down before the request was handled"))
                 if m.done is not None:

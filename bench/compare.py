@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "markdown_report", "run", "run_matrix", "terminal_table"]
+__all__ = ["configure", "markdown_report", "run", "run_matrix", "terminal_table", "write_markdown"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help=f"run only this implementation (repeatable): {', '.join(IMPLEMENTATIONS)}")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every measurement as JSON here")
     parser.add_argument("--markdown", type=Path, metavar="PATH",
-                        help="write the table and per-scenario details as markdown here")
+                        help="write the table and per-scenario details as markdown here; in an existing "
+                             f"file that has {BEGIN} ... {END}, only that block is replaced")
     parser.add_argument("--list", action="store_true", help="list the scenarios and exit")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -134,6 +135,22 @@ def markdown_report(result: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+BEGIN, END = "<!-- compare:begin -->", "<!-- compare:end -->"
+
+
+def write_markdown(path: Path, report: str) -> None:
+    """Write ``report``; into an existing file with the markers, replace only what is between them."""
+    if path.exists():
+        text = path.read_text()
+        if BEGIN in text and END in text:
+            head, rest = text.split(BEGIN, 1)
+            _, tail = rest.split(END, 1)
+            path.write_text(f"{head}{BEGIN}\n{report}{END}{tail}")
+            return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(report)
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.scenarios import SCENARIOS, by_number
 
@@ -154,8 +171,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}")
     if args.markdown:
-        args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown_report(result))
+        write_markdown(args.markdown, markdown_report(result))
         print(f"wrote {args.markdown}")
     errors = sum(1 for sc in result["scenarios"] for r in sc["results"].values() if r["driver_error"])
     return 1 if errors else 0

@@ -245,8 +245,11 @@ class Harness:
         raise NotImplementedError
 
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
         """Accept a request; with ``wait`` return once it is registered and submitted.
+
+        ``timeout`` bounds that wait; ``deadline`` (seconds) is the request's own
+        deadline, kept by the orchestrator (terminal ``OrchError(kind="timeout")``).
 
         Raises ``ValueError`` for bad input or a duplicate active id and
         ``RuntimeError`` once the orchestrator no longer accepts requests.

@@ -135,15 +135,19 @@ class AsyncioHarness(Harness):
         self.call_soon(self.orch.request_shutdown, timeout)
 
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
         orch = self.orch
         assert orch is not None
         orch.router.resolve_final_stage(request_id, final_stage_id)  # ValueError, nothing queued
+        if deadline is not None and not deadline > 0:
+            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
         with orch.live_lock:
             if request_id in orch.live:
                 raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
             orch.live.add(request_id)
         done = threading.Event() if wait else None
+        if deadline is not None:  # armed at acceptance, before the add is queued (FIFO handover)
+            self.call_soon(orch.set_deadline, request_id, deadline)
         try:
             orch.request_queue.sync_q.put(AddMsg(request_id, prompt, final_stage_id, done))
         except janus.SyncQueueShutDown:

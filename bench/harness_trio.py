@@ -158,23 +158,25 @@ class TrioHarness(Harness):
         self.call_soon(self.orch.request_shutdown, timeout)
 
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
         assert self.orch is not None
         try:
             if wait:
                 trio.from_thread.run(self._add_with_timeout, request_id, prompt, final_stage_id, timeout,
-                                     trio_token=self.token)
+                                     deadline, trio_token=self.token)
             else:
-                add = functools.partial(self.orch.add_request_nowait, final_stage_id=final_stage_id)
+                add = functools.partial(self.orch.add_request_nowait, final_stage_id=final_stage_id,
+                                        timeout=deadline)
                 trio.from_thread.run_sync(add, request_id, prompt, trio_token=self.token)
         except trio.RunFinishedError as exc:
             raise RuntimeError("orchestrator is not running") from exc
 
     async def _add_with_timeout(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                                timeout: float) -> None:
+                                timeout: float, deadline: float | None) -> None:
         assert self.orch is not None
         with trio.fail_after(timeout):
-            await self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id)
+            await self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id,
+                                        timeout=deadline)
 
     def abort(self, request_id: str) -> None:
         assert self.orch is not None

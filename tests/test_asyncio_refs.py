@@ -298,3 +298,28 @@ def test_real_zmq_workers(impl: str) -> None:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not os.path.exists(h.worker_dir)
+
+
+def test_request_deadline_expires_running_and_queued(impl: str) -> None:
+    """The orchestrator's own per-request deadline: terminal ``timeout``, stage-side abort, once."""
+    with start(impl, 1, {0}) as h:
+        h.add_request("slow", "p", deadline=0.2)  # the stage never answers
+        h.add_request("quick", "p", deadline=5.0)
+        h.emit(0, "quick", "done", finished=True)
+        assert h.next_output() == OrchOutput("quick", 0, "done", True)
+        msg = h.next_output()
+        assert isinstance(msg, OrchError) and (msg.request_id, msg.kind) == ("slow", "timeout")
+        assert h.wait_until(lambda: h.aborts(0) == ["slow"])
+        h.hold_submits(0)
+        h.add_request("blocker", "p", wait=False)  # the handler blocks in its submit
+        h.add_request("queued", "p", wait=False, deadline=0.2)  # expires while queued
+        msg = h.next_output()
+        assert isinstance(msg, OrchError) and (msg.request_id, msg.kind) == ("queued", "timeout")
+        h.release_submits(0)
+        assert h.wait_until(lambda: [r for r, _ in h.submissions(0)] == ["slow", "quick", "blocker"])
+        with pytest.raises(TimeoutError):
+            h.next_output(timeout=0.3)  # no second terminal for anyone
+        h.shutdown()
+        rest, ended = h.drain()
+    assert ended and [(m.request_id, m.kind) for m in rest] == [("blocker", "shutdown")]
+    assert_one_terminal_last(h.received, {"slow", "quick", "blocker", "queued"})

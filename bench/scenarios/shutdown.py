@@ -40,10 +40,12 @@ def measure_swallow(impl: str) -> dict[str, Any]:
     with LogCapture():
         h = start(impl, 2, {0, 1}, misbehaviour={0: Misbehaviour(swallow_cancel_once=True)})
         delivered = _in_flight(h, rids)
+        swallowed_before = h.stages[0].swallowed_cancels
         m = stop_and_drain(h)
     m.update(terminal_stats(h.received, rids))
     m["sent"], m["delivered_before_shutdown"] = len(rids), len(delivered)
     m["cancellations_swallowed"] = h.stages[0].swallowed_cancels
+    m["swallowed_before_shutdown"] = swallowed_before
     return m
 
 
@@ -70,7 +72,8 @@ S1 = Scenario(
     "hang if run() has not returned within the watchdog; lost if a request lacks its terminal or got two; "
     f"leak if tasks outlive run(); slow if run() took more than {GRACE / 2} s; else ok",
     measure_swallow, judge_swallow,
-    lambda m: f"{shut_fmt(m)}, swallowed {m['cancellations_swallowed']}",
+    lambda m: f"{shut_fmt(m)}, swallowed {m['cancellations_swallowed']}"
+              + (" (by a poll, before shutdown)" if m["swallowed_before_shutdown"] else ""),
 )
 
 
@@ -147,6 +150,10 @@ def judge_errors(m: dict[str, Any]) -> tuple[str, str]:
     if m["hung"]:
         return "hang", f"run() had not returned after {m['cut_s']} s"
     n, k = m["errors_injected"], m["errors_surfaced"]
+    if m["stage_deaths_before_shutdown"]:
+        return "early", ("the faults fired before shutdown (every poll cancels receive()): "
+                         f"{m['stage_deaths_before_shutdown']} requests got replica_died; "
+                         f"{k} of {n} reported")
     if k == n:
         return "ok", f"all {n} errors reported"
     if k == 0:
@@ -158,7 +165,8 @@ S4 = Scenario(
     4, "errors-at-shutdown", "several errors during shutdown",
     "Both stages' receive() raise instead of being cancelled, and both aclose() raise. How many of the "
     "4 errors reach the caller (raised from run(), WARNING+ log, or a terminal's text)?",
-    "hang if run() has not returned; ok if all 4 reported; partial if some; lost if none",
+    "hang if run() has not returned; early if the stages already died before shutdown; ok if all 4 "
+    "reported; partial if some; lost if none",
     measure_errors_at_shutdown, judge_errors,
     lambda m: f"{m['errors_surfaced']}/{m['errors_injected']} reported" + (
         f" (stages died before shutdown: {m['stage_deaths_before_shutdown']} requests)"
