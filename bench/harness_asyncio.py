@@ -44,6 +44,7 @@ class AsyncioHarness(Harness):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._abandoned = False
         self.orch: AsyncioOrchestrator | None = None
 
     # ------------------------------------------------------------------ the loop thread
@@ -65,6 +66,9 @@ class AsyncioHarness(Harness):
                 finally:
                     loop.close()  # leaves pending tasks pending ("destroyed but it is pending")
                     self.tasks_pending_at_loop_end = _pending(loop)
+                    if self._abandoned:  # measured and reported already: no noise when they are collected
+                        for t in asyncio.all_tasks(loop):
+                            t._log_destroy_pending = False  # type: ignore[attr-defined]
         except BaseException as exc:
             if self.run_error is None:
                 self.run_error = exc
@@ -106,6 +110,7 @@ class AsyncioHarness(Harness):
 
     def abandon(self) -> None:
         """Stop the loop under the hung run() (its pending tasks are left unfinished)."""
+        self._abandoned = True
         loop = self.loop
         if loop is not None and not loop.is_closed():
             try:
