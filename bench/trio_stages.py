@@ -23,6 +23,9 @@ __all__ = ["TrioScriptedStage"]
 class TrioScriptedStage(ScriptedStage):
     """A :class:`ScriptedStage` that can misbehave as told."""
 
+    #: no push fast path: the orchestrator must call receive(), where the faults live
+    pump = None
+
     def __init__(self, stage_id: int = 0, *, name: str | None = None,
                  misbehaviour: Misbehaviour | None = None,
                  helper_nursery: trio.Nursery | None = None) -> None:
