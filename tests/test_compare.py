@@ -149,3 +149,38 @@ def test_compare_cli_rejects_unknown_scenario(capsys) -> None:
 def test_every_scenario_is_listed() -> None:
     assert [s.number for s in SCENARIOS] == list(range(1, 13))
     assert main(["compare", "--list"]) == 0
+
+
+def test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv() -> None:
+    """Scenario 3 models this: pyzmq's asyncio socket closed under a pending recv cancels it,
+    so the waiting task sees CancelledError although nobody cancelled it (cancelling() == 0)."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    seen: list[int] = []
+
+    async def main() -> bool:
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.bind("inproc://premise-3")
+
+        async def reader() -> None:
+            try:
+                await sock.recv_multipart()
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                assert task is not None
+                seen.append(task.cancelling())
+                raise
+
+        task = asyncio.create_task(reader())
+        await asyncio.sleep(0.01)
+        sock.close()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.term()
+        return task.cancelled()
+
+    assert asyncio.run(main()) is True
+    assert seen == [0]
