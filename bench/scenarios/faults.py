@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench.harness import EndOfStream
 from bench.scenarios.base import (
     CUT,
     LogCapture,
@@ -20,6 +21,23 @@ from trio_orch.types import OrchOutput
 
 def _kinds(msgs: list[Any], rid: str) -> list[str]:
     return [getattr(m, "kind", "output") for m in msgs if m.request_id == rid]
+
+
+#: how long we wait for a terminal that should come at once before calling it missing
+SILENCE = 1.0
+
+
+def _until_terminal(h: Any, rid: str, seconds: float) -> None:
+    """Consume messages until ``rid``'s terminal, the end of the stream, or ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while any(x.request_id == rid and x.finished for x in h.received) is False:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            h.next_output(timeout=left)
+        except (TimeoutError, EndOfStream):
+            return
 
 
 # ---------------------------------------------------------------- 3
@@ -40,14 +58,17 @@ def measure_reader_raises(impl: str) -> dict[str, Any]:
         h.add_request("on0", "p", final_stage_id=0)  # only needs stage 0 (the sibling)
         time.sleep(0.05)
         h.close_under_reader(1)
-        time.sleep(0.2)
+        _until_terminal(h, "on1", SILENCE)  # the broken stage's request should end now
         running = not h.stopped
         try:
             h.emit(0, "on0", "ok", finished=True)
         except RuntimeError:  # the loop is already closed
             pass
-        h.drain(0.3)  # whatever comes
+        _until_terminal(h, "on0", SILENCE)
         before = list(h.received)
+        # shutdown terminals before we asked for shutdown: it stopped by itself
+        running = running and not h.stopped and not any(
+            getattr(x, "kind", None) == "shutdown" for x in before)
         m = stop_and_drain(h)
     m.update(terminal_stats(h.received, ["on1", "on0"]))
     m["orchestrator_running_after"] = running
