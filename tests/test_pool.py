@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from trio_orch.pool import ReplicaPool, StageDead
 from trio_orch.transport import ReplicaDied
@@ -143,3 +144,33 @@ async def test_a_used_reservation_is_not_aborted_when_upstream_finishes() -> Non
     u.emit("r1", "done", finished=True)
     await up.receive()
     assert d.aborts == [] and down.replica_of("r1") == 0
+
+
+async def test_pumped_pool_delivers_from_the_sink_and_ends_when_every_replica_died() -> None:
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    await pool.submit("early", 0)
+    a.emit("early", "queued before pumping")  # goes through the channel: pump must flush it
+    delivered: list[list[StageOutput]] = []
+    async with trio.open_nursery() as nursery:
+        ended: list[BaseException] = []
+
+        async def pump() -> None:
+            try:
+                await pool.pump(delivered.append)
+            except StageDead as exc:
+                ended.append(exc)
+
+        nursery.start_soon(pump)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [[o.data for o in batch] for batch in delivered] == [["queued before pumping"]]
+        await pool.submit("r", 1)  # placed on b (a holds "early")
+        b.emit("r", "pushed", finished=True)  # delivered synchronously, no task hop
+        assert delivered[-1][0].data == "pushed" and pool.in_flight() == [1, 0]
+        a.die("killed")
+        assert [(o.request_id, o.error_kind) for o in delivered[-1]] == [("early", "replica_died")]
+        await trio.testing.wait_all_tasks_blocked()
+        assert ended == []  # b still serves
+        b.die("killed too")
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(ended) == 1 and "every replica is dead" in str(ended[0])

@@ -24,6 +24,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,9 @@ class ReplicaPool:
         #: given to it), "duplicate_finish" (it already finished it), "late" (after an abort; benign)
         self.stray_outputs: dict[str, int] = {"unknown": 0, "duplicate_finish": 0, "late": 0}
         self._ended: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # rid -> (replica, finished)
+        # push fast path (``pump``): while set, the replicas' sink routes straight to the orchestrator
+        self._deliver: Callable[[list[StageOutput]], None] | None = None
+        self._pump_dead = trio.Event()
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"
@@ -102,11 +106,30 @@ class ReplicaPool:
         return idx
 
     def sink(self, client: ZmqStageClient, event: Event) -> None:
-        """Where replica clients put their outputs and their death (synchronous)."""
+        """Where replica clients put their outputs and their death (synchronous).
+
+        While pumped, the event is handled right here, in the replica's socket
+        owner task, and its outputs go straight to the orchestrator.
+        """
+        if self._deliver is not None:
+            outs, self._late = self._late, []
+            self._handle((client.replica, event, client), outs)
+            self._push(outs)
+            return
         try:
             self._send.send_nowait((client.replica, event, client))
         except trio.ClosedResourceError:
             pass
+
+    def _push(self, outs: list[StageOutput]) -> None:
+        deliver = self._deliver
+        if outs and deliver is not None:
+            deliver(outs)
+        if self._all_dead():
+            self._pump_dead.set()
+
+    def _all_dead(self) -> bool:
+        return self._closed or (bool(self.replicas) and not self.live_replicas() and not self.supervised)
 
     @property
     def closed(self) -> bool:
@@ -141,6 +164,10 @@ class ReplicaPool:
         self._wake()
 
     def _wake(self) -> None:
+        if self._deliver is not None:
+            outs, self._late = self._late, []
+            self._push(outs)
+            return
         try:
             self._send.send_nowait((-1, [], None))
         except trio.ClosedResourceError:
@@ -262,7 +289,32 @@ class ReplicaPool:
             if outs:
                 return outs
 
+    async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None:
+        """The push fast path (:class:`~trio_orch.types.PushStageClient`).
+
+        From now on each replica event is handled synchronously in the
+        replica's socket owner task and its outputs go to ``deliver``: one
+        task hop less than ``receive``.  Returns by raising
+        :class:`StageDead` once every replica is dead for good (or closed).
+        """
+        outs, self._late = self._late, []
+        while True:  # what arrived before pumping started
+            try:
+                self._handle(self._recv.receive_nowait(), outs)
+            except (trio.WouldBlock, trio.EndOfChannel):
+                break
+        self._deliver = deliver
+        try:
+            self._push(outs)
+            await self._pump_dead.wait()
+        finally:
+            self._deliver = None
+        if self._closed:
+            raise StageDead(f"{self.name} is closed")
+        raise StageDead(f"{self.name}: every replica is dead: {'; '.join(self.deaths)}")
+
     async def aclose(self) -> None:
+        self._pump_dead.set()
         self._closed = True
         for c in self.replicas:
             await c.aclose()
