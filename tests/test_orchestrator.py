@@ -468,3 +468,15 @@ async def test_push_stage_clients_are_pumped_not_polled() -> None:
     # a deliver after shutdown is dropped quietly, never raised into the pusher
     stages[0].push("r", "late")
     assert await drain(orch) == []
+
+
+async def test_scripted_emit_returns_once_routed_so_a_chain_can_be_scripted_back_to_back() -> None:
+    stages = three()
+    async with open_orchestrator(stages, {0, 2}) as orch:
+        await orch.add_request("r", "p")
+        await stages[0].emit("r", "a", finished=True)  # forwarded to stage 1 before emit returns
+        await stages[1].emit("r", "b", finished=True)  # so stage 1 knows the request already
+        await stages[2].emit("r", "c", finished=True)
+        assert orch.dropped_outputs == 0
+        assert [await nxt(orch), await nxt(orch)] == [OrchOutput("r", 0, "a", False),
+                                                       OrchOutput("r", 2, "c", True)]

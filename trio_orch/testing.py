@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import trio
+import trio.testing
 
 from trio_orch.types import StageOutput, StageUnavailable
 
@@ -40,9 +41,15 @@ class ScriptedStage:
     # ---------------------------------------------------------------- test side
     async def emit(self, request_id: str, data: Any = None, finished: bool = False,
                    error: str | None = None) -> None:
-        """Make the stage produce one output (``error`` = per-request failure)."""
+        """Make the stage produce one output (``error`` = per-request failure).
+
+        Returns once every task is blocked again, i.e. once the orchestrator
+        has taken and routed the output (and done any forward it caused), so
+        a test can emit to the next stage right away.  ``emit_nowait`` only
+        queues it.
+        """
         self.emit_nowait(request_id, data, finished, error)
-        await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
 
     def emit_nowait(self, request_id: str, data: Any = None, finished: bool = False,
                     error: str | None = None) -> None:
@@ -53,9 +60,12 @@ class ScriptedStage:
             raise RuntimeError(f"{self.name} is closed or dead; cannot emit") from None
 
     async def fail(self, exc: BaseException | None = None) -> None:
-        """Kill the stage: its reader's next ``receive`` raises ``exc``."""
+        """Kill the stage: its reader's next ``receive`` raises ``exc``.
+
+        Returns once the orchestrator has handled the death (every task blocked).
+        """
         self.fail_nowait(exc)
-        await trio.lowlevel.checkpoint()
+        await trio.testing.wait_all_tasks_blocked()
 
     def fail_nowait(self, exc: BaseException | None = None) -> None:
         exc = exc or RuntimeError(f"{self.name} died")
