@@ -480,3 +480,37 @@ async def test_scripted_emit_returns_once_routed_so_a_chain_can_be_scripted_back
         assert orch.dropped_outputs == 0
         assert [await nxt(orch), await nxt(orch)] == [OrchOutput("r", 0, "a", False),
                                                        OrchOutput("r", 2, "c", True)]
+
+
+async def test_a_stage_hung_in_abort_does_not_stall_routing_for_others() -> None:
+    class HangingAbort(ScriptedStage):
+        async def abort(self, request_ids: list[str]) -> None:
+            await trio.sleep_forever()
+
+    stages = [ScriptedStage(0), HangingAbort(1), ScriptedStage(2)]
+    async with open_orchestrator(stages, {0, 2}, async_chunk=True, shutdown_grace=0.5) as orch:
+        await orch.add_request("victim", "p")
+        await orch.add_request("other", "p", final_stage_id=0)
+        orch.abort_nowait("victim")  # its abort on stage 1 hangs forever
+        msg = await nxt(orch)
+        assert (msg.request_id, msg.kind) == ("victim", "aborted")
+        await stages[0].emit("other", "still routed", finished=True)
+        assert await nxt(orch) == OrchOutput("other", 0, "still routed", True)
+    assert orchestrator_tasks() == []  # the hung abort task was cancelled with the nursery
+
+
+async def test_reader_errors_during_shutdown_are_reported_not_lost(caplog: pytest.LogCaptureFixture) -> None:
+    class RaisesOnCancel(ScriptedStage):
+        async def receive(self):  # type: ignore[no-untyped-def]
+            try:
+                return await super().receive()
+            except trio.Cancelled:
+                raise RuntimeError(f"{self.name}: receive broke while being cancelled") from None
+
+    stages = [RaisesOnCancel(0), RaisesOnCancel(1)]
+    async with open_orchestrator(stages, {1}) as orch:
+        await orch.add_request("r", "p")
+    assert sorted(orch.stage_deaths) == [0, 1]
+    assert sum("receive broke while being cancelled" in r.getMessage() for r in caplog.records) == 2
+    msgs = await drain(orch)
+    assert [(m.request_id, m.kind) for m in msgs] == [("r", "shutdown")]

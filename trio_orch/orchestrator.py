@@ -117,6 +117,7 @@ class Orchestrator:
         self._stopped = trio.Event()
         self.stage_deaths: dict[int, str] = {}
         self._deadlines = DeadlineKeeper()
+        self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ public API
     @property
@@ -240,6 +241,7 @@ class Orchestrator:
         self._state = "running"
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 for k, stage in enumerate(self.stages):
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
@@ -314,12 +316,12 @@ class Orchestrator:
                         actions.extend(router.expire(item.request_id))
                 elif isinstance(item, _StageDied):
                     actions.extend(self._on_stage_died(stage_id, item.exc))
+            waiters = [c.done for c in commands if c.done is not None]
             try:
-                await self._perform(actions)
+                await self._perform(actions, waiters)
             finally:
-                for cmd in commands:
-                    if cmd.done is not None:
-                        cmd.done.set()
+                for ev in waiters:  # no abort I/O was needed (or we are being cancelled)
+                    ev.set()
 
     async def _request_handler(self) -> None:
         """Admit queued requests: register first, then submit (DESIGN §3 Add)."""
@@ -413,14 +415,21 @@ class Orchestrator:
         if self._live:
             await self._drained.wait()
 
-    async def _perform(self, actions: list[Action]) -> None:
-        """Deliver the emits at once, then do the stage I/O in decision order."""
+    async def _perform(self, actions: list[Action], waiters: list[trio.Event] | None = None) -> None:
+        """Deliver the emits at once, submit in decision order, abort in the background.
+
+        Stage aborts are best-effort cleanup: they run in a task of the run
+        nursery so a stage that hangs in ``abort`` never stalls routing for
+        everybody else.  ``waiters`` (callers of :meth:`abort`) are released
+        once those aborts were sent.
+        """
         if not actions:
             return
         msgs = [a.message for a in actions if type(a) is Emit]
         if msgs:
             self._deliver(msgs)
         router = self.router
+        aborts: list[Abort] = []
         for a in actions:
             if type(a) is Submit:
                 if a.request_id not in router:
@@ -436,9 +445,24 @@ class Orchestrator:
                     continue
                 if a.request_id not in router:
                     # Ended while we were submitting: its abort may have gone first.
-                    await self._abort_on(a.stage_id, [a.request_id])
+                    aborts.append(Abort(a.stage_id, [a.request_id]))
             elif type(a) is Abort:
+                aborts.append(a)
+        if aborts:
+            if self._nursery is not None and self._state == "running":
+                self._nursery.start_soon(self._abort_all, aborts, list(waiters or ()))
+                if waiters:
+                    waiters.clear()  # the abort task releases them
+            else:
+                await self._abort_all(aborts, [])
+
+    async def _abort_all(self, aborts: list[Abort], waiters: list[trio.Event]) -> None:
+        try:
+            for a in aborts:
                 await self._abort_on(a.stage_id, a.request_ids)
+        finally:
+            for ev in waiters:
+                ev.set()
 
     async def _abort_on(self, stage_id: int, request_ids: list[str]) -> None:
         try:
@@ -467,7 +491,22 @@ class Orchestrator:
         for ev in list(self._waiters):
             ev.set()
         self._ev_send.close()
+        self._report_unrouted_events()
         return [a for a in actions if type(a) is not Emit]
+
+    def _report_unrouted_events(self) -> None:
+        """Events the dispatcher never saw (it was cancelled first): log stage failures."""
+        while True:
+            try:
+                stage_id, item = self._ev_recv.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return
+            if isinstance(item, _StageDied):
+                msg = f"stage {stage_id} failed while stopping: {type(item.exc).__name__}: {item.exc}"
+                log.warning("%s", msg)
+                self.stage_deaths.setdefault(stage_id, msg)
+            elif isinstance(item, _Command) and item.done is not None:
+                item.done.set()
 
     async def _finish(self) -> None:
         io = self._finish_sync()
