@@ -83,6 +83,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON to this path")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown to this path")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also put the table between the '<!-- bench:begin -->' and "
+                             "'<!-- bench:end -->' markers of this file (e.g. README.md)")
 
 
 def _pick(arg: str | None, known: dict[str, Any], what: str) -> list[str]:
@@ -184,5 +187,8 @@ def run(args: argparse.Namespace) -> int:
         written.append(args.markdown)
     if not args.no_plots:
         written += report.plot(results, raw, args.out)
+    if args.readme:
+        report.update_between_markers(args.readme, report.readme_block(results, args.out))
+        written.append(args.readme)
     print("\nwrote: " + ", ".join(str(p) for p in written))
     return 0

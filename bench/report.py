@@ -240,3 +240,28 @@ def plot(results: dict[str, Any], raw_latency: dict[str, list[float]], out_dir: 
         plt.close(fig)
         written.append(p)
     return written
+
+
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+
+def readme_block(results: dict[str, Any], out_dir: Path) -> str:
+    """The table and one plot, for the README."""
+    meta = results.get("meta", {})
+    rows = [r for r in table_rows(results) if r[0] in ("workload", "a_seq", "b_512_unbatched", "zmq_a_seq")]
+    parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
+             f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
+             f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
+             render_markdown(target_rows(results)), "",
+             f"![a_seq dispatch latency CDF]({out_dir}/a_seq_latency_cdf.png)"]
+    return "\n".join(parts)
+
+
+def update_between_markers(path: Path, block: str) -> None:
+    """Replace what stands between the bench markers of ``path`` (which must have them)."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path}: no '{BEGIN}' ... '{END}' markers to put the table between")
+    head, rest = text.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
