@@ -137,10 +137,18 @@ class AsyncZmqStageClient:
         try:
             done, _ = await asyncio.wait({recv, died}, timeout=self.heartbeat_timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
-        finally:
+        except BaseException:
+            # Cancelled (e.g. the polling loop's 1 ms wait_for): a message that arrived in the
+            # same loop iteration is already out of the socket -- keep it, or it is lost.
             died.cancel()
-            if not recv.done():
+            if recv.done() and not recv.cancelled() and recv.exception() is None:
+                self._handle(recv.result())
+            else:
                 recv.cancel()
+            raise
+        died.cancel()
+        if not recv.done():
+            recv.cancel()
         if recv not in done or recv.cancelled():
             if not done:
                 self.mark_dead(f"no message for {self.heartbeat_timeout}s (missed heartbeats)")

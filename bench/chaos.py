@@ -154,11 +154,16 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
+    orch_log = logging.getLogger("trio_orch")
+    saved_level = orch_log.level
     if not (getattr(args, "verbose", 0) or getattr(args, "sub_verbose", 0)):
         # The faults make the orchestrator log warnings by the hundred (that is their job); keep the
         # progress readable.  -v shows them.
-        logging.getLogger("trio_orch").setLevel(logging.CRITICAL)
-    results = trio.run(main_async, args)
+        orch_log.setLevel(logging.CRITICAL)
+    try:
+        results = trio.run(main_async, args)
+    finally:
+        orch_log.setLevel(saved_level)
     print(render_table(results))
     meta = {"command": "trio-orch chaos " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["chaos"]
             else "trio-orch chaos", "workers": results[0].workers if results else "-",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import defaultdict
 
@@ -507,6 +508,7 @@ async def test_reader_errors_during_shutdown_are_reported_not_lost(caplog: pytes
             except trio.Cancelled:
                 raise RuntimeError(f"{self.name}: receive broke while being cancelled") from None
 
+    caplog.set_level(logging.WARNING, logger="trio_orch")
     stages = [RaisesOnCancel(0), RaisesOnCancel(1)]
     async with open_orchestrator(stages, {1}) as orch:
         await orch.add_request("r", "p")
