@@ -120,6 +120,11 @@ class Progress:
         sys.stderr.flush()
 
 
+def _rounds(workload: str, rounds: int) -> int:
+    """Idle CPU and the torch pipeline are measured once; the rest ``rounds`` times."""
+    return 1 if workload == "idle" or workload.startswith("e2e") else rounds
+
+
 def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int, quick: bool,
                   progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Run everything; return (results, raw a_seq latencies per implementation)."""
@@ -128,7 +133,7 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
     for wl in workload_names:
         if wl in ZMQ_WORKLOADS:
             zruns = []
-            for r in range(1 if wl.startswith("e2e") else rounds):
+            for r in range(_rounds(wl, rounds)):
                 zruns.append(run_zmq_workload(wl, quick))
                 if progress:
                     progress.step(f"{wl} trio (round {r + 1})")
@@ -136,7 +141,7 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
             continue
         fn = WORKLOADS[wl][0]
         runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impl_names}
-        for r in range(rounds):
+        for r in range(_rounds(wl, rounds)):
             order = impl_names[r % len(impl_names):] + impl_names[:r % len(impl_names)]
             for impl in order:
                 driver = IMPLEMENTATIONS[impl]()
@@ -150,7 +155,7 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
                 res["shutdown_s"] = shutdown_s
                 runs[impl].append(res)
                 if progress:
-                    progress.step(f"{wl} {impl} (round {r + 1}/{rounds})")
+                    progress.step(f"{wl} {impl} (round {r + 1}/{_rounds(wl, rounds)})")
         results["workloads"][wl] = {i: summarize(runs[i]) for i in impl_names}
         if wl == "a_seq":
             raw_a_seq = {i: [x for run in runs[i] for x in run["latency"]] for i in impl_names}
@@ -164,8 +169,7 @@ def run(args: argparse.Namespace) -> int:
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator
     rounds = args.rounds or (1 if args.quick else 3)
-    progress = Progress(sum(1 if w.startswith("e2e") else rounds if w in ZMQ_WORKLOADS
-                            else rounds * len(impls) for w in wls))
+    progress = Progress(sum(_rounds(w, rounds) * (1 if w in ZMQ_WORKLOADS else len(impls)) for w in wls))
     results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,
