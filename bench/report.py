@@ -164,7 +164,20 @@ def text_report(results: dict[str, Any]) -> str:
         parts += ["", "End to end, default torch pipeline (trio-orch)", render_text(e2e_rows(results))]
     parts += ["", "Idle CPU and shutdown", render_text(misc_rows(results)),
               "", "Targets (trio-orch, this run)", render_text(target_rows(results))]
+    note = missed_note(results)
+    if note:
+        parts += ["", note]
     return "\n".join(parts)
+
+
+def missed_note(results: dict[str, Any]) -> str:
+    """For missed targets: the same run's floor, and where the profile is."""
+    if not any(t["met"] is False for t in results.get("targets", [])):
+        return ""
+    floor = _get(results, "a_seq", "floor", "latency", "p50_us")
+    where = ("; " + f"the floor (thread hand-off + one channel hop, no routing) measured a_seq p50 "
+             f"{floor:.1f} us in this run") if floor is not None else ""
+    return f"Missed targets are explained, with profiles, in docs/performance.md{where}."
 
 
 def markdown_report(results: dict[str, Any]) -> str:
@@ -178,7 +191,7 @@ def markdown_report(results: dict[str, Any]) -> str:
         parts += ["", "## End to end, default torch pipeline (trio-orch)", "",
                   render_markdown(e2e_rows(results))]
     parts += ["", "## Idle CPU and shutdown", "", render_markdown(misc_rows(results)),
-              "", "## Targets", "", render_markdown(target_rows(results)), ""]
+              "", "## Targets", "", render_markdown(target_rows(results)), "", missed_note(results), ""]
     return "\n".join(parts)
 
 
@@ -252,7 +265,7 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
              f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
              f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
-             render_markdown(target_rows(results)), "",
+             render_markdown(target_rows(results)), "", missed_note(results), "",
              f"![a_seq dispatch latency CDF]({out_dir}/a_seq_latency_cdf.png)"]
     return "\n".join(parts)
 
