@@ -651,3 +651,16 @@ async def test_trio_api_caller_waiting_for_room_gets_a_terminal_when_it_stops() 
             engine.orchestrator.request_shutdown()
     for rid, msgs in got.items():
         assert len(msgs) == 1 and msgs[0].kind == "shutdown", rid
+
+
+def test_dispatch_latency_is_measured_from_the_stage_production_stamp() -> None:
+    from time import perf_counter
+
+    from trio_orch.bridge import observe_latency
+
+    seen: list[float] = []
+    now = perf_counter()
+    stamped = OrchOutput("r", 0, "x", False, now - 0.5)  # produced half a second ago
+    unstamped = OrchError("r", 0, "aborted", "gone")  # no production time: hand-over time is used
+    observe_latency(seen.append, now - 0.1, [stamped, unstamped])
+    assert seen[0] == pytest.approx(0.5, abs=0.05) and seen[1] == pytest.approx(0.1, abs=0.05)

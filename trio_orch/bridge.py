@@ -69,6 +69,19 @@ log = logging.getLogger("trio_orch.bridge")
 
 Message = OrchOutput | OrchError
 
+def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
+    """Dispatch latency of each message the consumer just took (DESIGN §5).
+
+    From the stage's production timestamp (``OrchOutput.t_produced``, the
+    system-wide monotonic clock, so a worker's stamp compares) when there is
+    one; from the dispatcher's hand-over otherwise (errors, unstamped stages).
+    """
+    now = perf_counter()
+    for m in msgs:
+        tp = getattr(m, "t_produced", 0.0)
+        observe(now - (tp if tp else t_handover))
+
+
 class RequestHandle:
     """A sync caller's view of one request: iterate it to get its messages, terminal last.
 
@@ -95,7 +108,7 @@ class RequestHandle:
             self._ended = self.finished = True
             raise item
         t, msgs = item
-        self._engine._demux.latency.observe(perf_counter() - t)
+        observe_latency(self._engine._demux.latency.observe, t, msgs)
         self._msgs.extend(msgs)
         if msgs[-1].finished:
             self._ended = True
@@ -581,7 +594,7 @@ class Engine:
                     ended = True
                     raise item
                 t, msgs = item
-                observe(perf_counter() - t)
+                observe_latency(observe, t, msgs)
                 for m in msgs:
                     if m.finished:
                         ended = True
@@ -612,7 +625,7 @@ class Engine:
                     ended = True
                     raise item
                 t, msgs = item
-                observe(perf_counter() - t)
+                observe_latency(observe, t, msgs)
                 ended = msgs[-1].finished
                 yield msgs
         finally:

@@ -121,6 +121,7 @@ def render_prometheus(stats: Mapping[str, Any], latency: Histogram,
     for name, (help_text, values) in (extra_counters or {}).items():
         w.family(name, "counter", help_text, [(dict(lbl), v) for lbl, v in sorted(values.items())])
     w.histogram("trio_orch_dispatch_latency_seconds",
-                "handover latency: the dispatcher delivers a batch of outputs -> the consumer "
-                "(sync thread, asyncio task or trio task) takes it", latency)
+                "dispatch latency: a stage produced an output -> the consumer (sync thread, asyncio "
+                "task or trio task) took it; from the dispatcher's hand-over for unstamped messages",
+                latency)
     return "\n".join(w.lines) + "\n"

@@ -12,6 +12,7 @@ stages that are slow enough to be interrupted and that record their aborts.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -72,7 +73,7 @@ class ToyStage:
             for i, item in enumerate(items):
                 await trio.sleep(self.delay)
                 self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
-                                                   t_produced=trio.current_time()))
+                                                   t_produced=time.perf_counter()))
         self._scopes.pop(request_id, None)
 
     async def abort(self, request_ids: list[str]) -> None:
