@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,15 +56,7 @@ class AsyncioDriver(BenchDriver):
     orchestrator_cls: type[AsyncioOrchestrator] = OmniEventDriven
 
     def start(self, num_stages: int, final_stage_ids: set[int]) -> None:
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._thread_main, args=(num_stages, final_stage_ids),
-                                       name=f"bench-{self.name}", daemon=True)
-        self.thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError(f"{self.name}: did not start within 10 s")
-        if self._error is not None:
-            raise RuntimeError(f"{self.name}: failed to start") from self._error
+        self._start_thread(num_stages, final_stage_ids)
 
     def _thread_main(self, num_stages: int, final_stage_ids: set[int]) -> None:
         loop = asyncio.new_event_loop()

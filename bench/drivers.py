@@ -79,6 +79,20 @@ class BenchDriver(ABC):
     def wait_submission(self, timeout: float = 10.0) -> tuple[int, str, float]:
         return self.submissions.get(timeout=timeout)
 
+    startup_timeout = 10.0
+
+    def _start_thread(self, *args: Any) -> None:
+        """Run ``self._thread_main(*args)`` in a thread; return once it set ``_ready``."""
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.thread = threading.Thread(target=self._thread_main, args=args,  # type: ignore[attr-defined]
+                                       name=f"bench-{self.name}", daemon=True)
+        self.thread.start()
+        if not self._ready.wait(self.startup_timeout):
+            raise RuntimeError(f"{self.name}: did not start within {self.startup_timeout:.0f} s")
+        if self._error is not None:
+            raise RuntimeError(f"{self.name}: failed to start") from self._error
+
     def cpu_seconds(self) -> float:
         """CPU time of the orchestrator thread so far."""
         return thread_cpu_seconds(self.thread) if self.thread else 0.0
@@ -137,15 +151,7 @@ class _TrioThread(BenchDriver):
     """Common part: ``trio.run`` in a thread, readiness via an Event, stop via the token."""
 
     def start(self, num_stages: int, final_stage_ids: set[int]) -> None:
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._thread_main, args=(num_stages, final_stage_ids),
-                                       name=f"bench-{self.name}", daemon=True)
-        self.thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError(f"{self.name}: did not start within 10 s")
-        if self._error is not None:
-            raise RuntimeError(f"{self.name}: failed to start") from self._error
+        self._start_thread(num_stages, final_stage_ids)
 
     def _thread_main(self, num_stages: int, final_stage_ids: set[int]) -> None:
         try:
@@ -160,9 +166,9 @@ class _TrioThread(BenchDriver):
     def shutdown(self) -> None:
         self.token.run_sync_soon(self._stop)
         assert self.thread is not None
-        self.thread.join(10)
+        self.thread.join(3 * self.startup_timeout)
         if self.thread.is_alive():
-            raise RuntimeError(f"{self.name}: thread did not stop within 10 s")
+            raise RuntimeError(f"{self.name}: thread did not stop within {3 * self.startup_timeout:.0f} s")
 
     def _stop(self) -> None:
         raise NotImplementedError

@@ -10,14 +10,13 @@ the consumer's), so dispatch latency here is worker -> socket -> transport
 from __future__ import annotations
 
 import math
-import threading
 import time
 from functools import partial
 from typing import Any
 
 import trio
 
-from bench.drivers import BenchDriver, Message
+from bench.drivers import BenchDriver, Message, TrioDriver
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
@@ -28,34 +27,20 @@ __all__ = ["ZmqTrioDriver", "e2e", "zmq_concurrent", "zmq_seq"]
 perf = time.perf_counter
 
 
-class ZmqTrioDriver(BenchDriver):
+class ZmqTrioDriver(TrioDriver):
     """The Trio orchestrator over a pipeline of worker processes, in a thread."""
 
-    name = "trio"
     description = "trio-orch over ZMQ worker processes"
+    startup_timeout = 60.0
 
     def __init__(self, config: PipelineConfig) -> None:
         super().__init__()
         self.config = config
 
     def start(self, num_stages: int = 0, final_stage_ids: set[int] | None = None) -> None:
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.thread = threading.Thread(target=self._thread_main, name="bench-zmq-trio", daemon=True)
-        self.thread.start()
-        if not self._ready.wait(120):
-            raise RuntimeError("the worker pipeline did not start within 120 s")
-        if self._error is not None:
-            raise RuntimeError("the worker pipeline failed to start") from self._error
+        super().start(len(self.config.stages), set(self.config.final_stage_ids))
 
-    def _thread_main(self) -> None:
-        try:
-            trio.run(self._trio_main)
-        except BaseException as exc:
-            self._error = exc
-            self._ready.set()
-
-    async def _trio_main(self) -> None:
+    async def _trio_main(self, num_stages: int, final_stage_ids: set[int]) -> None:
         self.token = trio.lowlevel.current_trio_token()
         async with open_pipeline(self.config) as pipe:
             self.pipe = pipe
@@ -66,30 +51,8 @@ class ZmqTrioDriver(BenchDriver):
                 self._ready.set()
                 await self.orch.wait_stopped()
 
-    def add_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
-        self.token.run_sync_soon(self._add, request_id, prompt, final_stage_id)
-
-    def _add(self, request_id: str, prompt: Any, final_stage_id: int | None) -> None:
-        try:
-            self.orch.add_request_nowait(request_id, prompt, final_stage_id=final_stage_id)
-        except trio.WouldBlock:
-            self._nursery.start_soon(
-                partial(self.orch.add_request, request_id, prompt, final_stage_id=final_stage_id))
-
     def hand_over(self, stage_id: int, outputs: list[StageOutput]) -> None:
         raise NotImplementedError("worker processes produce the outputs")
-
-    def shutdown(self) -> None:
-        self.token.run_sync_soon(self.orch.request_shutdown)
-        assert self.thread is not None
-        self.thread.join(30)
-        if self.thread.is_alive():
-            raise RuntimeError("the ZMQ pipeline did not stop within 30 s")
-
-    def cpu_seconds(self) -> float:
-        from bench.drivers import thread_cpu_seconds
-
-        return thread_cpu_seconds(self.thread) if self.thread else 0.0
 
 
 def _latency(msg: Message, now: float) -> float | None:
