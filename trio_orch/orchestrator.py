@@ -9,6 +9,12 @@ bounded channel.  Both mutate the router only synchronously, between
 checkpoints, so every decision is atomic.  Whatever way ``run()`` ends --
 ``shutdown()``, an outside cancel, a crash -- its ``finally`` gives every
 accepted request its terminal, stops the stages and closes the output channel.
+
+The module is longer than most on purpose: the tasks and the shutdown path
+share the state whose single-writer discipline they maintain, and keeping
+them side by side keeps that discipline checkable in one read.  Admission
+bookkeeping lives in :mod:`trio_orch.admission`, deadlines in
+:mod:`trio_orch.deadlines`, every routing decision in :mod:`trio_orch.router`.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from typing import Any
 
 import trio
 
-from trio_orch.deadlines import DeadlineKeeper
+from trio_orch.admission import Admission, Admissions
 from trio_orch.router import Abort, Action, Emit, Router, Submit
 from trio_orch.types import OrchError, OrchOutput, StageClient, StageOutput
 
@@ -31,20 +37,6 @@ log = logging.getLogger("trio_orch")
 
 Message = OrchOutput | OrchError
 OutputSink = Callable[[list[Message]], None]
-
-
-class _Admission:
-    """A request accepted by ``add_request`` and waiting for the request handler."""
-
-    __slots__ = ("cancelled", "done", "final_stage_id", "prompt", "request_id")
-
-    def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 done: trio.Event | None) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.final_stage_id = final_stage_id
-        self.done = done
-        self.cancelled = False  # aborted or expired while queued: the handler skips it
 
 
 class _StageDied:
@@ -102,12 +94,11 @@ class Orchestrator:
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
-        self._req_send, self._req_recv = trio.open_memory_channel[_Admission](request_queue_size)
+        self._req_send, self._req_recv = trio.open_memory_channel[Admission](request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
         self._sink: OutputSink = output_sink or self._send_to_channel
-        self._live: set[str] = set()  # accepted, no terminal yet (queued or routed)
-        self._queued: dict[str, _Admission] = {}  # accepted, not yet taken by the handler
+        self._admissions = Admissions(self.router, request_timeout)
         self._waiters: set[trio.Event] = set()  # callers waiting on a command
         self._state = "new"  # new -> running -> stopping -> stopped
         self._accepting = True
@@ -116,7 +107,6 @@ class Orchestrator:
         self._drained = trio.Event()
         self._stopped = trio.Event()
         self.stage_deaths: dict[int, str] = {}
-        self._deadlines = DeadlineKeeper()
         self._nursery: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ public API
@@ -128,12 +118,12 @@ class Orchestrator:
     @property
     def active_requests(self) -> int:
         """Accepted requests that have not had their terminal yet."""
-        return len(self._live)
+        return len(self._admissions.live)
 
     @property
     def queued_requests(self) -> int:
         """Requests waiting in the bounded request channel."""
-        return len(self._queued)
+        return len(self._admissions.queued)
 
     @property
     def running(self) -> bool:
@@ -156,7 +146,7 @@ class Orchestrator:
         try:
             await self._req_send.send(adm)
         except BaseException as exc:
-            self._unadmit(adm)  # trio guarantees a cancelled send did not send
+            self._admissions.unadmit(adm)  # trio guarantees a cancelled send did not send
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
                 raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
             raise
@@ -177,7 +167,7 @@ class Orchestrator:
         try:
             self._req_send.send_nowait(adm)
         except BaseException as exc:
-            self._unadmit(adm)
+            self._admissions.unadmit(adm)
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
                 raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
             raise
@@ -246,7 +236,8 @@ class Orchestrator:
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
                 nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
-                nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
+                nursery.start_soon(self._admissions.deadlines.run, self._expire,
+                                   name="trio_orch.deadline_keeper")
                 task_status.started(self)
                 await self._stop_requested.wait()
                 self._state = "stopping"
@@ -328,7 +319,7 @@ class Orchestrator:
         async for adm in self._req_recv:
             if adm.cancelled:
                 continue  # aborted while queued: its terminal was already delivered
-            self._queued.pop(adm.request_id, None)
+            self._admissions.take(adm)
             try:
                 try:
                     actions = self.router.add(adm.request_id, adm.prompt, adm.final_stage_id)
@@ -341,43 +332,21 @@ class Orchestrator:
                     adm.done.set()
 
     def _expire(self, request_id: str) -> None:
-        limit = "its deadline"
-        adm = self._queued.pop(request_id, None)
-        if adm is not None:
-            adm.cancelled = True
-            self._deliver([OrchError(request_id, None, "timeout", f"{limit} passed while queued")])
+        if self._admissions.cancel_queued(request_id) is not None:
+            self._deliver([OrchError(request_id, None, "timeout", "its deadline passed while queued")])
         elif request_id in self.router:
             self._ev_send.send_nowait((None, _Command("expire", request_id, None)))
 
     # ------------------------------------------------------------------ helpers
     def _admit(self, request_id: str, prompt: Any, final_stage_id: int | None,
-               done: trio.Event | None, timeout: float | None = None) -> _Admission:
+               done: trio.Event | None, timeout: float | None = None) -> Admission:
         if not self._accepting:
             raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
-        self.router.resolve_final_stage(request_id, final_stage_id)
-        if request_id in self._live:
-            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
-        timeout = self.request_timeout if timeout is None else timeout
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        adm = _Admission(request_id, prompt, final_stage_id, done)
-        self._live.add(request_id)
-        self._queued[request_id] = adm
-        if timeout is not None:
-            self._deadlines.set(request_id, timeout)
-        return adm
-
-    def _unadmit(self, adm: _Admission) -> None:
-        self._live.discard(adm.request_id)
-        self._deadlines.discard(adm.request_id)
-        if self._queued.get(adm.request_id) is adm:
-            del self._queued[adm.request_id]
+        return self._admissions.admit(request_id, prompt, final_stage_id, done, timeout)
 
     def _abort(self, request_id: str, done: trio.Event | None) -> bool:
         """Start an abort; return True if the caller should wait on ``done``."""
-        adm = self._queued.pop(request_id, None)
-        if adm is not None:
-            adm.cancelled = True
+        if self._admissions.cancel_queued(request_id) is not None:
             self._deliver([OrchError(request_id, None, "aborted", "aborted by the client while queued")])
             return False
         if request_id not in self.router:
@@ -400,19 +369,13 @@ class Orchestrator:
             send(m)
 
     def _deliver(self, msgs: list[Message]) -> None:
-        live = self._live
-        deadlines = self._deadlines
-        for m in msgs:
-            if m.finished:
-                live.discard(m.request_id)
-                if deadlines:
-                    deadlines.discard(m.request_id)
+        self._admissions.ended([m.request_id for m in msgs if m.finished])
         self._sink(msgs)
-        if not live and self._stop_requested.is_set():
+        if not self._admissions.live and self._stop_requested.is_set():
             self._drained.set()
 
     async def _wait_drained(self) -> None:
-        if self._live:
+        if self._admissions.live:
             await self._drained.wait()
 
     async def _perform(self, actions: list[Action], waiters: list[trio.Event] | None = None) -> None:
@@ -484,7 +447,7 @@ class Orchestrator:
             if not adm.cancelled:
                 msgs.append(OrchError(adm.request_id, None, "shutdown",
                                       "orchestrator shut down before the request was handled"))
-        self._queued.clear()
+        self._admissions.queued.clear()
         actions: list[Action] = [Emit(m) for m in msgs]
         actions.extend(self.router.shutdown())
         self._deliver([a.message for a in actions if type(a) is Emit])
