@@ -1,7 +1,8 @@
 """``trio-orch bench``: dispatch latency and throughput, every implementation in one run.
 
-Implementations run interleaved (round r runs each of them once, in a rotated
-order) so machine drift hits all alike; each run starts a fresh orchestrator,
+Implementations run interleaved (round r runs each of them once, in a
+shuffled order, and sequential workloads start with untimed warm-up
+outputs) so machine drift and power-state carry-over hit all alike; each run starts a fresh orchestrator,
 runs the workload and measures its shutdown.  Results are merged per
 (workload, implementation) and every ratio is computed from this run's numbers.
 """
@@ -12,6 +13,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -142,7 +144,8 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
         fn = WORKLOADS[wl][0]
         runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impl_names}
         for r in range(_rounds(wl, rounds)):
-            order = impl_names[r % len(impl_names):] + impl_names[:r % len(impl_names)]
+            order = list(impl_names)
+            random.Random(r).shuffle(order)  # a different neighbour each round (power-state carry-over)
             for impl in order:
                 driver = IMPLEMENTATIONS[impl]()
                 driver.start(3, {0, 2})
