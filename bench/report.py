@@ -118,12 +118,12 @@ def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def misc_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["impl", "idle CPU %", "shutdown ms (median)", "shutdown ms (max)"]]
+    rows = [["impl", "idle CPU %", "shutdown ms (median, in-process)", "shutdown ms (max, in-process)"]]
     wls = results.get("workloads", {})
     for impl in results.get("implementations", []):
         idle = wls.get("idle", {}).get(impl, {}).get("idle_cpu_pct")
-        shut = [r["shutdown_ms"] for per in wls.values() for i, r in per.items()
-                if i == impl and "shutdown_ms" in r]
+        shut = [r["shutdown_ms"] for wl, per in wls.items() for i, r in per.items()
+                if i == impl and "shutdown_ms" in r and not wl.startswith(("zmq", "e2e"))]
         med = sorted(s["median"] for s in shut)[len(shut) // 2] if shut else None
         mx = max((s["max"] for s in shut), default=None)
         rows.append([impl, _fmt(idle, 3), _fmt(med, 2), _fmt(mx, 2)])
