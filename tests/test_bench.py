@@ -20,7 +20,7 @@ def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
     for impl in impls:
         for name in ("a_seq", "c_chain", "b_64_unbatched"):
             res = wl[name][impl]
-            assert set(res["latency"]) == LATENCY_FIELDS and res["latency"]["n"] > 0
+            assert set(res["latency"]) == LATENCY_FIELDS and res["latency"]["n"]
             assert res["throughput_per_s"] > 0 and res["cpu_us_per_output"] >= 0
             assert res["shutdown_ms"]["median"] >= 0
         assert wl["a_seq"][impl]["latency"]["n"] == 300  # every output was received once
