@@ -516,3 +516,28 @@ async def test_reader_errors_during_shutdown_are_reported_not_lost(caplog: pytes
     assert sum("receive broke while being cancelled" in r.getMessage() for r in caplog.records) == 2
     msgs = await drain(orch)
     assert [(m.request_id, m.kind) for m in msgs] == [("r", "shutdown")]
+
+
+async def test_a_hung_abort_does_not_stall_the_drain_of_a_graceful_shutdown() -> None:
+    class HangingAbort(ScriptedStage):
+        async def abort(self, request_ids: list[str]) -> None:
+            await trio.sleep_forever()
+
+    stages = [HangingAbort(0), ScriptedStage(1)]
+    orch = Orchestrator(stages, {0, 1}, async_chunk=True, shutdown_grace=0.2)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(orch.run)
+        await orch.add_request("bad", "p")
+        await orch.add_request("good", "p", final_stage_id=0)
+
+        async def during_drain() -> None:
+            await stages[1].emit("bad", None, error="oom")  # aborts "bad" on stage 0: hangs
+            await stages[0].emit("good", "done", finished=True)  # must still be routed
+
+        nursery.start_soon(during_drain)
+        with trio.fail_after(5):
+            await orch.shutdown(timeout=5)
+    msgs = await drain(orch)
+    assert [(m.request_id, getattr(m, "kind", "ok")) for m in msgs] == [("bad", "stage_failed"),
+                                                                        ("good", "ok")]
+    assert orchestrator_tasks() == []

@@ -247,6 +247,7 @@ class Orchestrator:
                         await self._wait_drained()
                 nursery.cancel_scope.cancel()
         finally:
+            self._nursery = None
             self._state = "stopping"
             self._accepting = False
             with trio.CancelScope(shield=True):
@@ -412,8 +413,9 @@ class Orchestrator:
             elif type(a) is Abort:
                 aborts.append(a)
         if aborts:
-            if self._nursery is not None and self._state == "running":
-                self._nursery.start_soon(self._abort_all, aborts, list(waiters or ()))
+            nursery = self._nursery
+            if nursery is not None and not nursery.cancel_scope.cancel_called:  # running or draining
+                nursery.start_soon(self._abort_all, aborts, list(waiters or ()))
                 if waiters:
                     waiters.clear()  # the abort task releases them
             else:
