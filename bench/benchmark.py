@@ -25,7 +25,7 @@ from bench.asyncio_drivers import ASYNCIO_DRIVERS
 from bench.drivers import BenchDriver, FloorDriver, TrioDriver
 from bench.engine_driver import EngineDriver
 from bench.stats import summarize
-from bench.zmq_bench import run_zmq_workload
+from bench.zmq_bench import ZMQ_IMPLEMENTATIONS, run_zmq_workload
 
 Workload = Callable[[BenchDriver, bool], dict[str, Any]]
 
@@ -49,7 +49,7 @@ WORKLOADS: dict[str, tuple[Workload, str]] = {
              "orchestrator-thread CPU with no requests (5 s)"),
 }
 
-#: worker-process workloads (trio-orch only: the asyncio references have no ZMQ client)
+#: worker-process workloads (echo ones for trio-orch and the asyncio references; e2e trio-orch only)
 ZMQ_WORKLOADS: dict[str, str] = {
     "zmq_a_seq": "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
     "zmq_b_64": "64 concurrent requests x 50 outputs from ZMQ echo workers (worker batches per step)",
@@ -122,6 +122,13 @@ class Progress:
         sys.stderr.flush()
 
 
+def _zmq_impls(workload: str, impl_names: list[str]) -> list[str]:
+    """Who runs a worker-process workload: trio-orch, plus the asyncio references for echo ones."""
+    if workload.startswith("e2e"):
+        return ["trio"]
+    return [i for i in impl_names if i in ZMQ_IMPLEMENTATIONS]
+
+
 def _rounds(workload: str, rounds: int) -> int:
     """Idle CPU and the torch pipeline are measured once; the rest ``rounds`` times."""
     return 1 if workload == "idle" or workload.startswith("e2e") else rounds
@@ -134,12 +141,16 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
     raw_a_seq: dict[str, list[float]] = {}
     for wl in workload_names:
         if wl in ZMQ_WORKLOADS:
-            zruns = []
+            zimpls = _zmq_impls(wl, impl_names)
+            zruns: dict[str, list[dict[str, Any]]] = {i: [] for i in zimpls}
             for r in range(_rounds(wl, rounds)):
-                zruns.append(run_zmq_workload(wl, quick))
-                if progress:
-                    progress.step(f"{wl} trio (round {r + 1})")
-            results["workloads"][wl] = {"trio": summarize(zruns)}
+                order = list(zimpls)
+                random.Random(r).shuffle(order)
+                for impl in order:
+                    zruns[impl].append(run_zmq_workload(wl, quick, impl))
+                    if progress:
+                        progress.step(f"{wl} {impl} (round {r + 1})")
+            results["workloads"][wl] = {i: summarize(zruns[i]) for i in zimpls}
             continue
         fn = WORKLOADS[wl][0]
         runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impl_names}
@@ -172,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator
     rounds = args.rounds or (1 if args.quick else 3)
-    progress = Progress(sum(_rounds(w, rounds) * (1 if w in ZMQ_WORKLOADS else len(impls)) for w in wls))
+    progress = Progress(sum(_rounds(w, rounds) * len(_zmq_impls(w, impls) if w in ZMQ_WORKLOADS else impls)
+                            for w in wls))
     results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,

@@ -1,7 +1,9 @@
 """Benchmark workloads over real worker processes (ZeroMQ transport + orchestrator).
 
-Only the Trio orchestrator has a ZMQ stage client, so these workloads run
-one implementation.  Outputs carry the worker's ``t_produced`` (the
+The echo workloads run trio-orch (its ZMQ client and replica pools) and the
+asyncio references (``bench.asyncio_zmq``: pyzmq asyncio sockets, one worker
+per stage); the end-to-end torch pipeline needs pools and the async-chunk
+connector, so it runs trio-orch only.  Outputs carry the worker's ``t_produced`` (the
 monotonic clock is system-wide on Linux, so a worker's stamp compares with
 the consumer's), so dispatch latency here is worker -> socket -> transport
 -> orchestrator -> consumer thread.
@@ -9,6 +11,7 @@ the consumer's), so dispatch latency here is worker -> socket -> transport
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from functools import partial
@@ -16,6 +19,9 @@ from typing import Any
 
 import trio
 
+from bench.asyncio_drivers import ASYNCIO_DRIVERS, AsyncioDriver
+from bench.asyncio_shell import AsyncioOrchestrator
+from bench.asyncio_zmq import open_worker_stages
 from bench.drivers import BenchDriver, Message, TrioDriver
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.launcher import open_pipeline
@@ -134,16 +140,60 @@ def torch_pipeline(async_chunk: bool) -> PipelineConfig:
     return default_config().with_overrides(async_chunk=async_chunk)
 
 
-def run_zmq_workload(name: str, quick: bool) -> dict[str, Any]:
+class AsyncioZmqDriver(AsyncioDriver):
+    """An asyncio reference over the same worker processes (pyzmq asyncio sockets).
+
+    ``bench.asyncio_zmq`` starts one worker per stage (the references have no
+    replica pool), so only single-replica echo pipelines run here.
+    """
+
+    startup_timeout = 60.0
+
+    def __init__(self, orchestrator_cls: type[AsyncioOrchestrator], name: str,
+                 config: PipelineConfig) -> None:
+        super().__init__()
+        self.orchestrator_cls = orchestrator_cls
+        self.name = name
+        self.config = config
+
+    def start(self, num_stages: int = 0, final_stage_ids: set[int] | None = None) -> None:
+        super().start(len(self.config.stages), set(self.config.final_stage_ids))
+
+    async def _amain(self, num_stages: int, final_stage_ids: set[int]) -> None:
+        self.loop = asyncio.get_running_loop()
+        async with open_worker_stages(self.config) as stages:
+            self.stages = stages
+            self.orch = self.orchestrator_cls(stages, final_stage_ids)
+            self._ready.set()
+            try:
+                await self.orch.run()
+            finally:
+                self.orch.output_queue.shutdown()
+
+
+#: implementations that can run the echo-worker workloads (e2e: trio-orch only)
+ZMQ_IMPLEMENTATIONS = ("trio", *ASYNCIO_DRIVERS)
+
+
+def _driver(impl: str, config: PipelineConfig) -> BenchDriver:
+    if impl == "trio":
+        return ZmqTrioDriver(config)
+    ref = ASYNCIO_DRIVERS[impl]
+    return AsyncioZmqDriver(ref.orchestrator_cls, impl, config)  # type: ignore[attr-defined]
+
+
+def run_zmq_workload(name: str, quick: bool, impl: str = "trio") -> dict[str, Any]:
     """Start the right pipeline, run the workload, stop; returns the raw result."""
     if name == "zmq_a_seq":
-        driver: ZmqTrioDriver = ZmqTrioDriver(echo_pipeline(1))
+        driver = _driver(impl, echo_pipeline(1))
         fn: Any = partial(zmq_seq, n=200 if quick else 1000)
     elif name == "zmq_b_64":
         n_out = 20 if quick else 50
-        driver = ZmqTrioDriver(echo_pipeline(n_out))
+        driver = _driver(impl, echo_pipeline(n_out))
         fn = partial(zmq_concurrent, n_requests=64, n_outputs=n_out)
     elif name in ("e2e", "e2e_async_chunk"):
+        if impl != "trio":
+            raise ValueError("the end-to-end torch pipeline runs with trio-orch only")
         driver = ZmqTrioDriver(torch_pipeline(name == "e2e_async_chunk"))
         prompts = ["Hello there", "Structured concurrency"][: 1 if quick else 2] * (1 if quick else 2)
         fn = partial(e2e, prompts=prompts)

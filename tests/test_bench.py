@@ -68,3 +68,11 @@ def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
     assert len(res["latency"]) == 200  # every output carried the worker's production time
     assert all(x > 0 for x in res["latency"])
     assert not any(Path(f"/proc/{p}").exists() for p in pids)  # the workers are gone (and reaped)
+
+
+def test_asyncio_reference_runs_the_zmq_echo_workload_over_real_workers() -> None:
+    from bench.zmq_bench import run_zmq_workload
+
+    res = run_zmq_workload("zmq_a_seq", quick=True, impl="asyncio-taskgroup")
+    assert res["outputs"] == 200 and len(res["latency"]) == 200
+    assert res["shutdown_s"] >= 0
