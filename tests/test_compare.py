@@ -138,7 +138,7 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
     assert sc["results"]["trio"]["verdict"] == "ok"
     text = md.read_text()
     assert "| 1 | stage receive() swallows one cancellation |" in text and "Rule:" in text
-    assert {"watchdog_cut_s", "shutdown_grace_s", "python", "platform", "elapsed_s"} <= set(result)
+    assert set(result).issuperset({"watchdog_cut_s", "shutdown_grace_s", "python", "platform", "elapsed_s"})
 
 
 def test_compare_cli_rejects_unknown_scenario(capsys) -> None:
