@@ -17,7 +17,7 @@ from typing import Any
 import janus
 
 from bench.asyncio_omni import OmniEventDriven, OmniPolling
-from bench.asyncio_shell import AddMsg, AsyncioOrchestrator
+from bench.asyncio_shell import AsyncioOrchestrator
 from bench.asyncio_taskgroup import TaskGroupOrchestrator
 from bench.drivers import BenchDriver, Message
 from trio_orch.types import StageOutput
@@ -80,11 +80,8 @@ class AsyncioDriver(BenchDriver):
             self.orch.output_queue.shutdown()
 
     def add_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
-        """Put the add on the janus request queue (no wait; blocks only when it is full)."""
-        orch = self.orch
-        with orch.live_lock:
-            orch.live.add(request_id)
-        orch.request_queue.sync_q.put(AddMsg(request_id, prompt, final_stage_id, None))
+        """Accept and put the add on the janus request queue (no wait; blocks only when it is full)."""
+        self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id)
 
     def hand_over(self, stage_id: int, outputs: list[StageOutput]) -> None:
         self.loop.call_soon_threadsafe(self.stages[stage_id].feed, outputs)

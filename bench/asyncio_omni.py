@@ -17,7 +17,7 @@ return.
   1 ms wait (``asyncio.wait_for(stage.receive(), 0.001)``), 1 ms sleep when a
   whole round found nothing.
 
-Both drive :class:`trio_orch.router.Router` through :class:`AsyncioOrchestrator`.
+Both drive :class:`trio_orch.core.Router` through :class:`AsyncioOrchestrator`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ import asyncio
 import logging
 from typing import Any
 
-from bench.asyncio_shell import AsyncioOrchestrator, StageDied
+from bench.asyncio_shell import AsyncioOrchestrator
+from trio_orch.core import StageDied
 from trio_orch.types import StageClient
 
 __all__ = ["OmniEventDriven", "OmniPolling"]

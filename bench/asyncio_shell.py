@@ -2,19 +2,24 @@
 
 vLLM-Omni's orchestrator lives in a background thread with its own event loop;
 the serving thread talks to it through janus queues (a request queue bounded
-at 256, an output queue), the request handler registers a request before its
+at 256, an output queue), the request handler starts a request before its
 first ``await`` and submits it, readers only move stage outputs, and one
 dispatcher routes them serially.  This module holds the parts every asyncio
-variant shares -- request handling, performing the router's actions, the
-shutdown cleanup -- so that the variants (:mod:`bench.asyncio_omni`,
-:mod:`bench.asyncio_taskgroup`) differ only in how their tasks are started,
-stopped and supervised, which is what the comparison is about.  Routing
-decisions are made by the same :class:`trio_orch.router.Router` as the Trio
-orchestrator's.
+variant shares -- the serving-thread calls, request handling, performing the
+core's actions, the shutdown cleanup -- so that the variants
+(:mod:`bench.asyncio_omni`, :mod:`bench.asyncio_taskgroup`) differ only in
+how their tasks are started, stopped and supervised, which is what the
+comparison is about.  Every decision (acceptance, routing, every terminal) is
+made by the same :class:`trio_orch.core.Router` as the Trio orchestrator's;
+this module only performs its actions.
+
+The serving thread accepts a request against the core under a lock (the core
+is otherwise used by the loop thread alone), as vLLM-Omni's client checks its
+own request table before queueing, so a duplicate id is refused at once.
 
 Two deliberate departures from the source, both so the references honour the
-same contract as the Trio orchestrator (DESIGN §3): at shutdown every active
-or still-queued request gets its ``shutdown`` terminal (the source does that
+same contract as the Trio orchestrator: at shutdown every active or
+still-queued request gets its ``shutdown`` terminal (the source does that
 only after a fatal error), and a stage whose client dies gets
 ``replica_died`` terminals for its requests instead of stopping the whole
 orchestrator (the source is fail-stop).
@@ -30,26 +35,21 @@ from typing import Any
 
 import janus
 
-from trio_orch.router import Abort, Action, Emit, Router, Submit
-from trio_orch.types import OrchError, OrchOutput, StageClient
+from trio_orch.core import Abort, Action, Emit, Router, Submit, Ticket
+from trio_orch.types import Message, StageClient
 
-__all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator", "StageDied"]
+__all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
 
 log = logging.getLogger("bench.asyncio")
 
-Message = OrchOutput | OrchError
-
 
 class AddMsg:
-    """``add_request`` handed from the serving thread; ``done`` is set once handled."""
+    """An accepted request handed from the serving thread; ``done`` is set once it started."""
 
-    __slots__ = ("done", "final_stage_id", "prompt", "request_id")
+    __slots__ = ("done", "ticket")
 
-    def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 done: threading.Event | None = None) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.final_stage_id = final_stage_id
+    def __init__(self, ticket: Ticket, done: threading.Event | None = None) -> None:
+        self.ticket = ticket
         self.done = done
 
 
@@ -62,22 +62,13 @@ class AbortMsg:
         self.request_id = request_id
 
 
-class StageDied:
-    """A reader's own failure, routed to the dispatcher as data."""
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-
 class AsyncioOrchestrator:
     """Base of the asyncio references; subclasses provide :meth:`run`.
 
-    Build it inside the loop that will run it (janus queues bind to it), then
-    hand :attr:`request_queue`'s ``sync_q`` and :attr:`output_queue`'s
-    ``sync_q`` to the serving thread.  Output batches (lists of messages) go
-    to the output queue, one put per routing step.
+    Build it inside the loop that will run it (janus queues bind to it).  The
+    serving thread calls :meth:`add_request` and :meth:`abort`; output
+    batches (lists of messages) come out of :attr:`output_queue`'s ``sync_q``,
+    one put per routing step.
     """
 
     #: bound the shutdown cleanup (stage aborts, aclose) by ``shutdown_grace``
@@ -90,7 +81,7 @@ class AsyncioOrchestrator:
         final_stage_ids: Iterable[int],
         *,
         async_chunk: bool = False,
-        forward_fn: Callable[[int, Any, list[Any]], Any] | None = None,
+        forward_fn: Callable[..., Any] | None = None,
         prewarm_fn: Callable[[int, Any], Any] | None = None,
         request_queue_size: int = 256,
         shutdown_grace: float = 2.0,
@@ -99,53 +90,85 @@ class AsyncioOrchestrator:
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
+        self.loop = asyncio.get_running_loop()
         self.request_queue: janus.Queue[AddMsg | AbortMsg] = janus.Queue(maxsize=request_queue_size)
         self.output_queue: janus.Queue[list[Message]] = janus.Queue()
-        self.live: set[str] = set()  # accepted (by the serving thread), no terminal yet
-        self.live_lock = threading.Lock()
+        # Held by the serving thread around accept/withdraw, and by the loop around the core
+        # calls that move a request between its tables (start, shutdown).  Other loop-side calls
+        # only delete a started request: a concurrent accept of the same id either still sees it
+        # (a duplicate, refused) or no longer does (a new incarnation): both orders are correct.
+        self.lock = threading.Lock()
+        self._sending: set[Ticket] = set()  # accepted; the serving thread is putting them in the queue
         self.stage_deaths: dict[int, str] = {}
         self._stop_requested = asyncio.Event()
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
         self._drain_timeout: float | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}  # per-request deadlines
-        self._expired_queued: set[str] = set()  # expired before the handler took them
         self._io_tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ serving thread
+    def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                    timeout: float | None = None, done: threading.Event | None = None) -> None:
+        """(Serving thread.)  Accept a request and queue it; ``done`` is set once it started.
+
+        Raises ``ValueError`` (bad input, duplicate live id) or ``RuntimeError``
+        (shutting down) with nothing registered.  Blocks while the request
+        queue is full.  ``timeout`` is the request's deadline in seconds.
+        """
+        with self.lock:
+            ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout)
+            self._sending.add(ticket)
+        try:
+            if ticket.timeout is not None:  # armed at acceptance, before the add is queued (FIFO)
+                self.loop.call_soon_threadsafe(self._set_deadline, ticket)
+            self.request_queue.sync_q.put(AddMsg(ticket, done))
+        except (janus.SyncQueueShutDown, RuntimeError):
+            with self.lock:
+                self.router.withdraw(ticket)
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        finally:
+            with self.lock:
+                self._sending.discard(ticket)
+
+    def abort(self, request_id: str) -> None:
+        """(Serving thread.)  Abort a request, in order with the adds queued before it."""
+        try:
+            self.request_queue.sync_q.put(AbortMsg(request_id))
+        except janus.SyncQueueShutDown:
+            pass  # stopped: every request already had its terminal
 
     # ------------------------------------------------------------------ control (loop thread)
     def request_shutdown(self, timeout: float | None = None) -> None:
         """Begin shutting down; ``timeout`` lets active requests finish first."""
+        with self.lock:
+            self.router.stop_accepting()
         if not self._stop_requested.is_set():
             self._drain_timeout = timeout
             self._stop_requested.set()
             self._check_drained()
 
-    def set_deadline(self, request_id: str, timeout: float) -> None:
-        """(Loop thread.)  Expire ``request_id`` ``timeout`` s from now, queued or running.
+    def _set_deadline(self, ticket: Ticket) -> None:
+        """Expire the request ``ticket.timeout`` s after acceptance, queued or running.
 
         Requests are not tasks, so ``asyncio.timeout`` does not apply; the
-        idiom is a ``call_later`` timer whose callback decides synchronously.
+        idiom is a ``call_later`` timer whose callback asks the core.
         """
-        old = self._timers.pop(request_id, None)
-        if old is not None:
-            old.cancel()
-        loop = asyncio.get_running_loop()
-        self._timers[request_id] = loop.call_later(timeout, self._expire, request_id)
+        if not self.router.is_current(ticket):
+            return  # it already ended
+        assert ticket.timeout is not None
+        rid = ticket.request_id
+        self._timers[rid] = self.loop.call_later(ticket.timeout, self._expire, rid)
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
-        if request_id in self.router:
-            actions = self.router.expire(request_id)
-            msgs = [a.message for a in actions if type(a) is Emit]
-            self._deliver(msgs)
-            io = [a for a in actions if type(a) is not Emit]
-            if io:  # the stage aborts: fire and forget, as the source does for its side jobs
-                task = asyncio.get_running_loop().create_task(self._perform(io))
-                self._io_tasks.add(task)
-                task.add_done_callback(self._io_tasks.discard)
-        elif request_id in self.live:  # accepted, still in the request queue
-            self._expired_queued.add(request_id)
-            self._deliver([OrchError(request_id, None, "timeout", "its deadline passed while queued")])
+        actions = self.router.expire(request_id)
+        self._deliver([a.message for a in actions if type(a) is Emit])
+        io = [a for a in actions if type(a) is not Emit]
+        if io:  # the stage aborts: fire and forget, as the source does for its side jobs
+            task = self.loop.create_task(self._perform(io))
+            self._io_tasks.add(task)
+            task.add_done_callback(self._io_tasks.discard)
 
     async def run(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -171,17 +194,9 @@ class AsyncioOrchestrator:
                 await self._perform(self.router.abort(msg.request_id))
 
     async def _handle_add(self, msg: AddMsg) -> None:
-        if msg.request_id in self._expired_queued:  # its timeout terminal was already delivered
-            self._expired_queued.discard(msg.request_id)
-            if msg.done is not None:
-                msg.done.set()
-            return
         try:
-            try:
-                actions = self.router.add(msg.request_id, msg.prompt, msg.final_stage_id)
-            except Exception as exc:  # prewarm_fn raised (input was validated by the caller)
-                actions = [Emit(OrchError(msg.request_id, None, "forward_failed",
-                                          f"add failed: {type(exc).__name__}: {exc}"))]
+            with self.lock:
+                actions = self.router.start(msg.ticket)
             await self._perform(actions)
         finally:
             if msg.done is not None:
@@ -190,37 +205,34 @@ class AsyncioOrchestrator:
     def _route(self, stage_id: int, item: Any) -> list[Action]:
         if type(item) is list:
             return self.router.route_many(stage_id, item)
-        exc = item.exc
-        msg = f"stage {stage_id} died: {type(exc).__name__}: {exc}"
+        msg = item.describe(stage_id)
         log.warning("%s", msg)
         self.stage_deaths[stage_id] = msg
         return self.router.stage_died(stage_id, msg)
 
     # ------------------------------------------------------------------ I/O
     def _deliver(self, msgs: list[Message]) -> None:
+        if not msgs:
+            return
         timers = self._timers
-        with self.live_lock:
+        if timers:
             for m in msgs:
                 if m.finished:
-                    self.live.discard(m.request_id)
-                    if timers:
-                        handle = timers.pop(m.request_id, None)
-                        if handle is not None:
-                            handle.cancel()
+                    handle = timers.pop(m.request_id, None)
+                    if handle is not None:
+                        handle.cancel()
         self.output_queue.async_q.put_nowait(msgs)
         self._check_drained()
 
     def _check_drained(self) -> None:
-        if self._stop_requested.is_set() and not self.live:
+        if self._stop_requested.is_set() and not self.router.live_count:
             self._drained.set()
 
     async def _perform(self, actions: list[Action]) -> None:
         """Deliver the emits at once, then do the stage I/O in decision order."""
         if not actions:
             return
-        msgs = [a.message for a in actions if type(a) is Emit]
-        if msgs:
-            self._deliver(msgs)
+        self._deliver([a.message for a in actions if type(a) is Emit])
         router = self.router
         for a in actions:
             if type(a) is Submit:
@@ -233,8 +245,9 @@ class AsyncioOrchestrator:
                         a.stage_id, a.request_id,
                         f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
                     continue
-                if a.request_id not in router:
-                    await self._abort_on(a.stage_id, [a.request_id])
+                for x in router.submitted(a.stage_id, a.request_id):
+                    if type(x) is Abort:
+                        await self._abort_on(x.stage_id, x.request_ids)
             elif type(a) is Abort:
                 await self._abort_on(a.stage_id, a.request_ids)
 
@@ -246,28 +259,33 @@ class AsyncioOrchestrator:
 
     # ------------------------------------------------------------------ shutdown
     def _finish_sync(self) -> list[Action]:
-        """Refuse new work, give every accepted request its terminal; return the stage I/O left."""
+        """Refuse new work, give every accepted request its terminal; return the stage I/O left.
+
+        Adds found in the request queue were handed over and get their
+        shutdown terminal from the core; adds the serving thread had not put
+        yet are withdrawn (its ``put`` raises once the queue is shut down).
+        """
         for handle in self._timers.values():
             handle.cancel()
         self._timers.clear()
         rq = self.request_queue
-        rq.shutdown()  # the serving thread's put now raises janus.SyncQueueShutDown
-        msgs: list[Message] = []
-        while True:
-            try:
-                m = rq.async_q.get_nowait()
-            except (asyncio.QueueEmpty, janus.AsyncQueueShutDown):
-                break
-            if type(m) is AddMsg and m.request_id not in self._expired_queued:
-                msgs.append(OrchError(m.request_id, None, "shutdown",
-                                      "orchestrator shut down before the request was handled"))
-                if m.done is not None:
-                    m.done.set()
-        actions: list[Action] = [Emit(x) for x in msgs]
-        actions.extend(self.router.shutdown())
-        out = [a.message for a in actions if type(a) is Emit]
-        if out:
-            self._deliver(out)
+        with self.lock:
+            self.router.stop_accepting()
+            rq.shutdown()  # the serving thread's put now raises janus.SyncQueueShutDown
+            handed_over: set[Ticket] = set()
+            while True:
+                try:
+                    m = rq.async_q.get_nowait()
+                except (asyncio.QueueEmpty, janus.AsyncQueueShutDown):
+                    break
+                if type(m) is AddMsg:
+                    handed_over.add(m.ticket)
+                    if m.done is not None:
+                        m.done.set()
+            for ticket in self._sending - handed_over:
+                self.router.withdraw(ticket)
+            actions = self.router.shutdown()
+        self._deliver([a.message for a in actions if type(a) is Emit])
         return [a for a in actions if type(a) is not Emit]
 
     async def _finish(self) -> None:

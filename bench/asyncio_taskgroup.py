@@ -24,7 +24,8 @@ import asyncio
 import logging
 from typing import Any
 
-from bench.asyncio_shell import AsyncioOrchestrator, StageDied
+from bench.asyncio_shell import AsyncioOrchestrator
+from trio_orch.core import StageDied
 from trio_orch.types import StageClient
 
 __all__ = ["TaskGroupOrchestrator"]

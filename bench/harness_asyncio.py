@@ -5,8 +5,8 @@ and the serving thread talks to it through janus queues: adds and aborts go
 into the request queue (``sync_q.put``), output batches come out of the
 output queue (``sync_q.get``).  Stage handovers use
 ``loop.call_soon_threadsafe``.  The serving-thread side validates a request
-and refuses a duplicate active id before queueing it (the loop-side handler
-would otherwise crash on it).
+and refuses a duplicate active id before queueing it: the references'
+own ``add_request`` does that against the routing core.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import janus
 
 from bench.asyncio_omni import OmniEventDriven, OmniPolling
-from bench.asyncio_shell import AbortMsg, AddMsg, AsyncioOrchestrator
+from bench.asyncio_shell import AsyncioOrchestrator
 from bench.asyncio_stages import AsyncScriptedStage
 from bench.asyncio_taskgroup import TaskGroupOrchestrator
 from bench.asyncio_zmq import open_worker_stages
@@ -143,31 +143,14 @@ class AsyncioHarness(Harness):
                     wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
         orch = self.orch
         assert orch is not None
-        orch.router.resolve_final_stage(request_id, final_stage_id)  # ValueError, nothing queued
-        if deadline is not None and not deadline > 0:
-            raise ValueError(f"deadline must be a positive number of seconds, got {deadline!r}")
-        with orch.live_lock:
-            if request_id in orch.live:
-                raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
-            orch.live.add(request_id)
         done = threading.Event() if wait else None
-        if deadline is not None:  # armed at acceptance, before the add is queued (FIFO handover)
-            self.call_soon(orch.set_deadline, request_id, deadline)
-        try:
-            orch.request_queue.sync_q.put(AddMsg(request_id, prompt, final_stage_id, done))
-        except janus.SyncQueueShutDown:
-            with orch.live_lock:
-                orch.live.discard(request_id)
-            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        orch.add_request(request_id, prompt, final_stage_id=final_stage_id, timeout=deadline, done=done)
         if done is not None and not done.wait(timeout):
             raise TimeoutError(f"request {request_id!r} was not handled within {timeout}s")
 
     def abort(self, request_id: str) -> None:
         assert self.orch is not None
-        try:
-            self.orch.request_queue.sync_q.put(AbortMsg(request_id))
-        except janus.SyncQueueShutDown:
-            pass  # stopped: every request already had its terminal
+        self.orch.abort(request_id)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
         assert self.loop is not None
@@ -201,7 +184,7 @@ class AsyncioHarness(Harness):
     @property
     def active_requests(self) -> int:
         assert self.orch is not None
-        return len(self.orch.live)
+        return self.orch.router.live_count
 
     def _router(self) -> Any:
         assert self.orch is not None

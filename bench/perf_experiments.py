@@ -19,7 +19,7 @@ import trio
 from bench import drivers, workloads
 from bench.asyncio_drivers import OmniEventDriver, TaskGroupDriver
 from bench.stats import percentiles_us
-from trio_orch.router import Router
+from trio_orch.core import Router
 from trio_orch.types import StageOutput
 
 

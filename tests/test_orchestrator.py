@@ -357,7 +357,7 @@ async def test_cancelled_add_request_rolls_back(autojump_clock: trio.testing.Moc
                 await orch.add_request("waiting", "p")  # cancelled before it got into the channel
             assert scope.cancelled_caught
             # nothing registered: not live, not in the router, the id is free again
-            assert orch.active_requests == 2 and "waiting" not in orch._admissions.live
+            assert orch.active_requests == 2 and not orch.router.is_live("waiting")
             assert "waiting" not in orch.router
             stages[0].release_submits()
         assert [rid for rid, _ in stages[0].submissions] == ["stuck", "queued"]

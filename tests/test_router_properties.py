@@ -14,7 +14,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from trio_orch.router import Emit, Router, Submit
+from trio_orch.core import Emit, Router, Submit
 from trio_orch.types import OrchError, OrchOutput, StageOutput
 
 IDS = st.sampled_from(["a", "b", "c", "d", "e", "ghost"])

@@ -1,59 +1,78 @@
-"""The Trio shell around the routing core (DESIGN §2, §4).
+"""The Trio shell around the routing core.
 
 One nursery, opened by :meth:`Orchestrator.run`, owns every task: one reader
-per stage client, the dispatcher and the request handler.  Readers only move
-outputs into the dispatcher's channel (their own failure becomes a message
-too); the dispatcher routes them through :class:`~trio_orch.router.Router`
-and performs the resulting I/O; the request handler admits requests from a
-bounded channel.  Both mutate the router only synchronously, between
-checkpoints, so every decision is atomic.  Whatever way ``run()`` ends --
-``shutdown()``, an outside cancel, a crash -- its ``finally`` gives every
-accepted request its terminal, stops the stages and closes the output channel.
+per stage client, the dispatcher, the request handler and the deadline
+keeper.  Readers only move outputs into the dispatcher's channel (their own
+failure becomes a message too); the dispatcher routes them through
+:class:`~trio_orch.core.Router` and performs the resulting I/O; the request
+handler starts accepted requests taken from a bounded channel.  Every
+decision -- acceptance, routing, every terminal -- is made by the core,
+synchronously between checkpoints; this module only moves events in and
+performs actions out.  Whatever way ``run()`` ends -- ``shutdown()``, an
+outside cancel, a crash -- its ``finally`` gives every accepted request its
+terminal, stops the stages and closes the output channel.
 
 The module is longer than most on purpose: the tasks and the shutdown path
-share the state whose single-writer discipline they maintain, and keeping
-them side by side keeps that discipline checkable in one read.  Admission
-bookkeeping lives in :mod:`trio_orch.admission`, deadlines in
-:mod:`trio_orch.deadlines`, every routing decision in :mod:`trio_orch.router`.
+share the channels whose single-writer discipline they maintain, and keeping
+them side by side keeps that discipline checkable in one read.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import trio
 
-from trio_orch.admission import Admission, Admissions
-from trio_orch.router import Abort, Action, Emit, Router, Submit
-from trio_orch.types import OrchError, OrchOutput, StageClient, StageOutput
+from trio_orch.core import (
+    Abort,
+    Action,
+    Emit,
+    RequestState,
+    Router,
+    RouterStatistics,
+    StageDied,
+    Submit,
+    Ticket,
+)
+from trio_orch.deadlines import DeadlineKeeper
+from trio_orch.types import Message, StageClient, StageOutput
 
-__all__ = ["Orchestrator", "open_orchestrator"]
+__all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
 
 log = logging.getLogger("trio_orch")
 
-Message = OrchOutput | OrchError
 OutputSink = Callable[[list[Message]], None]
 
 
-class _StageDied:
-    __slots__ = ("exc",)
+@dataclass(frozen=True, slots=True)
+class OrchestratorStatistics:
+    """A read-only snapshot of an orchestrator (see :meth:`Orchestrator.statistics`)."""
 
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+    state: str  #: new, running, stopping or stopped
+    core: RouterStatistics  #: requests, counters and terminals, as the routing core sees them
+    stage_deaths: Mapping[int, str]  #: stage -> why it died
+    request_channel: trio.MemoryChannelStatistics  #: the bounded admission channel
+    events_pending: int  #: outputs and commands waiting for the dispatcher
 
 
 class _Command:
-    """A client call routed through the dispatcher so it is ordered with outputs."""
+    """A client call routed through the dispatcher so it is ordered with outputs.
 
-    __slots__ = ("done", "kind", "request_id")
+    ``state`` is the request's state when the call was made: the command
+    applies to that incarnation only (an id may be reused after its terminal).
+    """
 
-    def __init__(self, kind: str, request_id: str, done: trio.Event | None) -> None:
+    __slots__ = ("done", "kind", "state")
+
+    def __init__(self, kind: str, state: RequestState, done: trio.Event | None) -> None:
         self.kind = kind
-        self.request_id = request_id
+        self.state = state
         self.done = done
 
 
@@ -80,7 +99,7 @@ class Orchestrator:
         final_stage_ids: Iterable[int],
         *,
         async_chunk: bool = False,
-        forward_fn: Callable[[int, Any, list[Any]], Any] | None = None,
+        forward_fn: Callable[..., Any] | None = None,
         prewarm_fn: Callable[[int, Any], Any] | None = None,
         request_queue_size: int = 256,
         shutdown_grace: float = 2.0,
@@ -89,19 +108,21 @@ class Orchestrator:
     ) -> None:
         if request_queue_size < 1:
             raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
+        Router.check_timeout(request_timeout)
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
-        self._req_send, self._req_recv = trio.open_memory_channel[Admission](request_queue_size)
+        self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None]](
+            request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
         self._sink: OutputSink = output_sink or self._send_to_channel
-        self._admissions = Admissions(self.router, request_timeout)
+        self._deadlines = DeadlineKeeper()
+        self._sending: set[Ticket] = set()  # accepted, their add_request waits for room in the channel
         self._waiters: set[trio.Event] = set()  # callers waiting on a command
         self._state = "new"  # new -> running -> stopping -> stopped
-        self._accepting = True
         self._drain_timeout: float | None = None
         self._stop_requested = trio.Event()
         self._drained = trio.Event()
@@ -117,17 +138,26 @@ class Orchestrator:
 
     @property
     def active_requests(self) -> int:
-        """Accepted requests that have not had their terminal yet."""
-        return len(self._admissions.live)
+        """Accepted requests that have not had their terminal yet (queued included)."""
+        return self.router.live_count
 
     @property
     def queued_requests(self) -> int:
-        """Requests waiting in the bounded request channel."""
-        return len(self._admissions.queued)
+        """Accepted requests the request handler has not started yet."""
+        return len(self.router.queued)
 
     @property
     def running(self) -> bool:
         return self._state == "running"
+
+    def statistics(self) -> OrchestratorStatistics:
+        """A frozen snapshot (call it from the orchestrator's thread)."""
+        return OrchestratorStatistics(
+            state=self._state, core=self.router.statistics(),
+            stage_deaths=MappingProxyType(dict(self.stage_deaths)),
+            request_channel=self._req_send.statistics(),
+            events_pending=self._ev_recv.statistics().current_buffer_used,
+        )
 
     async def add_request(self, request_id: str, prompt: Any, *,
                           final_stage_id: int | None = None, timeout: float | None = None) -> None:
@@ -142,17 +172,20 @@ class Orchestrator:
         If the caller is cancelled after the request was accepted, the request
         is aborted (it still gets its terminal).
         """
-        adm = self._admit(request_id, prompt, final_stage_id, trio.Event(), timeout)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout)
+        done = trio.Event()
+        self._sending.add(ticket)
         try:
-            await self._req_send.send(adm)
+            await self._req_send.send((ticket, done))
         except BaseException as exc:
-            self._admissions.unadmit(adm)  # trio guarantees a cancelled send did not send
+            self._withdraw(ticket)  # trio guarantees a cancelled send did not send
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
                 raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
             raise
+        finally:
+            self._sending.discard(ticket)
         try:
-            assert adm.done is not None
-            await adm.done.wait()
+            await done.wait()
         except trio.Cancelled:
             self.abort_nowait(request_id)
             raise
@@ -163,11 +196,11 @@ class Orchestrator:
 
         Synchronous, so a thread bridge can call it via the Trio token.
         """
-        adm = self._admit(request_id, prompt, final_stage_id, None, timeout)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout)
         try:
-            self._req_send.send_nowait(adm)
+            self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
-            self._admissions.unadmit(adm)
+            self._withdraw(ticket)
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
                 raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
             raise
@@ -204,10 +237,11 @@ class Orchestrator:
         ``timeout`` lets active requests finish for up to that many seconds;
         ``None`` gives them their ``shutdown`` terminal at once.
         """
-        self._accepting = False
+        self.router.stop_accepting()
         if not self._stop_requested.is_set():
             self._drain_timeout = timeout
             self._stop_requested.set()
+            self._check_drained()
         if self._state == "new":
             self._finish_sync()
             self._out_send.close()
@@ -236,20 +270,19 @@ class Orchestrator:
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
                 nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
-                nursery.start_soon(self._admissions.deadlines.run, self._expire,
-                                   name="trio_orch.deadline_keeper")
+                nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
                 task_status.started(self)
                 await self._stop_requested.wait()
                 self._state = "stopping"
-                self._accepting = False
+                self.router.stop_accepting()
                 if self._drain_timeout:
                     with trio.move_on_after(self._drain_timeout):
-                        await self._wait_drained()
+                        await self._drained.wait()
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
             self._state = "stopping"
-            self._accepting = False
+            self.router.stop_accepting()
             with trio.CancelScope(shield=True):
                 await self._finish()
             self._state = "stopped"
@@ -281,7 +314,7 @@ class Orchestrator:
                 outs = await stage.receive()
                 send((stage_id, outs))
         except Exception as exc:
-            send((stage_id, _StageDied(exc)))
+            send((stage_id, StageDied(exc)))
 
     async def _dispatcher(self) -> None:
         """Single router of outputs and commands; drains what is ready, then does I/O."""
@@ -300,14 +333,13 @@ class Orchestrator:
                 if type(item) is list:
                     for out in item:
                         actions.extend(router.route(stage_id, out))
-                elif isinstance(item, _Command):
+                elif type(item) is _Command:
                     commands.append(item)
-                    if item.kind == "abort":
-                        actions.extend(router.abort(item.request_id))
-                    else:
-                        actions.extend(router.expire(item.request_id))
-                elif isinstance(item, _StageDied):
-                    actions.extend(self._on_stage_died(stage_id, item.exc))
+                    rid = item.state.request_id
+                    if router.requests.get(rid) is item.state:
+                        actions.extend(router.abort(rid) if item.kind == "abort" else router.expire(rid))
+                elif type(item) is StageDied:
+                    actions.extend(self._on_stage_died(stage_id, item))
             waiters = [c.done for c in commands if c.done is not None]
             try:
                 await self._perform(actions, waiters)
@@ -316,50 +348,54 @@ class Orchestrator:
                     ev.set()
 
     async def _request_handler(self) -> None:
-        """Admit queued requests: register first, then submit (DESIGN §3 Add)."""
-        async for adm in self._req_recv:
-            if adm.cancelled:
-                continue  # aborted while queued: its terminal was already delivered
-            self._admissions.take(adm)
+        """Start accepted requests in order: the core decides the first submissions."""
+        async for ticket, done in self._req_recv:
             try:
-                try:
-                    actions = self.router.add(adm.request_id, adm.prompt, adm.final_stage_id)
-                except Exception as exc:  # prewarm_fn raised: the request ends here
-                    actions = [Emit(OrchError(adm.request_id, None, "forward_failed",
-                                              f"prewarm_fn raised {type(exc).__name__}: {exc}"))]
-                await self._perform(actions)
+                await self._perform(self.router.start(ticket))
             finally:
-                if adm.done is not None:
-                    adm.done.set()
+                if done is not None:
+                    done.set()
 
     def _expire(self, request_id: str) -> None:
-        if self._admissions.cancel_queued(request_id) is not None:
-            self._deliver([OrchError(request_id, None, "timeout", "its deadline passed while queued")])
-        elif request_id in self.router:
-            self._ev_send.send_nowait((None, _Command("expire", request_id, None)))
+        """The deadline keeper's callback: a queued request ends now, a started one via the dispatcher."""
+        if self.router.is_queued(request_id):
+            self._deliver_now(self.router.expire(request_id))
+            return
+        state = self.router.requests.get(request_id)
+        if state is not None:
+            self._ev_send.send_nowait((None, _Command("expire", state, None)))
 
     # ------------------------------------------------------------------ helpers
-    def _admit(self, request_id: str, prompt: Any, final_stage_id: int | None,
-               done: trio.Event | None, timeout: float | None = None) -> Admission:
-        if not self._accepting:
-            raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
-        return self._admissions.admit(request_id, prompt, final_stage_id, done, timeout)
+    def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None,
+                timeout: float | None) -> Ticket:
+        ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id,
+                                    timeout=self.request_timeout if timeout is None else timeout)
+        if ticket.timeout is not None:
+            self._deadlines.set(request_id, ticket.timeout)
+        return ticket
+
+    def _withdraw(self, ticket: Ticket) -> None:
+        """The ticket never reached the request channel: forget it (no terminal)."""
+        if self.router.queued.get(ticket.request_id) is ticket:
+            self.router.withdraw(ticket)
+            self._deadlines.discard(ticket.request_id)
 
     def _abort(self, request_id: str, done: trio.Event | None) -> bool:
         """Start an abort; return True if the caller should wait on ``done``."""
-        if self._admissions.cancel_queued(request_id) is not None:
-            self._deliver([OrchError(request_id, None, "aborted", "aborted by the client while queued")])
+        if self.router.is_queued(request_id):
+            self._deliver_now(self.router.abort(request_id))
             return False
-        if request_id not in self.router:
+        state = self.router.requests.get(request_id)
+        if state is None:
             return False
         try:
-            self._ev_send.send_nowait((None, _Command("abort", request_id, done)))
+            self._ev_send.send_nowait((None, _Command("abort", state, done)))
         except trio.ClosedResourceError:
             return False  # stopping: the shutdown terminal is on its way
         return True
 
-    def _on_stage_died(self, stage_id: int, exc: BaseException) -> list[Action]:
-        msg = f"stage {stage_id} died: {type(exc).__name__}: {exc}"
+    def _on_stage_died(self, stage_id: int, death: StageDied) -> list[Action]:
+        msg = death.describe(stage_id)
         log.warning("%s", msg)
         self.stage_deaths[stage_id] = msg
         return self.router.stage_died(stage_id, msg)
@@ -370,14 +406,23 @@ class Orchestrator:
             send(m)
 
     def _deliver(self, msgs: list[Message]) -> None:
-        self._admissions.ended([m.request_id for m in msgs if m.finished])
+        deadlines = self._deadlines
+        if deadlines:
+            for m in msgs:
+                if m.finished:
+                    deadlines.discard(m.request_id)
         self._sink(msgs)
-        if not self._admissions.live and self._stop_requested.is_set():
-            self._drained.set()
+        self._check_drained()
 
-    async def _wait_drained(self) -> None:
-        if self._admissions.live:
-            await self._drained.wait()
+    def _deliver_now(self, actions: list[Action]) -> None:
+        """Deliver the messages of actions that need no stage I/O (a queued request's terminal)."""
+        msgs = [a.message for a in actions if type(a) is Emit]
+        if msgs:
+            self._deliver(msgs)
+
+    def _check_drained(self) -> None:
+        if not self.router.live_count and self._stop_requested.is_set():
+            self._drained.set()
 
     async def _perform(self, actions: list[Action], waiters: list[trio.Event] | None = None) -> None:
         """Deliver the emits at once, submit in decision order, abort in the background.
@@ -389,27 +434,21 @@ class Orchestrator:
         """
         if not actions:
             return
-        msgs = [a.message for a in actions if type(a) is Emit]
-        if msgs:
-            self._deliver(msgs)
+        self._deliver_now(actions)
         router = self.router
         aborts: list[Abort] = []
         for a in actions:
             if type(a) is Submit:
                 if a.request_id not in router:
                     continue  # ended while an earlier action awaited
-                stage = self.stages[a.stage_id]
                 try:
-                    await stage.submit(a.request_id, a.payload)
+                    await self.stages[a.stage_id].submit(a.request_id, a.payload)
                 except Exception as exc:
-                    more = router.submit_failed(a.stage_id, a.request_id,
-                                                f"submit to stage {a.stage_id} failed: "
-                                                f"{type(exc).__name__}: {exc}")
-                    await self._perform(more)
+                    await self._perform(router.submit_failed(
+                        a.stage_id, a.request_id,
+                        f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
                     continue
-                if a.request_id not in router:
-                    # Ended while we were submitting: its abort may have gone first.
-                    aborts.append(Abort(a.stage_id, [a.request_id]))
+                aborts.extend(x for x in router.submitted(a.stage_id, a.request_id) if type(x) is Abort)
             elif type(a) is Abort:
                 aborts.append(a)
         if aborts:
@@ -436,23 +475,28 @@ class Orchestrator:
             log.debug("abort %s on stage %d failed: %r", request_ids, stage_id, exc)
 
     def _finish_sync(self) -> list[Action]:
-        """Terminals for everything still accepted; close the input side."""
+        """Terminals for everything still accepted; close the input side; return the stage I/O left.
+
+        Tickets found in the request channel were handed over and get their
+        shutdown terminal from the core; tickets whose ``add_request`` was
+        still waiting for room never got in (closing the channel makes those
+        calls raise) and are withdrawn first.
+        """
+        self.router.stop_accepting()
         self._req_send.close()
-        msgs: list[Message] = []
+        handed_over: set[Ticket] = set()
         while True:
             try:
-                adm = self._req_recv.receive_nowait()
+                ticket, done = self._req_recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
-            if adm.done is not None:
-                adm.done.set()
-            if not adm.cancelled:
-                msgs.append(OrchError(adm.request_id, None, "shutdown",
-                                      "orchestrator shut down before the request was handled"))
-        self._admissions.queued.clear()
-        actions: list[Action] = [Emit(m) for m in msgs]
-        actions.extend(self.router.shutdown())
-        self._deliver([a.message for a in actions if type(a) is Emit])
+            handed_over.add(ticket)
+            if done is not None:
+                done.set()
+        for ticket in self._sending - handed_over:
+            self._withdraw(ticket)
+        actions = self.router.shutdown()
+        self._deliver_now(actions)
         for ev in list(self._waiters):
             ev.set()
         self._ev_send.close()
@@ -466,11 +510,11 @@ class Orchestrator:
                 stage_id, item = self._ev_recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
-            if isinstance(item, _StageDied):
+            if type(item) is StageDied:
                 msg = f"stage {stage_id} failed while stopping: {type(item.exc).__name__}: {item.exc}"
                 log.warning("%s", msg)
                 self.stage_deaths.setdefault(stage_id, msg)
-            elif isinstance(item, _Command) and item.done is not None:
+            elif type(item) is _Command and item.done is not None:
                 item.done.set()
 
     async def _finish(self) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 
 __all__ = [
     "ERROR_KINDS",
+    "Message",
     "OrchError",
     "OrchOutput",
     "PushStageClient",
@@ -86,6 +87,10 @@ class OrchError:
     @property
     def finished(self) -> bool:
         return True
+
+
+#: what the user receives: an output, or an error terminal
+Message = OrchOutput | OrchError
 
 
 class StageUnavailable(RuntimeError):

@@ -1,0 +1,91 @@
+"""What the routing core asks its shell to do, and the events a shell feeds it besides method calls.
+
+Actions are plain slotted values compared by content, so tests can state the
+expected result of an event as a list literal.  A shell performs them in
+order: :class:`Emit` at once (delivery to the user), :class:`Submit` in
+decision order (stage I/O), :class:`Abort` as best-effort cleanup.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_orch.types import Message
+
+__all__ = ["Abort", "Action", "Emit", "StageDied", "Submit"]
+
+
+class Submit:
+    """Send ``payload`` for ``request_id`` to stage ``stage_id``."""
+
+    __slots__ = ("payload", "request_id", "stage_id")
+
+    def __init__(self, stage_id: int, request_id: str, payload: Any) -> None:
+        self.stage_id = stage_id
+        self.request_id = request_id
+        self.payload = payload
+
+    def __repr__(self) -> str:
+        return f"Submit({self.stage_id}, {self.request_id!r}, {self.payload!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Submit and (self.stage_id, self.request_id, self.payload) == (
+            other.stage_id, other.request_id, other.payload)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Abort:
+    """Abort ``request_ids`` on stage ``stage_id`` (best effort, stage-side cleanup)."""
+
+    __slots__ = ("request_ids", "stage_id")
+
+    def __init__(self, stage_id: int, request_ids: list[str]) -> None:
+        self.stage_id = stage_id
+        self.request_ids = request_ids
+
+    def __repr__(self) -> str:
+        return f"Abort({self.stage_id}, {self.request_ids!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Abort and (self.stage_id, self.request_ids) == (
+            other.stage_id, other.request_ids)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Emit:
+    """Deliver ``message`` (an :class:`OrchOutput` or :class:`OrchError`) to the user."""
+
+    __slots__ = ("message",)
+
+    def __init__(self, message: Message) -> None:
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"Emit({self.message!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Emit and self.message == other.message
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+Action = Submit | Abort | Emit
+
+
+class StageDied:
+    """Event: a stage client's reader ended with ``exc`` (the stage is dead).
+
+    Readers put it on the dispatcher's queue next to output batches, so a
+    stage's death is ordered after the outputs it delivered before dying.
+    """
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def describe(self, stage_id: int) -> str:
+        """The message every shell reports for this death."""
+        return f"stage {stage_id} died: {type(self.exc).__name__}: {self.exc}"

@@ -1,0 +1,148 @@
+"""Admission rules: which requests are accepted, how they start, how a queued one ends.
+
+A request's life in the core has two phases.  *Accepted* (a :class:`Ticket`):
+validated and registered synchronously in the caller's context, before its
+first checkpoint, so a duplicate id is refused at once and the shell can
+queue the request without racing another add of the same id.  *Started* (a
+:class:`RequestState`): the request handler took it and the first
+submissions were decided.  A queued request can still end (abort, deadline,
+shutdown) with a terminal and without any stage I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trio_orch.core.actions import Action, Emit, Submit
+from trio_orch.core.state import NOTHING, CoreState, RequestState, Ticket
+from trio_orch.types import OrchError
+
+__all__ = ["AdmissionRules"]
+
+
+class AdmissionRules(CoreState):
+    """Acceptance, start, and the terminals of requests that never started."""
+
+    # ------------------------------------------------------------------ queries
+    def is_queued(self, request_id: str) -> bool:
+        return request_id in self.queued
+
+    def is_live(self, request_id: str) -> bool:
+        """Accepted and without a terminal yet (queued or started)."""
+        return request_id in self.queued or request_id in self.requests
+
+    def is_current(self, ticket: Ticket) -> bool:
+        """The ticket's request is live and is this incarnation of its id."""
+        rid = ticket.request_id
+        if self.queued.get(rid) is ticket:
+            return True
+        req = self.requests.get(rid)
+        return req is not None and req.ticket is ticket
+
+    @property
+    def live_count(self) -> int:
+        return len(self.queued) + len(self.requests)
+
+    # ------------------------------------------------------------------ rules
+    def resolve_final_stage(self, request_id: object, final_stage_id: int | None) -> int:
+        """Validate a new request's id and final stage; return its final stage.  Raises ValueError.
+
+        Reads configuration only, so a serving thread may call it without
+        holding the core.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if final_stage_id is None:
+            return self.default_final_stage_id
+        if isinstance(final_stage_id, bool) or not isinstance(final_stage_id, int):
+            raise ValueError(f"final_stage_id must be an int, got {final_stage_id!r}")
+        if not 0 <= final_stage_id < self.num_stages:
+            raise ValueError(
+                f"final_stage_id={final_stage_id} out of range: stages are 0..{self.num_stages - 1}")
+        if not self.finals_for[final_stage_id]:
+            raise ValueError(
+                f"final_stage_id={final_stage_id} leaves no final-output stage for request "
+                f"{request_id!r}: final-output stages are {sorted(self.final_stage_ids)}")
+        return final_stage_id
+
+    @staticmethod
+    def check_timeout(timeout: float | None) -> None:
+        """A per-request deadline must be a positive number of seconds (or None)."""
+        if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+    def accept(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+               timeout: float | None = None) -> Ticket:
+        """Validate and register a request; the shell queues the returned ticket.
+
+        Raises ``ValueError`` (bad parameters, duplicate live id) or
+        ``RuntimeError`` (no longer accepting); nothing is registered then.
+        """
+        if not self.accepting:
+            raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
+        final = self.resolve_final_stage(request_id, final_stage_id)
+        self.check_timeout(timeout)
+        if request_id in self.queued or request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
+        ticket = Ticket(request_id, prompt, final, timeout)
+        self.queued[request_id] = ticket
+        return ticket
+
+    def withdraw(self, ticket: Ticket) -> None:
+        """Undo :meth:`accept` for a ticket that never reached the request queue (no terminal)."""
+        if self.queued.get(ticket.request_id) is ticket:
+            del self.queued[ticket.request_id]
+
+    def start(self, ticket: Ticket) -> list[Action]:
+        """The request handler took ``ticket``: decide the first submissions.
+
+        Nothing if the ticket ended while queued.  Normal mode submits the
+        prompt to stage 0; async-chunk mode submits every stage up to the
+        final one at once (``prewarm_fn(k, prompt)`` for k >= 1).  A stage
+        with no live replica, or a ``prewarm_fn`` that raises, ends the
+        request here with its terminal.
+        """
+        rid = ticket.request_id
+        if self.queued.get(rid) is not ticket:
+            return NOTHING
+        del self.queued[rid]
+        prompt, final = ticket.prompt, ticket.final_stage_id
+        targets = range(final + 1) if self.async_chunk else (0,)
+        for k in targets:
+            if not self.available[k]:
+                return self.refuse(rid, OrchError(rid, k, "stage_unavailable",
+                                                  f"stage {k} has no live replica"))
+        payloads = [prompt]
+        if self.async_chunk:
+            for k in range(1, final + 1):
+                try:
+                    payloads.append(self.prewarm_fn(k, prompt))
+                except Exception as exc:  # a user callback: report, never crash admission
+                    return self.refuse(rid, OrchError(
+                        rid, k, "forward_failed", f"prewarm_fn({k}) raised {type(exc).__name__}: {exc}"))
+        req = RequestState(ticket, self.finals_for[final])
+        req.submitted.update(targets)
+        self.requests[rid] = req
+        return [Submit(k, rid, payloads[k]) for k in targets]
+
+    def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None,
+            *, timeout: float | None = None) -> list[Action]:
+        """:meth:`accept` and :meth:`start` in one step (no queue between them)."""
+        return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout))
+
+    def refuse(self, request_id: str, err: OrchError) -> list[Action]:
+        """A request that could not start: its terminal, nothing was submitted."""
+        self.count_terminal(err.kind)
+        return [Emit(err)]
+
+    def queued_terminal(self, kind: str) -> str:
+        """The message of a queued request's terminal of ``kind``."""
+        return {
+            "aborted": "aborted by the client while queued",
+            "timeout": "its deadline passed while queued",
+            "shutdown": "orchestrator shut down before the request was handled",
+        }.get(kind, kind)
+
+    def stop_accepting(self) -> None:
+        """From now on :meth:`accept` raises ``RuntimeError`` (shutdown began)."""
+        self.accepting = False

@@ -1,0 +1,137 @@
+"""Routing rules: outputs, forwarding, the terminal gate, and every way a started request ends."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from trio_orch.core.actions import Abort, Action, Emit, Submit
+from trio_orch.core.admission import AdmissionRules
+from trio_orch.core.state import NOTHING, RequestState
+from trio_orch.types import OrchError, OrchOutput, StageOutput
+
+__all__ = ["RoutingRules"]
+
+
+class RoutingRules(AdmissionRules):
+    """Outputs in, user messages and stage I/O out."""
+
+    def route(self, stage_id: int, out: StageOutput) -> list[Action]:
+        """Route one output of stage ``stage_id`` (the terminal gate lives here)."""
+        rid = out.request_id
+        req = self.requests.get(rid)
+        if req is None or stage_id not in req.submitted or stage_id in req.finished:
+            # Unknown, cleaned up, never submitted here, or already finished here.
+            self.dropped_outputs += 1
+            return NOTHING
+        if out.error is not None:
+            kind = out.error_kind or "stage_failed"
+            return self.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
+        finished = out.finished
+        forwards = finished and not self.async_chunk and stage_id < req.final_stage_id
+        if finished:
+            req.finished.add(stage_id)
+        if not self.async_chunk and stage_id < req.final_stage_id:
+            req.outputs.setdefault(stage_id, []).append(out.data)
+        actions: list[Action] = []
+        if stage_id in req.finals:
+            all_final = req.finals <= req.finished
+            msg = OrchOutput(rid, stage_id, out.data, all_final, out.t_produced)
+            if all_final:
+                if req.submitted <= req.finished:
+                    return self.complete(req, msg)
+                req.pending_final = msg  # the terminal gate: an upstream stage is still open
+                return NOTHING
+            self.outputs_routed += 1
+            actions.append(Emit(msg))
+        elif req.pending_final is not None and req.submitted <= req.finished:
+            return self.complete(req, req.pending_final)
+        if forwards:
+            actions.extend(self.forward(req, stage_id))
+        return actions
+
+    def route_many(self, stage_id: int, outs: Iterable[StageOutput]) -> list[Action]:
+        """Route a batch of outputs of one stage, in order."""
+        actions: list[Action] = []
+        for out in outs:
+            actions.extend(self.route(stage_id, out))
+        return actions
+
+    def forward(self, req: RequestState, stage_id: int) -> list[Action]:
+        """Normal mode: stage ``stage_id`` finished, submit ``forward_fn(...)`` to the next stage."""
+        nxt = stage_id + 1
+        rid = req.request_id
+        if not self.available[nxt]:
+            return self.end(req, OrchError(rid, nxt, "stage_unavailable", f"stage {nxt} has no live replica"))
+        try:
+            payload = self.forward_fn(stage_id, req.prompt, req.outputs.pop(stage_id, []))
+        except Exception as exc:  # a user callback: report, never crash routing
+            return self.end(req, OrchError(rid, stage_id, "forward_failed",
+                                           f"forward_fn({stage_id}) raised {type(exc).__name__}: {exc}"))
+        req.submitted.add(nxt)
+        return [Submit(nxt, rid, payload)]
+
+    # ------------------------------------------------------------------ ends
+    def abort(self, request_id: str, message: str = "aborted by the client") -> list[Action]:
+        """Client abort, queued or started: terminal ``aborted``; unknown id is a no-op."""
+        return self.end_by_id(request_id, "aborted", message)
+
+    def expire(self, request_id: str, message: str = "request deadline exceeded") -> list[Action]:
+        """Per-request deadline passed, queued or started: terminal ``timeout``; unknown id: no-op."""
+        return self.end_by_id(request_id, "timeout", message)
+
+    def end_by_id(self, request_id: str, kind: str, message: str) -> list[Action]:
+        ticket = self.queued.get(request_id)
+        if ticket is not None:
+            return self.end_queued(ticket, kind, self.queued_terminal(kind))
+        req = self.requests.get(request_id)
+        if req is None:
+            return NOTHING
+        return self.end(req, OrchError(request_id, None, kind, message))
+
+    def submit_failed(self, stage_id: int, request_id: str, message: str,
+                      kind: str = "stage_unavailable") -> list[Action]:
+        """The shell could not deliver a Submit: terminal for that request."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return NOTHING
+        return self.end(req, OrchError(request_id, stage_id, kind, message), skip=stage_id)
+
+    def submitted(self, stage_id: int, request_id: str) -> list[Action]:
+        """A Submit completed.  If the request ended while it was in flight, abort it there.
+
+        The request's terminal may have been decided (and its stage aborts
+        sent) while the submit was still being written; the stage would then
+        hold a request nobody waits for.
+        """
+        if request_id in self.requests:
+            return NOTHING
+        return [Abort(stage_id, [request_id])]
+
+    def stage_died(self, stage_id: int, message: str) -> list[Action]:
+        """A stage client died: its open requests get ``replica_died``; stage marked unavailable."""
+        self.available[stage_id] = False
+        actions: list[Action] = []
+        victims = [r for r in self.requests.values()
+                   if stage_id in r.submitted and stage_id not in r.finished]
+        for req in victims:
+            err = OrchError(req.request_id, stage_id, "replica_died", message)
+            actions.extend(self.end(req, err, skip=stage_id))
+        return actions
+
+    def set_available(self, stage_id: int, available: bool) -> None:
+        """Mark a stage as (un)able to take new work (e.g. a replica came back)."""
+        self.available[stage_id] = available
+
+    def shutdown(self, message: str = "orchestrator shut down") -> list[Action]:
+        """Stop accepting; every queued and started request gets its ``shutdown`` terminal.
+
+        A shell first withdraws the tickets that never reached its request
+        queue (their callers get an error instead of a terminal).
+        """
+        self.stop_accepting()
+        actions: list[Action] = []
+        for ticket in list(self.queued.values()):
+            actions.extend(self.end_queued(ticket, "shutdown", self.queued_terminal("shutdown")))
+        for req in list(self.requests.values()):
+            actions.extend(self.end(req, OrchError(req.request_id, None, "shutdown", message)))
+        return actions

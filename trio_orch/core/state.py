@@ -1,0 +1,159 @@
+"""Per-request state of the routing core, and the terminal primitives every rule ends with.
+
+:class:`CoreState` holds what the rules share (configuration, accepted and
+active requests, counters) and the two functions through which *every*
+request ends -- :meth:`CoreState.end` (an error terminal, plus stage aborts)
+and :meth:`CoreState.complete` (the ``finished=True`` output).  They are the
+only places request state is deleted, which is what makes "exactly one
+terminal, and it is the last message" checkable in one read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from trio_orch.core.actions import Abort, Action, Emit
+from trio_orch.types import OrchError, OrchOutput
+
+__all__ = ["NOTHING", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket"]
+
+ForwardFn = Callable[..., Any]  # (stage_id, prompt, outputs) -> next input
+PrewarmFn = Callable[[int, Any], Any]
+
+#: shared empty result; callers must not mutate it
+NOTHING: list[Action] = []
+
+
+class Ticket:
+    """A request accepted (validated and registered) but not yet started by the request handler.
+
+    The shell carries the ticket through its request queue and hands it back
+    to :meth:`~trio_orch.core.Router.start`; identity, not the id, decides
+    whether it is still current (an id may be reused after its terminal).
+    ``timeout`` is the request's deadline in seconds (None: none), for the
+    shell's timer.
+    """
+
+    __slots__ = ("final_stage_id", "prompt", "request_id", "timeout")
+
+    def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.final_stage_id = final_stage_id
+        self.timeout = timeout
+
+    def __repr__(self) -> str:
+        return f"<Ticket {self.request_id!r}>"
+
+
+class RequestState:
+    """A started request: S (submitted), D (finished), F (final-output stages), held terminal."""
+
+    __slots__ = (
+        "final_stage_id",
+        "finals",
+        "finished",
+        "outputs",
+        "pending_final",
+        "prompt",
+        "request_id",
+        "submitted",
+        "ticket",
+    )
+
+    def __init__(self, ticket: Ticket, finals: frozenset[int]):
+        self.ticket = ticket  # the incarnation this state belongs to
+        request_id, prompt, final_stage_id = ticket.request_id, ticket.prompt, ticket.final_stage_id
+        self.request_id = request_id
+        self.prompt = prompt
+        self.final_stage_id = final_stage_id
+        self.finals = finals
+        self.submitted: set[int] = set()
+        self.finished: set[int] = set()
+        # stage -> data of every output, kept only for stages that forward.
+        self.outputs: dict[int, list[Any]] = {}
+        self.pending_final: OrchOutput | None = None
+
+    @property
+    def open_stages(self) -> set[int]:
+        """S minus D: stages that still hold work for this request."""
+        return self.submitted - self.finished
+
+
+def default_forward(stage_id: int, prompt: Any, outputs: list[Any]) -> Any:
+    return outputs
+
+
+def default_prewarm(stage_id: int, prompt: Any) -> Any:
+    return prompt
+
+
+class CoreState:
+    """Configuration, request tables and counters shared by the rule sets."""
+
+    def __init__(
+        self,
+        num_stages: int,
+        final_stage_ids: Iterable[int],
+        *,
+        async_chunk: bool = False,
+        forward_fn: ForwardFn | None = None,
+        prewarm_fn: PrewarmFn | None = None,
+    ) -> None:
+        if num_stages < 1:
+            raise ValueError(f"need at least one stage, got num_stages={num_stages}")
+        finals = frozenset(final_stage_ids)
+        if not finals:
+            raise ValueError("final_stage_ids is empty: at least one stage must produce user output")
+        bad = sorted(k for k in finals if not (isinstance(k, int) and 0 <= k < num_stages))
+        if bad:
+            raise ValueError(f"final_stage_ids {bad} out of range: stages are 0..{num_stages - 1}")
+        self.num_stages = num_stages
+        self.final_stage_ids = finals
+        self.async_chunk = async_chunk
+        self.forward_fn: ForwardFn = forward_fn or default_forward
+        self.prewarm_fn: PrewarmFn = prewarm_fn or default_prewarm
+        self.default_final_stage_id = max(finals)
+        self.available = [True] * num_stages
+        self.accepting = True
+        self.queued: dict[str, Ticket] = {}  # accepted, not started
+        self.requests: dict[str, RequestState] = {}  # started, no terminal yet
+        self.finals_for: dict[int, frozenset[int]] = {
+            k: frozenset(f for f in finals if f <= k) for k in range(num_stages)
+        }
+        # counters (read through statistics())
+        self.dropped_outputs = 0
+        self.outputs_routed = 0
+        self.terminals_by_kind: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ terminals
+    def complete(self, req: RequestState, msg: OrchOutput) -> list[Action]:
+        """The request finished: its ``finished=True`` output is the terminal."""
+        del self.requests[req.request_id]
+        self.outputs_routed += 1
+        self.count_terminal("finished")
+        return [Emit(msg)]
+
+    def end(self, req: RequestState, err: OrchError, skip: int | None = None) -> list[Action]:
+        """The request failed: ``err`` is the terminal; abort it on every stage still open.
+
+        ``skip`` is a stage that already dropped it (its own error, a failed submit).
+        """
+        del self.requests[req.request_id]
+        self.count_terminal(err.kind)
+        actions: list[Action] = [Emit(err)]
+        for k in sorted(req.submitted - req.finished):
+            if k != skip and self.available[k]:
+                actions.append(Abort(k, [req.request_id]))
+        return actions
+
+    def end_queued(self, ticket: Ticket, kind: str, message: str) -> list[Action]:
+        """A request ended before it started: only its terminal, no stage holds it."""
+        del self.queued[ticket.request_id]
+        self.count_terminal(kind)
+        return [Emit(OrchError(ticket.request_id, None, kind, message))]
+
+    def count_terminal(self, kind: str) -> None:
+        k = self.terminals_by_kind
+        k[kind] = k.get(kind, 0) + 1
