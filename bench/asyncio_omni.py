@@ -27,8 +27,7 @@ import logging
 from typing import Any
 
 from bench.asyncio_shell import AsyncioOrchestrator
-from trio_orch.core import StageDied
-from trio_orch.types import StageClient
+from trio_orch.types import StageClient, StageDied
 
 __all__ = ["OmniEventDriven", "OmniPolling"]
 
@@ -118,7 +117,7 @@ class OmniEventDriven(_OmniBase):
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # routed to the dispatcher, as in the source
-            await ready_q.put((stage_id, StageDied(exc)))
+            await ready_q.put((stage_id, StageDied.of(exc)))
 
 
 class OmniPolling(_OmniBase):
@@ -144,7 +143,7 @@ class OmniPolling(_OmniBase):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    await self._perform(self._route(stage_id, StageDied(exc)))
+                    await self._perform(self._route(stage_id, StageDied.of(exc)))
                     idle = False
                     continue
                 await self._perform(router.route_many(stage_id, outs))

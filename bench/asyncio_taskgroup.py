@@ -25,8 +25,7 @@ import logging
 from typing import Any
 
 from bench.asyncio_shell import AsyncioOrchestrator
-from trio_orch.core import StageDied
-from trio_orch.types import StageClient
+from trio_orch.types import StageClient, StageDied
 
 __all__ = ["TaskGroupOrchestrator"]
 
@@ -77,6 +76,6 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our own cancellation
-            ready_q.put_nowait((stage_id, StageDied(exc)))
+            ready_q.put_nowait((stage_id, StageDied.of(exc)))
         except Exception as exc:
-            ready_q.put_nowait((stage_id, StageDied(exc)))
+            ready_q.put_nowait((stage_id, StageDied.of(exc)))

@@ -27,9 +27,7 @@ from typing import Any
 import trio
 
 from trio_orch.orchestrator import Orchestrator
-from trio_orch.types import OrchError, OrchOutput, StageOutput
-
-Message = OrchOutput | OrchError
+from trio_orch.types import Message, OrchOutput, StageOutput
 
 __all__ = ["BenchDriver", "FloorDriver", "TrioDriver", "thread_cpu_seconds"]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.misbehaviour import Misbehaviour
-from trio_orch.types import OrchError, OrchOutput
+from trio_orch.types import Message
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -39,7 +39,6 @@ __all__ = [
     "make_harness",
 ]
 
-Message = OrchOutput | OrchError
 
 
 class EndOfStream(Exception):

@@ -95,8 +95,8 @@ def test_sync_request_streams_outputs_to_its_terminal() -> None:
         observed = engine.latency.count
         assert observed >= 2  # one observation per message taken
         stats = engine.stats()
-        assert stats["terminals_by_kind"] == {"finished": 1}
-        assert stats["outputs_routed"] == 3
+        assert stats.terminals_by_kind == {"finished": 1}
+        assert stats.outputs_routed == 3
         # the id is free again after the terminal
         engine.add_request("again", request_id="r1").close()
 
@@ -117,7 +117,7 @@ def test_sync_bad_calls_raise_and_register_nothing() -> None:
             engine.add_request("y", request_timeout=-1)
         wait_until(lambda: len(stages[0].submissions) == 1, "submission")
         assert [rid for rid, _ in stages[0].submissions] == ["dup"]
-        assert engine.stats()["active_requests"] == 1
+        assert engine.stats().active_requests == 1
         h.close()
 
 
@@ -144,7 +144,7 @@ def test_sync_iteration_left_early_aborts() -> None:
             assert m.data == "a"
             break
         wait_until(lambda: stages[0].aborts == ["r1"], "abort after break")
-        wait_until(lambda: engine.stats()["active_requests"] == 0)
+        wait_until(lambda: engine.stats().active_requests == 0)
         # generate_sync closed early aborts too
         gen = engine.generate_sync("y", request_id="r2")
         threading.Thread(target=lambda: (
@@ -160,7 +160,7 @@ def test_sync_backpressure_blocks_then_times_out_without_submitting() -> None:
     with engine:
         engine.call_soon(stages[0].hold_submits)
         h1 = engine.add_request("a", request_id="r1")  # taken by the handler, stuck in submit
-        wait_until(lambda: engine.stats()["queued_requests"] == 0, "r1 taken by the handler")
+        wait_until(lambda: engine.stats().queued_requests == 0, "r1 taken by the handler")
         h2 = engine.add_request("b", request_id="r2")  # fills the channel
         with pytest.raises(TimeoutError, match="request channel stayed full"):
             engine.add_request("c", request_id="r3", timeout=0.1)
@@ -168,7 +168,7 @@ def test_sync_backpressure_blocks_then_times_out_without_submitting() -> None:
         got: list[Any] = []
         t = threading.Thread(target=lambda: got.append(engine.add_request("d", request_id="r4")))
         t.start()
-        wait_until(lambda: engine.stats()["admission_waiting"] == 1, "r4 waiting for room")
+        wait_until(lambda: engine.stats().admission_waiting == 1, "r4 waiting for room")
         assert not got
         engine.call_soon(stages[0].release_submits)
         t.join(HANG)
@@ -274,7 +274,7 @@ def test_asyncio_cancellation_and_early_close_abort() -> None:
 
     with engine:
         run_async(scenario)
-        wait_until(lambda: engine.stats()["active_requests"] == 0)
+        wait_until(lambda: engine.stats().active_requests == 0)
 
 
 def test_asyncio_backpressure_waits_without_blocking_the_loop_and_cancel_withdraws() -> None:
@@ -292,7 +292,7 @@ def test_asyncio_backpressure_waits_without_blocking_the_loop_and_cancel_withdra
         for _ in range(5):  # the loop keeps running while they wait
             await asyncio.sleep(0)
             ticks += 1
-        assert ticks == 5 and stats["running"]
+        assert ticks == 5 and stats.running
         firsts["c"].cancel()  # cancel one waiting for room: never submitted
         await await_until(lambda: "c" not in engine._demux.streams, "c withdrawn")
         engine.call_soon(stages[0].release_submits)
@@ -312,7 +312,7 @@ def test_abort_while_waiting_for_room_gives_aborted_terminal() -> None:
     with engine:
         engine.call_soon(stages[0].hold_submits)
         engine.add_request("a", request_id="a")
-        wait_until(lambda: engine.stats()["queued_requests"] == 0)
+        wait_until(lambda: engine.stats().queued_requests == 0)
         engine.add_request("b", request_id="b")
 
         async def scenario() -> list[Any]:
@@ -335,12 +335,12 @@ def test_close_drains_every_waiter_then_every_call_raises() -> None:
     engine.start()
     engine.call_soon(stages[0].hold_submits)
     routed = engine.add_request("a", request_id="routed")  # handler stuck submitting it
-    wait_until(lambda: engine.stats()["queued_requests"] == 0)
+    wait_until(lambda: engine.stats().queued_requests == 0)
     queued = engine.add_request("b", request_id="queued")  # in the channel, not handled
     blocked: list[Any] = []
     t = threading.Thread(target=lambda: blocked.append(engine.add_request("c", request_id="blocked")))
     t.start()  # waiting for room, in a sync caller
-    wait_until(lambda: engine.stats()["admission_waiting"] == 1)
+    wait_until(lambda: engine.stats().admission_waiting == 1)
     loop_result: list[Any] = []
 
     def asyncio_waiter() -> None:
@@ -350,7 +350,7 @@ def test_close_drains_every_waiter_then_every_call_raises() -> None:
 
     ta = threading.Thread(target=asyncio_waiter)
     ta.start()
-    wait_until(lambda: engine.stats()["admission_waiting"] == 2)
+    wait_until(lambda: engine.stats().admission_waiting == 2)
     engine.close()
     t.join(HANG)
     ta.join(HANG)
@@ -368,7 +368,7 @@ def test_close_drains_every_waiter_then_every_call_raises() -> None:
         engine.abort("routed")
     assert not engine.running
     engine.close()  # idempotent
-    assert engine.stats()["running"] is False
+    assert engine.stats().running is False
 
 
 def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
@@ -405,7 +405,7 @@ def test_crash_drains_queued_and_backpressured_callers_too() -> None:
     engine.start()
     engine.call_soon(stages[0].hold_submits)
     stuck = engine.add_request("a", request_id="stuck")  # the handler is stuck submitting it
-    wait_until(lambda: engine.stats()["queued_requests"] == 0)
+    wait_until(lambda: engine.stats().queued_requests == 0)
     queued = engine.add_request("b", request_id="queued")  # in the channel, never handled
     results: dict[str, list[Any]] = {"sync": [], "async": []}
 
@@ -420,7 +420,7 @@ def test_crash_drains_queued_and_backpressured_callers_too() -> None:
     threads = [threading.Thread(target=sync_waiter), threading.Thread(target=async_waiter)]
     for t in threads:
         t.start()
-    wait_until(lambda: engine.stats()["admission_waiting"] == 2, "two callers waiting for room")
+    wait_until(lambda: engine.stats().admission_waiting == 2, "two callers waiting for room")
     engine.call_soon(stages[0].kill)
     for t in threads:
         t.join(HANG)
@@ -540,7 +540,7 @@ async def test_trio_api_generate_cancel_and_close() -> None:
             nursery.cancel_scope.cancel()
         await trio.testing.wait_all_tasks_blocked()
         assert cancelled == [] and stages[0].aborts == ["r2"]
-        assert engine.stats()["active_requests"] == 0
+        assert engine.stats().active_requests == 0
 
         left: list[Any] = []
         async with trio.open_nursery() as nursery:
@@ -589,7 +589,7 @@ def test_sync_and_asyncio_callers_over_real_echo_workers() -> None:
 
         for i, out in enumerate(run_async(many)):
             assert [m.data for m in out] == [f"p{i}"] * 3 and out[-1].finished
-        assert engine.stats()["inflight_by_replica"] == {(0, "0"): 0, (1, "0"): 0}
+        assert engine.stats().inflight_by_replica == {(0, "0"): 0, (1, "0"): 0}
 
 
 def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> None:
@@ -628,11 +628,10 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
 
     with engine:
         run_async(main)
-        wait_until(lambda: engine.stats()["active_requests"] == 0, "every request ended")
+        wait_until(lambda: engine.stats().active_requests == 0, "every request ended")
         stats = engine.stats()
-        assert stats["queued_requests"] == 0 and stats["admission_waiting"] == 0
-        assert all(v == 0 for v in stats["inflight_by_stage"].values())
-        assert engine._demux.streams == {}
+        assert stats.queued_requests == 0 and stats.admission_waiting == 0
+        assert all(v == 0 for v in stats.inflight_by_stage) and stats.open_streams == 0
         kinds = [m.kind if isinstance(m, OrchError) else "finished" for m in outcomes.values()
                  if not isinstance(m, str)]
         assert set(kinds) <= {"finished", "aborted"} and "finished" in kinds and "aborted" in kinds

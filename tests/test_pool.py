@@ -8,9 +8,9 @@ import pytest
 import trio
 import trio.testing
 
-from trio_orch.pool import ReplicaPool, StageDead
+from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied
-from trio_orch.types import StageOutput, StageUnavailable
+from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
 
 class FakeReplica:
@@ -81,7 +81,7 @@ async def test_replica_death_fails_only_its_requests_and_evicts_it() -> None:
     assert {o.request_id for o in outs} == {"r1", "r3", "r5"}
     with pytest.raises(StageUnavailable):
         await pool.submit("r6", 6)
-    with pytest.raises(StageDead, match="every replica is dead"):
+    with pytest.raises(StageDied, match="every replica is dead"):
         await pool.receive()
 
 
@@ -158,7 +158,7 @@ async def test_pumped_pool_delivers_from_the_sink_and_ends_when_every_replica_di
         async def pump() -> None:
             try:
                 await pool.pump(delivered.append)
-            except StageDead as exc:
+            except StageDied as exc:
                 ended.append(exc)
 
         nursery.start_soon(pump)

@@ -254,9 +254,8 @@ async def test_replace_replica_evicts_an_unhandled_death_and_ignores_the_old_cli
 
 
 async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervision_stops() -> None:
-    from trio_orch.pool import StageDead
     from trio_orch.transport import ReplicaDied
-    from trio_orch.types import StageUnavailable
+    from trio_orch.types import StageDied, StageUnavailable
 
     pool, (r0,) = fake_pool(1)
     pool.supervised = True
@@ -269,7 +268,7 @@ async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervisio
     with pytest.raises(StageUnavailable):
         await pool.submit("r", "x")  # fail fast while no replica is live
     pool.stop_supervision()
-    with pytest.raises(StageDead):
+    with pytest.raises(StageDied):
         await pool.receive()
 
 

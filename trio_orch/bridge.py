@@ -50,6 +50,7 @@ from trio_orch.demux import (
 from trio_orch.engine_base import (
     EngineClosed,
     EngineStartupError,
+    EngineStatistics,
     PipelineFactory,
     PipelineSpec,
     as_spec,
@@ -59,7 +60,7 @@ from trio_orch.engine_base import (
 )
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.trio_engine import TrioEngine, open_trio_engine
-from trio_orch.types import OrchError, OrchOutput, StageClient
+from trio_orch.types import Message, OrchError, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
 __all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineFactory", "PipelineSpec", "RequestHandle",
@@ -67,7 +68,6 @@ __all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineFactory", "P
 
 log = logging.getLogger("trio_orch.bridge")
 
-Message = OrchOutput | OrchError
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
     """Dispatch latency of each message the consumer just took (DESIGN §5).
@@ -558,14 +558,14 @@ class Engine:
         except trio.RunFinishedError:
             raise EngineClosed(self._closed_message()) from None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStatistics:
         """A metrics snapshot (plain threads only; use :meth:`stats_async` on an asyncio loop)."""
         try:
             return self.run_sync_in_trio(self._stats_now)
         except EngineClosed:
             return collect_stats(None, self._demux, 0, False)
 
-    def _stats_now(self) -> dict[str, Any]:
+    def _stats_now(self) -> EngineStatistics:
         return collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
 
     @property
@@ -632,10 +632,10 @@ class Engine:
             if not ended:
                 self._client_gone(s)
 
-    async def stats_async(self, timeout: float = 5.0) -> dict[str, Any]:
+    async def stats_async(self, timeout: float = 5.0) -> EngineStatistics:
         """A metrics snapshot, awaited on an asyncio loop without blocking it."""
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+        fut: asyncio.Future[EngineStatistics] = loop.create_future()
 
         def settle(value: Any, exc: BaseException | None) -> None:
             if not fut.done():

@@ -29,11 +29,10 @@ from typing import Any
 import trio
 
 from trio_orch.metrics import Histogram
-from trio_orch.types import OrchError, OrchOutput
+from trio_orch.types import Message, OrchError
 
 __all__ = ["ACK", "WITHDRAWN", "AsyncioStream", "Demux", "Stream", "SyncStream", "TrioStream"]
 
-Message = OrchOutput | OrchError
 ACK = "<accepted>"  # admission acknowledged (sync callers only)
 WITHDRAWN = "<withdrawn>"  # admission withdrawn after the caller's timeout
 

@@ -9,17 +9,18 @@ options (:class:`PipelineSpec`, or any object shaped like
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from trio_orch.demux import Demux
-from trio_orch.orchestrator import Orchestrator
+from trio_orch.orchestrator import Orchestrator, OrchestratorStatistics
 from trio_orch.types import StageClient
 
-__all__ = ["EngineClosed", "EngineStartupError", "PipelineFactory", "PipelineSpec", "as_spec",
-           "collect_stats", "static_pipeline", "unwrap"]
+__all__ = ["EngineClosed", "EngineStartupError", "EngineStatistics", "PipelineFactory", "PipelineSpec",
+           "as_spec", "collect_stats", "static_pipeline", "unwrap"]
 
 
 class EngineClosed(RuntimeError):
@@ -78,33 +79,68 @@ def unwrap(exc: BaseException) -> BaseException:
     return exc
 
 
+@dataclass(frozen=True, slots=True)
+class EngineStatistics:
+    """A read-only snapshot of an engine for /health and /metrics.
+
+    ``orchestrator`` is None once the engine is closed (or before it runs);
+    the convenience properties then read as an idle engine.
+    """
+
+    running: bool
+    admission_waiting: int  #: callers waiting in the bridge for room in the request channel
+    open_streams: int  #: requests whose consumer has not had the terminal yet
+    terminals_by_kind: Mapping[str, int]  #: terminals delivered to consumers, by kind
+    errors_by_kind: Mapping[str, int]  #: error terminals delivered to consumers, by kind
+    orchestrator: OrchestratorStatistics | None
+    inflight_by_replica: Mapping[tuple[int, str], int]  #: (stage, replica) -> requests bound there
+
+    @property
+    def queued_requests(self) -> int:
+        return self.orchestrator.core.queued if self.orchestrator else 0
+
+    @property
+    def active_requests(self) -> int:
+        """Accepted requests without their terminal yet (queued included)."""
+        return self.orchestrator.core.live if self.orchestrator else 0
+
+    @property
+    def outputs_routed(self) -> int:
+        return self.orchestrator.core.outputs_routed if self.orchestrator else 0
+
+    @property
+    def dropped_outputs(self) -> int:
+        return self.orchestrator.core.dropped_outputs if self.orchestrator else 0
+
+    @property
+    def stage_available(self) -> tuple[bool, ...]:
+        return self.orchestrator.core.stage_available if self.orchestrator else ()
+
+    @property
+    def inflight_by_stage(self) -> tuple[int, ...]:
+        return self.orchestrator.core.inflight_by_stage if self.orchestrator else ()
+
+    @property
+    def stage_deaths(self) -> Mapping[int, str]:
+        return self.orchestrator.stage_deaths if self.orchestrator else MappingProxyType({})
+
+
 def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: int,
-                   alive: bool) -> dict[str, Any]:
-    """A snapshot for /metrics; must run in the orchestrator's thread (it reads routing state)."""
-    stats: dict[str, Any] = {
-        "running": alive and orch is not None and orch.running,
-        "admission_waiting": admission_waiting,
-        "terminals_by_kind": dict(demux.terminals_by_kind),
-        "errors_by_kind": dict(demux.errors_by_kind),
-        "open_streams": len(demux.streams),
-    }
-    if orch is None:
-        return stats
-    router = orch.router
-    inflight = dict.fromkeys(range(router.num_stages), 0)
-    for req in router.requests.values():
-        for k in req.submitted - req.finished:
-            inflight[k] += 1
+                  alive: bool) -> EngineStatistics:
+    """A snapshot for /health and /metrics; must run in the orchestrator's thread."""
     by_replica: dict[tuple[int, str], int] = {}
-    for k, stage in enumerate(orch.stages):
-        fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
-        if callable(fn):
-            for replica, n in enumerate(fn()):
-                by_replica[(k, str(replica))] = int(n)
-    stats.update(
-        queued_requests=orch.queued_requests, active_requests=orch.active_requests,
-        inflight_by_stage=inflight, inflight_by_replica=by_replica,
-        stage_available=list(router.available), outputs_routed=router.outputs_routed,
-        dropped_outputs=router.dropped_outputs, stage_deaths=dict(orch.stage_deaths),
+    if orch is not None:
+        for k, stage in enumerate(orch.stages):
+            fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
+            if callable(fn):
+                for replica, n in enumerate(fn()):
+                    by_replica[(k, str(replica))] = int(n)
+    return EngineStatistics(
+        running=alive and orch is not None and orch.running,
+        admission_waiting=admission_waiting,
+        open_streams=len(demux.streams),
+        terminals_by_kind=MappingProxyType(dict(demux.terminals_by_kind)),
+        errors_by_kind=MappingProxyType(dict(demux.errors_by_kind)),
+        orchestrator=orch.statistics() if orch is not None else None,
+        inflight_by_replica=MappingProxyType(by_replica),
     )
-    return stats

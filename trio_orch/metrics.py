@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trio_orch.engine_base import EngineStatistics
 
 __all__ = ["DEFAULT_LATENCY_BUCKETS", "Histogram", "render_prometheus"]
 
@@ -82,7 +85,7 @@ class _Writer:
         self.lines.append(f"{name}_count {float(hist.count)!r}")
 
 
-def render_prometheus(stats: Mapping[str, Any], latency: Histogram,
+def render_prometheus(stats: EngineStatistics, latency: Histogram,
                       extra_counters: Mapping[str, tuple[str, Mapping[tuple[tuple[str, str], ...], int]]]
                       | None = None) -> str:
     """Render an engine snapshot (see ``Engine.stats``) as Prometheus text.
@@ -92,32 +95,32 @@ def render_prometheus(stats: Mapping[str, Any], latency: Histogram,
     """
     w = _Writer()
     w.family("trio_orch_up", "gauge", "1 while the orchestrator thread is running",
-             [({}, 1 if stats.get("running") else 0)])
+             [({}, 1 if stats.running else 0)])
     w.family("trio_orch_request_channel_depth", "gauge",
              "requests waiting in the orchestrator's bounded request channel",
-             [({}, stats.get("queued_requests", 0))])
+             [({}, stats.queued_requests)])
     w.family("trio_orch_admission_waiting", "gauge",
              "requests waiting in the bridge for room in the request channel (backpressure)",
-             [({}, stats.get("admission_waiting", 0))])
+             [({}, stats.admission_waiting)])
     w.family("trio_orch_active_requests", "gauge", "accepted requests without their terminal yet",
-             [({}, stats.get("active_requests", 0))])
+             [({}, stats.active_requests)])
     w.family("trio_orch_stage_inflight", "gauge", "requests open on each stage (submitted, not finished)",
-             [({"stage": k}, v) for k, v in sorted(stats.get("inflight_by_stage", {}).items())])
+             [({"stage": k}, v) for k, v in enumerate(stats.inflight_by_stage)])
     w.family("trio_orch_replica_inflight", "gauge",
              "requests open on each stage replica (stage clients that report replicas)",
              [({"stage": s, "replica": r}, v)
-              for (s, r), v in sorted(stats.get("inflight_by_replica", {}).items())])
+              for (s, r), v in sorted(stats.inflight_by_replica.items())])
     w.family("trio_orch_stage_available", "gauge", "1 while a stage has a live replica",
-             [({"stage": k}, 1 if v else 0) for k, v in enumerate(stats.get("stage_available", []))])
+             [({"stage": k}, 1 if v else 0) for k, v in enumerate(stats.stage_available)])
     w.family("trio_orch_outputs_routed", "counter", "outputs delivered to users (terminals included)",
-             [({}, stats.get("outputs_routed", 0))])
+             [({}, stats.outputs_routed)])
     w.family("trio_orch_dropped_outputs", "counter",
              "stage outputs dropped because their request was unknown or already ended",
-             [({}, stats.get("dropped_outputs", 0))])
+             [({}, stats.dropped_outputs)])
     w.family("trio_orch_terminals", "counter", "request terminals by kind (finished or an error kind)",
-             [({"kind": k}, v) for k, v in sorted(stats.get("terminals_by_kind", {}).items())])
+             [({"kind": k}, v) for k, v in sorted(stats.terminals_by_kind.items())])
     w.family("trio_orch_errors", "counter", "error terminals (OrchError) by kind",
-             [({"kind": k}, v) for k, v in sorted(stats.get("errors_by_kind", {}).items())])
+             [({"kind": k}, v) for k, v in sorted(stats.errors_by_kind.items())])
     for name, (help_text, values) in (extra_counters or {}).items():
         w.family(name, "counter", help_text, [(dict(lbl), v) for lbl, v in sorted(values.items())])
     w.histogram("trio_orch_dispatch_latency_seconds",

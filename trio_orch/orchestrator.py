@@ -36,12 +36,11 @@ from trio_orch.core import (
     RequestState,
     Router,
     RouterStatistics,
-    StageDied,
     Submit,
     Ticket,
 )
 from trio_orch.deadlines import DeadlineKeeper
-from trio_orch.types import Message, StageClient, StageOutput
+from trio_orch.types import Message, StageClient, StageDied, StageOutput
 
 __all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
 
@@ -314,7 +313,7 @@ class Orchestrator:
                 outs = await stage.receive()
                 send((stage_id, outs))
         except Exception as exc:
-            send((stage_id, StageDied(exc)))
+            send((stage_id, StageDied.of(exc)))
 
     async def _dispatcher(self) -> None:
         """Single router of outputs and commands; drains what is ready, then does I/O."""
@@ -511,7 +510,7 @@ class Orchestrator:
             except (trio.WouldBlock, trio.EndOfChannel):
                 return
             if type(item) is StageDied:
-                msg = f"stage {stage_id} failed while stopping: {type(item.exc).__name__}: {item.exc}"
+                msg = item.describe(stage_id).replace(" died: ", " failed while stopping: ", 1)
                 log.warning("%s", msg)
                 self.stage_deaths.setdefault(stage_id, msg)
             elif type(item) is _Command and item.done is not None:

@@ -6,7 +6,7 @@ flight (ties: lowest index).  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
 (DESIGN §3 replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
-``receive`` raises :class:`StageDead` only once every replica is dead and
+``receive`` raises :class:`StageDied` only once every replica is dead and
 no supervisor will bring one back (``supervised``; see
 :mod:`trio_orch.supervisor`, which swaps a replacement in with
 :meth:`ReplicaPool.replace_replica`).  A *cordoned* replica keeps serving
@@ -31,15 +31,11 @@ from typing import Any
 import trio
 
 from trio_orch.transport import Event, ZmqStageClient
-from trio_orch.types import StageOutput, StageUnavailable
+from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
-__all__ = ["ReplicaPool", "StageDead", "StageTiming"]
+__all__ = ["ReplicaPool", "StageTiming"]
 
 log = logging.getLogger("trio_orch.pool")
-
-
-class StageDead(RuntimeError):
-    """Every replica of a stage is dead."""
 
 
 @dataclass(slots=True)
@@ -80,7 +76,7 @@ class ReplicaPool:
         self._evicted: set[int] = set()
         self._send, self._recv = trio.open_memory_channel[tuple[int, Event, ZmqStageClient | None]](math.inf)
         self._closed = False
-        #: a supervisor may bring replicas back: ``receive`` then waits instead of raising StageDead
+        #: a supervisor may bring replicas back: ``receive`` then waits instead of raising StageDied
         self.supervised = False
         self.cordoned: set[int] = set()
         self._late: list[StageOutput] = []  # replica_died outputs made outside receive()
@@ -159,7 +155,7 @@ class ReplicaPool:
         self.cordoned.discard(idx)
 
     def stop_supervision(self) -> None:
-        """No replica will come back: ``receive`` raises StageDead once none is live."""
+        """No replica will come back: ``receive`` raises StageDied once none is live."""
         self.supervised = False
         self._wake()
 
@@ -273,12 +269,12 @@ class ReplicaPool:
                 try:
                     item = self._recv.receive_nowait()
                 except (trio.WouldBlock, trio.EndOfChannel):
-                    raise StageDead(f"{self.name}: every replica is dead: {'; '.join(self.deaths)}") from None
+                    raise StageDied(f"{self.name}: every replica is dead: {'; '.join(self.deaths)}") from None
             else:
                 try:
                     item = await self._recv.receive()
                 except trio.EndOfChannel:
-                    raise StageDead(f"{self.name} is closed") from None
+                    raise StageDied(f"{self.name} is closed") from None
             outs, self._late = self._late, []
             self._handle(item, outs)
             while True:
@@ -295,7 +291,7 @@ class ReplicaPool:
         From now on each replica event is handled synchronously in the
         replica's socket owner task and its outputs go to ``deliver``: one
         task hop less than ``receive``.  Returns by raising
-        :class:`StageDead` once every replica is dead for good (or closed).
+        :class:`StageDied` once every replica is dead for good (or closed).
         """
         outs, self._late = self._late, []
         while True:  # what arrived before pumping started
@@ -310,8 +306,8 @@ class ReplicaPool:
         finally:
             self._deliver = None
         if self._closed:
-            raise StageDead(f"{self.name} is closed")
-        raise StageDead(f"{self.name}: every replica is dead: {'; '.join(self.deaths)}")
+            raise StageDied(f"{self.name} is closed")
+        raise StageDied(f"{self.name}: every replica is dead: {'; '.join(self.deaths)}")
 
     async def aclose(self) -> None:
         self._pump_dead.set()

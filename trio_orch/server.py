@@ -228,12 +228,12 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
 
     async def health(request: Request) -> Response:
         stats = await engine.stats_async()
-        available = stats.get("stage_available", [])
-        if not stats.get("running"):
+        available = list(stats.stage_available)
+        if not stats.running:
             return JSONResponse({"status": "down", "reason": engine.closed_reason}, status_code=503)
         status = "ok" if all(available) else "degraded"
         return JSONResponse({"status": status, "stages_available": available,
-                             "active_requests": stats.get("active_requests", 0)},
+                             "active_requests": stats.active_requests},
                             status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:

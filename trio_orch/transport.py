@@ -34,7 +34,7 @@ from typing import Any
 import trio
 import zmq
 
-from trio_orch.types import StageOutput, StageUnavailable
+from trio_orch.types import StageDied, StageOutput, StageUnavailable
 from trio_orch.wire import (
     Abort,
     Dying,
@@ -61,8 +61,12 @@ Event = list[StageOutput] | BaseException
 Sink = Callable[["ZmqStageClient", Event], None]
 
 
-class ReplicaDied(RuntimeError):
-    """The worker replica behind a client is gone (exit, dying sentinel, silence)."""
+class ReplicaDied(StageDied):
+    """The worker replica behind a client is gone (exit, dying sentinel, silence).
+
+    A stage death as far as a caller of that one client is concerned; a replica
+    pool turns it into per-request ``replica_died`` outputs and keeps serving.
+    """
 
 
 class ZmqStageClient:

@@ -17,13 +17,12 @@ from typing import Any
 import trio
 
 from trio_orch.demux import ADMITTED, DONE, PENDING, Demux, TrioStream
-from trio_orch.engine_base import EngineClosed, PipelineFactory, as_spec, collect_stats
+from trio_orch.engine_base import EngineClosed, EngineStatistics, PipelineFactory, as_spec, collect_stats
 from trio_orch.orchestrator import Orchestrator
-from trio_orch.types import OrchError, OrchOutput, StageClient
+from trio_orch.types import Message, OrchError, StageClient
 
 __all__ = ["TrioEngine", "open_trio_engine"]
 
-Message = OrchOutput | OrchError
 
 
 class TrioEngine:
@@ -85,7 +84,7 @@ class TrioEngine:
     async def abort(self, request_id: str) -> None:
         await self.orchestrator.abort(request_id)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> EngineStatistics:
         return collect_stats(self.orchestrator, self._demux, 0, self._closed is None)
 
 

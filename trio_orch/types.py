@@ -18,6 +18,7 @@ __all__ = [
     "OrchOutput",
     "PushStageClient",
     "StageClient",
+    "StageDied",
     "StageOutput",
     "StageUnavailable",
 ]
@@ -91,6 +92,31 @@ class OrchError:
 
 #: what the user receives: an output, or an error terminal
 Message = OrchOutput | OrchError
+
+
+class StageDied(RuntimeError):
+    """A stage is dead.
+
+    A stage client's ``receive`` raises it when its stage is dead (a replica
+    pool: once every replica is dead for good), and the orchestrator's reader
+    hands it to the dispatcher as the stage's last event -- wrapping any other
+    exception the client raised as its ``cause`` -- so the death is ordered
+    after the outputs delivered before it.
+    """
+
+    def __init__(self, message: str = "", *, cause: BaseException | None = None) -> None:
+        super().__init__(message or (str(cause) if cause is not None else "stage died"))
+        self.cause = cause
+
+    @classmethod
+    def of(cls, exc: BaseException) -> StageDied:
+        """``exc`` itself if it is a StageDied, else a StageDied caused by it."""
+        return exc if isinstance(exc, StageDied) else cls(cause=exc)
+
+    def describe(self, stage_id: int) -> str:
+        """The message every shell reports for this death."""
+        why = self.cause if self.cause is not None else self
+        return f"stage {stage_id} died: {type(why).__name__}: {why}"
 
 
 class StageUnavailable(RuntimeError):

@@ -12,9 +12,8 @@ same semantics and a comparison between shells measures the shell alone.
 The package must never import trio, asyncio or any other event loop.
 """
 
-from trio_orch.core.actions import Abort, Action, Emit, StageDied, Submit
+from trio_orch.core.actions import Abort, Action, Emit, Submit
 from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
-__all__ = ["Abort", "Action", "Emit", "RequestState", "Router", "RouterStatistics", "StageDied",
-           "Submit", "Ticket"]
+__all__ = ["Abort", "Action", "Emit", "RequestState", "Router", "RouterStatistics", "Submit", "Ticket"]

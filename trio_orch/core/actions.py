@@ -1,4 +1,4 @@
-"""What the routing core asks its shell to do, and the events a shell feeds it besides method calls.
+"""What the routing core asks its shell to do.
 
 Actions are plain slotted values compared by content, so tests can state the
 expected result of an event as a list literal.  A shell performs them in
@@ -12,7 +12,7 @@ from typing import Any
 
 from trio_orch.types import Message
 
-__all__ = ["Abort", "Action", "Emit", "StageDied", "Submit"]
+__all__ = ["Abort", "Action", "Emit", "Submit"]
 
 
 class Submit:
@@ -72,20 +72,3 @@ class Emit:
 
 
 Action = Submit | Abort | Emit
-
-
-class StageDied:
-    """Event: a stage client's reader ended with ``exc`` (the stage is dead).
-
-    Readers put it on the dispatcher's queue next to output batches, so a
-    stage's death is ordered after the outputs it delivered before dying.
-    """
-
-    __slots__ = ("exc",)
-
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
-
-    def describe(self, stage_id: int) -> str:
-        """The message every shell reports for this death."""
-        return f"stage {stage_id} died: {type(self.exc).__name__}: {self.exc}"
