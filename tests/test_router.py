@@ -209,3 +209,98 @@ def test_production_timestamp_travels_with_the_output_but_not_into_equality() ->
     (emit,) = r.route(0, StageOutput("r", "x", True, t_produced=12.5))
     assert emit.message.t_produced == 12.5
     assert emit.message == OrchOutput("r", 0, "x", True)
+
+
+# ---------------------------------------------------------------- admission (accept -> start)
+def test_accept_registers_before_start_and_refuses_duplicates_while_queued() -> None:
+    r = Router(2, {1})
+    t = r.accept("r", "p")
+    assert r.is_queued("r") and r.is_live("r") and "r" not in r and r.live_count == 1
+    with pytest.raises(ValueError, match="duplicate"):
+        r.accept("r", "q")
+    assert r.start(t) == [Submit(0, "r", "p")]
+    assert not r.is_queued("r") and "r" in r and r.live_count == 1
+
+
+def test_withdraw_forgets_a_ticket_without_a_terminal() -> None:
+    r = Router(1, {0})
+    t = r.accept("r", "p")
+    r.withdraw(t)
+    assert not r.is_live("r") and r.terminals_by_kind == {}
+    assert r.start(t) == []  # a withdrawn ticket never starts
+    r.accept("r", "again")  # the id is free
+
+
+@pytest.mark.parametrize(("event", "kind", "text"), [
+    ("abort", "aborted", "while queued"), ("expire", "timeout", "while queued"),
+    ("shutdown", "shutdown", "before the request was handled")])
+def test_queued_request_ends_with_one_terminal_and_never_starts(event: str, kind: str, text: str) -> None:
+    r = Router(2, {1})
+    t = r.accept("r", "p")
+    acts = r.shutdown() if event == "shutdown" else getattr(r, event)("r")
+    assert acts == [Emit(OrchError("r", None, kind, r.queued_terminal(kind)))]
+    assert text in r.queued_terminal(kind)
+    assert r.start(t) == [] and not r.is_live("r")
+    assert r.terminals_by_kind == {kind: 1}
+
+
+def test_stale_ticket_does_not_start_a_new_incarnation() -> None:
+    r = Router(1, {0})
+    old = r.accept("r", "first")
+    r.abort("r")
+    new = r.accept("r", "second")
+    assert r.start(old) == []
+    assert r.is_current(new) and not r.is_current(old)
+    assert r.start(new) == [Submit(0, "r", "second")]
+
+
+def test_prewarm_failure_is_a_forward_failed_terminal_decided_at_start() -> None:
+    def prewarm(k: int, p: str) -> str:
+        raise KeyError(k)
+
+    r = Router(3, {2}, async_chunk=True, prewarm_fn=prewarm)
+    acts = r.start(r.accept("r", "p"))
+    (err,) = emitted(acts)
+    assert (err.kind, err.stage_id) == ("forward_failed", 1)
+    assert "prewarm_fn(1) raised KeyError" in err.message
+    assert acts == [Emit(err)] and not r.is_live("r") and r.terminals_by_kind == {"forward_failed": 1}
+
+
+def test_accept_refused_after_shutdown_and_bad_timeouts() -> None:
+    r = Router(1, {0})
+    for bad in (0, -1, "3", float("nan")):
+        with pytest.raises(ValueError, match="timeout"):
+            r.accept("r", "p", timeout=bad)  # type: ignore[arg-type]
+    assert not r.is_live("r")
+    r.shutdown()
+    with pytest.raises(RuntimeError, match="not accepting"):
+        r.accept("r", "p")
+
+
+def test_submitted_asks_for_a_follow_up_abort_when_the_request_ended_meanwhile() -> None:
+    r = Router(2, {1})
+    r.add("r", "p")
+    assert r.submitted(0, "r") == []  # still running there: nothing to undo
+    r.abort("r")
+    assert r.submitted(0, "r") == [Abort(0, ["r"])]
+
+
+def test_every_terminal_is_counted_by_the_core() -> None:
+    r = Router(2, {1}, async_chunk=True)
+    r.add("done", "p")
+    r.route(0, out("done", None, True))
+    r.route(1, out("done", "x", True))
+    r.add("aborted", "p")
+    r.abort("aborted")
+    r.accept("queued", "p")
+    r.stage_died(0, "gone")
+    r.add("unavailable", "p")
+    r.set_available(0, True)
+    r.add("failed", "p")
+    r.route(1, out("failed", None, error="oom"))
+    stats = r.statistics()
+    assert dict(stats.terminals_by_kind) == {"finished": 1, "aborted": 1, "stage_unavailable": 1,
+                                             "stage_failed": 1}
+    assert (stats.queued, stats.active, stats.live) == (1, 0, 1)
+    r.shutdown()
+    assert r.statistics().terminals_by_kind["shutdown"] == 1

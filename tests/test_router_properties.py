@@ -10,6 +10,8 @@ exactly one.
 
 from __future__ import annotations
 
+from typing import Any
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -33,6 +35,7 @@ class RouterMachine(RuleBasedStateMachine):
         self.incarnations = 0
         self.submitted: dict[str, set[int]] = {}
         self.fed_finished: dict[str, set[int]] = {}
+        self.tickets: list[tuple[Any, int]] = []  # every accepted ticket, with its incarnation
 
     # ---------------------------------------------------------------- helpers
     def apply(self, actions: list) -> None:
@@ -52,9 +55,17 @@ class RouterMachine(RuleBasedStateMachine):
                 assert self.submitted[rid] <= self.fed_finished[rid], (
                     f"finished=True before every submitted stage finished: {msg}")
             self.terminals[(rid, self.live.pop(rid))] += 1
-            assert rid not in self.router, "state kept after the terminal"
+            assert not self.router.is_live(rid), "state kept after the terminal"
 
     # ---------------------------------------------------------------- rules
+    def register(self, rid: str) -> None:
+        assert rid not in self.live
+        self.incarnations += 1
+        self.live[rid] = self.incarnations
+        self.terminals[(rid, self.incarnations)] = 0
+        self.submitted[rid] = set()
+        self.fed_finished[rid] = set()
+
     @rule(rid=IDS, final=st.sampled_from([None, None, 0, 1, 2, 5]))
     def add(self, rid: str, final: int | None) -> None:
         try:
@@ -62,17 +73,51 @@ class RouterMachine(RuleBasedStateMachine):
         except ValueError:
             assert rid in self.live or final == 5
             return
-        assert rid not in self.live
-        self.incarnations += 1
-        self.live[rid] = self.incarnations
-        self.terminals[(rid, self.incarnations)] = 0
-        self.submitted[rid] = set()
-        self.fed_finished[rid] = set()
+        self.register(rid)
         self.apply(actions)
+
+    @rule(rid=IDS, final=st.sampled_from([None, 0, 2]))
+    def accept(self, rid: str, final: int | None) -> None:
+        """Accepted but left queued: ends by start, abort, expire or shutdown."""
+        try:
+            ticket = self.router.accept(rid, f"prompt-{rid}", final_stage_id=final)
+        except ValueError:
+            assert rid in self.live
+            return
+        self.register(rid)
+        self.tickets.append((ticket, self.live[rid]))
+
+    @rule(data=st.data())
+    def start(self, data: st.DataObject) -> None:
+        """Start any ticket ever accepted, stale ones included (they must start nothing)."""
+        if not self.tickets:
+            return
+        ticket, incarnation = data.draw(st.sampled_from(self.tickets))
+        current = self.live.get(ticket.request_id) == incarnation and self.router.is_queued(ticket.request_id)
+        actions = self.router.start(ticket)
+        if not current:
+            assert actions == [], "a stale ticket started something"
+        self.apply(actions)
+
+    @rule(data=st.data())
+    def withdraw(self, data: st.DataObject) -> None:
+        """A shell that could not queue a ticket withdraws it: no terminal, the id is free."""
+        if not self.tickets:
+            return
+        ticket, incarnation = data.draw(st.sampled_from(self.tickets))
+        rid = ticket.request_id
+        if self.live.get(rid) == incarnation and self.router.queued.get(rid) is ticket:
+            self.router.withdraw(ticket)
+            del self.live[rid]
+            del self.terminals[(rid, incarnation)]
+        else:
+            before = set(self.router.queued)
+            self.router.withdraw(ticket)
+            assert set(self.router.queued) == before
 
     @rule(rid=IDS, stage=STAGES, finished=st.booleans())
     def output(self, rid: str, stage: int, finished: bool) -> None:
-        was_live = rid in self.router
+        was_live = rid in self.router  # started (a queued request holds no stage)
         dropped = self.router.dropped_outputs
         if finished and rid in self.live and stage in self.submitted[rid]:
             self.fed_finished[rid].add(stage)
@@ -116,11 +161,15 @@ class RouterMachine(RuleBasedStateMachine):
 
     @invariant()
     def router_tracks_exactly_the_live_requests(self) -> None:
-        assert set(self.router.requests) == set(self.live)
+        assert set(self.router.requests) | set(self.router.queued) == set(self.live)
+        assert not set(self.router.requests) & set(self.router.queued)
+        stats = self.router.statistics()
+        assert stats.live == len(self.live)
+        assert sum(stats.terminals_by_kind.values()) == sum(self.terminals.values())
 
     def teardown(self) -> None:
         self.apply(self.router.shutdown())
-        assert not self.live and len(self.router) == 0
+        assert not self.live and len(self.router) == 0 and not self.router.queued
         assert all(n == 1 for n in self.terminals.values()), self.terminals
 
 
