@@ -41,3 +41,14 @@ def test_demo_streams_every_request_to_its_terminal() -> None:
     assert any("req-0 stage 0 text  'a'" in ln for ln in lines)
     assert any("req-1 stage 2 audio" in ln for ln in lines)
     assert lines[-1].startswith("done: 2 requests, dropped outputs: 0")
+
+
+def test_public_api_is_lazy_and_a_worker_process_never_imports_trio() -> None:
+    code = ("import sys, stages.worker, trio_orch\n"
+            "assert 'trio' not in sys.modules, 'the worker imported trio'\n"
+            "assert 'torch' not in sys.modules, 'the echo worker imported torch'\n"
+            "from trio_orch import Orchestrator, OrchOutput, open_orchestrator\n"
+            "assert 'trio' in sys.modules and Orchestrator.__module__ == 'trio_orch.orchestrator'\n"
+            "import trio_orch as t; assert sorted(t.__all__) == sorted(set(dir(t)) & set(t.__all__))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -1,16 +1,65 @@
-"""trio-orch: a Trio (structured concurrency) multi-stage inference orchestrator."""
+"""trio-orch: a Trio (structured concurrency) multi-stage inference orchestrator.
 
-from trio_orch.orchestrator import Orchestrator, open_orchestrator
-from trio_orch.types import OrchError, OrchOutput, StageClient, StageOutput, StageUnavailable
+The public API is exported lazily: ``from trio_orch import Orchestrator``
+imports the Trio shell on first use, so that a stage worker process, which
+imports only ``trio_orch.wire``, never imports Trio.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+#: public name -> the module that defines it
+_EXPORTS: dict[str, str] = {
+    "Message": "trio_orch.types",
+    "OrchError": "trio_orch.types",
+    "OrchOutput": "trio_orch.types",
+    "StageClient": "trio_orch.types",
+    "StageDied": "trio_orch.types",
+    "StageOutput": "trio_orch.types",
+    "StageUnavailable": "trio_orch.types",
+    "Orchestrator": "trio_orch.orchestrator",
+    "OrchestratorStatistics": "trio_orch.orchestrator",
+    "open_orchestrator": "trio_orch.orchestrator",
+}
 
 __all__ = [
+    "Message",
     "OrchError",
     "OrchOutput",
     "Orchestrator",
+    "OrchestratorStatistics",
     "StageClient",
+    "StageDied",
     "StageOutput",
     "StageUnavailable",
     "open_orchestrator",
 ]
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from trio_orch.orchestrator import Orchestrator, OrchestratorStatistics, open_orchestrator
+    from trio_orch.types import (
+        Message,
+        OrchError,
+        OrchOutput,
+        StageClient,
+        StageDied,
+        StageOutput,
+        StageUnavailable,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trio_orch' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
