@@ -2,25 +2,46 @@
 
 After every step: each accepted request has at most one terminal and nothing
 follows it; nothing is emitted for a cleaned-up request; state is never
-re-created by an output; in async-chunk mode a ``finished=True`` message only
-appears once every submitted stage finished.  At teardown a shutdown gives
-every request still active its terminal, so each accepted request ends with
-exactly one.
+re-created by an output; a ``finished=True`` output only appears once the
+input is closed and every submitted stage closed every input segment (the
+terminal gate, streaming included); every stage gets each input segment
+exactly once, in order, the last one marked final.  Requests come in three
+shapes: added at once, accepted and left queued (started later, or ended
+while queued, or withdrawn), and resumable (more input segments by update).
+At teardown a shutdown gives every request still live its terminal, so each
+accepted request ends with exactly one.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from trio_orch.core import Emit, Router, Submit
+from trio_orch.core import Emit, Router, Submit, Update
 from trio_orch.types import OrchError, OrchOutput, StageOutput
 
 IDS = st.sampled_from(["a", "b", "c", "d", "e", "ghost"])
 STAGES = st.integers(0, 2)
+
+
+class Model:
+    """What the test knows about one incarnation of a request."""
+
+    def __init__(self, incarnation: int, resumable: bool) -> None:
+        self.incarnation = incarnation
+        self.resumable = resumable
+        self.segments = 1  # input segments given (the prompt is segment 0)
+        self.input_closed = not resumable
+        self.opened: dict[int, int] = {}  # stage -> submit + updates received
+        self.closed: dict[int, int] = {}  # stage -> finished outputs fed while a segment was open
+        self.final_sent: set[int] = set()  # stages told "this is the last segment"
+
+    def done(self, k: int) -> bool:
+        return self.input_closed and self.closed.get(k, 0) == self.segments
 
 
 class RouterMachine(RuleBasedStateMachine):
@@ -29,63 +50,75 @@ class RouterMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.router = Router(3, {0, 2}, async_chunk=self.async_chunk,
-                             prewarm_fn=lambda k, p: f"warm{k}", forward_fn=lambda k, p, o: list(o))
-        self.live: dict[str, int] = {}  # rid -> incarnation number
+                             prewarm_fn=lambda k, p: f"warm{k}:{p}", forward_fn=lambda k, p, o: list(o))
+        self.live: dict[str, Model] = {}
         self.terminals: dict[tuple[str, int], int] = {}  # (rid, incarnation) -> terminal count
         self.incarnations = 0
-        self.submitted: dict[str, set[int]] = {}
-        self.fed_finished: dict[str, set[int]] = {}
         self.tickets: list[tuple[Any, int]] = []  # every accepted ticket, with its incarnation
 
     # ---------------------------------------------------------------- helpers
     def apply(self, actions: list) -> None:
         for a in actions:
-            if isinstance(a, Submit):
-                assert a.request_id in self.live, f"submit for a request that is not live: {a}"
-                assert a.stage_id not in self.submitted[a.request_id], "stage submitted twice"
-                self.submitted[a.request_id].add(a.stage_id)
+            if isinstance(a, (Submit, Update)):
+                m = self.live.get(a.request_id)
+                assert m is not None, f"stage I/O for a request that is not live: {a}"
+                k = a.stage_id
+                n = m.opened.get(k, 0)
+                assert isinstance(a, Submit) == (n == 0), f"submit must come first, exactly once: {a}"
+                assert n < m.segments, f"more segments sent to stage {k} than given: {a}"
+                if k == 0 or self.async_chunk:  # the input itself: segment n, in order
+                    want = f"seg{n}" if k == 0 else f"warm{k}:seg{n}"
+                    assert a.payload == want, f"segment out of order on stage {k}: {a}"
+                last = m.input_closed and n + 1 == m.segments
+                if isinstance(a, Update):
+                    assert a.final == last, f"final flag wrong: {a}"
+                elif m.resumable:
+                    assert a.resumable == (not last), f"resumable flag wrong: {a}"
+                if last:
+                    m.final_sent.add(k)
+                m.opened[k] = n + 1
             elif isinstance(a, Emit):
                 self.check_message(a.message)
 
     def check_message(self, msg: OrchOutput | OrchError) -> None:
         rid = msg.request_id
-        assert rid in self.live, f"message after cleanup (or for a request never added): {msg}"
+        m = self.live.get(rid)
+        assert m is not None, f"message after cleanup (or for a request never added): {msg}"
         if msg.finished:
-            if self.async_chunk and isinstance(msg, OrchOutput):
-                assert self.submitted[rid] <= self.fed_finished[rid], (
-                    f"finished=True before every submitted stage finished: {msg}")
-            self.terminals[(rid, self.live.pop(rid))] += 1
+            if isinstance(msg, OrchOutput):
+                assert all(m.done(k) for k in m.opened), (
+                    f"finished=True before every submitted stage closed every segment: {msg}")
+                assert m.final_sent == set(m.opened), f"a stage never got its last segment: {msg}"
+            self.terminals[(rid, self.live.pop(rid).incarnation)] += 1
             assert not self.router.is_live(rid), "state kept after the terminal"
 
-    # ---------------------------------------------------------------- rules
-    def register(self, rid: str) -> None:
+    def register(self, rid: str, resumable: bool = False) -> None:
         assert rid not in self.live
         self.incarnations += 1
-        self.live[rid] = self.incarnations
+        self.live[rid] = Model(self.incarnations, resumable)
         self.terminals[(rid, self.incarnations)] = 0
-        self.submitted[rid] = set()
-        self.fed_finished[rid] = set()
 
-    @rule(rid=IDS, final=st.sampled_from([None, None, 0, 1, 2, 5]))
-    def add(self, rid: str, final: int | None) -> None:
+    # ---------------------------------------------------------------- rules
+    @rule(rid=IDS, final=st.sampled_from([None, None, 0, 1, 2, 5]), resumable=st.booleans())
+    def add(self, rid: str, final: int | None, resumable: bool) -> None:
         try:
-            actions = self.router.add(rid, f"prompt-{rid}", final)
+            actions = self.router.add(rid, "seg0", final, resumable=resumable)
         except ValueError:
             assert rid in self.live or final == 5
             return
-        self.register(rid)
+        self.register(rid, resumable)
         self.apply(actions)
 
-    @rule(rid=IDS, final=st.sampled_from([None, 0, 2]))
-    def accept(self, rid: str, final: int | None) -> None:
+    @rule(rid=IDS, final=st.sampled_from([None, 0, 2]), resumable=st.booleans())
+    def accept(self, rid: str, final: int | None, resumable: bool) -> None:
         """Accepted but left queued: ends by start, abort, expire or shutdown."""
         try:
-            ticket = self.router.accept(rid, f"prompt-{rid}", final_stage_id=final)
+            ticket = self.router.accept(rid, "seg0", final_stage_id=final, resumable=resumable)
         except ValueError:
             assert rid in self.live
             return
-        self.register(rid)
-        self.tickets.append((ticket, self.live[rid]))
+        self.register(rid, resumable)
+        self.tickets.append((ticket, self.live[rid].incarnation))
 
     @rule(data=st.data())
     def start(self, data: st.DataObject) -> None:
@@ -93,7 +126,8 @@ class RouterMachine(RuleBasedStateMachine):
         if not self.tickets:
             return
         ticket, incarnation = data.draw(st.sampled_from(self.tickets))
-        current = self.live.get(ticket.request_id) == incarnation and self.router.is_queued(ticket.request_id)
+        m = self.live.get(ticket.request_id)
+        current = m is not None and m.incarnation == incarnation and self.router.is_queued(ticket.request_id)
         actions = self.router.start(ticket)
         if not current:
             assert actions == [], "a stale ticket started something"
@@ -106,7 +140,8 @@ class RouterMachine(RuleBasedStateMachine):
             return
         ticket, incarnation = data.draw(st.sampled_from(self.tickets))
         rid = ticket.request_id
-        if self.live.get(rid) == incarnation and self.router.queued.get(rid) is ticket:
+        m = self.live.get(rid)
+        if m is not None and m.incarnation == incarnation and self.router.queued.get(rid) is ticket:
             self.router.withdraw(ticket)
             del self.live[rid]
             del self.terminals[(rid, incarnation)]
@@ -115,18 +150,53 @@ class RouterMachine(RuleBasedStateMachine):
             self.router.withdraw(ticket)
             assert set(self.router.queued) == before
 
+    @rule(rid=IDS, final=st.booleans())
+    def update(self, rid: str, final: bool) -> None:
+        m = self.live.get(rid)
+        segment = f"seg{m.segments}" if m is not None else "seg?"
+        try:
+            actions = self.router.update(rid, segment, final=final)
+        except ValueError:
+            assert m is None or not m.resumable or m.input_closed
+            return
+        assert m is not None and m.resumable and not m.input_closed
+        m.segments += 1
+        m.input_closed = final
+        self.apply(actions)
+
+    @precondition(lambda self: any(m.resumable and not m.input_closed for m in self.live.values()))
+    @rule(data=st.data(), final=st.booleans())
+    def update_live(self, data: st.DataObject, final: bool) -> None:
+        """An update for a live resumable request (random ids mostly test the refusals)."""
+        open_inputs = sorted(rid for rid, m in self.live.items() if m.resumable and not m.input_closed)
+        if open_inputs:
+            self.update(data.draw(st.sampled_from(open_inputs)), final)
+
     @rule(rid=IDS, stage=STAGES, finished=st.booleans())
     def output(self, rid: str, stage: int, finished: bool) -> None:
         was_live = rid in self.router  # started (a queued request holds no stage)
         dropped = self.router.dropped_outputs
-        if finished and rid in self.live and stage in self.submitted[rid]:
-            self.fed_finished[rid].add(stage)
+        m = self.live.get(rid)
+        open_here = m is not None and was_live and m.opened.get(stage, 0) > m.closed.get(stage, 0)
+        if finished and open_here:
+            assert m is not None
+            m.closed[stage] = m.closed.get(stage, 0) + 1
         actions = self.router.route(stage, StageOutput(rid, f"d{stage}", finished))
-        if not was_live:
-            assert self.router.dropped_outputs == dropped + 1
-            assert rid not in self.router, "an output re-created request state"
+        if not open_here:
+            assert self.router.dropped_outputs == dropped + 1, "an output for no open segment was routed"
             assert actions == []
+        assert was_live or rid not in self.router, "an output re-created request state"
         self.apply(actions)
+
+    @precondition(lambda self: any(m.opened for m in self.live.values()))
+    @rule(data=st.data(), finished=st.sampled_from([True, True, False]))
+    def progress(self, data: st.DataObject, finished: bool) -> None:
+        """An output where a segment is open (random outputs mostly miss): drives requests deep."""
+        open_at = sorted((rid, k) for rid, m in self.live.items() if rid in self.router
+                         for k in m.opened if m.opened[k] > m.closed.get(k, 0))
+        if open_at:
+            rid, stage = data.draw(st.sampled_from(open_at))
+            self.output(rid, stage, finished)
 
     @rule(rid=IDS, stage=STAGES, kind=st.sampled_from(["stage_failed", "replica_died"]))
     def stage_error(self, rid: str, stage: int, kind: str) -> None:
@@ -147,8 +217,9 @@ class RouterMachine(RuleBasedStateMachine):
     @rule(stage=STAGES)
     def stage_died(self, stage: int) -> None:
         self.apply(self.router.stage_died(stage, "died"))
-        for rid in self.live:
-            assert stage not in self.submitted[rid] - self.fed_finished[rid] or rid in self.router
+        for rid, m in self.live.items():
+            assert stage not in m.opened or m.done(stage) or not self.router.is_live(rid) or (
+                rid in self.router and stage not in self.router.requests[rid].open_stages)
 
     @rule(stage=STAGES)
     def stage_back(self, stage: int) -> None:
@@ -178,6 +249,8 @@ class AsyncChunkRouterMachine(RouterMachine):
 
 
 TestRouterNormalMode = RouterMachine.TestCase
-TestRouterNormalMode.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestRouterNormalMode.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
 TestRouterAsyncChunk = AsyncChunkRouterMachine.TestCase
-TestRouterAsyncChunk.settings = settings(max_examples=150, stateful_step_count=60, deadline=None)
+TestRouterAsyncChunk.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestRouterNormalMode = pytest.mark.slow(TestRouterNormalMode)
+TestRouterAsyncChunk = pytest.mark.slow(TestRouterAsyncChunk)

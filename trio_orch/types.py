@@ -21,6 +21,7 @@ __all__ = [
     "StageDied",
     "StageOutput",
     "StageUnavailable",
+    "StreamingStageClient",
 ]
 
 #: Every ``OrchError.kind`` the orchestrator produces.
@@ -57,8 +58,11 @@ class OrchOutput:
     """An output delivered to the user; ``finished=True`` is the request's terminal.
 
     ``t_produced`` is copied from the stage output (monotonic clock, where the
-    stage produced it) so a consumer can measure dispatch latency; it takes
-    no part in equality.
+    stage produced it) so a consumer can measure dispatch latency.  For a
+    resumable (streaming-input) request, ``segment`` is the input segment this
+    output answers (0-based) and ``segment_done`` says that it is that
+    segment's last output from this stage; ``finished`` stays the request's
+    terminal.  These three take no part in equality.
     """
 
     request_id: str
@@ -66,6 +70,8 @@ class OrchOutput:
     data: Any
     finished: bool
     t_produced: float = field(default=0.0, compare=False, repr=False)
+    segment: int = field(default=0, compare=False, repr=False)
+    segment_done: bool = field(default=False, compare=False, repr=False)
 
     @property
     def terminal(self) -> bool:
@@ -136,6 +142,22 @@ class StageClient(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class StreamingStageClient(StageClient, Protocol):
+    """A stage client that takes more input for a request it already has (resumable requests).
+
+    The orchestrator calls ``submit(..., resumable=True)`` for the first
+    segment of a resumable request (keep it after the segment finished) and
+    ``update(request_id, payload, final=...)`` for each later segment, in
+    order; ``final=True`` marks the last one.  Each submit or update opens one
+    segment; an output with ``finished=True`` closes the oldest open one.
+    """
+
+    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False) -> None: ...
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False) -> None: ...
 
 
 @runtime_checkable

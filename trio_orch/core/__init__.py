@@ -1,10 +1,10 @@
 """The routing core: every per-request rule, as a state machine with no I/O.
 
-Events come in as method calls on :class:`Router` (accept, start, route,
-abort, expire, submit_failed, submitted, stage_died, shutdown); each returns
-the list of actions the caller must perform, in order: :class:`Emit` a
-message to the user, :class:`Submit` a payload to a stage, :class:`Abort`
-request ids on a stage.  Every decision and every state change happens
+Events come in as method calls on :class:`Router` (accept, start, update,
+route, abort, expire, submit_failed, submitted, stage_died, shutdown); each
+returns the list of actions the caller must perform, in order: :class:`Emit`
+a message to the user, :class:`Submit` or :class:`Update` a payload to a
+stage, :class:`Abort` request ids on a stage.  Every decision and every state change happens
 synchronously inside the call, before any I/O, so any concurrency shell --
 the Trio orchestrator or the asyncio references in ``bench/`` -- drives the
 same semantics and a comparison between shells measures the shell alone.
@@ -12,8 +12,9 @@ same semantics and a comparison between shells measures the shell alone.
 The package must never import trio, asyncio or any other event loop.
 """
 
-from trio_orch.core.actions import Abort, Action, Emit, Submit
+from trio_orch.core.actions import Abort, Action, Emit, Submit, Update
 from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
-__all__ = ["Abort", "Action", "Emit", "RequestState", "Router", "RouterStatistics", "Submit", "Ticket"]
+__all__ = ["Abort", "Action", "Emit", "RequestState", "Router", "RouterStatistics", "Submit", "Ticket",
+           "Update"]

@@ -2,8 +2,9 @@
 
 Actions are plain slotted values compared by content, so tests can state the
 expected result of an event as a list literal.  A shell performs them in
-order: :class:`Emit` at once (delivery to the user), :class:`Submit` in
-decision order (stage I/O), :class:`Abort` as best-effort cleanup.
+order: :class:`Emit` at once (delivery to the user), :class:`Submit` and
+:class:`Update` in decision order (stage I/O), :class:`Abort` as
+best-effort cleanup.
 """
 
 from __future__ import annotations
@@ -12,25 +13,57 @@ from typing import Any
 
 from trio_orch.types import Message
 
-__all__ = ["Abort", "Action", "Emit", "Submit"]
+__all__ = ["Abort", "Action", "Emit", "Submit", "Update"]
 
 
 class Submit:
-    """Send ``payload`` for ``request_id`` to stage ``stage_id``."""
+    """Send ``payload`` for ``request_id`` to stage ``stage_id``.
 
-    __slots__ = ("payload", "request_id", "stage_id")
+    ``resumable``: more input segments will follow (as :class:`Update` actions), so
+    the stage must keep the request after it finishes a segment.
+    """
 
-    def __init__(self, stage_id: int, request_id: str, payload: Any) -> None:
+    __slots__ = ("payload", "request_id", "resumable", "stage_id")
+
+    def __init__(self, stage_id: int, request_id: str, payload: Any, resumable: bool = False) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
         self.payload = payload
+        self.resumable = resumable
 
     def __repr__(self) -> str:
-        return f"Submit({self.stage_id}, {self.request_id!r}, {self.payload!r})"
+        more = ", resumable=True" if self.resumable else ""
+        return f"Submit({self.stage_id}, {self.request_id!r}, {self.payload!r}{more})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Submit and (self.stage_id, self.request_id, self.payload) == (
-            other.stage_id, other.request_id, other.payload)
+        return type(other) is Submit and (self.stage_id, self.request_id, self.payload, self.resumable) == (
+            other.stage_id, other.request_id, other.payload, other.resumable)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class Update:
+    """Send one more input segment of a resumable request to a stage that already has it.
+
+    ``final``: the last segment; the stage may let the request go once it
+    finished this one.
+    """
+
+    __slots__ = ("final", "payload", "request_id", "stage_id")
+
+    def __init__(self, stage_id: int, request_id: str, payload: Any, final: bool = False) -> None:
+        self.stage_id = stage_id
+        self.request_id = request_id
+        self.payload = payload
+        self.final = final
+
+    def __repr__(self) -> str:
+        more = ", final=True" if self.final else ""
+        return f"Update({self.stage_id}, {self.request_id!r}, {self.payload!r}{more})"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is Update and (self.stage_id, self.request_id, self.payload, self.final) == (
+            other.stage_id, other.request_id, other.payload, other.final)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -71,4 +104,4 @@ class Emit:
     __hash__ = None  # type: ignore[assignment]
 
 
-Action = Submit | Abort | Emit
+Action = Submit | Update | Abort | Emit

@@ -14,13 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from trio_orch.core.actions import Action, Emit, Submit
-from trio_orch.core.state import NOTHING, CoreState, RequestState, Ticket
+from trio_orch.core.state import NOTHING, RequestState, Ticket
+from trio_orch.core.streaming import StreamingRules
 from trio_orch.types import OrchError
 
 __all__ = ["AdmissionRules"]
 
 
-class AdmissionRules(CoreState):
+class AdmissionRules(StreamingRules):
     """Acceptance, start, and the terminals of requests that never started."""
 
     # ------------------------------------------------------------------ queries
@@ -72,8 +73,10 @@ class AdmissionRules(CoreState):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
     def accept(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-               timeout: float | None = None) -> Ticket:
+               timeout: float | None = None, resumable: bool = False) -> Ticket:
         """Validate and register a request; the shell queues the returned ticket.
+
+        ``resumable``: more input segments may follow (:meth:`update`).
 
         Raises ``ValueError`` (bad parameters, duplicate live id) or
         ``RuntimeError`` (no longer accepting); nothing is registered then.
@@ -84,7 +87,7 @@ class AdmissionRules(CoreState):
         self.check_timeout(timeout)
         if request_id in self.queued or request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
-        ticket = Ticket(request_id, prompt, final, timeout)
+        ticket = Ticket(request_id, prompt, final, timeout, bool(resumable))
         self.queued[request_id] = ticket
         return ticket
 
@@ -123,12 +126,20 @@ class AdmissionRules(CoreState):
         req = RequestState(ticket, self.finals_for[final])
         req.submitted.update(targets)
         self.requests[rid] = req
-        return [Submit(k, rid, payloads[k]) for k in targets]
+        resumable = ticket.resumable
+        actions: list[Action] = [Submit(k, rid, payloads[k], resumable) for k in targets]
+        if resumable:
+            req.input_closed = False
+            req.opened = dict.fromkeys(targets, 1)
+            for segment, final_segment in ticket.updates:
+                actions.extend(self.open_segment(req, segment, final_segment))
+        return actions
 
     def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None,
-            *, timeout: float | None = None) -> list[Action]:
+            *, timeout: float | None = None, resumable: bool = False) -> list[Action]:
         """:meth:`accept` and :meth:`start` in one step (no queue between them)."""
-        return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout))
+        return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
+                                      resumable=resumable))
 
     def refuse(self, request_id: str, err: OrchError) -> list[Action]:
         """A request that could not start: its terminal, nothing was submitted."""

@@ -23,6 +23,8 @@ class RoutingRules(AdmissionRules):
             # Unknown, cleaned up, never submitted here, or already finished here.
             self.dropped_outputs += 1
             return NOTHING
+        if req.resumable:
+            return self.route_segment(req, stage_id, out)
         if out.error is not None:
             kind = out.error_kind or "stage_failed"
             return self.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)

@@ -35,29 +35,44 @@ class Ticket:
     shell's timer.
     """
 
-    __slots__ = ("final_stage_id", "prompt", "request_id", "timeout")
+    __slots__ = ("final_stage_id", "input_closed", "prompt", "request_id", "resumable", "timeout", "updates")
 
-    def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None) -> None:
+    def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None,
+                 resumable: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
         self.timeout = timeout
+        self.resumable = resumable
+        self.input_closed = not resumable
+        self.updates: list[tuple[Any, bool]] = []  # input segments added while queued
 
     def __repr__(self) -> str:
         return f"<Ticket {self.request_id!r}>"
 
 
 class RequestState:
-    """A started request: S (submitted), D (finished), F (final-output stages), held terminal."""
+    """A started request: S (submitted), D (finished), F (final-output stages), held terminal.
+
+    A resumable request also counts input segments: ``segments`` given so
+    far, and per stage how many were ``opened`` there (a submit or update)
+    and ``closed`` (an output with ``finished=True``).  A stage is *done* --
+    it joins D -- once the input is closed and it closed every segment.
+    """
 
     __slots__ = (
+        "closed",
         "final_stage_id",
         "finals",
         "finished",
+        "input_closed",
+        "opened",
         "outputs",
         "pending_final",
         "prompt",
         "request_id",
+        "resumable",
+        "segments",
         "submitted",
         "ticket",
     )
@@ -74,6 +89,11 @@ class RequestState:
         # stage -> data of every output, kept only for stages that forward.
         self.outputs: dict[int, list[Any]] = {}
         self.pending_final: OrchOutput | None = None
+        self.resumable = ticket.resumable
+        self.input_closed = True
+        self.segments = 1
+        self.opened: dict[int, int] = {}
+        self.closed: dict[int, int] = {}
 
     @property
     def open_stages(self) -> set[int]:
