@@ -56,7 +56,8 @@ class StageModel:
     options of the pipeline config (``[stages.model]``); ``device``, ``seed`` and
     ``slots`` are filled in by the worker when the constructor declares them.
     What a kind means to the orchestrator (output modality, forward function) is
-    declared in :mod:`stages.registry`, not here.
+    a :class:`stages.registry.StageSpec`: a row of the registry for a built-in
+    kind, the ``stage_spec`` class attribute for a plug-in (docs/plugins.md).
     """
 
     kind = "base"

@@ -125,6 +125,9 @@ def check_kind_name(kind: str) -> str:
                         "or a plug-in model as 'package.module:Class')")
     if not _PATH.fullmatch(kind):
         raise KindError(f"malformed plug-in model path {kind!r} (expected 'package.module:Class')")
+    if kind.startswith("__main__:"):
+        raise KindError(f"{kind!r}: a worker process cannot import this process's __main__; "
+                        "move the class to a module")
     return kind
 
 

@@ -155,6 +155,16 @@ def test_a_bad_stage_model_is_a_config_error_naming_the_stage_before_any_worker_
     assert "starting workers" not in captured.err + captured.out  # refused before any worker
 
 
+def test_serve_refuses_a_bad_plug_in_the_same_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    toml = tmp_path / "bad.toml"
+    toml.write_text(f'[[stages]]\nkind = "nosuch_{uuid.uuid4().hex[:10]}:Model"\n')
+    assert cli.main(["serve", "--port", "0", "--config", str(toml)]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and "pipeline config: stage 0: module 'nosuch_" in err[0], err
+    assert "starting" not in captured.out  # no engine, no worker
+
+
 def _leftover_processes(marker: str) -> list[str]:
     """Command lines of live processes that mention ``marker`` (a worker's private ipc directory)."""
     found = []

@@ -54,6 +54,7 @@ def test_a_pipeline_takes_forward_and_prewarm_from_its_kinds() -> None:
     ("my.module:", "malformed plug-in model path"),
     ("a:b:c", "malformed plug-in model path"),
     ("9lives:Cat", "malformed plug-in model path"),
+    ("__main__:Model", "cannot import this process's __main__"),
     (3, "a kind is a string"),
 ])
 def test_bad_kind_names_are_refused_without_importing_anything(kind: Any, message: str) -> None:
