@@ -45,13 +45,22 @@ class StepResult:
 
 
 class StageModel:
-    """Base class: override ``admit`` (optional), ``runnable`` and ``step``."""
+    """Base class of every stage model: override ``step``, and ``admit``/``runnable`` as needed.
+
+    The worker calls these in one thread, never concurrently: ``warmup`` once
+    before it reports ready; then per request ``admit`` (once), ``feed`` (each
+    upstream chunk, async-chunk mode), ``runnable`` (before every step), ``step``
+    (batched, one result per request, in order) and ``release`` (once, when the
+    request leaves: finished, aborted or failed); ``info`` for the ready handshake
+    and the ``stats`` RPC.  The constructor's keyword parameters are the model
+    options of the pipeline config (``[stages.model]``); ``device``, ``seed`` and
+    ``slots`` are filled in by the worker when the constructor declares them.
+    What a kind means to the orchestrator (output modality, forward function) is
+    a :class:`stages.registry.StageSpec`: a row of the registry for a built-in
+    kind, the ``stage_spec`` class attribute for a plug-in (docs/plugins.md).
+    """
 
     kind = "base"
-
-    def __init__(self, **options: Any) -> None:
-        if options:
-            raise ValueError(f"{self.kind}: unknown model options {sorted(options)}")
 
     def admit(self, req: ReqState) -> None:
         """Validate ``req.payload`` and set up ``req.model``; raise ValueError to refuse."""

@@ -13,22 +13,26 @@
 
 Every model batches: one :meth:`step` runs one forward pass over every
 runnable request.  Arrays handed back are numpy (CPU), so the wire never
-sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`.
+sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`;
+what each kind means to the orchestrator (its output modality, how its outputs
+become the next stage's input) is its row in :mod:`stages.registry`, which also
+builds these classes (``build_model``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from stages.base import ReqState, StageModel, StepResult
+from stages.base import ReqState, StepResult
 from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
-__all__ = ["Code2Wav", "Talker", "Thinker", "build"]
+__all__ = ["Code2Wav", "Talker", "Thinker"]
 
 SAMPLE_RATE = 24000
 EOS = 256  # thinker vocabulary: 256 bytes + EOS
@@ -213,7 +217,7 @@ class Code2Wav(SlotModel):
     kind = "code2wav"
 
     def __init__(self, codebooks: int = 4, codebook_size: int = 256, dim: int = 64,
-                 upsample: tuple[int, ...] = (8, 6, 5, 2), chunk_frames: int = 8, gain: float = 0.5,
+                 upsample: Sequence[int] = (8, 6, 5, 2), chunk_frames: int = 8, gain: float = 0.5,
                  slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed + 2)
@@ -284,20 +288,3 @@ class Code2Wav(SlotModel):
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "sample_rate": SAMPLE_RATE, "hop": self.hop, "device": str(self.device)}
-
-
-_KINDS: dict[str, type[SlotModel]] = {"thinker": Thinker, "talker": Talker, "code2wav": Code2Wav}
-
-
-def build(kind: str, options: dict[str, Any], *, device: str = "cpu", seed: int = 0,
-          slots: int = 32) -> StageModel:
-    """Instantiate a model kind; unknown options raise ValueError naming them."""
-    cls = _KINDS[kind]
-    opts = dict(options)
-    if "upsample" in opts:
-        opts["upsample"] = tuple(opts["upsample"])
-    opts.setdefault("slots", slots)
-    try:
-        return cls(device=device, seed=seed, **opts)
-    except TypeError as exc:
-        raise ValueError(f"{kind}: bad model options {sorted(options)}: {exc}") from None

@@ -29,8 +29,9 @@ from typing import Any
 
 import zmq
 
-from stages.base import EchoModel, ReqState, StageModel, StepResult
+from stages.base import ReqState, StageModel, StepResult
 from stages.connector import ChunkInbox, ChunkOutbox
+from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class
 from trio_orch.wire import (
     Abort,
     Dying,
@@ -50,20 +51,6 @@ from trio_orch.wire import (
 )
 
 log = logging.getLogger("stages.worker")
-
-MODEL_KINDS = ("echo", "thinker", "talker", "code2wav")
-
-
-def make_model(kind: str, options: dict[str, Any], device: str, seed: int, slots: int = 32) -> StageModel:
-    """Build the model of a stage kind (torch is imported only for torch kinds)."""
-    if kind == "echo":
-        return EchoModel(**options)
-    if kind in ("thinker", "talker", "code2wav"):
-        from stages import models  # torch
-
-        return models.build(kind, options, device=device, seed=seed, slots=slots)
-    raise ValueError(f"unknown model kind {kind!r} (expected one of {', '.join(MODEL_KINDS)})")
-
 
 class _Stop(Exception):
     def __init__(self, reason: str) -> None:
@@ -295,6 +282,13 @@ class Worker:
         self.sock.close(linger=200)
 
 
+def _kind_arg(value: str) -> str:
+    try:
+        return check_kind_name(value)
+    except KindError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m stages.worker",
@@ -304,9 +298,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--connect", required=True, help="ZMQ address of the orchestrator's socket (DEALER)")
     p.add_argument("--stage-id", type=int, default=0, help="stage index in the pipeline")
     p.add_argument("--replica", type=int, default=0, help="replica index within the stage")
-    p.add_argument("--kind", default="echo", choices=MODEL_KINDS, help="model kind (default echo)")
+    p.add_argument("--kind", default="echo", type=_kind_arg, metavar="KIND",
+                   help=f"model kind: {', '.join(KINDS)} (default echo), or a plug-in model "
+                        "class as 'package.module:Class' (see stages/registry.py)")
     p.add_argument("--model-json", default="{}",
-                   help="model options as a JSON object (sizes etc.; see stages/models.py)")
+                   help="model options as a JSON object: the model constructor's keyword arguments")
+    p.add_argument("--python-path", action="append", default=[], metavar="DIR",
+                   help="put DIR first on sys.path before the model is imported (repeatable; the "
+                        "launcher passes the directory a plug-in model was found in)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and sampling")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
@@ -372,7 +371,11 @@ def main(argv: list[str] | None = None) -> int:
         while time.monotonic() < deadline and os.getppid() == parent:
             time.sleep(min(0.1, deadline - time.monotonic()))
         options = json.loads(args.model_json)
-        if args.kind != "echo":
+        for d in reversed(args.python_path):
+            if d not in sys.path:
+                sys.path.insert(0, d)
+        model_class(args.kind)  # imported first: torch is set up below if the model needs it
+        if "torch" in sys.modules:
             import torch
 
             torch.set_num_threads(max(1, args.threads))
@@ -381,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"available to torch {torch.__version__} on this machine; use --device cpu",
                       file=sys.stderr, flush=True)
                 return 3
-        model = make_model(args.kind, options, args.device, args.seed, args.max_batch)
+        model = build_model(args.kind, options, device=args.device, seed=args.seed, slots=args.max_batch)
         model.warmup()
         worker = Worker(args, model, ctx)
         worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, model.info()))

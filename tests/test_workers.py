@@ -356,10 +356,14 @@ async def test_async_chunk_routes_each_request_to_its_reserved_downstream_replic
     assert all(s["inbox_pending"] == 0 for st in stats[1:] for s in st)
 
 
-async def test_bad_model_options_fail_startup_with_the_reason() -> None:
+async def test_bad_model_options_are_refused_before_any_worker_and_bad_values_fail_startup() -> None:
     cfg = echo_config(1)
-    cfg.stages[0].model = {"bogus_size": 3}
-    with pytest.raises(WorkerStartupError, match="bogus_size"):
+    cfg.stages[0].model = {"bogus_size": 3}  # a name the constructor does not take: checked here
+    with pytest.raises(ValueError, match="stage 0: unknown model option 'bogus_size' for echo"):
+        async with open_pipeline(cfg):
+            pass
+    cfg.stages[0].model = {"outputs": 0}  # a value only the model can judge: its worker fails
+    with pytest.raises(WorkerStartupError, match="outputs must be >= 1"):
         async with open_pipeline(cfg):
             pass
 

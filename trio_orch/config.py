@@ -4,14 +4,14 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
 
     [pipeline]
     final_stages = [0, 2]     # stages whose outputs reach the user
-    async_chunk = false       # stream chunks worker-to-worker (DESIGN §3)
+    async_chunk = false       # stream chunks worker-to-worker
     device = "cpu"            # or "cuda"
     seed = 0
 
     [[stages]]
-    kind = "thinker"          # echo | thinker | talker | code2wav
+    kind = "thinker"          # echo | thinker | talker | code2wav, or "package.module:Class"
     replicas = 1
-    [stages.model]            # model options (sizes), see stages/models.py
+    [stages.model]            # model options: the model constructor's keyword arguments
     max_new_tokens = 48
 
     [[stages]]
@@ -20,7 +20,10 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
 
 :func:`default_config` is the thinker -> talker -> code2wav pipeline;
 :func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
-No torch import here: the orchestrator side stays light.
+Kinds are the rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate`
+checks each stage's kind and model options there, so a typo is a ``ValueError``
+before any worker starts.  A plug-in kind (an import path) is imported to be
+checked; built-in kinds are checked without importing torch.
 """
 
 from __future__ import annotations
@@ -30,11 +33,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGE_KINDS", "PipelineConfig", "StageConfig", "default_config", "echo_config",
+from stages.registry import KindError, check_stage
+
+__all__ = ["PipelineConfig", "StageConfig", "default_config", "echo_config",
            "from_dict", "load_config"]
-
-STAGE_KINDS = ("echo", "thinker", "talker", "code2wav")
-
 
 @dataclass
 class StageConfig:
@@ -76,14 +78,18 @@ class PipelineConfig:
     stop_grace: float = 3.0
 
     def validate(self) -> PipelineConfig:
-        """Raise ValueError naming the problem; return self."""
+        """Raise ValueError naming the stage and the problem; return self.
+
+        Imports plug-in models (to check their class); never starts a worker.
+        """
         if not self.stages:
             raise ValueError("pipeline config: at least one stage is needed")
         n = len(self.stages)
         for k, st in enumerate(self.stages):
-            if st.kind not in STAGE_KINDS:
-                raise ValueError(f"pipeline config: stage {k} has unknown kind {st.kind!r} "
-                                 f"(expected one of {', '.join(STAGE_KINDS)})")
+            try:
+                check_stage(st.kind, st.model)
+            except KindError as exc:
+                raise ValueError(f"pipeline config: stage {k}: {exc}") from None
             if st.replicas < 1:
                 raise ValueError(f"pipeline config: stage {k} needs replicas >= 1, got {st.replicas}")
             if st.max_batch < 1:

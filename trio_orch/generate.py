@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from stages.registry import as_audio, as_text, outputs_of
 from trio_orch.config import PipelineConfig, default_config, load_config
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.orchestrator import open_orchestrator
@@ -71,9 +72,10 @@ def _ms(t: float | None, t0: float) -> str:
 async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                     pipe: Pipeline) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
-    payload: Any = args.text
-    if args.max_tokens is not None and cfg.stages[0].kind == "thinker":
+    payload: Any = args.text  # what stage 0 takes: the prompt, with a token limit if asked
+    if args.max_tokens is not None:
         payload = {"text": args.text, "max_new_tokens": args.max_tokens}
+    outputs = outputs_of(s.kind for s in cfg.stages)  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
     rate = 24000
@@ -90,14 +92,16 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                       file=sys.stderr)
                 return 1, None
             data = msg.data
-            if isinstance(data, dict) and "text" in data:
+            text = as_text(outputs[msg.stage_id], data)
+            audio = as_audio(outputs[msg.stage_id], data) if text is None else None
+            if text is not None:
                 t_text = t_text or now
-                print(data["text"], end="", flush=True)
-            elif isinstance(data, dict) and "pcm" in data:
-                if len(data["pcm"]):
+                print(text, end="", flush=True)
+            elif audio is not None:
+                samples, rate = audio
+                if len(samples):
                     t_audio = t_audio or now
-                    pcm.append(np.asarray(data["pcm"], dtype=np.float32))
-                rate = int(data.get("sample_rate", rate))
+                    pcm.append(samples)
             elif data is not None:
                 t_text = t_text or now
                 print(f"[stage {msg.stage_id}] {data!r}", flush=True)
@@ -116,7 +120,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
             continue
         print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)}")
     print(f"  time to first token: {_ms(t_text, t0).strip()} ms")
-    if any(cfg.stages[k].kind == "code2wav" for k in cfg.final_stage_ids):
+    if any(outputs[k] == "audio" for k in cfg.final_stage_ids):
         print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
     print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
     if not cfg.async_chunk and len(cfg.stages) > 1:

@@ -39,10 +39,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import trio
 import zmq
 
+from stages import registry
 from trio_orch.config import PipelineConfig, StageConfig
 from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied, ZmqStageClient
@@ -87,27 +87,21 @@ class WorkerHandle:
 
 
 def forward_fn_for(kinds: list[str]) -> Callable[[int, Any, list[Any]], Any]:
-    """The normal-mode ``forward_fn``: stage k's outputs -> stage k+1's input, by kind."""
-
-    def forward(k: int, prompt: Any, outputs: list[Any]) -> Any:
-        kind = kinds[k]
-        if kind == "thinker":
-            return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
-        if kind == "talker":
-            return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
-        return outputs[-1] if outputs else None
-
-    return forward
+    """The normal-mode ``forward_fn`` of a pipeline of these kinds (see :mod:`stages.registry`)."""
+    return registry.forward_fn(kinds)
 
 
 def forward_fn(k: int, prompt: Any, outputs: list[Any]) -> Any:
     """``forward_fn`` of the default thinker -> talker -> code2wav pipeline."""
-    return forward_fn_for(["thinker", "talker", "code2wav"])(k, prompt, outputs)
+    return _DEFAULT_FORWARD(k, prompt, outputs)
 
 
 def prewarm_fn(k: int, prompt: Any) -> Any:
-    """Async-chunk placeholder input for stage k >= 1: real input streams from stage k-1."""
-    return {"prewarm": k, "prompt_chars": len(str(prompt))}
+    """Async-chunk placeholder input for stage k >= 1 of a pipeline whose kinds keep the default."""
+    return registry.placeholder_input(k, prompt)
+
+
+_DEFAULT_FORWARD = registry.forward_fn(["thinker", "talker", "code2wav"])
 
 
 class Pipeline:
@@ -126,8 +120,9 @@ class Pipeline:
         self.stages = stages
         self.workers = workers
         self.tmpdir = tmpdir
-        self.forward_fn = forward_fn_for([s.kind for s in config.stages])
-        self.prewarm_fn = prewarm_fn
+        kinds = [s.kind for s in config.stages]
+        self.forward_fn = registry.forward_fn(kinds)
+        self.prewarm_fn = registry.prewarm_fn(kinds)
 
     @property
     def final_stage_ids(self) -> list[int]:
@@ -171,6 +166,9 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
             "--device", cfg.device, "--seed", str(cfg.seed + 1000 * k + r), "--threads", str(st.threads),
             "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval),
             "--cleanup-dir", tmpdir]
+    root = registry.source_root(st.kind)  # a plug-in: import it from where this process found it
+    if root is not None:
+        argv += ["--python-path", root]
     if cfg.async_chunk:
         if k > 0:
             argv += ["--inbox", _inbox(tmpdir, k, r)]

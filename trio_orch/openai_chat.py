@@ -6,7 +6,8 @@ OpenAI's error body); :class:`ChatStream` turns orchestrator messages into
 ``chat.completion.chunk`` objects and accumulates the non-streaming answer.
 
 Text comes from stage outputs ``{"text": str}`` (or a plain str), audio from
-``{"pcm": float32 array, "sample_rate": int}``.  Audio goes out as OpenAI's
+``{"pcm": float32 array, "sample_rate": int}``: from stages whose kind declares
+that output modality (:mod:`stages.registry`), or by shape when undeclared.  Audio goes out as OpenAI's
 audio output does: streaming ``delta.audio = {id, data}`` with base64 16-bit
 little-endian PCM; non-streaming ``message.audio = {id, data, expires_at,
 transcript}`` with a base64 WAV (or raw pcm16 if asked).
@@ -19,11 +20,13 @@ import io
 import secrets
 import time
 import wave
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from stages.registry import as_audio, as_text
 from trio_orch.types import OrchError, OrchOutput
 
 __all__ = ["BadRequest", "ChatRequest", "ChatStream", "error_body", "parse_chat_request"]
@@ -61,7 +64,7 @@ class ChatRequest:
     include_usage: bool = False
 
     def payload(self) -> Any:
-        """What stage 0 (the thinker) takes: a string, or ``{text, max_new_tokens}``."""
+        """What stage 0 takes: the prompt string, or ``{text, max_new_tokens}`` with a token limit."""
         if self.max_tokens is None:
             return self.prompt
         return {"text": self.prompt, "max_new_tokens": self.max_tokens}
@@ -174,22 +177,6 @@ def parse_chat_request(body: Any, default_model: str) -> ChatRequest:
     return ChatRequest(model, prompt, stream, want_audio, fmt, voice, max_tokens, include_usage)
 
 
-def text_of(data: Any) -> str | None:
-    if isinstance(data, str):
-        return data
-    if isinstance(data, dict) and isinstance(data.get("text"), str):
-        return data["text"]
-    return None
-
-
-def pcm_of(data: Any) -> tuple[np.ndarray, int] | None:
-    if isinstance(data, dict) and data.get("pcm") is not None:
-        return np.asarray(data["pcm"], dtype=np.float32).reshape(-1), int(data.get("sample_rate", 24000))
-    if isinstance(data, np.ndarray):
-        return data.astype(np.float32).reshape(-1), 24000
-    return None
-
-
 def pcm16(pcm: np.ndarray) -> bytes:
     return (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
@@ -206,9 +193,13 @@ def wav_bytes(pcm16_data: bytes, sample_rate: int) -> bytes:
 
 @dataclass
 class ChatStream:
-    """Turns one request's messages into chunks (streaming) or one completion (non-streaming)."""
+    """Turns one request's messages into chunks (streaming) or one completion (non-streaming).
+
+    ``outputs``: each stage's output modality (None: every stage's outputs are judged by shape).
+    """
 
     req: ChatRequest
+    outputs: Sequence[str] | None = None
     id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     audio_id: str = field(default_factory=lambda: "audio_" + secrets.token_hex(12))
@@ -227,14 +218,15 @@ class ChatStream:
 
     def add(self, m: OrchOutput) -> dict[str, Any] | None:
         """Absorb one output; return its streaming chunk (None if it carries nothing)."""
-        text = text_of(m.data)
+        modality = self.outputs[m.stage_id] if self.outputs is not None else "data"
+        text = as_text(modality, m.data)
         if text is not None:
             self.text_outputs += 1
             if text:
                 self.text.append(text)
                 return self._chunk({"content": text})
             return None
-        audio = pcm_of(m.data)
+        audio = as_audio(modality, m.data)
         if audio is not None and self.req.audio:
             pcm, self.sample_rate = audio
             if not len(pcm):

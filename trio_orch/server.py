@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,6 +30,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from stages.registry import outputs_of, text_stage
 from trio_orch.bridge import Engine, EngineClosed, EngineStartupError
 from trio_orch.metrics import render_prometheus
 from trio_orch.openai_chat import (
@@ -116,11 +117,14 @@ class _Counters:
 
 
 def create_app(engine: Engine, *, model_name: str = "trio-orch",
-               extra_metrics: Callable[[], dict[str, Any]] | None = None) -> Starlette:
+               extra_metrics: Callable[[], dict[str, Any]] | None = None,
+               outputs: Sequence[str] | None = None) -> Starlette:
     """The ASGI app over a started :class:`Engine`.
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's restarts),
-    in ``render_prometheus``'s ``extra_counters`` shape.
+    in ``render_prometheus``'s ``extra_counters`` shape.  ``outputs``: each stage's output
+    modality (``stages.registry.outputs_of``); None judges outputs by their shape and
+    takes stage 0 for text.
     """
     counters = _Counters()
 
@@ -132,12 +136,17 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         return JSONResponse(error_body(message, kind, param, code), status_code=status)
 
     def final_stage_for(req: ChatRequest) -> int | None:
+        finals = engine.final_stage_ids
         if req.audio:
+            if outputs is not None and not any(outputs[k] in ("audio", "data") for k in finals):
+                raise BadRequest("this pipeline has no audio output: ask for modalities [\"text\"]",
+                                 "modalities")
             return None
-        if 0 not in engine.final_stage_ids:
+        text = text_stage(finals, outputs)
+        if text is None:
             raise BadRequest("this pipeline has no text-only output: "
                              "ask for modalities [\"text\", \"audio\"]", "modalities")
-        return 0  # text only: the request stops after the thinker
+        return text  # text only: the request stops after the stage that gives text
 
     def disconnected() -> None:
         counters.disconnects += 1
@@ -187,7 +196,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         return JSONResponse(result)
 
     async def _collect(req: ChatRequest, final: int | None) -> dict[str, Any] | OrchError:
-        cs = ChatStream(req)
+        cs = ChatStream(req, outputs)
         async for m in engine.generate(req.payload(), final_stage_id=final):
             if isinstance(m, OrchError):
                 return m
@@ -195,7 +204,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         return cs.completion()
 
     async def _stream(req: ChatRequest, final: int | None) -> AsyncIterator[bytes]:
-        cs = ChatStream(req)
+        cs = ChatStream(req, outputs)
         yield _sse(cs.first_chunk())
         try:
             gen = engine.generate_batches(req.payload(), final_stage_id=final)
@@ -293,11 +302,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds of the restart-intensity window (default 60)")
 
 
-def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str]:
+def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str, list[str] | None]:
+    """(factory, description, each stage's output modality or None when judged by shape)."""
     if args.in_process:
         from trio_orch.toy_pipeline import toy_pipeline
 
-        return toy_pipeline(), "in-process toy pipeline (thinker -> talker -> vocoder, no workers)"
+        return toy_pipeline(), "in-process toy pipeline (thinker -> talker -> vocoder, no workers)", None
     from trio_orch.config import default_config, load_config
     from trio_orch.supervisor import RestartPolicy, supervised_pipeline
 
@@ -312,7 +322,8 @@ def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str]:
             _supervisors[:] = [pipe.supervisor]
             yield pipe
 
-    return factory, f"worker pipeline {kinds} on {cfg.device} (supervised)"
+    return (factory, f"worker pipeline {kinds} on {cfg.device} (supervised)",
+            outputs_of(s.kind for s in cfg.stages))
 
 
 _supervisors: list[Any] = []  # the running pipeline's supervisor, for /metrics
@@ -326,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     try:
-        factory, what = _pipeline_factory(args)
+        factory, what, outputs = _pipeline_factory(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -350,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
           "Ctrl-C stops)", flush=True)
-    app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics)
+    app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics, outputs=outputs)
     level = logging.getLogger().getEffectiveLevel()
     config = uvicorn.Config(app, log_level="info" if level <= logging.INFO else "warning",
                             lifespan="off", timeout_graceful_shutdown=5)

@@ -1,0 +1,378 @@
+"""Stage kinds: one table from a kind name to everything that is kind-specific.
+
+A *kind* names a stage model.  The built-in kinds are the rows of :data:`KINDS`;
+any other kind is a plug-in named by import path, ``"package.module:Class"``,
+whose class declares its own row (a ``stage_spec`` class attribute).  Whatever
+differs between kinds is read from here, and nowhere else:
+
+- config validation: is the kind known, do its ``[stages.model]`` options fit
+  the model's constructor (:func:`check_stage`, before any worker starts);
+- the worker: ``--kind`` and building the model (:func:`build_model`);
+- the orchestrator: ``forward_fn`` and ``prewarm_fn`` (:func:`forward_fn`,
+  :func:`prewarm_fn`), from each row's ``next_input`` and ``prewarm_input``;
+- ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
+  :func:`as_text`, :func:`as_audio`, :func:`text_stage`).
+
+This module imports neither torch nor trio: a model class is imported when it
+is built (in the worker) or, for a plug-in, when it is checked.  A built-in
+kind's options are checked against its constructor by reading the model's
+source (``ast``), so checking a config never imports torch.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from stages.base import StageModel
+
+__all__ = ["KINDS", "MODALITIES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
+           "check_kind_name", "check_stage", "forward_fn", "last_output", "model_class", "outputs_of",
+           "pcm_of", "placeholder_input", "prewarm_fn", "source_root", "spec_for", "text_of", "text_stage"]
+
+#: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
+MODALITIES: dict[str, str] = {
+    "text": "{'text': str, ...} or a str: streamed to the user as text",
+    "audio": "{'pcm': float32[samples], 'sample_rate': int}: written to the WAV, sent as audio",
+    "codes": "intermediate codes or tokens for the next stage: never shown to the user",
+    "data": "not declared: shown by its shape (text if it looks like text, audio if like audio)",
+}
+
+ForwardInput = Callable[[Any, list[Any]], Any]
+PrewarmInput = Callable[[int, Any], Any]
+
+_FILLED = ("device", "seed", "slots")  # passed by the worker when the constructor declares them
+_RESERVED = ("device", "seed")  # [pipeline] settings, never [stages.model] options
+_INTERFACE = ("admit", "feed", "runnable", "step", "warmup", "release", "info")
+_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+class KindError(ValueError):
+    """A stage kind that cannot be used: unknown, a bad import path, or options that do not fit."""
+
+
+def last_output(prompt: Any, outputs: list[Any]) -> Any:
+    """Default ``next_input``: the next stage gets this stage's last output."""
+    return outputs[-1] if outputs else None
+
+
+def placeholder_input(stage_id: int, prompt: Any) -> Any:
+    """Default ``prewarm_input``: a placeholder, as the real input streams from the previous stage."""
+    return {"prewarm": stage_id, "prompt_chars": len(str(prompt))}
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One row: what a stage kind means outside its worker.
+
+    ``output``: a key of :data:`MODALITIES`.  ``next_input(prompt, outputs)``:
+    normal mode, this stage's outputs for a request (every ``data``, in order)
+    -> the next stage's input.  ``prewarm_input(stage_id, prompt)``: async-chunk
+    mode, what this stage is submitted when it is stage >= 1 (its real input
+    streams in as chunks).  Both run in the orchestrator process, never in a
+    worker, and must not raise for well-formed outputs.  ``model`` is the
+    ``"module:Class"`` path, imported only when needed; ``kind`` the name.
+    """
+
+    output: str = "data"
+    next_input: ForwardInput = last_output
+    prewarm_input: PrewarmInput = placeholder_input
+    model: str = ""
+    kind: str = ""
+
+
+def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
+    """thinker -> next stage: every generated token, in order."""
+    return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
+
+
+def codes_input(prompt: Any, outputs: list[Any]) -> Any:
+    """talker -> next stage: every code frame, in order."""
+    return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
+
+
+#: The built-in kinds.  Adding one: a row here, the model class, a test.
+KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
+    "echo": StageSpec("data", model="stages.base:EchoModel"),
+    "thinker": StageSpec("text", tokens_input, model="stages.models:Thinker"),
+    "talker": StageSpec("codes", codes_input, model="stages.models:Talker"),
+    "code2wav": StageSpec("audio", model="stages.models:Code2Wav"),
+}.items()}
+
+
+# ---------------------------------------------------------------------------- kinds and plug-ins
+def check_kind_name(kind: str) -> str:
+    """Return ``kind`` if it is a built-in kind or a well-formed import path (nothing is imported)."""
+    if not isinstance(kind, str):
+        raise KindError(f"a kind is a string, got {type(kind).__name__}")
+    if kind in KINDS:
+        return kind
+    if ":" not in kind:
+        raise KindError(f"unknown kind {kind!r} (expected one of {', '.join(KINDS)}, "
+                        "or a plug-in model as 'package.module:Class')")
+    if not _PATH.fullmatch(kind):
+        raise KindError(f"malformed plug-in model path {kind!r} (expected 'package.module:Class')")
+    if kind.startswith("__main__:"):
+        raise KindError(f"{kind!r}: a worker process cannot import this process's __main__; "
+                        "move the class to a module")
+    return kind
+
+
+def spec_for(kind: str) -> StageSpec:
+    """The row of ``kind``; a plug-in's module is imported and its class checked (KindError)."""
+    check_kind_name(kind)
+    return KINDS[kind] if kind in KINDS else _plugin_spec(kind)
+
+
+@cache
+def _plugin_spec(path: str) -> StageSpec:
+    cls = model_class(path)
+    if not issubclass(cls, StageModel):
+        raise KindError(f"{path!r} is not a stage model: it must subclass stages.base.StageModel")
+    missing = [m for m in _INTERFACE if not callable(getattr(cls, m, None))]
+    if cls.step is StageModel.step:
+        missing.append("step")
+    if missing:
+        raise KindError(f"{path!r} does not implement the stage model interface: "
+                        f"{', '.join(dict.fromkeys(missing))} missing")
+    declared = getattr(cls, "stage_spec", None) or StageSpec()
+    if not isinstance(declared, StageSpec):
+        raise KindError(f"{path}.stage_spec must be a stages.registry.StageSpec, "
+                        f"got {type(declared).__name__}")
+    if declared.output not in MODALITIES:
+        raise KindError(f"{path}.stage_spec: output {declared.output!r} is not one of "
+                        f"{', '.join(MODALITIES)}")
+    for name in ("next_input", "prewarm_input"):
+        if not callable(getattr(declared, name)):
+            raise KindError(f"{path}.stage_spec: {name} must be a function")
+    return replace(declared, model=path, kind=path)
+
+
+def model_class(path_or_kind: str) -> type:
+    """Import a model class (``"module:Class"`` or a kind's); a clean KindError if that fails."""
+    path = KINDS[path_or_kind].model if path_or_kind in KINDS else path_or_kind
+    modname, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(modname)
+    except ModuleNotFoundError as exc:
+        if exc.name and (modname == exc.name or modname.startswith(exc.name + ".")):
+            raise KindError(f"module {modname!r} not found (install it, or put its directory on "
+                            "PYTHONPATH)") from None
+        raise KindError(f"importing module {modname!r} failed: {_one_line(exc)}") from None
+    except Exception as exc:  # a syntax error or a failing import inside the user's module
+        raise KindError(f"importing module {modname!r} failed: "
+                        f"{type(exc).__name__}: {_one_line(exc)}") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise KindError(f"module {modname!r} has no attribute {attr!r}")
+    if not isinstance(obj, type):
+        raise KindError(f"{path!r} is a {type(obj).__name__}, not a class")
+    return obj
+
+
+def source_root(kind: str) -> str | None:
+    """The ``sys.path`` directory a plug-in's top-level package was imported from (None: built-in).
+
+    The launcher hands it to the worker (``--python-path``), so a worker imports the
+    plug-in from where this process found it, whatever its own ``sys.path``.
+    """
+    if kind in KINDS:
+        return None
+    spec_for(kind)
+    top = sys.modules[kind.partition(":")[0].split(".")[0]]
+    file = getattr(top, "__file__", None)
+    if file:
+        here = os.path.dirname(os.path.abspath(file))
+        return os.path.dirname(here) if hasattr(top, "__path__") else here
+    paths = list(getattr(top, "__path__", []))  # a namespace package
+    return os.path.dirname(os.path.abspath(paths[0])) if paths else None
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# ---------------------------------------------------------------------------- model options
+@dataclass(frozen=True)
+class _Params:
+    names: frozenset[str]  # passable by keyword
+    required: frozenset[str]  # of those, without a default
+    var_kw: bool  # **kwargs: any name is taken
+
+
+def _signature_params(cls: type) -> _Params:
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        return _Params(frozenset(), frozenset(), True)  # not inspectable: let the worker judge
+    ps = sig.parameters.values()
+    kw = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return _Params(frozenset(p.name for p in ps if p.kind in kw),
+                   frozenset(p.name for p in ps if p.kind in kw and p.default is inspect.Parameter.empty),
+                   any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps))
+
+
+def _static_params(modname: str, attr: str) -> _Params | None:
+    """The constructor's parameters read from source, without importing it (None: cannot tell)."""
+    try:
+        found = importlib.util.find_spec(modname)
+        if found is None or not (found.origin or "").endswith(".py"):
+            return None
+        with open(found.origin) as f:  # type: ignore[arg-type]
+            tree = ast.parse(f.read())
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return None
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == attr), None)
+    if cls is None or cls.decorator_list:
+        return None
+    init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+    if init is None:
+        return None  # inherited: only an import can tell
+    a = init.args
+    positional = [*a.posonlyargs, *a.args][1:]  # without self
+    defaulted = {p.arg for p in positional[len(positional) - len(a.defaults):]} if a.defaults else set()
+    keyword = [p.arg for p in a.args if p in positional] + [p.arg for p in a.kwonlyargs]
+    required = {p.arg for p in a.args if p in positional and p.arg not in defaulted}
+    required |= {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None}
+    return _Params(frozenset(keyword), frozenset(required), a.kwarg is not None)
+
+
+@cache
+def _params(path: str) -> _Params:
+    modname, _, attr = path.partition(":")
+    if modname not in sys.modules:
+        static = _static_params(modname, attr)
+        if static is not None:
+            return static
+    return _signature_params(model_class(path))
+
+
+def check_options(spec: StageSpec, options: Any) -> None:
+    """Do ``options`` fit the model's constructor?  KindError naming the problem otherwise."""
+    if not isinstance(options, dict):
+        raise KindError(f"model options must be a table, got {type(options).__name__}")
+    reserved = [o for o in _RESERVED if o in options]
+    if reserved:
+        raise KindError(f"model option {reserved[0]!r} is set for the whole pipeline "
+                        f"([pipeline] {reserved[0]}), not in [stages.model]")
+    params = _params(spec.model)
+    accepted = sorted(params.names - set(_RESERVED))
+    unknown = [] if params.var_kw else sorted(set(options) - params.names)
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], accepted, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise KindError(f"unknown model option{'s' if len(unknown) > 1 else ''} "
+                        f"{', '.join(map(repr, unknown))} for {spec.kind} "
+                        f"(accepted: {', '.join(accepted) or 'none'}){hint}")
+    missing = sorted(params.required - set(options) - set(_FILLED))
+    if missing:
+        raise KindError(f"{spec.kind} needs model option{'s' if len(missing) > 1 else ''} "
+                        f"{', '.join(map(repr, missing))} in [stages.model]")
+    try:
+        json.dumps(options)
+    except (TypeError, ValueError) as exc:
+        raise KindError(f"model options must be numbers, strings, booleans, lists or tables: {exc}") from None
+
+
+def check_stage(kind: str, options: Any) -> StageSpec:
+    """Everything that can be checked before a worker starts: the kind, then its options."""
+    spec = spec_for(kind)
+    check_options(spec, options)
+    return spec
+
+
+def build_model(kind: str, options: dict[str, Any], *, device: str = "cpu", seed: int = 0,
+                slots: int = 32) -> StageModel:
+    """Build the model of ``kind`` (imports it: torch for the torch kinds).
+
+    ``device``, ``seed`` and ``slots`` are passed when the constructor declares them
+    (``slots`` may also come from the options).  Raises KindError for a bad kind or
+    options, and whatever the constructor raises for bad values.
+    """
+    spec = check_stage(kind, options)
+    cls = model_class(spec.model)
+    params = _signature_params(cls)
+    kwargs = dict(options)
+    for name, value in zip(_FILLED, (device, seed, slots), strict=True):
+        if name in params.names:
+            kwargs.setdefault(name, value)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------- the orchestrator's view
+def forward_fn(kinds: Sequence[str]) -> Callable[[int, Any, list[Any]], Any]:
+    """The pipeline's ``forward_fn``: stage k's outputs -> stage k+1's input, by stage k's kind."""
+    specs = [spec_for(k) for k in kinds]
+
+    def forward(k: int, prompt: Any, outputs: list[Any]) -> Any:
+        return specs[k].next_input(prompt, outputs)
+
+    return forward
+
+
+def prewarm_fn(kinds: Sequence[str]) -> Callable[[int, Any], Any]:
+    """The pipeline's ``prewarm_fn``: the async-chunk placeholder input of stage k, by its kind."""
+    specs = [spec_for(k) for k in kinds]
+
+    def prewarm(k: int, prompt: Any) -> Any:
+        return specs[k].prewarm_input(k, prompt)
+
+    return prewarm
+
+
+def outputs_of(kinds: Iterable[str]) -> list[str]:
+    """The output modality of each stage."""
+    return [spec_for(k).output for k in kinds]
+
+
+def text_stage(final_stage_ids: Iterable[int], outputs: Sequence[str] | None) -> int | None:
+    """The first final stage that gives text (or undeclared data): where a text-only request stops.
+
+    Without declared ``outputs`` (an in-process pipeline) stage 0 is assumed to give text.
+    """
+    finals = sorted(final_stage_ids)
+    if outputs is None:
+        return 0 if 0 in finals else None
+    return next((k for k in finals if outputs[k] in ("text", "data")), None)
+
+
+def text_of(data: Any) -> str | None:
+    """The text of an output shaped like text: a str, or ``{"text": str}``."""
+    if isinstance(data, str):
+        return data
+    if isinstance(data, dict) and isinstance(data.get("text"), str):
+        return data["text"]
+    return None
+
+
+def pcm_of(data: Any) -> tuple[np.ndarray, int] | None:
+    """(float32 samples, sample rate) of an output shaped like audio."""
+    if isinstance(data, dict) and data.get("pcm") is not None:
+        return np.asarray(data["pcm"], dtype=np.float32).reshape(-1), int(data.get("sample_rate", 24000))
+    if isinstance(data, np.ndarray):
+        return data.astype(np.float32).reshape(-1), 24000
+    return None
+
+
+def as_text(output: str, data: Any) -> str | None:
+    """The text to show for ``data`` from a stage whose modality is ``output`` (None: not text)."""
+    return text_of(data) if output in ("text", "data") else None
+
+
+def as_audio(output: str, data: Any) -> tuple[np.ndarray, int] | None:
+    """The audio to play for ``data`` from a stage whose modality is ``output`` (None: not audio)."""
+    return pcm_of(data) if output in ("audio", "data") else None
