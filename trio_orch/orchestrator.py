@@ -38,6 +38,7 @@ from trio_orch.core import (
     RouterStatistics,
     Submit,
     Ticket,
+    Update,
 )
 from trio_orch.deadlines import DeadlineKeeper
 from trio_orch.types import Message, StageClient, StageDied, StageOutput
@@ -58,6 +59,19 @@ class OrchestratorStatistics:
     stage_deaths: Mapping[int, str]  #: stage -> why it died
     request_channel: trio.MemoryChannelStatistics  #: the bounded admission channel
     events_pending: int  #: outputs and commands waiting for the dispatcher
+
+
+class _Update:
+    """An ``update_request`` call queued behind the adds before it (same channel, in order)."""
+
+    __slots__ = ("done", "error", "final", "request_id", "segment")
+
+    def __init__(self, request_id: str, segment: Any, final: bool) -> None:
+        self.request_id = request_id
+        self.segment = segment
+        self.final = final
+        self.done = trio.Event()
+        self.error: Exception | None = None
 
 
 class _Command:
@@ -113,7 +127,7 @@ class Orchestrator:
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
-        self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None]](
+        self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
             request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
@@ -158,12 +172,14 @@ class Orchestrator:
             events_pending=self._ev_recv.statistics().current_buffer_used,
         )
 
-    async def add_request(self, request_id: str, prompt: Any, *,
-                          final_stage_id: int | None = None, timeout: float | None = None) -> None:
+    async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                          timeout: float | None = None, resumable: bool = False) -> None:
         """Accept a request; return once it is registered and submitted.
 
         ``timeout`` (seconds, default ``request_timeout``) bounds the request's
-        whole life, from acceptance to terminal.
+        whole life, from acceptance to terminal.  ``resumable``: more input
+        segments may follow through :meth:`update_request`; the request ends
+        only after its final segment.
 
         Waits while the request channel is full.  Raises ``ValueError`` for a
         duplicate active id or bad parameters and ``RuntimeError`` once the
@@ -171,7 +187,7 @@ class Orchestrator:
         If the caller is cancelled after the request was accepted, the request
         is aborted (it still gets its terminal).
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable)
         done = trio.Event()
         self._sending.add(ticket)
         try:
@@ -189,13 +205,13 @@ class Orchestrator:
             self.abort_nowait(request_id)
             raise
 
-    def add_request_nowait(self, request_id: str, prompt: Any, *,
-                           final_stage_id: int | None = None, timeout: float | None = None) -> None:
+    def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                           timeout: float | None = None, resumable: bool = False) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
         Synchronous, so a thread bridge can call it via the Trio token.
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable)
         try:
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
@@ -203,6 +219,30 @@ class Orchestrator:
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
                 raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
             raise
+
+    async def update_request(self, request_id: str, segment: Any, *, final: bool = False) -> None:
+        """One more input segment for a live resumable request; ``final=True`` for the last one.
+
+        Returns once the segment was handed to the stages.  Raises
+        ``ValueError`` (changing nothing) for an unknown or ended id, a request
+        not added with ``resumable=True``, or after its final segment, and
+        ``RuntimeError`` once the orchestrator stopped.  The update travels
+        through the request channel behind the adds before it, so it reaches
+        each stage after the request's first submission there; it waits while
+        that channel is full, and a caller cancelled while waiting changes
+        nothing.
+        """
+        if self._state == "stopped":
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down")
+        self.router.check_update(request_id, final)  # live sessions still take input while draining
+        cmd = _Update(request_id, segment, final)
+        try:
+            await self._req_send.send(cmd)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        await cmd.done.wait()
+        if cmd.error is not None:
+            raise cmd.error
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; it gets ``OrchError(kind="aborted")``.  Unknown id: no-op.
@@ -347,8 +387,20 @@ class Orchestrator:
                     ev.set()
 
     async def _request_handler(self) -> None:
-        """Start accepted requests in order: the core decides the first submissions."""
-        async for ticket, done in self._req_recv:
+        """Start accepted requests and apply input updates, in order: the core decides."""
+        async for item in self._req_recv:
+            if type(item) is _Update:
+                try:
+                    actions = self.router.update(item.request_id, item.segment, final=item.final)
+                except ValueError as exc:  # it ended (or got its final segment) after the call
+                    item.error = exc
+                    actions = []
+                try:
+                    await self._perform(actions)
+                finally:
+                    item.done.set()
+                continue
+            ticket, done = item
             try:
                 await self._perform(self.router.start(ticket))
             finally:
@@ -366,9 +418,10 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ helpers
     def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                timeout: float | None) -> Ticket:
+                timeout: float | None, resumable: bool) -> Ticket:
         ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id,
-                                    timeout=self.request_timeout if timeout is None else timeout)
+                                    timeout=self.request_timeout if timeout is None else timeout,
+                                    resumable=resumable)
         if ticket.timeout is not None:
             self._deadlines.set(request_id, ticket.timeout)
         return ticket
@@ -437,15 +490,22 @@ class Orchestrator:
         router = self.router
         aborts: list[Abort] = []
         for a in actions:
-            if type(a) is Submit:
+            if type(a) is Submit or type(a) is Update:
                 if a.request_id not in router:
                     continue  # ended while an earlier action awaited
+                stage = self.stages[a.stage_id]
                 try:
-                    await self.stages[a.stage_id].submit(a.request_id, a.payload)
+                    if type(a) is Update:
+                        await stage.update(a.request_id, a.payload, final=a.final)  # type: ignore[attr-defined]
+                    elif a.resumable:
+                        await stage.submit(a.request_id, a.payload, resumable=True)  # type: ignore[call-arg]
+                    else:
+                        await stage.submit(a.request_id, a.payload)
                 except Exception as exc:
+                    what = "update" if type(a) is Update else "submit"
                     await self._perform(router.submit_failed(
                         a.stage_id, a.request_id,
-                        f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
+                        f"{what} to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
                     continue
                 aborts.extend(x for x in router.submitted(a.stage_id, a.request_id) if type(x) is Abort)
             elif type(a) is Abort:
@@ -486,9 +546,14 @@ class Orchestrator:
         handed_over: set[Ticket] = set()
         while True:
             try:
-                ticket, done = self._req_recv.receive_nowait()
+                item = self._req_recv.receive_nowait()
             except (trio.WouldBlock, trio.EndOfChannel):
                 break
+            if type(item) is _Update:
+                item.error = RuntimeError("orchestrator shut down before the update was handled")
+                item.done.set()
+                continue
+            ticket, done = item
             handed_over.add(ticket)
             if done is not None:
                 done.set()

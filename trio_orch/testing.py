@@ -18,7 +18,10 @@ class ScriptedStage:
     """A stage client whose outputs are whatever the test tells it to emit.
 
     Records every submission (``submissions``: ``(request_id, payload)`` in
-    submit order) and every aborted id (``aborts``).  ``emit`` delivers any
+    submit order), every input update of a resumable request (``updates``,
+    in order; ``resumable`` and ``final_updates`` list the ids submitted
+    resumable and those whose last segment arrived) and every aborted id
+    (``aborts``).  ``emit`` delivers any
     output for any request id -- it does not check that the request was ever
     submitted, which is exactly what tests of dropped outputs need.  ``fail``
     makes the next ``receive`` raise, as a dead stage does.  ``hold_submits``
@@ -29,6 +32,9 @@ class ScriptedStage:
         self.stage_id = stage_id
         self.name = name or f"scripted-stage-{stage_id}"
         self.submissions: list[tuple[str, Any]] = []
+        self.updates: list[tuple[str, Any]] = []
+        self.resumable: list[str] = []  # ids submitted with resumable=True (more input follows)
+        self.final_updates: list[str] = []  # ids whose last input segment arrived
         self.aborts: list[str] = []
         self.closed = False
         self._send, self._recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
@@ -89,12 +95,25 @@ class ScriptedStage:
         return self._dead is not None
 
     # ---------------------------------------------------------------- client protocol
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False) -> None:
         while self._submit_gate is not None:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
         self.submissions.append((request_id, payload))
+        if resumable:
+            self.resumable.append(request_id)
+        await trio.lowlevel.checkpoint()
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False) -> None:
+        """More input for a request submitted with ``resumable=True`` (recorded in ``updates``)."""
+        while self._submit_gate is not None:
+            await self._submit_gate.wait()
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.updates.append((request_id, payload))
+        if final:
+            self.final_updates.append(request_id)
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:
