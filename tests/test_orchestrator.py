@@ -541,3 +541,16 @@ async def test_a_hung_abort_does_not_stall_the_drain_of_a_graceful_shutdown() ->
     assert [(m.request_id, getattr(m, "kind", "ok")) for m in msgs] == [("bad", "stage_failed"),
                                                                         ("good", "ok")]
     assert orchestrator_tasks() == []
+
+
+async def test_sampling_parameters_reach_each_stage_with_its_submission() -> None:
+    stages = three()
+    async with open_orchestrator(stages, {2}, forward_fn=lambda k, p, o: o[-1]) as orch:
+        with pytest.raises(ValueError, match="stage 7"):
+            await orch.add_request("bad", "p", sampling={7: {}})
+        await orch.add_request("r", "p", sampling={0: {"seed": 7}, 2: {"voice": "b"}})
+        await stages[0].emit("r", "a", finished=True)
+        await stages[1].emit("r", "b", finished=True)
+        assert (stages[0].sampling, stages[1].sampling, stages[2].sampling) == (
+            [("r", {"seed": 7})], [], [("r", {"voice": "b"})])
+        assert stages[1].submissions == [("r", "a")] and stages[0].submissions == [("r", "p")]

@@ -304,3 +304,31 @@ def test_every_terminal_is_counted_by_the_core() -> None:
     assert (stats.queued, stats.active, stats.live) == (1, 0, 1)
     r.shutdown()
     assert r.statistics().terminals_by_kind["shutdown"] == 1
+
+
+# ---------------------------------------------------------------- per-stage sampling parameters
+def test_sampling_parameters_ride_with_every_submission_uninterpreted() -> None:
+    r = Router(3, {0, 2}, forward_fn=lambda k, p, o: o[-1])
+    opaque = object()
+    acts = r.add("r", "p", sampling=[{"temperature": 0.0}, None, opaque])
+    assert acts == [Submit(0, "r", "p", sampling={"temperature": 0.0})]
+    assert r.route(0, out("r", "a", True))[1:] == [Submit(1, "r", "a")]  # stage 1: its defaults
+    assert r.route(1, out("r", "b", True)) == [Submit(2, "r", "b", sampling=opaque)]
+    a = Router(3, {2}, async_chunk=True)
+    assert [x.sampling for x in a.add("r", "p", sampling={2: "s2"})] == [None, None, "s2"]
+
+
+def test_sampling_parameters_are_checked_per_stage_at_acceptance() -> None:
+    def check(stage: int, params: dict) -> dict:
+        unknown = set(params) - {"temperature"}
+        if unknown:
+            raise ValueError(f"unknown key {sorted(unknown)[0]!r}")
+        return {"temperature": 1.0, **params}
+
+    r = Router(2, {1}, check_sampling=check)
+    for bad, match in [([{}, {"tmp": 1}], "stage 1: unknown key 'tmp'"), ({5: {}}, "stage 5"),
+                       ("hot", "list indexed by stage"), ([{}, {}, {}], "stage 2")]:
+        with pytest.raises(ValueError, match=match):
+            r.accept("r", "p", sampling=bad)
+        assert not r.is_live("r")
+    assert r.add("r", "p", sampling={0: {}}) == [Submit(0, "r", "p", sampling={"temperature": 1.0})]

@@ -39,6 +39,7 @@ from trio_orch.core import (
     Submit,
     Ticket,
     Update,
+    stage_io_options,
 )
 from trio_orch.deadlines import DeadlineKeeper
 from trio_orch.types import Message, StageClient, StageDied, StageOutput
@@ -103,7 +104,9 @@ class Orchestrator:
     channel read by :meth:`next_output` (the thread bridge uses it).
     ``request_timeout`` is the default per-request deadline in seconds (None:
     no deadline); a request past its deadline gets ``OrchError(kind="timeout")``
-    and is aborted on every stage it is open on.
+    and is aborted on every stage it is open on.  ``check_sampling(stage_id,
+    params)`` validates one stage's per-request sampling parameters at
+    acceptance (see :meth:`add_request`).
     """
 
     def __init__(
@@ -118,13 +121,14 @@ class Orchestrator:
         shutdown_grace: float = 2.0,
         output_sink: OutputSink | None = None,
         request_timeout: float | None = None,
+        check_sampling: Callable[[int, Any], Any] | None = None,
     ) -> None:
         if request_queue_size < 1:
             raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
         Router.check_timeout(request_timeout)
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
-                             forward_fn=forward_fn, prewarm_fn=prewarm_fn)
+                             forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
         self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
@@ -173,13 +177,16 @@ class Orchestrator:
         )
 
     async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                          timeout: float | None = None, resumable: bool = False) -> None:
+                          timeout: float | None = None, resumable: bool = False,
+                          sampling: Any = None) -> None:
         """Accept a request; return once it is registered and submitted.
 
         ``timeout`` (seconds, default ``request_timeout``) bounds the request's
         whole life, from acceptance to terminal.  ``resumable``: more input
         segments may follow through :meth:`update_request`; the request ends
-        only after its final segment.
+        only after its final segment.  ``sampling``: per-stage parameters, a
+        list indexed by stage or a mapping stage -> parameters; each stage
+        gets its entry with every submit and update (never interpreted here).
 
         Waits while the request channel is full.  Raises ``ValueError`` for a
         duplicate active id or bad parameters and ``RuntimeError`` once the
@@ -187,7 +194,7 @@ class Orchestrator:
         If the caller is cancelled after the request was accepted, the request
         is aborted (it still gets its terminal).
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling)
         done = trio.Event()
         self._sending.add(ticket)
         try:
@@ -206,12 +213,13 @@ class Orchestrator:
             raise
 
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                           timeout: float | None = None, resumable: bool = False) -> None:
+                           timeout: float | None = None, resumable: bool = False,
+                           sampling: Any = None) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
         Synchronous, so a thread bridge can call it via the Trio token.
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling)
         try:
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
@@ -418,10 +426,10 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ helpers
     def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                timeout: float | None, resumable: bool) -> Ticket:
+                timeout: float | None, resumable: bool, sampling: Any) -> Ticket:
         ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id,
                                     timeout=self.request_timeout if timeout is None else timeout,
-                                    resumable=resumable)
+                                    resumable=resumable, sampling=sampling)
         if ticket.timeout is not None:
             self._deadlines.set(request_id, ticket.timeout)
         return ticket
@@ -496,9 +504,9 @@ class Orchestrator:
                 stage = self.stages[a.stage_id]
                 try:
                     if type(a) is Update:
-                        await stage.update(a.request_id, a.payload, final=a.final)  # type: ignore[attr-defined]
-                    elif a.resumable:
-                        await stage.submit(a.request_id, a.payload, resumable=True)  # type: ignore[call-arg]
+                        await stage.update(a.request_id, a.payload, **stage_io_options(a))  # type: ignore[attr-defined]
+                    elif a.resumable or a.sampling is not None:
+                        await stage.submit(a.request_id, a.payload, **stage_io_options(a))  # type: ignore[call-arg]
                     else:
                         await stage.submit(a.request_id, a.payload)
                 except Exception as exc:

@@ -20,8 +20,8 @@ class ScriptedStage:
     Records every submission (``submissions``: ``(request_id, payload)`` in
     submit order), every input update of a resumable request (``updates``,
     in order; ``resumable`` and ``final_updates`` list the ids submitted
-    resumable and those whose last segment arrived) and every aborted id
-    (``aborts``).  ``emit`` delivers any
+    resumable and those whose last segment arrived), the sampling parameters
+    that came with them (``sampling``) and every aborted id (``aborts``).  ``emit`` delivers any
     output for any request id -- it does not check that the request was ever
     submitted, which is exactly what tests of dropped outputs need.  ``fail``
     makes the next ``receive`` raise, as a dead stage does.  ``hold_submits``
@@ -35,6 +35,7 @@ class ScriptedStage:
         self.updates: list[tuple[str, Any]] = []
         self.resumable: list[str] = []  # ids submitted with resumable=True (more input follows)
         self.final_updates: list[str] = []  # ids whose last input segment arrived
+        self.sampling: list[tuple[str, Any]] = []  # (id, params) of every submit/update that carried them
         self.aborts: list[str] = []
         self.closed = False
         self._send, self._recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
@@ -95,7 +96,8 @@ class ScriptedStage:
         return self._dead is not None
 
     # ---------------------------------------------------------------- client protocol
-    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False) -> None:
+    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False,
+                     sampling: Any = None) -> None:
         while self._submit_gate is not None:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
@@ -103,9 +105,12 @@ class ScriptedStage:
         self.submissions.append((request_id, payload))
         if resumable:
             self.resumable.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
         await trio.lowlevel.checkpoint()
 
-    async def update(self, request_id: str, payload: Any, *, final: bool = False) -> None:
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
         """More input for a request submitted with ``resumable=True`` (recorded in ``updates``)."""
         while self._submit_gate is not None:
             await self._submit_gate.wait()
@@ -114,6 +119,8 @@ class ScriptedStage:
         self.updates.append((request_id, payload))
         if final:
             self.final_updates.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 from trio_orch.types import Message
 
-__all__ = ["Abort", "Action", "Emit", "Submit", "Update"]
+__all__ = ["Abort", "Action", "Emit", "Submit", "Update", "stage_io_options"]
 
 
 class Submit:
@@ -21,23 +21,29 @@ class Submit:
 
     ``resumable``: more input segments will follow (as :class:`Update` actions), so
     the stage must keep the request after it finishes a segment.
+    ``sampling``: the request's parameters for this stage (None: the stage's
+    defaults), passed through uninterpreted.
     """
 
-    __slots__ = ("payload", "request_id", "resumable", "stage_id")
+    __slots__ = ("payload", "request_id", "resumable", "sampling", "stage_id")
 
-    def __init__(self, stage_id: int, request_id: str, payload: Any, resumable: bool = False) -> None:
+    def __init__(self, stage_id: int, request_id: str, payload: Any, resumable: bool = False,
+                 sampling: Any = None) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
         self.payload = payload
         self.resumable = resumable
+        self.sampling = sampling
 
     def __repr__(self) -> str:
         more = ", resumable=True" if self.resumable else ""
+        more += f", sampling={self.sampling!r}" if self.sampling is not None else ""
         return f"Submit({self.stage_id}, {self.request_id!r}, {self.payload!r}{more})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Submit and (self.stage_id, self.request_id, self.payload, self.resumable) == (
-            other.stage_id, other.request_id, other.payload, other.resumable)
+        return type(other) is Submit and (
+            self.stage_id, self.request_id, self.payload, self.resumable, self.sampling) == (
+            other.stage_id, other.request_id, other.payload, other.resumable, other.sampling)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -46,24 +52,28 @@ class Update:
     """Send one more input segment of a resumable request to a stage that already has it.
 
     ``final``: the last segment; the stage may let the request go once it
-    finished this one.
+    finished this one.  ``sampling`` as for :class:`Submit`.
     """
 
-    __slots__ = ("final", "payload", "request_id", "stage_id")
+    __slots__ = ("final", "payload", "request_id", "sampling", "stage_id")
 
-    def __init__(self, stage_id: int, request_id: str, payload: Any, final: bool = False) -> None:
+    def __init__(self, stage_id: int, request_id: str, payload: Any, final: bool = False,
+                 sampling: Any = None) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
         self.payload = payload
         self.final = final
+        self.sampling = sampling
 
     def __repr__(self) -> str:
         more = ", final=True" if self.final else ""
+        more += f", sampling={self.sampling!r}" if self.sampling is not None else ""
         return f"Update({self.stage_id}, {self.request_id!r}, {self.payload!r}{more})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Update and (self.stage_id, self.request_id, self.payload, self.final) == (
-            other.stage_id, other.request_id, other.payload, other.final)
+        return type(other) is Update and (
+            self.stage_id, self.request_id, self.payload, self.final, self.sampling) == (
+            other.stage_id, other.request_id, other.payload, other.final, other.sampling)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -105,3 +115,20 @@ class Emit:
 
 
 Action = Submit | Update | Abort | Emit
+
+
+def stage_io_options(action: Submit | Update) -> dict[str, Any]:
+    """The keyword arguments a shell passes to ``stage.submit``/``stage.update`` for ``action``.
+
+    Only what is set, so stage clients that know neither resumable requests
+    nor sampling parameters keep working unchanged.
+    """
+    opts: dict[str, Any] = {}
+    if type(action) is Update:
+        if action.final:
+            opts["final"] = True
+    elif action.resumable:
+        opts["resumable"] = True
+    if action.sampling is not None:
+        opts["sampling"] = action.sampling
+    return opts

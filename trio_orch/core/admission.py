@@ -11,6 +11,7 @@ shutdown) with a terminal and without any stage I/O.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from trio_orch.core.actions import Action, Emit, Submit
@@ -72,11 +73,44 @@ class AdmissionRules(StreamingRules):
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
+    def resolve_sampling(self, sampling: Any) -> dict[int, Any]:
+        """Per-stage sampling parameters -> ``{stage: params}``, each checked; raises ValueError.
+
+        ``sampling`` is None, a sequence indexed by stage (``None`` entries:
+        the stage's defaults), or a mapping ``stage -> params``.  The core
+        never interprets the parameters: the pipeline's ``check_sampling``
+        validates each stage's entry (naming the bad key), and the stage
+        receives it with every submit and update.
+        """
+        if sampling is None:
+            return {}
+        if isinstance(sampling, Mapping):
+            items = list(sampling.items())
+        elif isinstance(sampling, (list, tuple)):
+            items = list(enumerate(sampling))
+        else:
+            raise ValueError(f"sampling must be a list indexed by stage or a mapping stage -> parameters, "
+                             f"got {type(sampling).__name__}")
+        out: dict[int, Any] = {}
+        for k, params in items:
+            if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < self.num_stages:
+                raise ValueError(f"sampling parameters for stage {k!r}: stages are 0..{self.num_stages - 1}")
+            if params is None:
+                continue
+            if self.check_sampling is not None:
+                try:
+                    params = self.check_sampling(k, params)
+                except ValueError as exc:
+                    raise ValueError(f"sampling parameters for stage {k}: {exc}") from None
+            out[k] = params
+        return out
+
     def accept(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-               timeout: float | None = None, resumable: bool = False) -> Ticket:
+               timeout: float | None = None, resumable: bool = False, sampling: Any = None) -> Ticket:
         """Validate and register a request; the shell queues the returned ticket.
 
         ``resumable``: more input segments may follow (:meth:`update`).
+        ``sampling``: per-stage parameters (see :meth:`resolve_sampling`).
 
         Raises ``ValueError`` (bad parameters, duplicate live id) or
         ``RuntimeError`` (no longer accepting); nothing is registered then.
@@ -87,7 +121,8 @@ class AdmissionRules(StreamingRules):
         self.check_timeout(timeout)
         if request_id in self.queued or request_id in self.requests:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
-        ticket = Ticket(request_id, prompt, final, timeout, bool(resumable))
+        params = self.resolve_sampling(sampling)
+        ticket = Ticket(request_id, prompt, final, timeout, bool(resumable), params)
         self.queued[request_id] = ticket
         return ticket
 
@@ -127,7 +162,8 @@ class AdmissionRules(StreamingRules):
         req.submitted.update(targets)
         self.requests[rid] = req
         resumable = ticket.resumable
-        actions: list[Action] = [Submit(k, rid, payloads[k], resumable) for k in targets]
+        sampling = ticket.sampling
+        actions: list[Action] = [Submit(k, rid, payloads[k], resumable, sampling.get(k)) for k in targets]
         if resumable:
             req.input_closed = False
             req.opened = dict.fromkeys(targets, 1)
@@ -135,11 +171,11 @@ class AdmissionRules(StreamingRules):
                 actions.extend(self.open_segment(req, segment, final_segment))
         return actions
 
-    def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None,
-            *, timeout: float | None = None, resumable: bool = False) -> list[Action]:
+    def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None, *,
+            timeout: float | None = None, resumable: bool = False, sampling: Any = None) -> list[Action]:
         """:meth:`accept` and :meth:`start` in one step (no queue between them)."""
         return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
-                                      resumable=resumable))
+                                      resumable=resumable, sampling=sampling))
 
     def refuse(self, request_id: str, err: OrchError) -> list[Action]:
         """A request that could not start: its terminal, nothing was submitted."""

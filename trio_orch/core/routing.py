@@ -70,7 +70,7 @@ class RoutingRules(AdmissionRules):
             return self.end(req, OrchError(rid, stage_id, "forward_failed",
                                            f"forward_fn({stage_id}) raised {type(exc).__name__}: {exc}"))
         req.submitted.add(nxt)
-        return [Submit(nxt, rid, payload)]
+        return [Submit(nxt, rid, payload, False, req.sampling.get(nxt))]
 
     # ------------------------------------------------------------------ ends
     def abort(self, request_id: str, message: str = "aborted by the client") -> list[Action]:

@@ -35,10 +35,11 @@ class Ticket:
     shell's timer.
     """
 
-    __slots__ = ("final_stage_id", "input_closed", "prompt", "request_id", "resumable", "timeout", "updates")
+    __slots__ = ("final_stage_id", "input_closed", "prompt", "request_id", "resumable", "sampling", "timeout",
+                 "updates")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False, sampling: dict[int, Any] | None = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
@@ -46,6 +47,7 @@ class Ticket:
         self.resumable = resumable
         self.input_closed = not resumable
         self.updates: list[tuple[Any, bool]] = []  # input segments added while queued
+        self.sampling: dict[int, Any] = sampling or {}  # stage -> its parameters (validated)
 
     def __repr__(self) -> str:
         return f"<Ticket {self.request_id!r}>"
@@ -72,6 +74,7 @@ class RequestState:
         "prompt",
         "request_id",
         "resumable",
+        "sampling",
         "segments",
         "submitted",
         "ticket",
@@ -90,6 +93,7 @@ class RequestState:
         self.outputs: dict[int, list[Any]] = {}
         self.pending_final: OrchOutput | None = None
         self.resumable = ticket.resumable
+        self.sampling = ticket.sampling
         self.input_closed = True
         self.segments = 1
         self.opened: dict[int, int] = {}
@@ -120,6 +124,7 @@ class CoreState:
         async_chunk: bool = False,
         forward_fn: ForwardFn | None = None,
         prewarm_fn: PrewarmFn | None = None,
+        check_sampling: Callable[[int, Any], Any] | None = None,
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"need at least one stage, got num_stages={num_stages}")
@@ -134,6 +139,9 @@ class CoreState:
         self.async_chunk = async_chunk
         self.forward_fn: ForwardFn = forward_fn or default_forward
         self.prewarm_fn: PrewarmFn = prewarm_fn or default_prewarm
+        #: (stage_id, params) -> params: validates (ValueError naming the key) and normalises one
+        #: stage's sampling parameters at acceptance; None: passed through as given
+        self.check_sampling = check_sampling
         self.default_final_stage_id = max(finals)
         self.available = [True] * num_stages
         self.accepting = True

@@ -70,7 +70,8 @@ class StreamingRules(CoreState):
         req.input_closed = final
         for k in targets:
             req.opened[k] = req.opened.get(k, 0) + 1
-        return [Update(k, rid, payloads[k], final) for k in targets]
+        sampling = req.sampling
+        return [Update(k, rid, payloads[k], final, sampling.get(k)) for k in targets]
 
     def route_segment(self, req: RequestState, stage_id: int, out: StageOutput) -> list[Action]:
         """Route one output of a resumable request (the segment-aware twin of ``route``)."""
@@ -119,7 +120,8 @@ class StreamingRules(CoreState):
                                            f"forward_fn({stage_id}) raised {type(exc).__name__}: {exc}"))
         last = req.input_closed and req.closed.get(stage_id, 0) == req.segments
         req.opened[nxt] = req.opened.get(nxt, 0) + 1
+        params = req.sampling.get(nxt)
         if nxt in req.submitted:
-            return [Update(nxt, rid, payload, last)]
+            return [Update(nxt, rid, payload, last, params)]
         req.submitted.add(nxt)
-        return [Submit(nxt, rid, payload, not last)]
+        return [Submit(nxt, rid, payload, not last, params)]
