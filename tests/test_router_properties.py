@@ -25,6 +25,9 @@ from trio_orch.core import Emit, Router, Submit, Update
 from trio_orch.types import OrchError, OrchOutput, StageOutput
 
 IDS = st.sampled_from(["a", "b", "c", "d", "e", "ghost"])
+#: companion ids: their own (x:neg) or one of the request ids (a namespace clash, refused)
+COMPANION_IDS = st.lists(st.sampled_from(["a:neg", "b:neg", "c:neg", "x:neg", "a", "b"]), max_size=2,
+                         unique=True)
 STAGES = st.integers(0, 2)
 
 
@@ -39,6 +42,7 @@ class Model:
         self.opened: dict[int, int] = {}  # stage -> submit + updates received
         self.closed: dict[int, int] = {}  # stage -> finished outputs fed while a segment was open
         self.final_sent: set[int] = set()  # stages told "this is the last segment"
+        self.companions: dict[str, bool] = {}  # companion id -> finished stage 0
 
     def done(self, k: int) -> bool:
         return self.input_closed and self.closed.get(k, 0) == self.segments
@@ -55,10 +59,16 @@ class RouterMachine(RuleBasedStateMachine):
         self.terminals: dict[tuple[str, int], int] = {}  # (rid, incarnation) -> terminal count
         self.incarnations = 0
         self.tickets: list[tuple[Any, int]] = []  # every accepted ticket, with its incarnation
+        self.parent_of: dict[str, str] = {}  # live companion id -> its parent
 
     # ---------------------------------------------------------------- helpers
     def apply(self, actions: list) -> None:
         for a in actions:
+            if isinstance(a, Submit) and a.companion_of is not None:
+                parent = self.live.get(a.companion_of)
+                assert parent is not None and a.request_id in parent.companions and a.stage_id == 0, a
+                assert self.parent_of.get(a.request_id) == a.companion_of
+                continue
             if isinstance(a, (Submit, Update)):
                 m = self.live.get(a.request_id)
                 assert m is not None, f"stage I/O for a request that is not live: {a}"
@@ -76,6 +86,8 @@ class RouterMachine(RuleBasedStateMachine):
                     assert a.resumable == (not last), f"resumable flag wrong: {a}"
                 if last:
                     m.final_sent.add(k)
+                if k == 1 and m.companions:
+                    assert all(m.companions.values()), f"forwarded before every companion finished: {a}"
                 m.opened[k] = n + 1
             elif isinstance(a, Emit):
                 self.check_message(a.message)
@@ -89,14 +101,35 @@ class RouterMachine(RuleBasedStateMachine):
                 assert all(m.done(k) for k in m.opened), (
                     f"finished=True before every submitted stage closed every segment: {msg}")
                 assert m.final_sent == set(m.opened), f"a stage never got its last segment: {msg}"
-            self.terminals[(rid, self.live.pop(rid).incarnation)] += 1
+            ended = self.live.pop(rid)
+            self.terminals[(rid, ended.incarnation)] += 1
             assert not self.router.is_live(rid), "state kept after the terminal"
+            for cid in ended.companions:
+                del self.parent_of[cid]
+                assert cid not in self.router.companion_of, "a companion outlived its parent"
 
-    def register(self, rid: str, resumable: bool = False) -> None:
+    def register(self, rid: str, resumable: bool = False, companions: tuple[str, ...] = ()) -> None:
         assert rid not in self.live
         self.incarnations += 1
         self.live[rid] = Model(self.incarnations, resumable)
         self.terminals[(rid, self.incarnations)] = 0
+        for cid in companions:
+            self.live[rid].companions[cid] = False
+            self.parent_of[cid] = rid
+
+    @rule(rid=IDS, cids=COMPANION_IDS)
+    def add_with_companions(self, rid: str, cids: list[str]) -> None:
+        """A parent with companions (CFG): refused if any id clashes with a live one."""
+        clash = rid in self.live or rid in self.parent_of or any(
+            c == rid or c in self.live or c in self.parent_of for c in cids)
+        try:
+            actions = self.router.add(rid, "seg0", companions={c: f"neg-{c}" for c in cids})
+        except ValueError:
+            assert clash or (self.async_chunk and cids), "companions refused without a reason"
+            return
+        assert not clash and not (self.async_chunk and cids)
+        self.register(rid, companions=tuple(cids))
+        self.apply(actions)
 
     # ---------------------------------------------------------------- rules
     @rule(rid=IDS, final=st.sampled_from([None, None, 0, 1, 2, 5]), resumable=st.booleans())
@@ -104,7 +137,7 @@ class RouterMachine(RuleBasedStateMachine):
         try:
             actions = self.router.add(rid, "seg0", final, resumable=resumable)
         except ValueError:
-            assert rid in self.live or final == 5
+            assert rid in self.live or rid in self.parent_of or final == 5
             return
         self.register(rid, resumable)
         self.apply(actions)
@@ -115,7 +148,7 @@ class RouterMachine(RuleBasedStateMachine):
         try:
             ticket = self.router.accept(rid, "seg0", final_stage_id=final, resumable=resumable)
         except ValueError:
-            assert rid in self.live
+            assert rid in self.live or rid in self.parent_of
             return
         self.register(rid, resumable)
         self.tickets.append((ticket, self.live[rid].incarnation))
@@ -172,8 +205,19 @@ class RouterMachine(RuleBasedStateMachine):
         if open_inputs:
             self.update(data.draw(st.sampled_from(open_inputs)), final)
 
-    @rule(rid=IDS, stage=STAGES, finished=st.booleans())
+    @rule(rid=IDS | st.sampled_from(["a:neg", "b:neg", "x:neg"]), stage=STAGES, finished=st.booleans())
     def output(self, rid: str, stage: int, finished: bool) -> None:
+        parent = self.parent_of.get(rid)
+        if parent is not None and rid not in self.live:  # a companion's output: collected, never shown
+            m = self.live[parent]
+            routed = rid in self.router.companion_of and stage == 0 and not m.companions[rid]
+            dropped = self.router.dropped_outputs
+            if routed and finished:
+                m.companions[rid] = True
+            actions = self.router.route(stage, StageOutput(rid, f"n{stage}", finished))
+            assert routed or (actions == [] and self.router.dropped_outputs == dropped + 1)
+            self.apply(actions)
+            return
         was_live = rid in self.router  # started (a queued request holds no stage)
         dropped = self.router.dropped_outputs
         m = self.live.get(rid)
@@ -194,13 +238,20 @@ class RouterMachine(RuleBasedStateMachine):
         """An output where a segment is open (random outputs mostly miss): drives requests deep."""
         open_at = sorted((rid, k) for rid, m in self.live.items() if rid in self.router
                          for k in m.opened if m.opened[k] > m.closed.get(k, 0))
+        open_at += sorted((cid, 0) for m in self.live.values() for cid, done in m.companions.items()
+                          if not done)
         if open_at:
             rid, stage = data.draw(st.sampled_from(open_at))
             self.output(rid, stage, finished)
 
-    @rule(rid=IDS, stage=STAGES, kind=st.sampled_from(["stage_failed", "replica_died"]))
+    @rule(rid=IDS | st.sampled_from(["a:neg", "b:neg"]), stage=STAGES,
+          kind=st.sampled_from(["stage_failed", "replica_died"]))
     def stage_error(self, rid: str, stage: int, kind: str) -> None:
-        self.apply(self.router.route(stage, StageOutput(rid, None, True, "boom", kind)))
+        parent = self.parent_of.get(rid)
+        actions = self.router.route(stage, StageOutput(rid, None, True, "boom", kind))
+        if parent is not None and stage == 0 and not self.live[parent].companions[rid]:
+            assert [a.message.request_id for a in actions if isinstance(a, Emit)] == [parent]
+        self.apply(actions)
 
     @rule(rid=IDS)
     def abort(self, rid: str) -> None:
@@ -233,6 +284,7 @@ class RouterMachine(RuleBasedStateMachine):
     @invariant()
     def router_tracks_exactly_the_live_requests(self) -> None:
         assert set(self.router.requests) | set(self.router.queued) == set(self.live)
+        assert self.router.companion_of == self.parent_of
         assert not set(self.router.requests) & set(self.router.queued)
         stats = self.router.statistics()
         assert stats.live == len(self.live)

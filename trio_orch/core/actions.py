@@ -22,28 +22,34 @@ class Submit:
     ``resumable``: more input segments will follow (as :class:`Update` actions), so
     the stage must keep the request after it finishes a segment.
     ``sampling``: the request's parameters for this stage (None: the stage's
-    defaults), passed through uninterpreted.
+    defaults), passed through uninterpreted.  ``companion_of``: this is a
+    companion of that request and must run on the same replica.
     """
 
-    __slots__ = ("payload", "request_id", "resumable", "sampling", "stage_id")
+    __slots__ = ("companion_of", "payload", "request_id", "resumable", "sampling", "stage_id")
 
     def __init__(self, stage_id: int, request_id: str, payload: Any, resumable: bool = False,
-                 sampling: Any = None) -> None:
+                 sampling: Any = None, companion_of: str | None = None) -> None:
         self.stage_id = stage_id
         self.request_id = request_id
         self.payload = payload
         self.resumable = resumable
         self.sampling = sampling
+        self.companion_of = companion_of
 
     def __repr__(self) -> str:
         more = ", resumable=True" if self.resumable else ""
         more += f", sampling={self.sampling!r}" if self.sampling is not None else ""
+        more += f", companion_of={self.companion_of!r}" if self.companion_of is not None else ""
         return f"Submit({self.stage_id}, {self.request_id!r}, {self.payload!r}{more})"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is Submit and (
-            self.stage_id, self.request_id, self.payload, self.resumable, self.sampling) == (
-            other.stage_id, other.request_id, other.payload, other.resumable, other.sampling)
+        return type(other) is Submit and self.key() == other.key()
+
+    def key(self) -> tuple[Any, ...]:
+        """Everything that identifies this action (what equality compares)."""
+        return (self.stage_id, self.request_id, self.payload, self.resumable, self.sampling,
+                self.companion_of)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -127,8 +133,11 @@ def stage_io_options(action: Submit | Update) -> dict[str, Any]:
     if type(action) is Update:
         if action.final:
             opts["final"] = True
-    elif action.resumable:
-        opts["resumable"] = True
+    else:
+        if action.resumable:
+            opts["resumable"] = True
+        if action.companion_of is not None:
+            opts["companion_of"] = action.companion_of
     if action.sampling is not None:
         opts["sampling"] = action.sampling
     return opts

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trio_orch.core.actions import Action, Emit, Submit
+from trio_orch.core.companions import CompanionRules
 from trio_orch.core.state import NOTHING, RequestState, Ticket
 from trio_orch.core.streaming import StreamingRules
 from trio_orch.types import OrchError
@@ -22,7 +23,7 @@ from trio_orch.types import OrchError
 __all__ = ["AdmissionRules"]
 
 
-class AdmissionRules(StreamingRules):
+class AdmissionRules(StreamingRules, CompanionRules):
     """Acceptance, start, and the terminals of requests that never started."""
 
     # ------------------------------------------------------------------ queries
@@ -106,11 +107,14 @@ class AdmissionRules(StreamingRules):
         return out
 
     def accept(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-               timeout: float | None = None, resumable: bool = False, sampling: Any = None) -> Ticket:
+               timeout: float | None = None, resumable: bool = False, sampling: Any = None,
+               companions: Mapping[str, Any] | None = None) -> Ticket:
         """Validate and register a request; the shell queues the returned ticket.
 
         ``resumable``: more input segments may follow (:meth:`update`).
         ``sampling``: per-stage parameters (see :meth:`resolve_sampling`).
+        ``companions``: ``{id: stage-0 prompt}``, registered with the request
+        (see :mod:`trio_orch.core.companions`).
 
         Raises ``ValueError`` (bad parameters, duplicate live id) or
         ``RuntimeError`` (no longer accepting); nothing is registered then.
@@ -119,17 +123,24 @@ class AdmissionRules(StreamingRules):
             raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
         final = self.resolve_final_stage(request_id, final_stage_id)
         self.check_timeout(timeout)
-        if request_id in self.queued or request_id in self.requests:
+        if request_id in self.queued or request_id in self.requests or request_id in self.companion_of:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
         params = self.resolve_sampling(sampling)
+        comps = self.resolve_companions(request_id, companions, final, bool(resumable))
         ticket = Ticket(request_id, prompt, final, timeout, bool(resumable), params)
         self.queued[request_id] = ticket
+        if comps:
+            ticket.companions = comps
+            for cid in comps:
+                self.companion_of[cid] = request_id
         return ticket
 
     def withdraw(self, ticket: Ticket) -> None:
         """Undo :meth:`accept` for a ticket that never reached the request queue (no terminal)."""
         if self.queued.get(ticket.request_id) is ticket:
             del self.queued[ticket.request_id]
+            for cid in ticket.companions:
+                self.companion_of.pop(cid, None)
 
     def start(self, ticket: Ticket) -> list[Action]:
         """The request handler took ``ticket``: decide the first submissions.
@@ -148,7 +159,7 @@ class AdmissionRules(StreamingRules):
         targets = range(final + 1) if self.async_chunk else (0,)
         for k in targets:
             if not self.available[k]:
-                return self.refuse(rid, OrchError(rid, k, "stage_unavailable",
+                return self.refuse(ticket, OrchError(rid, k, "stage_unavailable",
                                                   f"stage {k} has no live replica"))
         payloads = [prompt]
         if self.async_chunk:
@@ -156,7 +167,7 @@ class AdmissionRules(StreamingRules):
                 try:
                     payloads.append(self.prewarm_fn(k, prompt))
                 except Exception as exc:  # a user callback: report, never crash admission
-                    return self.refuse(rid, OrchError(
+                    return self.refuse(ticket, OrchError(
                         rid, k, "forward_failed", f"prewarm_fn({k}) raised {type(exc).__name__}: {exc}"))
         req = RequestState(ticket, self.finals_for[final])
         req.submitted.update(targets)
@@ -169,16 +180,21 @@ class AdmissionRules(StreamingRules):
             req.opened = dict.fromkeys(targets, 1)
             for segment, final_segment in ticket.updates:
                 actions.extend(self.open_segment(req, segment, final_segment))
+        for cid, cprompt in ticket.companions.items():  # after the parent: the same replica takes them
+            actions.append(Submit(0, cid, cprompt, False, sampling.get(0), rid))
         return actions
 
     def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None, *,
-            timeout: float | None = None, resumable: bool = False, sampling: Any = None) -> list[Action]:
+            timeout: float | None = None, resumable: bool = False, sampling: Any = None,
+            companions: Mapping[str, Any] | None = None) -> list[Action]:
         """:meth:`accept` and :meth:`start` in one step (no queue between them)."""
         return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
-                                      resumable=resumable, sampling=sampling))
+                                      resumable=resumable, sampling=sampling, companions=companions))
 
-    def refuse(self, request_id: str, err: OrchError) -> list[Action]:
-        """A request that could not start: its terminal, nothing was submitted."""
+    def refuse(self, ticket: Ticket, err: OrchError) -> list[Action]:
+        """A request that could not start: its terminal; nothing was submitted, its companions go."""
+        for cid in ticket.companions:
+            self.companion_of.pop(cid, None)
         self.count_terminal(err.kind)
         return [Emit(err)]
 

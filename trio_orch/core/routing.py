@@ -19,6 +19,10 @@ class RoutingRules(AdmissionRules):
         """Route one output of stage ``stage_id`` (the terminal gate lives here)."""
         rid = out.request_id
         req = self.requests.get(rid)
+        if req is None:
+            parent = self.companion_of.get(rid)
+            if parent is not None:
+                return self.route_companion(parent, stage_id, out)
         if req is None or stage_id not in req.submitted or stage_id in req.finished:
             # Unknown, cleaned up, never submitted here, or already finished here.
             self.dropped_outputs += 1
@@ -30,6 +34,8 @@ class RoutingRules(AdmissionRules):
             return self.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
         finished = out.finished
         forwards = finished and not self.async_chunk and stage_id < req.final_stage_id
+        if forwards and req.companions and stage_id == 0 and not self.companions_ready(req):
+            forwards = False  # the last companion to finish stage 0 forwards (route_companion)
         if finished:
             req.finished.add(stage_id)
         if not self.async_chunk and stage_id < req.final_stage_id:
@@ -65,7 +71,12 @@ class RoutingRules(AdmissionRules):
         if not self.available[nxt]:
             return self.end(req, OrchError(rid, nxt, "stage_unavailable", f"stage {nxt} has no live replica"))
         try:
-            payload = self.forward_fn(stage_id, req.prompt, req.outputs.pop(stage_id, []))
+            outputs = req.outputs.pop(stage_id, [])
+            if req.companions and stage_id == 0:
+                comps = self.companion_outputs(req)
+                payload = self.forward_fn(stage_id, req.prompt, outputs, companions=comps)
+            else:
+                payload = self.forward_fn(stage_id, req.prompt, outputs)
         except Exception as exc:  # a user callback: report, never crash routing
             return self.end(req, OrchError(rid, stage_id, "forward_failed",
                                            f"forward_fn({stage_id}) raised {type(exc).__name__}: {exc}"))
@@ -114,7 +125,8 @@ class RoutingRules(AdmissionRules):
         self.available[stage_id] = False
         actions: list[Action] = []
         victims = [r for r in self.requests.values()
-                   if stage_id in r.submitted and stage_id not in r.finished]
+                   if (stage_id in r.submitted and stage_id not in r.finished)
+                   or (stage_id == 0 and r.companions and not self.companions_ready(r))]
         for req in victims:
             err = OrchError(req.request_id, stage_id, "replica_died", message)
             actions.extend(self.end(req, err, skip=stage_id))

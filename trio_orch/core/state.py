@@ -16,7 +16,7 @@ from typing import Any
 from trio_orch.core.actions import Abort, Action, Emit
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["NOTHING", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket"]
+__all__ = ["NOTHING", "Companion", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket"]
 
 ForwardFn = Callable[..., Any]  # (stage_id, prompt, outputs) -> next input
 PrewarmFn = Callable[[int, Any], Any]
@@ -35,8 +35,8 @@ class Ticket:
     shell's timer.
     """
 
-    __slots__ = ("final_stage_id", "input_closed", "prompt", "request_id", "resumable", "sampling", "timeout",
-                 "updates")
+    __slots__ = ("companions", "final_stage_id", "input_closed", "prompt", "request_id", "resumable",
+                 "sampling", "timeout", "updates")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None,
                  resumable: bool = False, sampling: dict[int, Any] | None = None) -> None:
@@ -48,9 +48,26 @@ class Ticket:
         self.input_closed = not resumable
         self.updates: list[tuple[Any, bool]] = []  # input segments added while queued
         self.sampling: dict[int, Any] = sampling or {}  # stage -> its parameters (validated)
+        self.companions: dict[str, Any] = {}  # companion id -> its stage-0 prompt
 
     def __repr__(self) -> str:
         return f"<Ticket {self.request_id!r}>"
+
+
+class Companion:
+    """A companion request (e.g. CFG's unconditional prompt): runs stage 0 next to its parent.
+
+    It never reaches the user; its outputs condition the parent's forward from
+    stage 0, which waits until the parent and every companion finished there.
+    """
+
+    __slots__ = ("finished", "outputs", "parent", "request_id")
+
+    def __init__(self, request_id: str, parent: str) -> None:
+        self.request_id = request_id
+        self.parent = parent
+        self.finished = False
+        self.outputs: list[Any] = []
 
 
 class RequestState:
@@ -64,6 +81,7 @@ class RequestState:
 
     __slots__ = (
         "closed",
+        "companions",
         "final_stage_id",
         "finals",
         "finished",
@@ -98,6 +116,8 @@ class RequestState:
         self.segments = 1
         self.opened: dict[int, int] = {}
         self.closed: dict[int, int] = {}
+        self.companions: dict[str, Companion] = {
+            cid: Companion(cid, request_id) for cid in ticket.companions}
 
     @property
     def open_stages(self) -> set[int]:
@@ -147,6 +167,7 @@ class CoreState:
         self.accepting = True
         self.queued: dict[str, Ticket] = {}  # accepted, not started
         self.requests: dict[str, RequestState] = {}  # started, no terminal yet
+        self.companion_of: dict[str, str] = {}  # companion id -> its parent's id (queued or started)
         self.finals_for: dict[int, frozenset[int]] = {
             k: frozenset(f for f in finals if f <= k) for k in range(num_stages)
         }
@@ -161,7 +182,10 @@ class CoreState:
         del self.requests[req.request_id]
         self.outputs_routed += 1
         self.count_terminal("finished")
-        return [Emit(msg)]
+        actions: list[Action] = [Emit(msg)]
+        if req.companions:
+            actions.extend(self.release_companions(req))
+        return actions
 
     def end(self, req: RequestState, err: OrchError, skip: int | None = None) -> list[Action]:
         """The request failed: ``err`` is the terminal; abort it on every stage still open.
@@ -174,11 +198,22 @@ class CoreState:
         for k in sorted(req.submitted - req.finished):
             if k != skip and self.available[k]:
                 actions.append(Abort(k, [req.request_id]))
+        if req.companions:
+            actions.extend(self.release_companions(req))
         return actions
+
+    def release_companions(self, req: RequestState) -> list[Action]:
+        """The parent ended: forget its companions; abort on stage 0 those still running there."""
+        running = [c.request_id for c in req.companions.values() if not c.finished]
+        for cid in req.companions:
+            self.companion_of.pop(cid, None)
+        return [Abort(0, running)] if running and self.available[0] else []
 
     def end_queued(self, ticket: Ticket, kind: str, message: str) -> list[Action]:
         """A request ended before it started: only its terminal, no stage holds it."""
         del self.queued[ticket.request_id]
+        for cid in ticket.companions:
+            self.companion_of.pop(cid, None)
         self.count_terminal(kind)
         return [Emit(OrchError(ticket.request_id, None, kind, message))]
 
