@@ -17,13 +17,14 @@ from bench.harness import IMPLEMENTATIONS, make_harness
 from trio_orch import core
 from trio_orch.core import Submit
 from trio_orch.core.admission import AdmissionRules
+from trio_orch.core.companions import CompanionRules
 from trio_orch.core.routing import RoutingRules
 from trio_orch.core.state import CoreState
 from trio_orch.core.streaming import StreamingRules
 
 DESIGN = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
 CLASSES = {"AdmissionRules": AdmissionRules, "RoutingRules": RoutingRules, "CoreState": CoreState,
-           "StreamingRules": StreamingRules}
+           "StreamingRules": StreamingRules, "CompanionRules": CompanionRules}
 
 
 def rule_table() -> list[tuple[str, str, str]]:

@@ -178,7 +178,7 @@ class Orchestrator:
 
     async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                           timeout: float | None = None, resumable: bool = False,
-                          sampling: Any = None) -> None:
+                          sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
         """Accept a request; return once it is registered and submitted.
 
         ``timeout`` (seconds, default ``request_timeout``) bounds the request's
@@ -187,6 +187,9 @@ class Orchestrator:
         only after its final segment.  ``sampling``: per-stage parameters, a
         list indexed by stage or a mapping stage -> parameters; each stage
         gets its entry with every submit and update (never interpreted here).
+        ``companions``: ``{id: prompt}`` requests that run stage 0 next to this
+        one (e.g. CFG's negative prompt) and condition its forward; they never
+        reach the user (see :mod:`trio_orch.core.companions`).
 
         Waits while the request channel is full.  Raises ``ValueError`` for a
         duplicate active id or bad parameters and ``RuntimeError`` once the
@@ -194,7 +197,7 @@ class Orchestrator:
         If the caller is cancelled after the request was accepted, the request
         is aborted (it still gets its terminal).
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         done = trio.Event()
         self._sending.add(ticket)
         try:
@@ -214,12 +217,12 @@ class Orchestrator:
 
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                            timeout: float | None = None, resumable: bool = False,
-                           sampling: Any = None) -> None:
+                           sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
         Synchronous, so a thread bridge can call it via the Trio token.
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         try:
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
@@ -425,11 +428,11 @@ class Orchestrator:
             self._ev_send.send_nowait((None, _Command("expire", state, None)))
 
     # ------------------------------------------------------------------ helpers
-    def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                timeout: float | None, resumable: bool, sampling: Any) -> Ticket:
+    def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None, timeout: float | None,
+                resumable: bool, sampling: Any, companions: Mapping[str, Any] | None) -> Ticket:
         ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id,
                                     timeout=self.request_timeout if timeout is None else timeout,
-                                    resumable=resumable, sampling=sampling)
+                                    resumable=resumable, sampling=sampling, companions=companions)
         if ticket.timeout is not None:
             self._deadlines.set(request_id, ticket.timeout)
         return ticket
@@ -499,14 +502,15 @@ class Orchestrator:
         aborts: list[Abort] = []
         for a in actions:
             if type(a) is Submit or type(a) is Update:
-                if a.request_id not in router:
+                if not router.is_started(a.request_id):
                     continue  # ended while an earlier action awaited
                 stage = self.stages[a.stage_id]
+                opts = stage_io_options(a)  # only what is set: plain clients keep working
                 try:
                     if type(a) is Update:
-                        await stage.update(a.request_id, a.payload, **stage_io_options(a))  # type: ignore[attr-defined]
-                    elif a.resumable or a.sampling is not None:
-                        await stage.submit(a.request_id, a.payload, **stage_io_options(a))  # type: ignore[call-arg]
+                        await stage.update(a.request_id, a.payload, **opts)  # type: ignore[attr-defined]
+                    elif opts:
+                        await stage.submit(a.request_id, a.payload, **opts)  # type: ignore[call-arg]
                     else:
                         await stage.submit(a.request_id, a.payload)
                 except Exception as exc:

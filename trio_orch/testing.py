@@ -36,6 +36,7 @@ class ScriptedStage:
         self.resumable: list[str] = []  # ids submitted with resumable=True (more input follows)
         self.final_updates: list[str] = []  # ids whose last input segment arrived
         self.sampling: list[tuple[str, Any]] = []  # (id, params) of every submit/update that carried them
+        self.companions: list[tuple[str, str]] = []  # (companion id, parent id) of companion submits
         self.aborts: list[str] = []
         self.closed = False
         self._send, self._recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
@@ -97,7 +98,7 @@ class ScriptedStage:
 
     # ---------------------------------------------------------------- client protocol
     async def submit(self, request_id: str, payload: Any, *, resumable: bool = False,
-                     sampling: Any = None) -> None:
+                     sampling: Any = None, companion_of: str | None = None) -> None:
         while self._submit_gate is not None:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
@@ -107,6 +108,8 @@ class ScriptedStage:
             self.resumable.append(request_id)
         if sampling is not None:
             self.sampling.append((request_id, sampling))
+        if companion_of is not None:
+            self.companions.append((request_id, companion_of))
         await trio.lowlevel.checkpoint()
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,

@@ -34,6 +34,14 @@ class AdmissionRules(StreamingRules, CompanionRules):
         """Accepted and without a terminal yet (queued or started)."""
         return request_id in self.queued or request_id in self.requests
 
+    def is_started(self, request_id: str) -> bool:
+        """Started and without a terminal -- a companion counts while its parent runs.
+
+        What a shell asks before performing a submit or update decided earlier.
+        """
+        return request_id in self.requests or (
+            request_id in self.companion_of and self.companion_of[request_id] in self.requests)
+
     def is_current(self, ticket: Ticket) -> bool:
         """The ticket's request is live and is this incarnation of its id."""
         rid = ticket.request_id

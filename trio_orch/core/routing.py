@@ -116,7 +116,7 @@ class RoutingRules(AdmissionRules):
         sent) while the submit was still being written; the stage would then
         hold a request nobody waits for.
         """
-        if request_id in self.requests:
+        if self.is_started(request_id):
             return NOTHING
         return [Abort(stage_id, [request_id])]
 
