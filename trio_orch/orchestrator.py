@@ -42,7 +42,7 @@ from trio_orch.core import (
     stage_io_options,
 )
 from trio_orch.deadlines import DeadlineKeeper
-from trio_orch.types import Message, StageClient, StageDied, StageOutput
+from trio_orch.types import Message, RpcResult, StageClient, StageDied, StageOutput
 
 __all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
 
@@ -73,6 +73,32 @@ class _Update:
         self.final = final
         self.done = trio.Event()
         self.error: Exception | None = None
+
+
+class _RpcCall:
+    """The answers of one collective RPC as its per-stage tasks report them."""
+
+    __slots__ = ("answers", "args", "done", "kwargs", "method", "pending", "timeout")
+
+    def __init__(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float,
+                 targets: list[int]) -> None:
+        self.method = method
+        self.args = args
+        self.kwargs = kwargs
+        self.timeout = timeout
+        self.pending = set(targets)
+        self.answers: dict[int, list[tuple[int, Any, str | None]]] = {}
+        self.done = trio.Event()
+
+    def answer(self, stage_id: int, replies: list[tuple[int, Any, str | None]]) -> None:
+        self.answers[stage_id] = replies
+        self.pending.discard(stage_id)
+        if not self.pending:
+            self.done.set()
+
+    def results(self) -> list[RpcResult]:
+        return sorted((RpcResult(k, r, v, e) for k, replies in self.answers.items() for r, v, e in replies),
+                      key=lambda x: (x.stage_id, x.replica))
 
 
 class _Command:
@@ -122,6 +148,7 @@ class Orchestrator:
         output_sink: OutputSink | None = None,
         request_timeout: float | None = None,
         check_sampling: Callable[[int, Any], Any] | None = None,
+        rpc_timeout: float = 5.0,
     ) -> None:
         if request_queue_size < 1:
             raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
@@ -131,6 +158,7 @@ class Orchestrator:
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
+        self.rpc_timeout = rpc_timeout
         self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
             request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
@@ -254,6 +282,34 @@ class Orchestrator:
         await cmd.done.wait()
         if cmd.error is not None:
             raise cmd.error
+
+    async def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                             kwargs: Mapping[str, Any] | None = None, stage_ids: Iterable[int] | None = None,
+                             timeout: float | None = None) -> list[RpcResult]:
+        """Call ``method(*args, **kwargs)`` on every live replica of the chosen stages.
+
+        Returns one :class:`RpcResult` per replica, in ``(stage_id, replica)``
+        order.  Replicas are called concurrently, in tasks of the run nursery,
+        each under its own deadline (``timeout``, default ``rpc_timeout``): a
+        hung or dead replica yields its own error result and never blocks
+        admission, routing or the other replicas.  Raises ``ValueError`` for
+        invalid stage ids (nothing is called) and ``RuntimeError`` when the
+        orchestrator is not running.
+        """
+        targets = self.router.check_stage_ids(stage_ids)
+        if not isinstance(method, str) or not method:
+            raise ValueError(f"method must be a non-empty str, got {method!r}")
+        timeout = self.rpc_timeout if timeout is None else timeout
+        if not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        nursery = self._nursery
+        if nursery is None or nursery.cancel_scope.cancel_called:
+            raise RuntimeError("orchestrator is not running: collective_rpc needs a running orchestrator")
+        call = _RpcCall(method, tuple(args), dict(kwargs or {}), timeout, targets)
+        for k in targets:
+            nursery.start_soon(self._rpc_stage, call, k, name=f"trio_orch.rpc[{k}].{method}")
+        await call.done.wait()
+        return call.results()
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; it gets ``OrchError(kind="aborted")``.  Unknown id: no-op.
@@ -456,6 +512,27 @@ class Orchestrator:
         except trio.ClosedResourceError:
             return False  # stopping: the shutdown terminal is on its way
         return True
+
+    async def _rpc_stage(self, call: _RpcCall, stage_id: int) -> None:
+        """One stage's part of a collective RPC; always records an answer, even when cancelled."""
+        answer: list[tuple[int, Any, str | None]] = []
+        try:
+            rpc = getattr(self.stages[stage_id], "rpc", None)
+            if rpc is None:
+                answer = [(-1, None, f"stage {stage_id} ({type(self.stages[stage_id]).__name__}) "
+                                     "takes no rpc calls")]
+                return
+            # The client applies the deadline per replica; this bound only guards against a
+            # client that ignores it.
+            with trio.move_on_after(call.timeout + self.shutdown_grace) as scope:
+                try:
+                    answer = list(await rpc(call.method, call.args, call.kwargs, call.timeout))
+                except Exception as exc:
+                    answer = [(-1, None, f"{type(exc).__name__}: {exc}")]
+            if scope.cancelled_caught:
+                answer = [(-1, None, f"timeout: stage {stage_id} did not answer within {call.timeout}s")]
+        finally:
+            call.answer(stage_id, answer or [(-1, None, "orchestrator shut down during the call")])
 
     def _on_stage_died(self, stage_id: int, death: StageDied) -> list[Action]:
         msg = death.describe(stage_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -39,6 +40,8 @@ class ScriptedStage:
         self.companions: list[tuple[str, str]] = []  # (companion id, parent id) of companion submits
         self.aborts: list[str] = []
         self.closed = False
+        self.rpc_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self._rpc_handlers: dict[str, Callable[..., Awaitable[Any]]] = {}
         self._send, self._recv = trio.open_memory_channel[StageOutput | BaseException](math.inf)
         self._dead: BaseException | None = None
         self._submit_gate: trio.Event | None = None
@@ -81,6 +84,14 @@ class ScriptedStage:
             self._dead = exc
             self._send.send_nowait(exc)
             self._send.close()
+
+    def on_rpc(self, method: str, fn: Callable[..., Awaitable[Any]]) -> None:
+        """Answer RPC ``method`` with ``await fn(*args, **kwargs)``: its value, or what it raises.
+
+        ``fn`` may hang, to test deadlines.  A method with no handler yields an
+        error result naming it.
+        """
+        self._rpc_handlers[method] = fn
 
     def hold_submits(self) -> None:
         """Make ``submit`` block (a saturated or hung stage) until released."""
@@ -131,6 +142,26 @@ class ScriptedStage:
             raise StageUnavailable(f"{self.name} is not running")
         self.aborts.extend(request_ids)
         await trio.lowlevel.checkpoint()
+
+    async def rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                  timeout: float | None = None) -> list[tuple[int, Any, str | None]]:
+        """One replica (0): ``[(0, value, None)]`` or ``[(0, None, error)]``; recorded in ``rpc_calls``."""
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        kwargs = dict(kwargs or {})
+        self.rpc_calls.append((method, tuple(args), kwargs))
+        fn = self._rpc_handlers.get(method)
+        if fn is None:
+            await trio.lowlevel.checkpoint()
+            return [(0, None, f"unknown rpc method {method!r}")]
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                value = await fn(*args, **kwargs)
+        except trio.TooSlowError:
+            return [(0, None, f"timeout: no answer within {timeout}s")]
+        except Exception as exc:
+            return [(0, None, f"{type(exc).__name__}: {exc}")]
+        return [(0, value, None)]
 
     async def receive(self) -> list[StageOutput]:
         """Wait for at least one output; return everything already emitted."""

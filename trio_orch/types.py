@@ -17,6 +17,7 @@ __all__ = [
     "OrchError",
     "OrchOutput",
     "PushStageClient",
+    "RpcResult",
     "StageClient",
     "StageDied",
     "StageOutput",
@@ -98,6 +99,20 @@ class OrchError:
 
 #: what the user receives: an output, or an error terminal
 Message = OrchOutput | OrchError
+
+
+@dataclass(frozen=True, slots=True)
+class RpcResult:
+    """One replica's answer to a collective RPC: ``value``, or ``error`` (None when it succeeded).
+
+    ``replica`` is -1 when the stage as a whole could not be asked (no live
+    replica, a client that takes no RPC).
+    """
+
+    stage_id: int
+    replica: int
+    value: Any
+    error: str | None
 
 
 class StageDied(RuntimeError):

@@ -16,6 +16,7 @@ from typing import Any
 
 from trio_orch.core.actions import Action, Emit, Submit
 from trio_orch.core.companions import CompanionRules
+from trio_orch.core.control import ControlRules
 from trio_orch.core.state import NOTHING, RequestState, Ticket
 from trio_orch.core.streaming import StreamingRules
 from trio_orch.types import OrchError
@@ -23,7 +24,7 @@ from trio_orch.types import OrchError
 __all__ = ["AdmissionRules"]
 
 
-class AdmissionRules(StreamingRules, CompanionRules):
+class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
     """Acceptance, start, and the terminals of requests that never started."""
 
     # ------------------------------------------------------------------ queries
