@@ -332,3 +332,27 @@ def test_sampling_parameters_are_checked_per_stage_at_acceptance() -> None:
             r.accept("r", "p", sampling=bad)
         assert not r.is_live("r")
     assert r.add("r", "p", sampling={0: {}}) == [Submit(0, "r", "p", sampling={"temperature": 1.0})]
+
+
+# ---------------------------------------------------------------- pause
+def test_pause_modes_decide_what_happens_to_started_requests() -> None:
+    r = Router(2, {1}, async_chunk=True)
+    r.add("a", "p")
+    r.add("b", "p")
+    assert r.pause("wait") == [] and r.paused == "wait" and not r.pause_complete()
+    r.route(0, out("a", None, True))
+    r.route(1, out("a", "x", True))
+    r.route(0, out("b", None, True))
+    r.route(1, out("b", "y", True))
+    assert r.pause_complete()
+    r.resume()
+    assert r.paused is None and not r.pause_complete()
+    r.add("c", "p")
+    acts = r.pause("abort")
+    assert emitted(acts) == [OrchError("c", None, "aborted", "aborted by pause(mode='abort')")]
+    assert acts[1:] == [Abort(0, ["c"]), Abort(1, ["c"])] and r.pause_complete()
+    r.resume()
+    r.add("d", "p")
+    assert r.pause("keep") == [] and r.pause_complete() and "d" in r
+    with pytest.raises(ValueError, match="pause mode"):
+        r.pause("sleep")

@@ -1,21 +1,32 @@
-"""Control-plane rules: which stages a collective call addresses.
+"""Control-plane rules: which stages a collective call addresses, and pausing.
 
 A collective RPC is not a request: it never touches request state.  What
 the core decides is the target set -- all stages, or the ones named, each
-checked (the seed skips an invalid stage id silently; here it is an error).
+checked (an invalid stage id is an error, never silently skipped).
+
+Pausing stops *starting* requests: accepted requests wait, queued, until
+``resume`` (their callers see backpressure, not an error).  The mode says
+what happens to the requests already started: ``"wait"`` lets them finish,
+``"abort"`` ends them now (terminal ``aborted``), ``"keep"`` leaves them in
+place while the shell freezes the workers.  The pause is *complete* once no
+started request is left (``"keep"``: at once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from trio_orch.core.state import CoreState
+from trio_orch.core.actions import Action
+from trio_orch.core.state import NOTHING, CoreState
+from trio_orch.types import OrchError
 
-__all__ = ["ControlRules"]
+__all__ = ["PAUSE_MODES", "ControlRules"]
+
+PAUSE_MODES = ("wait", "abort", "keep")
 
 
 class ControlRules(CoreState):
-    """Targets of collective calls."""
+    """Targets of collective calls; pause and resume."""
 
     def check_stage_ids(self, stage_ids: Iterable[int] | None) -> list[int]:
         """The stages a collective call goes to, sorted; ``None``: every stage.  Raises ValueError."""
@@ -31,3 +42,24 @@ class ControlRules(CoreState):
         if not chosen:
             raise ValueError("stage_ids is empty: name at least one stage (or None for all)")
         return sorted(set(chosen))
+
+    def pause(self, mode: str = "wait") -> list[Action]:
+        """Start no request from now on; with ``"abort"`` end the started ones.  Raises ValueError."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        self.paused = mode
+        if mode != "abort":
+            return NOTHING
+        actions: list[Action] = []
+        for req in list(self.requests.values()):
+            rid = req.request_id
+            actions.extend(self.end(req, OrchError(rid, None, "aborted", "aborted by pause(mode='abort')")))
+        return actions
+
+    def resume(self) -> None:
+        """Start requests again."""
+        self.paused = None
+
+    def pause_complete(self) -> bool:
+        """The pause asked for is in effect: nothing started is left (``"keep"``: at once)."""
+        return self.paused == "keep" or (self.paused is not None and not self.requests)

@@ -165,6 +165,7 @@ class CoreState:
         self.default_final_stage_id = max(finals)
         self.available = [True] * num_stages
         self.accepting = True
+        self.paused: str | None = None  # a pause mode while paused (see ControlRules)
         self.queued: dict[str, Ticket] = {}  # accepted, not started
         self.requests: dict[str, RequestState] = {}  # started, no terminal yet
         self.companion_of: dict[str, str] = {}  # companion id -> its parent's id (queued or started)
