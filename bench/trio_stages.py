@@ -1,6 +1,6 @@
 """:class:`trio_orch.testing.ScriptedStage` with the comparison scenarios' faults.
 
-The Trio twin of :mod:`bench.asyncio_stages`: the same :class:`Misbehaviour`
+The Trio twin of :mod:`bench.refs.testing`: the same :class:`Misbehaviour`
 applied with Trio's primitives.  A Trio stage client cannot start a task that
 nobody owns, so ``helper_per_submit`` needs the nursery of whoever owns the
 stage (the application's); ``close_under_reader`` closes the stage's receive

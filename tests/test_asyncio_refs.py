@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 
-from bench.harness import IMPLEMENTATIONS, EndOfStream, Harness, make_harness
+from bench.drivers.base import IMPLEMENTATIONS, EndOfStream, Harness, make_harness
 from trio_orch.config import echo_config
 from trio_orch.types import OrchError, OrchOutput
 

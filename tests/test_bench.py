@@ -6,8 +6,8 @@ import json
 import math
 from pathlib import Path
 
-from bench import report
-from bench.benchmark import IMPLEMENTATIONS, run_benchmark
+from bench.perf import report
+from bench.perf.cli import IMPLEMENTATIONS, run_benchmark
 from trio_orch.cli import main
 
 LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
@@ -54,7 +54,7 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) ->
 
 
 def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
-    from bench.zmq_bench import ZmqTrioDriver, echo_pipeline, zmq_seq
+    from bench.perf.zmq_workloads import ZmqTrioDriver, echo_pipeline, zmq_seq
 
     driver = ZmqTrioDriver(echo_pipeline(1))
     driver.start()
@@ -71,7 +71,7 @@ def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
 
 
 def test_asyncio_reference_runs_the_zmq_echo_workload_over_real_workers() -> None:
-    from bench.zmq_bench import run_zmq_workload
+    from bench.perf.zmq_workloads import run_zmq_workload
 
     res = run_zmq_workload("zmq_a_seq", quick=True, impl="asyncio-taskgroup")
     assert res["outputs"] == 200 and len(res["latency"]) == 200

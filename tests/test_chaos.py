@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from bench import chaos
-from bench.chaos_faults import FAULTS
-from bench.chaos_run import ChaosOptions, ChaosResult, run_fault
+from bench.chaos import cli as chaos
+from bench.chaos.faults import FAULTS
+from bench.chaos.run import ChaosOptions, ChaosResult, run_fault
 
 OPTS = ChaosOptions(requests=150, concurrency=32, echo=True, request_timeout=20.0, probe_requests=10,
                     progress=False)
@@ -95,7 +95,7 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
 
     import httpx
 
-    from bench.chaos_http import ServerProcess, _body, parse_metrics
+    from bench.chaos.server import ServerProcess, _body, parse_metrics
 
     opts = ChaosOptions(request_timeout=20.0, progress=False)
     server = ServerProcess(opts, replicas=1)

@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from bench.asyncio_omni import OmniEventDriven
-from bench.asyncio_taskgroup import TaskGroupOrchestrator
-from bench.scenarios import SCENARIOS, by_number, run_scenario
-from bench.scenarios.base import CUT
-from bench.scenarios.shutdown import judge_no_hang_no_leak
+from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
+from bench.compare.scenarios.base import CUT
+from bench.compare.scenarios.shutdown import judge_no_hang_no_leak
+from bench.refs.omni import OmniEventDriven
+from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.cli import main
 
 

@@ -15,8 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.misbehaviour import Misbehaviour
-from bench.scenarios.base import (
+from bench.compare.scenarios.base import (
     CUT,
     LogCapture,
     Scenario,
@@ -24,6 +23,7 @@ from bench.scenarios.base import (
     stop_and_drain,
     terminal_stats,
 )
+from bench.misbehaviour import Misbehaviour
 
 # ---------------------------------------------------------------- 7
 N7 = 300
@@ -236,13 +236,14 @@ S9 = Scenario(
 
 # ---------------------------------------------------------------- 10
 IN_FLIGHT10 = 6
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def measure_sigint(impl: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "bench.scenarios.sigint_child", impl, str(IN_FLIGHT10)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
+    argv = [sys.executable, "-m", "bench.compare.scenarios.sigint_child", impl, str(IN_FLIGHT10)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env)
     m: dict[str, Any] = {"in_flight": IN_FLIGHT10}
     assert proc.stdout is not None
     ready = proc.stdout.readline().strip()

@@ -1,4 +1,4 @@
-"""The asyncio references behind the thread-side :class:`~bench.harness.Harness`.
+"""The asyncio references behind the thread-side :class:`~bench.drivers.base.Harness`.
 
 As in vLLM-Omni, the orchestrator runs in a thread with its own event loop
 and the serving thread talks to it through janus queues: adds and aborts go
@@ -22,12 +22,12 @@ from typing import Any
 
 import janus
 
-from bench.asyncio_omni import OmniEventDriven, OmniPolling
-from bench.asyncio_shell import AsyncioOrchestrator
-from bench.asyncio_stages import AsyncScriptedStage
-from bench.asyncio_taskgroup import TaskGroupOrchestrator
-from bench.asyncio_zmq import open_worker_stages
-from bench.harness import Harness, Message
+from bench.drivers.base import Harness, Message
+from bench.refs.omni import OmniEventDriven, OmniPolling
+from bench.refs.orchestrator import AsyncioOrchestrator
+from bench.refs.taskgroup import TaskGroupOrchestrator
+from bench.refs.testing import AsyncScriptedStage
+from bench.refs.transport import open_worker_stages
 
 __all__ = ["AsyncioHarness", "OmniEventHarness", "OmniPollingHarness", "TaskGroupHarness"]
 

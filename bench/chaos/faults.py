@@ -2,9 +2,9 @@
 
 An ``inject(run)`` waits for its moment (a fraction of the load submitted),
 does its damage, and marks ``t_fault`` / ``t_detect`` / ``t_recover`` on the
-:class:`~bench.chaos_run.ChaosRun` from what it observes (the supervisor's
+:class:`~bench.chaos.run.ChaosRun` from what it observes (the supervisor's
 restart events, counters, the output backlog).  The HTTP faults live in
-:mod:`bench.chaos_http`.
+:mod:`bench.chaos.server`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from bench.chaos_run import ChaosRun, Inject
+from bench.chaos.run import ChaosRun, Inject
 from trio_orch.types import StageOutput
 
 __all__ = ["FAULTS", "Fault", "GatedStage"]

@@ -1,4 +1,4 @@
-"""The Trio orchestrator behind the thread-side :class:`~bench.harness.Harness`.
+"""The Trio orchestrator behind the thread-side :class:`~bench.drivers.base.Harness`.
 
 ``trio.run`` runs in a background thread; calls come in through the Trio
 token (``trio.from_thread.run``/``run_sync`` when the caller needs the result,
@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from bench.harness import Harness, Message
+from bench.drivers.base import Harness, Message
 from bench.trio_stages import TrioScriptedStage
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator

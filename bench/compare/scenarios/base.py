@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.harness import Harness, make_harness
+from bench.drivers.base import Harness, make_harness
 
 __all__ = [
     "CUT",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.harness import EndOfStream
-from bench.scenarios.base import (
+from bench.compare.scenarios.base import (
     CUT,
     LogCapture,
     Scenario,
@@ -16,6 +15,7 @@ from bench.scenarios.base import (
     surfaced,
     terminal_stats,
 )
+from bench.drivers.base import EndOfStream
 from trio_orch.types import OrchOutput
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.drivers import BenchDriver
+from bench.perf.drivers import BenchDriver
 from trio_orch.types import StageOutput
 
 Result = dict[str, Any]

@@ -1,7 +1,7 @@
 """The modern asyncio reference: the same orchestrator under ``asyncio.TaskGroup`` (3.11+).
 
 Same thread/loop boundary, janus queues, request handler, reader-per-stage and
-serial dispatcher as :class:`bench.asyncio_omni.OmniEventDriven`, but the tasks
+serial dispatcher as :class:`bench.refs.omni.OmniEventDriven`, but the tasks
 live in one :class:`asyncio.TaskGroup`: a task that crashes cancels its
 siblings and the error comes out of ``run()`` as an ``ExceptionGroup``;
 shutdown cancels the group's tasks and the group waits for them, at most
@@ -24,12 +24,12 @@ import asyncio
 import logging
 from typing import Any
 
-from bench.asyncio_shell import AsyncioOrchestrator
+from bench.refs.orchestrator import AsyncioOrchestrator
 from trio_orch.types import StageClient, StageDied
 
 __all__ = ["TaskGroupOrchestrator"]
 
-log = logging.getLogger("bench.asyncio_taskgroup")
+log = logging.getLogger("bench.refs.taskgroup")
 
 
 class TaskGroupOrchestrator(AsyncioOrchestrator):

@@ -26,12 +26,12 @@ import asyncio
 import logging
 from typing import Any
 
-from bench.asyncio_shell import AsyncioOrchestrator
+from bench.refs.orchestrator import AsyncioOrchestrator
 from trio_orch.types import StageClient, StageDied
 
 __all__ = ["OmniEventDriven", "OmniPolling"]
 
-log = logging.getLogger("bench.asyncio_omni")
+log = logging.getLogger("bench.refs.omni")
 
 
 class _OmniBase(AsyncioOrchestrator):

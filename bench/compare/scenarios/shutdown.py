@@ -5,8 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.misbehaviour import Misbehaviour
-from bench.scenarios.base import (
+from bench.compare.scenarios.base import (
     CUT,
     GRACE,
     LogCapture,
@@ -17,6 +16,7 @@ from bench.scenarios.base import (
     surfaced,
     terminal_stats,
 )
+from bench.misbehaviour import Misbehaviour
 
 
 def _in_flight(h: Any, rids: list[str], stage: int = 0) -> list[Any]:

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.stats import ratio
+from bench.perf.stats import ratio
 
 #: (name, description, check) evaluated against one run's results (issue 6 targets).
 BASE = "trio"

@@ -53,7 +53,7 @@ from trio_orch.wire import (
 
 __all__ = ["AsyncZmqStageClient", "ReplicaDied", "open_worker_stages"]
 
-log = logging.getLogger("bench.asyncio_zmq")
+log = logging.getLogger("bench.refs.transport")
 
 
 class AsyncZmqStageClient:

@@ -1,7 +1,7 @@
 """Benchmark workloads over real worker processes (ZeroMQ transport + orchestrator).
 
 The echo workloads run trio-orch (its ZMQ client and replica pools) and the
-asyncio references (``bench.asyncio_zmq``: pyzmq asyncio sockets, one worker
+asyncio references (``bench.refs.transport``: pyzmq asyncio sockets, one worker
 per stage); the end-to-end torch pipeline needs pools and the async-chunk
 connector, so it runs trio-orch only.  Outputs carry the worker's ``t_produced`` (the
 monotonic clock is system-wide on Linux, so a worker's stamp compares with
@@ -19,10 +19,10 @@ from typing import Any
 
 import trio
 
-from bench.asyncio_drivers import ASYNCIO_DRIVERS, AsyncioDriver
-from bench.asyncio_shell import AsyncioOrchestrator
-from bench.asyncio_zmq import open_worker_stages
-from bench.drivers import BenchDriver, Message, TrioDriver
+from bench.perf.asyncio_drivers import ASYNCIO_DRIVERS, AsyncioDriver
+from bench.perf.drivers import BenchDriver, Message, TrioDriver
+from bench.refs.orchestrator import AsyncioOrchestrator
+from bench.refs.transport import open_worker_stages
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
@@ -143,7 +143,7 @@ def torch_pipeline(async_chunk: bool) -> PipelineConfig:
 class AsyncioZmqDriver(AsyncioDriver):
     """An asyncio reference over the same worker processes (pyzmq asyncio sockets).
 
-    ``bench.asyncio_zmq`` starts one worker per stage (the references have no
+    ``bench.refs.transport`` starts one worker per stage (the references have no
     replica pool), so only single-replica echo pipelines run here.
     """
 

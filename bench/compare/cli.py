@@ -1,6 +1,6 @@
 """``trio-orch compare``: cancellation semantics measured side by side.
 
-Runs the scenario matrix (:mod:`bench.scenarios`) against every
+Runs the scenario matrix (:mod:`bench.compare.scenarios`) against every
 implementation -- the Trio orchestrator and the three asyncio references, all
 on the same routing core -- and prints a table; ``--json`` and ``--markdown``
 write the full results.  Every cell is computed from measurements taken while
@@ -21,7 +21,7 @@ __all__ = ["configure", "markdown_report", "run", "run_matrix", "terminal_table"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from bench.harness import IMPLEMENTATIONS
+    from bench.drivers.base import IMPLEMENTATIONS
 
     parser.description = (
         "Run the cancellation/fault scenario matrix against the Trio orchestrator and the asyncio "
@@ -44,9 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
                progress: bool = True) -> dict[str, Any]:
     """Run the scenarios against the implementations; the JSON-able result."""
-    from bench.harness import IMPLEMENTATIONS
-    from bench.scenarios import SCENARIOS, by_number, run_scenario
-    from bench.scenarios.base import CUT, GRACE
+    from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
+    from bench.compare.scenarios.base import CUT, GRACE
+    from bench.drivers.base import IMPLEMENTATIONS
 
     scenarios = [by_number(n) for n in numbers] if numbers else SCENARIOS
     impls = impls or list(IMPLEMENTATIONS)
@@ -152,7 +152,7 @@ def write_markdown(path: Path, report: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bench.scenarios import SCENARIOS, by_number
+    from bench.compare.scenarios import SCENARIOS, by_number
 
     if args.list:
         for sc in SCENARIOS:

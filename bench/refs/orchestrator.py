@@ -7,7 +7,7 @@ first ``await`` and submits it, readers only move stage outputs, and one
 dispatcher routes them serially.  This module holds the parts every asyncio
 variant shares -- the serving-thread calls, request handling, performing the
 core's actions, the shutdown cleanup -- so that the variants
-(:mod:`bench.asyncio_omni`, :mod:`bench.asyncio_taskgroup`) differ only in
+(:mod:`bench.refs.omni`, :mod:`bench.refs.taskgroup`) differ only in
 how their tasks are started, stopped and supervised, which is what the
 comparison is about.  Every decision (acceptance, routing, every terminal) is
 made by the same :class:`trio_orch.core.Router` as the Trio orchestrator's;

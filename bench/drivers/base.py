@@ -9,7 +9,7 @@ implementation's thread bridge does: the Trio token (``trio.from_thread`` /
 
 Outputs come back in batches (one per routing step) and the consumer is woken
 once per batch.  Stages are scripted (:class:`bench.trio_stages.TrioScriptedStage`
-or :class:`bench.asyncio_stages.AsyncScriptedStage`, optionally misbehaving)
+or :class:`bench.refs.testing.AsyncScriptedStage`, optionally misbehaving)
 and driven from the thread with :meth:`Harness.emit`, :meth:`Harness.fail_stage`...
 
     with make_harness("trio", num_stages=2, final_stage_ids={1}) as h:
@@ -63,7 +63,7 @@ class Harness:
     output channel/queue, for a consumer running inside its loop.
     ``workers`` (a :class:`trio_orch.config.PipelineConfig`, e.g. ``echo_config(2)``)
     replaces the scripted stages by real ``stages.worker`` processes over ZMQ
-    (Trio: ``open_pipeline``; asyncio: :func:`bench.asyncio_zmq.open_worker_stages`);
+    (Trio: ``open_pipeline``; asyncio: :func:`bench.refs.transport.open_worker_stages`);
     the config then sets the number of stages, the final stages and async-chunk mode,
     and ``emit``/``fail_stage`` are not available.
     """
@@ -288,12 +288,12 @@ class Harness:
 
 
 def _load() -> dict[str, type[Harness]]:
-    from bench.harness_asyncio import (
+    from bench.drivers.asyncio import (
         OmniEventHarness,
         OmniPollingHarness,
         TaskGroupHarness,
     )
-    from bench.harness_trio import TrioHarness
+    from bench.drivers.trio import TrioHarness
 
     return {h.impl: h for h in (TrioHarness, OmniEventHarness, OmniPollingHarness, TaskGroupHarness)}
 

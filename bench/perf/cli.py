@@ -20,12 +20,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import report, workloads
-from bench.asyncio_drivers import ASYNCIO_DRIVERS
-from bench.drivers import BenchDriver, FloorDriver, TrioDriver
-from bench.engine_driver import EngineDriver
-from bench.stats import summarize
-from bench.zmq_bench import ZMQ_IMPLEMENTATIONS, run_zmq_workload
+from bench.perf import report, workloads
+from bench.perf.asyncio_drivers import ASYNCIO_DRIVERS
+from bench.perf.drivers import BenchDriver, FloorDriver, TrioDriver
+from bench.perf.engine_driver import EngineDriver
+from bench.perf.stats import summarize
+from bench.perf.zmq_workloads import ZMQ_IMPLEMENTATIONS, run_zmq_workload
 
 Workload = Callable[[BenchDriver, bool], dict[str, Any]]
 

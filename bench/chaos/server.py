@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import trio
 
-from bench.chaos_run import ChaosOptions, ChaosResult
+from bench.chaos.run import ChaosOptions, ChaosResult
 from bench.faults import _alive, _fd_count
 
 __all__ = ["HTTP_FAULTS", "HttpFault", "ServerProcess"]

@@ -1,6 +1,6 @@
 """Benchmark driver for the production thread bridge, :class:`trio_orch.bridge.Engine`.
 
-Where :class:`bench.drivers.TrioDriver` reads the orchestrator's whole output
+Where :class:`bench.perf.drivers.TrioDriver` reads the orchestrator's whole output
 stream through one queue, this driver consumes through the Engine's public
 sync API: one :class:`~trio_orch.bridge.RequestHandle` per request (the
 per-request demultiplexing a serving front gets).  ``get`` serves the open
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.drivers import BenchDriver, Message, _FedStage
+from bench.perf.drivers import BenchDriver, Message, _FedStage
 from trio_orch.bridge import Engine, RequestHandle
 from trio_orch.engine_base import static_pipeline
 from trio_orch.types import StageOutput

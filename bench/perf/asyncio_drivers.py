@@ -1,4 +1,4 @@
-"""Benchmark drivers for the asyncio references (see :mod:`bench.drivers`).
+"""Benchmark drivers for the asyncio references (see :mod:`bench.perf.drivers`).
 
 Each runs one of the ``bench`` asyncio orchestrators the vLLM-Omni way: a
 thread with its own event loop, janus queues as the bridge (adds go into the
@@ -16,10 +16,10 @@ from typing import Any
 
 import janus
 
-from bench.asyncio_omni import OmniEventDriven, OmniPolling
-from bench.asyncio_shell import AsyncioOrchestrator
-from bench.asyncio_taskgroup import TaskGroupOrchestrator
-from bench.drivers import BenchDriver, Message
+from bench.perf.drivers import BenchDriver, Message
+from bench.refs.omni import OmniEventDriven, OmniPolling
+from bench.refs.orchestrator import AsyncioOrchestrator
+from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.types import StageOutput
 
 __all__ = ["ASYNCIO_DRIVERS", "AsyncioDriver"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import trio
 
-from bench.chaos_run import ChaosOptions, ChaosResult, run_fault
+from bench.chaos.run import ChaosOptions, ChaosResult, run_fault
 
 __all__ = ["configure", "main_async", "render_markdown", "render_table", "run"]
 
@@ -42,11 +42,11 @@ QUICK_REQUESTS = 200
 
 
 def _faults() -> dict[str, Any]:
-    from bench.chaos_faults import FAULTS
+    from bench.chaos.faults import FAULTS
 
     faults: dict[str, Any] = dict(FAULTS)
     try:
-        from bench.chaos_http import HTTP_FAULTS
+        from bench.chaos.server import HTTP_FAULTS
     except ImportError:  # the HTTP server is not available
         return faults
     faults.update(HTTP_FAULTS)

@@ -1,4 +1,4 @@
-"""``python -m bench.perf_experiments``: the measurements behind docs/performance.md.
+"""``python -m bench.perf.experiments``: the measurements behind docs/performance.md.
 
 Each experiment isolates one cost on the dispatch path and prints p50/p99
 (µs) or a per-operation cost measured in this run, interleaved across
@@ -16,9 +16,9 @@ from typing import Any
 
 import trio
 
-from bench import drivers, workloads
-from bench.asyncio_drivers import OmniEventDriver, TaskGroupDriver
-from bench.stats import percentiles_us
+from bench.perf import drivers, workloads
+from bench.perf.asyncio_drivers import OmniEventDriver, TaskGroupDriver
+from bench.perf.stats import percentiles_us
 from trio_orch.core import Router
 from trio_orch.types import StageOutput
 
@@ -119,7 +119,7 @@ def inproc(rounds: int, n: int) -> None:
 
 def zmq(rounds: int, n: int) -> None:
     """a_seq over ZMQ echo workers: ReplicaPool.pump (push) vs pool.receive()."""
-    from bench.zmq_bench import ZmqTrioDriver, echo_pipeline, zmq_seq
+    from bench.perf.zmq_workloads import ZmqTrioDriver, echo_pipeline, zmq_seq
     from trio_orch.pool import ReplicaPool
 
     pump = ReplicaPool.pump
@@ -144,7 +144,7 @@ def zmq(rounds: int, n: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.perf_experiments", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.perf.experiments", description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--n", type=int, default=2000, help="outputs per a_seq run")
     parser.add_argument("--skip-zmq", action="store_true")

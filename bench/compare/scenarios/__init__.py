@@ -1,16 +1,16 @@
 """The comparison's scenario matrix: twelve experiments, numbered as in issue 5.
 
-``SCENARIOS`` lists them in order; each is a :class:`~bench.scenarios.base.Scenario`
+``SCENARIOS`` lists them in order; each is a :class:`~bench.compare.scenarios.base.Scenario`
 whose ``measure(impl)`` runs it against one implementation and whose
 ``judge(metrics)`` derives the verdict from the measured numbers.
 """
 
 from __future__ import annotations
 
-from bench.scenarios.base import Outcome, Scenario, run_scenario
-from bench.scenarios.client import S7, S9, S10, S11
-from bench.scenarios.faults import S3, S6, S12
-from bench.scenarios.shutdown import S1, S2, S4, S5, S8
+from bench.compare.scenarios.base import Outcome, Scenario, run_scenario
+from bench.compare.scenarios.client import S7, S9, S10, S11
+from bench.compare.scenarios.running import S3, S6, S12
+from bench.compare.scenarios.shutdown import S1, S2, S4, S5, S8
 
 __all__ = ["SCENARIOS", "Outcome", "Scenario", "by_number", "run_scenario"]
 
