@@ -1,8 +1,9 @@
 """``trio-orch compare``: cancellation semantics measured side by side.
 
 Runs the scenario matrix (:mod:`bench.compare.scenarios`) against every
-implementation -- the Trio orchestrator and the three asyncio references, all
-on the same routing core -- and prints a table; ``--json`` and ``--markdown``
+implementation that supports scripted stages (:mod:`bench.implementations`:
+the Trio orchestrator and the asyncio references, all on the same routing
+core) and prints a table; ``--json`` and ``--markdown``
 write the full results.  Every cell is computed from measurements taken while
 the command runs: change an implementation and the table changes.
 """
@@ -21,8 +22,9 @@ __all__ = ["configure", "markdown_report", "run", "run_matrix", "terminal_table"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from bench.drivers.base import IMPLEMENTATIONS
+    from bench.implementations import names
 
+    impls = names("scripted")
     parser.description = (
         "Run the cancellation/fault scenario matrix against the Trio orchestrator and the asyncio "
         "references (vLLM-Omni event-driven, vLLM-Omni polling, asyncio.TaskGroup), all driving the same "
@@ -31,8 +33,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", type=int, action="append", metavar="N",
                         help="run only scenario N (1-12); repeat for several")
-    parser.add_argument("--impl", action="append", choices=list(IMPLEMENTATIONS), metavar="NAME",
-                        help=f"run only this implementation (repeatable): {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--impl", action="append", choices=impls, metavar="NAME",
+                        help=f"run only this implementation (repeatable): {', '.join(impls)}")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every measurement as JSON here")
     parser.add_argument("--markdown", type=Path, metavar="PATH",
                         help="write the table and per-scenario details as markdown here; in an existing "
@@ -46,10 +48,10 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
     """Run the scenarios against the implementations; the JSON-able result."""
     from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
     from bench.compare.scenarios.base import CUT, GRACE
-    from bench.drivers.base import IMPLEMENTATIONS
+    from bench.implementations import IMPLEMENTATIONS, names
 
     scenarios = [by_number(n) for n in numbers] if numbers else SCENARIOS
-    impls = impls or list(IMPLEMENTATIONS)
+    impls = impls or names("scripted")
     t0 = time.perf_counter()
     rows = []
     total, done = len(scenarios) * len(impls), 0
@@ -72,7 +74,7 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
         "platform": platform.platform(),
         "watchdog_cut_s": CUT,
         "shutdown_grace_s": GRACE,
-        "implementations": {k: IMPLEMENTATIONS[k] for k in impls},
+        "implementations": {k: IMPLEMENTATIONS[k].description for k in impls},
         "scenarios": rows,
         "elapsed_s": round(time.perf_counter() - t0, 2),
     }

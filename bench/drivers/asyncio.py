@@ -1,4 +1,4 @@
-"""The asyncio references behind the thread-side :class:`~bench.drivers.base.Harness`.
+"""The asyncio references behind a thread-side :class:`~bench.drivers.base.Driver`.
 
 As in vLLM-Omni, the orchestrator runs in a thread with its own event loop
 and the serving thread talks to it through janus queues: adds and aborts go
@@ -6,7 +6,9 @@ into the request queue (``sync_q.put``), output batches come out of the
 output queue (``sync_q.get``).  Stage handovers use
 ``loop.call_soon_threadsafe``.  The serving-thread side validates a request
 and refuses a duplicate active id before queueing it: the references'
-own ``add_request`` does that against the routing core.
+own ``add_request`` does that against the routing core.  One driver class
+serves the three references: the registry (:mod:`bench.implementations`)
+gives it the orchestrator class and the way its thread runs the loop.
 """
 
 from __future__ import annotations
@@ -22,33 +24,34 @@ from typing import Any
 
 import janus
 
-from bench.drivers.base import Harness, Message
-from bench.refs.omni import OmniEventDriven, OmniPolling
+from bench.drivers.base import Driver
+from bench.refs.launcher import open_worker_stages
 from bench.refs.orchestrator import AsyncioOrchestrator
-from bench.refs.taskgroup import TaskGroupOrchestrator
 from bench.refs.testing import AsyncScriptedStage
-from bench.refs.transport import open_worker_stages
+from trio_orch.types import Message
 
-__all__ = ["AsyncioHarness", "OmniEventHarness", "OmniPollingHarness", "TaskGroupHarness"]
+__all__ = ["AsyncioDriver"]
 
 
-class AsyncioHarness(Harness):
-    """Drive an :class:`AsyncioOrchestrator` subclass from a thread."""
+class AsyncioDriver(Driver):
+    """Drive an :class:`AsyncioOrchestrator` subclass (``orchestrator_cls``) from a thread.
+
+    The thread runs the loop the way the reference says (its ``use_runner``).
+    The references have no push fast path: ``push`` changes nothing here.
+    """
 
     framework = "asyncio"
-    orchestrator_cls: type[AsyncioOrchestrator] = OmniEventDriven
-    #: run the loop with asyncio.Runner (cancels leftover tasks on close) instead of
-    #: new_event_loop + run_until_complete + close (what vLLM-Omni's thread does)
-    use_runner = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, orchestrator_cls: type[AsyncioOrchestrator], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.orchestrator_cls = orchestrator_cls
+        self.use_runner = orchestrator_cls.use_runner
         self.loop: asyncio.AbstractEventLoop | None = None
         self._abandoned = False
         self.orch: AsyncioOrchestrator | None = None
 
     # ------------------------------------------------------------------ the loop thread
-    def _thread_main(self) -> None:
+    def thread_main(self) -> None:
         try:
             if self.use_runner:
                 runner = asyncio.Runner()
@@ -64,17 +67,16 @@ class AsyncioHarness(Harness):
                 try:
                     loop.run_until_complete(self._amain())
                 finally:
+                    if self._abandoned:  # measured and reported already: no noise when they are collected
+                        loop.set_exception_handler(lambda loop, context: None)
                     loop.close()  # leaves pending tasks pending ("destroyed but it is pending")
                     self.tasks_pending_at_loop_end = _pending(loop)
-                    if self._abandoned:  # measured and reported already: no noise when they are collected
-                        for t in asyncio.all_tasks(loop):
-                            t._log_destroy_pending = False  # type: ignore[attr-defined]
         except BaseException as exc:
             if self.run_error is None:
                 self.run_error = exc
         finally:
-            self._started.set()
-            self._run_returned.set()
+            self.set_started()
+            self.set_returned()
 
     async def _amain(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -85,17 +87,17 @@ class AsyncioHarness(Harness):
                     self.worker_pids = [s.pid for s in self.stages if s.pid is not None]
                     self.worker_dir = os.path.dirname(self.stages[0].address.removeprefix("ipc://"))
                 else:
-                    self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k))
+                    self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k),
+                                                      on_submit=self.record_submission)
                                    for k in range(self.num_stages)]
                 self.orch = self.orchestrator_cls(
                     self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
                     forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
                     request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace)
             except BaseException as exc:
-                self._start_error = exc
-                self._started.set()
+                self.set_started(exc)
                 return
-            self._started.set()
+            self.set_started()
             me = asyncio.current_task()
             try:
                 await self.orch.run()
@@ -106,7 +108,7 @@ class AsyncioHarness(Harness):
                 alive = [t for t in asyncio.all_tasks(self.loop) if t is not me and not t.done()]
                 self.tasks_alive_after_run = len(alive)
                 self.alive_after_run_names = [t.get_name() for t in alive]
-                self._run_returned.set()
+                self.set_returned()
 
     def abandon(self) -> None:
         """Stop the loop under the hung run() (its pending tasks are left unfinished)."""
@@ -118,7 +120,7 @@ class AsyncioHarness(Harness):
             except RuntimeError:
                 pass
 
-    def _next_batch(self, timeout: float) -> list[Message] | None:
+    def take_batch(self, timeout: float) -> list[Message] | None:
         assert self.orch is not None
         try:
             return self.orch.output_queue.sync_q.get(timeout=timeout)
@@ -135,7 +137,7 @@ class AsyncioHarness(Harness):
             return None
 
     # ------------------------------------------------------------------ handovers
-    def _request_shutdown(self, timeout: float | None) -> None:
+    def send_shutdown(self, timeout: float | None) -> None:
         assert self.orch is not None
         self.call_soon(self.orch.request_shutdown, timeout)
 
@@ -147,6 +149,11 @@ class AsyncioHarness(Harness):
         orch.add_request(request_id, prompt, final_stage_id=final_stage_id, timeout=deadline, done=done)
         if done is not None and not done.wait(timeout):
             raise TimeoutError(f"request {request_id!r} was not handled within {timeout}s")
+
+    def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """Accept and put the add on the janus request queue (no wait; blocks only when it is full)."""
+        assert self.orch is not None
+        self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id)
 
     def abort(self, request_id: str) -> None:
         assert self.orch is not None
@@ -182,30 +189,10 @@ class AsyncioHarness(Harness):
             raise TimeoutError(f"the coroutine did not finish within {timeout}s") from None
 
     @property
-    def active_requests(self) -> int:
-        assert self.orch is not None
-        return self.orch.router.live_count
-
-    def _router(self) -> Any:
+    def router(self) -> Any:
         assert self.orch is not None
         return self.orch.router
 
 
 def _pending(loop: asyncio.AbstractEventLoop) -> int:
     return sum(1 for t in asyncio.all_tasks(loop) if not t.done())
-
-
-class OmniEventHarness(AsyncioHarness):
-    impl = "omni-event"
-    orchestrator_cls = OmniEventDriven
-
-
-class OmniPollingHarness(AsyncioHarness):
-    impl = "omni-poll"
-    orchestrator_cls = OmniPolling
-
-
-class TaskGroupHarness(AsyncioHarness):
-    impl = "asyncio-taskgroup"
-    orchestrator_cls = TaskGroupOrchestrator
-    use_runner = True

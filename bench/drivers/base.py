@@ -1,53 +1,61 @@
-"""One thread-side driver for every implementation, so one scenario runs against all of them.
+"""The one thread-side driver every bench job uses: :class:`Driver`.
 
-A serving system talks to its orchestrator from another thread; so does the
-:class:`Harness`.  Each implementation runs in a background thread with its
-own event loop (``trio.run`` for :class:`TrioHarness`; a fresh asyncio loop
-for :class:`AsyncioHarness`), and the harness hands calls over the way that
-implementation's thread bridge does: the Trio token (``trio.from_thread`` /
-``TrioToken.run_sync_soon``) or janus queues plus ``call_soon_threadsafe``.
+A serving system talks to its orchestrator from another thread; so does a
+driver.  Each implementation runs in a background thread with its own event
+loop and the driver hands calls over the way that implementation's thread
+bridge does (the Trio token, janus queues plus ``call_soon_threadsafe``, the
+production ``Engine``), so the comparison and the benchmark both measure an
+implementation as a serving front sees it.
 
-Outputs come back in batches (one per routing step) and the consumer is woken
-once per batch.  Stages are scripted (:class:`bench.trio_stages.TrioScriptedStage`
-or :class:`bench.refs.testing.AsyncScriptedStage`, optionally misbehaving)
-and driven from the thread with :meth:`Harness.emit`, :meth:`Harness.fail_stage`...
+The stages are scripted in-process stage clients
+(:class:`trio_orch.testing.ScriptedStage` or its asyncio twin
+:class:`bench.refs.testing.AsyncScriptedStage`), optionally misbehaving
+(``misbehaviour``: the comparison's faulty stages) or pushing (``push``: the
+Trio side's fast path, as a replica pool has it), or real ``stages.worker``
+processes (``workers``: a pipeline config)::
 
-    with make_harness("trio", num_stages=2, final_stage_ids={1}) as h:
-        h.add_request("r1", "hi")               # returns once registered + submitted
-        h.emit(0, "r1", "x", finished=True)      # stage 0 produces an output
-        msg = h.next_output(timeout=2)           # OrchOutput | OrchError
-        report = h.shutdown()                    # ShutdownReport(seconds, hung, ...)
+    with make_driver("trio", num_stages=2, final_stage_ids={1}) as d:
+        d.add_request("r1", "hi")               # returns once registered + submitted
+        d.emit(0, "r1", "x", finished=True)      # stage 0 produces an output
+        msg = d.next_output(timeout=2)           # OrchOutput | OrchError
+        report = d.shutdown()                    # ShutdownReport(seconds, hung, ...)
+
+Two ways in: :meth:`Driver.add_request` (waits, reports errors) and
+:meth:`Driver.post_request` (the benchmark's: hands the add over and returns).
+Two ways out: :meth:`Driver.next_output` (one message, kept in ``received``)
+and :meth:`Driver.next_batch` (a batch as the bridge delivered it).  Not every
+implementation offers everything: :mod:`bench.implementations` says which
+supports what, and an unsupported call raises :class:`Unsupported`.
 """
 
 from __future__ import annotations
 
 import collections
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.misbehaviour import Misbehaviour
-from trio_orch.types import Message
+from trio_orch.config import PipelineConfig
+from trio_orch.testing import Misbehaviour
+from trio_orch.types import Message, StageOutput
 
-__all__ = [
-    "IMPLEMENTATIONS",
-    "EndOfStream",
-    "Harness",
-    "ShutdownReport",
-    "make_harness",
-]
-
+__all__ = ["Driver", "EndOfStream", "ShutdownReport", "Unsupported", "thread_cpu_seconds"]
 
 
 class EndOfStream(Exception):
     """The orchestrator stopped and every message was consumed."""
 
 
+class Unsupported(NotImplementedError):
+    """The implementation behind this driver does not offer the call (see bench.implementations)."""
+
+
 @dataclass(slots=True)
 class ShutdownReport:
-    """What :meth:`Harness.shutdown` measured."""
+    """What :meth:`Driver.shutdown` measured."""
 
     seconds: float  #: from the call to the implementation's run() returning, or to the cut
     hung: bool  #: run() had not returned when the watchdog cut the wait
@@ -55,35 +63,52 @@ class ShutdownReport:
     tasks_alive_after_run: int | None  #: the implementation's tasks still alive when run() returned
 
 
-class Harness:
-    """Thread-side driver of one implementation (see module docstring).
+def thread_cpu_seconds(thread: threading.Thread | None) -> float:
+    """CPU time consumed so far by ``thread`` (Linux: its pthread CPU clock)."""
+    ident = thread.ident if thread is not None else None
+    if ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(ident))
+    except (OSError, AttributeError):  # thread gone, or not Linux
+        return 0.0
 
-    ``misbehaviour`` maps a stage index to the faults that stage has.
-    ``in_loop_consumer=True`` leaves outputs in the implementation's own
-    output channel/queue, for a consumer running inside its loop.
-    ``workers`` (a :class:`trio_orch.config.PipelineConfig`, e.g. ``echo_config(2)``)
-    replaces the scripted stages by real ``stages.worker`` processes over ZMQ
-    (Trio: ``open_pipeline``; asyncio: :func:`bench.refs.transport.open_worker_stages`);
-    the config then sets the number of stages, the final stages and async-chunk mode,
-    and ``emit``/``fail_stage`` are not available.
+
+class Driver:
+    """Thread-side driver of one implementation (see the module docstring).
+
+    ``name`` is the implementation's name in :mod:`bench.implementations`.
+    ``misbehaviour`` maps a stage index to the faults its scripted stage has.
+    ``push``: scripted stages offer the push fast path where the implementation
+    has one.  ``in_loop_consumer=True`` leaves outputs in the implementation's
+    own output channel/queue, for a consumer running inside its loop.
+    ``workers`` (a :class:`~trio_orch.config.PipelineConfig`, e.g.
+    ``echo_config(2)``) replaces the scripted stages by real worker processes;
+    the config then sets the number of stages, the final stages and
+    async-chunk mode, and the stage-side calls are not available.
+
+    Subclasses run the implementation in :meth:`thread_main` and call
+    :meth:`set_started` once it accepts requests (or failed to start) and
+    :meth:`set_returned` once its run() returned.
     """
 
     framework = "?"
-    impl = "?"
 
     def __init__(
         self,
         num_stages: int = 3,
         final_stage_ids: Iterable[int] = (2,),
         *,
+        name: str = "?",
         async_chunk: bool = False,
         forward_fn: Callable[[int, Any, list[Any]], Any] | None = None,
         prewarm_fn: Callable[[int, Any], Any] | None = None,
         misbehaviour: dict[int, Misbehaviour] | None = None,
+        push: bool = False,
         shutdown_grace: float = 2.0,
         request_queue_size: int = 256,
         in_loop_consumer: bool = False,
-        workers: Any = None,
+        workers: PipelineConfig | None = None,
     ) -> None:
         if workers is not None:  # real stage workers: the pipeline config decides the shape
             from trio_orch import launcher
@@ -92,6 +117,7 @@ class Harness:
             async_chunk = workers.async_chunk
             forward_fn = forward_fn or launcher.forward_fn_for([st.kind for st in workers.stages])
             prewarm_fn = prewarm_fn or launcher.prewarm_fn
+        self.name = name
         self.workers = workers
         self.worker_pids: list[int] = []
         self.worker_dir: str | None = None  # the workers' private ipc directory
@@ -101,84 +127,139 @@ class Harness:
         self.forward_fn = forward_fn
         self.prewarm_fn = prewarm_fn
         self.misbehaviour = misbehaviour or {}
+        self.push = push
         self.shutdown_grace = shutdown_grace
         self.request_queue_size = request_queue_size
         self.in_loop_consumer = in_loop_consumer
         self.stages: list[Any] = []
+        self.thread: threading.Thread | None = None  # the implementation's loop thread
         self.run_error: BaseException | None = None
         self.tasks_alive_after_run: int | None = None
         self.tasks_pending_at_loop_end: int | None = None
         self.alive_after_run_names: list[str] = []
         self.received: list[Message] = []  # everything next_output returned, in order
-        self._thread: threading.Thread | None = None
+        #: (stage, request id, perf_counter) per submit to a scripted stage, in submit order
+        self.submitted: queue.SimpleQueue[tuple[int, str, float]] = queue.SimpleQueue()
         self._started = threading.Event()
-        self._run_returned = threading.Event()
+        self._returned = threading.Event()
         self._start_error: BaseException | None = None
         self._pending: collections.deque[Message] = collections.deque()
         self._ended = False
 
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    @property
+    def startup_timeout(self) -> float:
+        """How long :meth:`start` waits: worker processes may load torch models first."""
+        return 10.0 if self.workers is None else self.workers.startup_timeout + 10.0
+
     # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float = 10.0) -> Harness:
+    def start(self, timeout: float | None = None) -> Driver:
         """Start the implementation's thread; return once it accepts requests.  Idempotent."""
-        if self._thread is not None:
+        if self.thread is not None:
             return self
-        self._thread = threading.Thread(target=self._thread_main, name=f"orchestrator-{self.impl}",
-                                        daemon=True)
-        self._thread.start()
+        timeout = self.startup_timeout if timeout is None else timeout
+        self.thread = threading.Thread(target=self.thread_main, name=f"orchestrator-{self.name}",
+                                       daemon=True)
+        self.thread.start()
         if not self._started.wait(timeout):
-            raise TimeoutError(f"{self.impl}: orchestrator did not start within {timeout}s")
+            raise TimeoutError(f"{self.name}: orchestrator did not start within {timeout}s")
         if self._start_error is not None:
-            raise RuntimeError(f"{self.impl}: orchestrator failed to start") from self._start_error
+            raise RuntimeError(f"{self.name}: orchestrator failed to start") from self._start_error
         return self
 
-    def __enter__(self) -> Harness:
+    def __enter__(self) -> Driver:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
-        if not self._run_returned.is_set():
+        if not self._returned.is_set():
             self.shutdown(wait=5.0)
 
     def request_shutdown(self, timeout: float | None = None) -> None:
         """Begin shutting down without waiting (``timeout``: let active requests finish that long)."""
-        self._request_shutdown(timeout)
+        self.send_shutdown(timeout)
 
     def shutdown(self, timeout: float | None = None, *, wait: float = 5.0) -> ShutdownReport:
         """Ask for shutdown (drain up to ``timeout``); wait up to ``wait`` s for run() to return."""
         t0 = time.perf_counter()
-        if not self._run_returned.is_set():
+        if not self._returned.is_set():
             try:
-                self._request_shutdown(timeout)
+                self.send_shutdown(timeout)
             except Exception:  # the loop is already gone
                 pass
-        ok = self._run_returned.wait(wait)
+        ok = self._returned.wait(wait)
         seconds = time.perf_counter() - t0
         return ShutdownReport(seconds, not ok, self.run_error, self.tasks_alive_after_run)
+
+    def close(self, wait: float = 30.0) -> None:
+        """Shut down and join the thread; RuntimeError if it does not end within ``wait`` s."""
+        t_end = time.monotonic() + wait
+        self.shutdown(wait=wait)
+        if not self.join(max(0.0, t_end - time.monotonic())):
+            raise RuntimeError(f"{self.name}: thread did not stop within {wait:.0f} s")
 
     def abandon(self) -> None:
         """After a watchdog cut: stop the loop thread as far as the framework allows (best effort)."""
 
     def join(self, timeout: float) -> bool:
         """Wait for the implementation's thread to end; True if it did."""
-        assert self._thread is not None
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        if self.thread is None:
+            return True
+        self.thread.join(timeout)
+        return not self.thread.is_alive()
 
     @property
     def stopped(self) -> bool:
-        return self._run_returned.is_set()
+        return self._returned.is_set()
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the implementation's loop thread so far."""
+        return thread_cpu_seconds(self.thread)
+
+    # ------------------------------------------------------------------ for subclasses
+    def set_started(self, error: BaseException | None = None) -> None:
+        """(Loop thread.)  The implementation accepts requests now, or failed to start."""
+        if error is not None and self._start_error is None:
+            self._start_error = error
+        self._started.set()
+
+    def set_returned(self) -> None:
+        """(Loop thread.)  The implementation's run() returned."""
+        self._returned.set()
+
+    def record_submission(self, stage_id: int, request_id: str) -> None:
+        """A scripted stage's ``on_submit`` hook: timestamp the submit for :meth:`wait_submission`."""
+        self.submitted.put((stage_id, request_id, time.perf_counter()))
+
+    def thread_main(self) -> None:
+        """(Loop thread.)  Run the implementation until it stops."""
+        raise Unsupported(f"{self.name} has no loop thread of its own")
+
+    def send_shutdown(self, timeout: float | None) -> None:
+        """Hand the implementation's request_shutdown over to its loop."""
+        raise Unsupported(f"{self.name}: shutdown")
+
+    def take_batch(self, timeout: float) -> list[Message] | None:
+        """The next batch from the bridge, None at end of stream; raise TimeoutError."""
+        raise Unsupported(f"{self.name}: outputs")
 
     # ------------------------------------------------------------------ consuming
+    def next_batch(self, timeout: float = 10.0) -> list[Message]:
+        """The next batch of messages as the bridge delivered it; TimeoutError or EndOfStream."""
+        if self._ended:
+            raise EndOfStream
+        batch = self.take_batch(timeout)
+        if batch is None:
+            self._ended = True
+            raise EndOfStream
+        return batch
+
     def next_output(self, timeout: float = 5.0) -> Message:
         """Next message in delivery order; TimeoutError, or EndOfStream once all was consumed."""
         deadline = time.monotonic() + timeout
         while not self._pending:  # (a batch may be empty)
-            if self._ended:
-                raise EndOfStream
-            batch = self._next_batch(max(0.0, deadline - time.monotonic()))
-            if batch is None:
-                self._ended = True
-                raise EndOfStream
-            self._pending.extend(batch)
+            self._pending.extend(self.next_batch(max(0.0, deadline - time.monotonic())))
         msg = self._pending.popleft()
         self.received.append(msg)
         return msg
@@ -208,6 +289,61 @@ class Harness:
             time.sleep(0.001)
         return True
 
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
+        """Accept a request; with ``wait`` return once it is registered and submitted.
+
+        ``timeout`` bounds that wait; ``deadline`` (seconds) is the request's own
+        deadline, kept by the orchestrator (terminal ``OrchError(kind="timeout")``).
+
+        Raises ``ValueError`` for bad input or a duplicate active id and
+        ``RuntimeError`` once the orchestrator no longer accepts requests.
+        """
+        raise Unsupported(f"{self.name}: add_request")
+
+    def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """Hand an add over to the loop and return at once (the benchmark's way in).
+
+        Never waits for the orchestrator (a full request queue is the loop's
+        business where the bridge allows it); errors are not reported back.
+        """
+        raise Unsupported(f"{self.name}: post_request")
+
+    def abort(self, request_id: str) -> None:
+        raise Unsupported(f"{self.name}: abort")
+
+    # ------------------------------------------------------------------ the loop thread
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
+        """Run a sync ``fn`` in the loop thread and return its result."""
+        raise Unsupported(f"{self.name}: call")
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Schedule a sync ``fn`` in the loop thread (FIFO with other handovers)."""
+        raise Unsupported(f"{self.name}: call_soon")
+
+    def run_in_loop(self, afn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
+        """Run an async function in the loop thread and return its result."""
+        raise Unsupported(f"{self.name}: run_in_loop")
+
+    async def loop_next_batch(self) -> list[Message] | None:
+        """(Call inside the loop.)  Next batch from the implementation's own output queue."""
+        raise Unsupported(f"{self.name}: loop_next_batch")
+
+    @property
+    def router(self) -> Any:
+        """The implementation's routing core (:class:`trio_orch.core.Router`)."""
+        raise Unsupported(f"{self.name}: router")
+
+    @property
+    def active_requests(self) -> int:
+        """Accepted requests without their terminal yet (read from this thread, as a gauge)."""
+        return int(self.router.live_count)
+
+    @property
+    def dropped_outputs(self) -> int:
+        return int(self.call(lambda: self.router.dropped_outputs))
+
     # ------------------------------------------------------------------ stage side
     def submissions(self, stage: int) -> list[tuple[str, Any]]:
         return list(self.stages[stage].submissions)
@@ -215,10 +351,21 @@ class Harness:
     def aborts(self, stage: int) -> list[str]:
         return list(self.stages[stage].aborts)
 
+    def wait_submission(self, timeout: float = 10.0) -> tuple[int, str, float]:
+        """The next submit a scripted stage saw: ``(stage, request id, perf_counter)``."""
+        try:
+            return self.submitted.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"{self.name}: no submission within {timeout}s") from None
+
     def emit(self, stage: int, request_id: str, data: Any = None, finished: bool = False,
              error: str | None = None) -> None:
         """Make stage ``stage`` produce an output (handed over to the loop thread, in order)."""
         self.call_soon(self.stages[stage].emit_nowait, request_id, data, finished, error)
+
+    def emit_batch(self, stage: int, outputs: list[StageOutput]) -> None:
+        """Hand ready-made outputs to stage ``stage`` in one loop wakeup (the benchmark's hand-over)."""
+        self.call_soon(self.stages[stage].emit_batch_nowait, outputs)
 
     def fail_stage(self, stage: int, exc: BaseException | None = None) -> None:
         self.call_soon(self.stages[stage].fail_nowait, exc)
@@ -231,86 +378,3 @@ class Harness:
 
     def release_submits(self, stage: int) -> None:
         self.call_soon(self.stages[stage].release_submits)
-
-    # ------------------------------------------------------------------ implementation hooks
-    def _thread_main(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _request_shutdown(self, timeout: float | None) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def _next_batch(self, timeout: float) -> list[Message] | None:  # pragma: no cover - abstract
-        """A batch of messages, None at end of stream; raise TimeoutError."""
-        raise NotImplementedError
-
-    def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
-        """Accept a request; with ``wait`` return once it is registered and submitted.
-
-        ``timeout`` bounds that wait; ``deadline`` (seconds) is the request's own
-        deadline, kept by the orchestrator (terminal ``OrchError(kind="timeout")``).
-
-        Raises ``ValueError`` for bad input or a duplicate active id and
-        ``RuntimeError`` once the orchestrator no longer accepts requests.
-        """
-        raise NotImplementedError
-
-    def abort(self, request_id: str) -> None:
-        raise NotImplementedError
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
-        """Run a sync ``fn`` in the loop thread and return its result."""
-        raise NotImplementedError
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Schedule a sync ``fn`` in the loop thread (FIFO with other handovers)."""
-        raise NotImplementedError
-
-    def run_in_loop(self, afn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
-        """Run an async function in the loop thread and return its result."""
-        raise NotImplementedError
-
-    @property
-    def dropped_outputs(self) -> int:
-        return self.call(lambda: self._router().dropped_outputs)
-
-    @property
-    def active_requests(self) -> int:
-        raise NotImplementedError
-
-    def _router(self) -> Any:
-        raise NotImplementedError
-
-    # in-loop consumer support ------------------------------------------------
-    async def loop_next_batch(self) -> list[Message] | None:
-        """(Call inside the loop.)  Next batch from the implementation's own output queue."""
-        raise NotImplementedError
-
-
-def _load() -> dict[str, type[Harness]]:
-    from bench.drivers.asyncio import (
-        OmniEventHarness,
-        OmniPollingHarness,
-        TaskGroupHarness,
-    )
-    from bench.drivers.trio import TrioHarness
-
-    return {h.impl: h for h in (TrioHarness, OmniEventHarness, OmniPollingHarness, TaskGroupHarness)}
-
-
-#: implementation name -> what it is (the order of the comparison's columns)
-IMPLEMENTATIONS: dict[str, str] = {
-    "trio": "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
-    "omni-event": "vLLM-Omni style: thread + loop, janus, create_task, readers -> ready queue -> dispatcher, "
-                  "cancel-all + gather + all_tasks sweep",
-    "omni-poll": "vLLM-Omni legacy polling loop: each stage polled with a 1 ms wait, 1 ms sleep when idle",
-    "asyncio-taskgroup": "modern asyncio: the same under asyncio.TaskGroup + asyncio.timeout, no sweep",
-}
-
-
-def make_harness(impl: str, *args: Any, **kwargs: Any) -> Harness:
-    """A (not yet started) harness for implementation ``impl`` (a key of IMPLEMENTATIONS)."""
-    classes = _load()
-    if impl not in classes:
-        raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLEMENTATIONS)}")
-    return classes[impl](*args, **kwargs)

@@ -1,30 +1,30 @@
-"""The Trio orchestrator behind the thread-side :class:`~bench.drivers.base.Harness`.
+"""The Trio orchestrator behind a thread-side :class:`~bench.drivers.base.Driver`.
 
 ``trio.run`` runs in a background thread; calls come in through the Trio
 token (``trio.from_thread.run``/``run_sync`` when the caller needs the result,
 ``TrioToken.run_sync_soon`` when it does not), and the orchestrator's
-``output_sink`` hands each batch of messages to a condition variable, so the
-consumer thread wakes once per batch.  Self-contained on purpose: the
-production bridge (``trio_orch/bridge.py``) is built separately.
+``output_sink`` puts each batch of messages on a queue, so the consumer thread
+wakes once per batch.  Self-contained on purpose: the production bridge
+(``trio_orch/bridge.py``) has its own driver, :mod:`bench.drivers.engine`.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import functools
-import threading
+import queue
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from bench.drivers.base import Harness, Message
-from bench.trio_stages import TrioScriptedStage
+from bench.drivers.base import Driver
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
+from trio_orch.testing import PushScriptedStage, ScriptedStage
+from trio_orch.types import Message
 
-__all__ = ["TrioHarness"]
+__all__ = ["TrioDriver"]
 
 
 def _descendants(task: trio.lowlevel.Task, exclude: set[trio.lowlevel.Task]) -> list[trio.lowlevel.Task]:
@@ -40,23 +40,21 @@ def _descendants(task: trio.lowlevel.Task, exclude: set[trio.lowlevel.Task]) -> 
     return out
 
 
-class TrioHarness(Harness):
+class TrioDriver(Driver):
     """Drive :class:`trio_orch.Orchestrator` from a thread."""
 
     framework = "trio"
-    impl = "trio"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._cond = threading.Condition()
-        self._batches: collections.deque[list[Message]] = collections.deque()
+        self._batches: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
         self._stream_closed = False
         self.token: trio.lowlevel.TrioToken | None = None
         self.orch: Orchestrator | None = None
-        self._app_scope: trio.CancelScope | None = None
+        self._app: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ the Trio thread
-    def _thread_main(self) -> None:
+    def thread_main(self) -> None:
         try:
             trio.run(self._main)
         except BaseException as exc:
@@ -64,14 +62,19 @@ class TrioHarness(Harness):
                 self.run_error = exc
         finally:
             self._close_stream()
-            self._started.set()
-            self._run_returned.set()
+            self.set_started()
+            self.set_returned()
+
+    def _make_stages(self, app: trio.Nursery) -> list[ScriptedStage]:
+        cls = PushScriptedStage if self.push else ScriptedStage
+        return [cls(k, misbehaviour=self.misbehaviour.get(k), helper_nursery=app,
+                    on_submit=self.record_submission) for k in range(self.num_stages)]
 
     async def _main(self) -> None:
         self.token = trio.lowlevel.current_trio_token()
         me = trio.lowlevel.current_task()
         async with trio.open_nursery() as app:
-            self._app_scope = app.cancel_scope
+            self._app = app
             async with contextlib.AsyncExitStack() as stack:
                 try:
                     if self.workers is not None:
@@ -81,16 +84,14 @@ class TrioHarness(Harness):
                         self.worker_pids = pipeline.pids
                         self.worker_dir = pipeline.tmpdir
                     else:
-                        self.stages = [TrioScriptedStage(k, misbehaviour=self.misbehaviour.get(k),
-                                                         helper_nursery=app)
-                                       for k in range(self.num_stages)]
+                        self.stages = self._make_stages(app)
                     self.orch = Orchestrator(
                         self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
                         forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
                         request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace,
-                        output_sink=None if self.in_loop_consumer else self._sink)
+                        output_sink=None if self.in_loop_consumer else self._batches.put)
                 except BaseException as exc:
-                    self._start_error = exc
+                    self.set_started(exc)
                     app.cancel_scope.cancel()
                     return
                 returned = trio.Event()
@@ -109,41 +110,34 @@ class TrioHarness(Harness):
                         returned.set()
 
                 await app.start(run_orch)
-                self._started.set()
+                self.set_started()
                 await returned.wait()
                 alive = _descendants(me, run_task)
                 self.tasks_alive_after_run = len(alive)
                 self.alive_after_run_names = [t.name for t in alive]
                 self._close_stream()
-                self._run_returned.set()
+                self.set_returned()
             app.cancel_scope.cancel()  # helpers the stages started in the application's nursery
         self.tasks_pending_at_loop_end = len(_descendants(me, set()))
 
     def abandon(self) -> None:
         """Cancel the application's nursery under a hung run() (shielded cleanup may still hang)."""
-        if self.token is not None and self._app_scope is not None:
+        if self.token is not None and self._app is not None:
             try:
-                self.token.run_sync_soon(self._app_scope.cancel)
+                self.token.run_sync_soon(self._app.cancel_scope.cancel)
             except trio.RunFinishedError:
                 pass
 
-    def _sink(self, msgs: list[Message]) -> None:
-        with self._cond:
-            self._batches.append(msgs)
-            self._cond.notify()
-
     def _close_stream(self) -> None:
-        with self._cond:
+        if not self._stream_closed:
             self._stream_closed = True
-            self._cond.notify_all()
+            self._batches.put(None)
 
-    def _next_batch(self, timeout: float) -> list[Message] | None:
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._batches or self._stream_closed, timeout):
-                raise TimeoutError(f"no output within {timeout}s")
-            if self._batches:
-                return self._batches.popleft()
-            return None
+    def take_batch(self, timeout: float) -> list[Message] | None:
+        try:
+            return self._batches.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output within {timeout}s") from None
 
     async def loop_next_batch(self) -> list[Message] | None:
         assert self.orch is not None
@@ -153,7 +147,7 @@ class TrioHarness(Harness):
             return None
 
     # ------------------------------------------------------------------ handovers
-    def _request_shutdown(self, timeout: float | None) -> None:
+    def send_shutdown(self, timeout: float | None) -> None:
         assert self.orch is not None
         self.call_soon(self.orch.request_shutdown, timeout)
 
@@ -178,6 +172,19 @@ class TrioHarness(Harness):
             await self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id,
                                         timeout=deadline)
 
+    def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """Post the add with the token (no wait); a full request channel queues it in a task."""
+        assert self.token is not None
+        self.token.run_sync_soon(self._post_add, request_id, prompt, final_stage_id)
+
+    def _post_add(self, request_id: str, prompt: Any, final_stage_id: int | None) -> None:
+        assert self.orch is not None and self._app is not None
+        try:
+            self.orch.add_request_nowait(request_id, prompt, final_stage_id=final_stage_id)
+        except trio.WouldBlock:
+            self._app.start_soon(
+                functools.partial(self.orch.add_request, request_id, prompt, final_stage_id=final_stage_id))
+
     def abort(self, request_id: str) -> None:
         assert self.orch is not None
         try:
@@ -200,10 +207,6 @@ class TrioHarness(Harness):
         return trio.from_thread.run(bounded, trio_token=self.token)
 
     @property
-    def active_requests(self) -> int:
-        assert self.orch is not None
-        return self.orch.active_requests
-
-    def _router(self) -> Any:
+    def router(self) -> Any:
         assert self.orch is not None
         return self.orch.router

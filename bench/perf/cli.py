@@ -1,9 +1,13 @@
 """``trio-orch bench``: dispatch latency and throughput, every implementation in one run.
 
+Implementations come from :mod:`bench.implementations`, workloads from
+:mod:`bench.perf.workloads`; a workload runs on every chosen implementation
+that supports what it needs.
+
 Implementations run interleaved (round r runs each of them once, in a
 shuffled order, and sequential workloads start with untimed warm-up
-outputs) so machine drift and power-state carry-over hit all alike; each run starts a fresh orchestrator,
-runs the workload and measures its shutdown.  Results are merged per
+outputs) so machine drift and power-state carry-over hit all alike; each
+run starts a fresh orchestrator, runs the workload and measures its shutdown.  Results are merged per
 (workload, implementation) and every ratio is computed from this run's numbers.
 """
 
@@ -16,54 +20,13 @@ import platform
 import random
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.perf import report, workloads
-from bench.perf.asyncio_drivers import ASYNCIO_DRIVERS
-from bench.perf.drivers import BenchDriver, FloorDriver, TrioDriver
-from bench.perf.engine_driver import EngineDriver
+from bench.implementations import IMPLEMENTATIONS, names
+from bench.perf import report
 from bench.perf.stats import summarize
-from bench.perf.zmq_workloads import ZMQ_IMPLEMENTATIONS, run_zmq_workload
-
-Workload = Callable[[BenchDriver, bool], dict[str, Any]]
-
-#: name -> (function(driver, quick), one-line description)
-WORKLOADS: dict[str, tuple[Workload, str]] = {
-    "a_seq": (lambda d, q: workloads.seq(d, 300 if q else 1000, paced=False),
-              "one request, 1,000 outputs on a final stage, each handed over when the previous arrived"),
-    "a_paced": (lambda d, q: workloads.seq(d, 100 if q else 1000, paced=True),
-                "a_seq with a uniform random 0.2-3 ms gap before each output"),
-    "c_chain": (lambda d, q: workloads.chain(d, 50 if q else 200),
-                "200 requests one after another, one output per stage: admission, forward, final"),
-    "b_64_batched": (lambda d, q: workloads.concurrent(d, 64, 20 if q else 50, batched=True),
-                     "64 concurrent requests x 50 outputs, one batch per step"),
-    "b_64_unbatched": (lambda d, q: workloads.concurrent(d, 64, 20 if q else 50, batched=False),
-                       "64 concurrent requests x 50 outputs, each output on its own"),
-    "b_512_batched": (lambda d, q: workloads.concurrent(d, 512, 10 if q else 50, batched=True),
-                      "512 concurrent requests x 50 outputs, one batch per step"),
-    "b_512_unbatched": (lambda d, q: workloads.concurrent(d, 512, 10 if q else 50, batched=False),
-                        "512 concurrent requests x 50 outputs, each output on its own"),
-    "idle": (lambda d, q: workloads.idle(d, 1.0 if q else 5.0),
-             "orchestrator-thread CPU with no requests (5 s)"),
-}
-
-#: worker-process workloads (echo ones for trio-orch and the asyncio references; e2e trio-orch only)
-ZMQ_WORKLOADS: dict[str, str] = {
-    "zmq_a_seq": "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
-    "zmq_b_64": "64 concurrent requests x 50 outputs from ZMQ echo workers (worker batches per step)",
-    "e2e": "default torch pipeline, stage by stage: time to first text and to first audio",
-    "e2e_async_chunk": "default torch pipeline with async-chunk: time to first text and to first audio",
-}
-
-#: name -> driver factory
-IMPLEMENTATIONS: dict[str, Callable[[], BenchDriver]] = {
-    "floor": FloorDriver,
-    "trio": TrioDriver,
-    "trio-engine": EngineDriver,
-    **ASYNCIO_DRIVERS,
-}
+from bench.perf.workloads import WORKLOADS, run_workload
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -71,12 +34,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Dispatch latency (a stage output handed over in the main thread -> the consumer in the main\n"
         "thread receives it through the thread bridge), forward and admission latency, throughput,\n"
-        "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch, the asyncio\n"
-        "references (vLLM-Omni event-driven and 1 ms polling, asyncio.TaskGroup) and the floor (a bare\n"
-        "thread hand-off + one channel hop), interleaved in one run. Prints a table with ratios against\n"
-        "trio-orch and the issue-6 targets; writes results.json, results.md and PNG plots to --out.")
-    parser.epilog = ("workloads:\n" + "\n".join(f"  {k:16s} {v[1]}" for k, v in WORKLOADS.items())
-                     + "\n" + "\n".join(f"  {k:16s} {v}" for k, v in ZMQ_WORKLOADS.items()))
+        "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch (direct and through\n"
+        "the production Engine bridge), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
+        "asyncio.TaskGroup) and the floor (a bare thread hand-off + one channel hop), interleaved in one\n"
+        "run (worker workloads: on those that support worker processes). Prints a table with ratios\n"
+        "against trio-orch and the performance targets; writes results.json, results.md and PNG plots\n"
+        "to --out.")
+    parser.epilog = ("workloads:\n"
+                     + "\n".join(f"  {k:16s} {w.description}" for k, w in WORKLOADS.items())
+                     + "\nimplementations:\n"
+                     + "\n".join(f"  {k:18s} {i.description}" for k, i in IMPLEMENTATIONS.items()))
     parser.add_argument("--quick", action="store_true",
                         help="smaller workloads and fewer rounds (under a minute)")
     parser.add_argument("--rounds", type=int, default=None,
@@ -100,11 +67,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _pick(arg: str | None, known: dict[str, Any], what: str) -> list[str]:
     if not arg:
         return list(known)
-    names = [x.strip() for x in arg.split(",") if x.strip()]
-    bad = [n for n in names if n not in known]
+    picked = [x.strip() for x in arg.split(",") if x.strip()]
+    bad = [n for n in picked if n not in known]
     if bad:
         raise SystemExit(f"unknown {what}: {', '.join(bad)} (known: {', '.join(known)})")
-    return names
+    return picked
 
 
 class Progress:
@@ -129,16 +96,15 @@ class Progress:
         sys.stderr.flush()
 
 
-def _zmq_impls(workload: str, impl_names: list[str]) -> list[str]:
-    """Who runs a worker-process workload: trio-orch, plus the asyncio references for echo ones."""
-    if workload.startswith("e2e"):
-        return ["trio"]
-    return [i for i in impl_names if i in ZMQ_IMPLEMENTATIONS]
+def _impls_for(workload: str, impl_names: list[str]) -> list[str]:
+    """The chosen implementations that can run ``workload``."""
+    able = set(names(WORKLOADS[workload].needs))
+    return [i for i in impl_names if i in able]
 
 
 def _rounds(workload: str, rounds: int) -> int:
     """Idle CPU and the torch pipeline are measured once; the rest ``rounds`` times."""
-    return 1 if workload == "idle" or workload.startswith("e2e") else rounds
+    return 1 if WORKLOADS[workload].once else rounds
 
 
 def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int, quick: bool,
@@ -147,51 +113,30 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
     results: dict[str, Any] = {"implementations": impl_names, "workloads": {}}
     raw_a_seq: dict[str, list[float]] = {}
     for wl in workload_names:
-        if wl in ZMQ_WORKLOADS:
-            zimpls = _zmq_impls(wl, impl_names)
-            zruns: dict[str, list[dict[str, Any]]] = {i: [] for i in zimpls}
-            for r in range(_rounds(wl, rounds)):
-                order = list(zimpls)
-                random.Random(r).shuffle(order)
-                for impl in order:
-                    zruns[impl].append(run_zmq_workload(wl, quick, impl))
-                    if progress:
-                        progress.step(f"{wl} {impl} (round {r + 1})")
-            results["workloads"][wl] = {i: summarize(zruns[i]) for i in zimpls}
-            continue
-        fn = WORKLOADS[wl][0]
-        runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impl_names}
-        for r in range(_rounds(wl, rounds)):
-            order = list(impl_names)
+        impls = _impls_for(wl, impl_names)
+        runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
+        n_rounds = _rounds(wl, rounds)
+        for r in range(n_rounds):
+            order = list(impls)
             random.Random(r).shuffle(order)  # a different neighbour each round (power-state carry-over)
             for impl in order:
-                driver = IMPLEMENTATIONS[impl]()
-                driver.start(3, {0, 2})
-                try:
-                    res = fn(driver, quick)
-                finally:
-                    t = time.perf_counter()
-                    driver.shutdown()
-                    shutdown_s = time.perf_counter() - t
-                res["shutdown_s"] = shutdown_s
-                runs[impl].append(res)
+                runs[impl].append(run_workload(wl, impl, quick))
                 if progress:
-                    progress.step(f"{wl} {impl} (round {r + 1}/{_rounds(wl, rounds)})")
-        results["workloads"][wl] = {i: summarize(runs[i]) for i in impl_names}
+                    progress.step(f"{wl} {impl} (round {r + 1}/{n_rounds})")
+        results["workloads"][wl] = {i: summarize(runs[i]) for i in impls}
         if wl == "a_seq":
-            raw_a_seq = {i: [x for run in runs[i] for x in run["latency"]] for i in impl_names}
+            raw_a_seq = {i: [x for run in runs[i] for x in run["latency"]] for i in impls}
     results["targets"] = report.targets(results)
     return results, raw_a_seq
 
 
 def run(args: argparse.Namespace) -> int:
-    wls = _pick(args.workloads, {**WORKLOADS, **ZMQ_WORKLOADS}, "workload")
+    wls = _pick(args.workloads, WORKLOADS, "workload")
     impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator
     rounds = args.rounds or (1 if args.quick else 3)
-    progress = Progress(sum(_rounds(w, rounds) * len(_zmq_impls(w, impls) if w in ZMQ_WORKLOADS else impls)
-                            for w in wls))
+    progress = Progress(sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls))
     results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,

@@ -11,23 +11,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import trio
 
-from bench.perf import drivers, workloads
-from bench.perf.asyncio_drivers import OmniEventDriver, TaskGroupDriver
+from bench.implementations import make_driver
+from bench.perf import workloads
 from bench.perf.stats import percentiles_us
 from trio_orch.core import Router
 from trio_orch.types import StageOutput
 
-
-class TrioPullDriver(drivers.TrioDriver):
-    """The Trio orchestrator with the push fast path turned off (readers loop on receive())."""
-
-    name = "trio (receive loop)"
-    push = False
+#: label -> (implementation, driver options): the Trio orchestrator with and without the push fast path
+INPROC_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "floor": ("floor", {}),
+    "trio": ("trio", {"push": True}),
+    "trio (receive loop)": ("trio", {"push": False}),  # readers loop on receive()
+    "asyncio-taskgroup": ("asyncio-taskgroup", {}),
+    "omni-event": ("omni-event", {}),
+}
 
 
 def router_cost(n: int = 100_000) -> float:
@@ -93,23 +94,19 @@ def asyncio_hop(n: int = 20_000) -> float:
 
 def inproc(rounds: int, n: int) -> None:
     """a_seq and c_chain forward latency: push fast path vs receive loop, with references."""
-    variants: list[Callable[[], drivers.BenchDriver]] = [
-        drivers.FloorDriver, drivers.TrioDriver, TrioPullDriver, TaskGroupDriver, OmniEventDriver]
     lat: dict[str, list[float]] = {}
     fwd: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for make in variants:
-            d = make()
-            d.start(3, {0, 2})
+        for label, (impl, options) in INPROC_VARIANTS.items():
+            d = make_driver(impl, 3, {0, 2}, **options).start()
             r = workloads.seq(d, n, paced=False)
-            d.shutdown()
-            lat.setdefault(d.name, []).extend(r["latency"])
-            if d.name != "floor":
-                d = make()
-                d.start(3, {0, 2})
+            d.close()
+            lat.setdefault(label, []).extend(r["latency"])
+            if impl != "floor":
+                d = make_driver(impl, 3, {0, 2}, **options).start()
                 c = workloads.chain(d, n // 10)
-                d.shutdown()
-                fwd.setdefault(d.name, []).extend(c["forward"])
+                d.close()
+                fwd.setdefault(label, []).extend(c["forward"])
     print(f"{'in-process':24s} {'a_seq p50':>10s} {'a_seq p99':>10s} {'fwd p50':>9s}")
     for name, xs in lat.items():
         p = percentiles_us(xs)
@@ -119,7 +116,6 @@ def inproc(rounds: int, n: int) -> None:
 
 def zmq(rounds: int, n: int) -> None:
     """a_seq over ZMQ echo workers: ReplicaPool.pump (push) vs pool.receive()."""
-    from bench.perf.zmq_workloads import ZmqTrioDriver, echo_pipeline, zmq_seq
     from trio_orch.pool import ReplicaPool
 
     pump = ReplicaPool.pump
@@ -131,10 +127,9 @@ def zmq(rounds: int, n: int) -> None:
                     del ReplicaPool.pump  # type: ignore[misc]
                 else:
                     ReplicaPool.pump = pump  # type: ignore[method-assign]
-                d = ZmqTrioDriver(echo_pipeline(1))
-                d.start()
-                res[name].extend(zmq_seq(d, n)["latency"])
-                d.shutdown()
+                d = make_driver("trio", workers=workloads.echo_pipeline(1)).start()
+                res[name].extend(workloads.zmq_seq(d, n)["latency"])
+                d.close()
     finally:
         ReplicaPool.pump = pump  # type: ignore[method-assign]
     print(f"{'ZMQ echo workers':24s} {'a_seq p50':>10s} {'a_seq p99':>10s}")

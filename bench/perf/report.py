@@ -12,7 +12,7 @@ from typing import Any
 
 from bench.perf.stats import ratio
 
-#: (name, description, check) evaluated against one run's results (issue 6 targets).
+#: the implementation every ratio and target is judged against
 BASE = "trio"
 
 
@@ -31,7 +31,7 @@ def _refs(results: dict[str, Any]) -> list[str]:
 
 
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's performance targets, each judged from this run's numbers."""
+    """The performance targets (docs/performance.md), each judged from this run's numbers."""
     rows: list[dict[str, Any]] = []
 
     def add(name: str, value: float | None, limit: str, ok: bool | None) -> None:

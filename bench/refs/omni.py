@@ -38,9 +38,9 @@ class _OmniBase(AsyncioOrchestrator):
     """``run()`` with create_task + cancel-all + gather + all_tasks sweep."""
 
     async def run(self) -> None:
-        request_task = asyncio.create_task(self._request_handler(), name="orchestrator-request-handler")
+        request_task = asyncio.create_task(self.request_handler(), name="orchestrator-request-handler")
         output_task = asyncio.create_task(self._output_handler(), name="orchestrator-stage-output-handler")
-        stop_task = asyncio.create_task(self._wait_stop_requested(), name="orchestrator-stop-waiter")
+        stop_task = asyncio.create_task(self.wait_stop_requested(), name="orchestrator-stop-waiter")
         tasks = (request_task, output_task, stop_task)
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -53,7 +53,7 @@ class _OmniBase(AsyncioOrchestrator):
             log.exception("[Orchestrator] Fatal error in orchestrator tasks")
             raise
         finally:
-            self._stop.set()
+            self.stopping.set()
             for t in tasks:
                 if not t.done():
                     t.cancel()
@@ -61,7 +61,7 @@ class _OmniBase(AsyncioOrchestrator):
                 await asyncio.gather(*tasks, return_exceptions=True)
             except Exception:
                 pass
-            await self._finish()
+            await self.finish()
             loop = asyncio.get_running_loop()
             me = asyncio.current_task()
             pending = [t for t in asyncio.all_tasks(loop) if t is not me and not t.done()]
@@ -85,15 +85,17 @@ class OmniEventDriven(_OmniBase):
     """Reader per replica -> ready queue -> one dispatcher (vLLM-Omni's event-driven loop)."""
 
     variant = "omni-event"
+    description = ("vLLM-Omni style: thread + loop, janus, create_task, readers -> ready queue -> "
+                   "dispatcher, cancel-all + gather + all_tasks sweep")
 
     async def _output_loop(self) -> None:
         ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        readers = [asyncio.create_task(self._reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
+        readers = [asyncio.create_task(self.reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
                    for k, s in enumerate(self.stages)]
-        shutdown_task = asyncio.create_task(self._stop.wait(), name="orchestrator-dispatch-shutdown")
+        shutdown_task = asyncio.create_task(self.stopping.wait(), name="orchestrator-dispatch-shutdown")
         pending_get: asyncio.Task[tuple[int, Any]] | None = None
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 if pending_get is None:
                     pending_get = asyncio.create_task(ready_q.get(), name="orch-dispatch-get")
                 done, _ = await asyncio.wait({pending_get, shutdown_task},
@@ -102,16 +104,16 @@ class OmniEventDriven(_OmniBase):
                     break
                 stage_id, item = pending_get.result()
                 pending_get = None
-                await self._perform(self._route(stage_id, item))
+                await self.perform(self.route(stage_id, item))
         finally:
             rest = [t for t in (*readers, shutdown_task, pending_get) if t is not None]
             for t in rest:
                 t.cancel()
             await asyncio.gather(*rest, return_exceptions=True)
 
-    async def _reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
+    async def reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
         try:
-            while not self._stop.is_set():
+            while not self.stopping.is_set():
                 outs = await stage.receive()
                 await ready_q.put((stage_id, outs))
         except asyncio.CancelledError:
@@ -124,15 +126,16 @@ class OmniPolling(_OmniBase):
     """Legacy loop: poll each stage with a 1 ms wait; sleep 1 ms when idle."""
 
     variant = "omni-poll"
+    description = "vLLM-Omni legacy polling loop: each stage polled with a 1 ms wait, 1 ms sleep when idle"
     poll_timeout = 0.001
     idle_sleep = 0.001
 
     async def _output_loop(self) -> None:
         router = self.router
-        while not self._stop.is_set():
+        while not self.stopping.is_set():
             idle = True
             for stage_id, stage in enumerate(self.stages):
-                if self._stop.is_set():
+                if self.stopping.is_set():
                     return
                 if not router.available[stage_id]:
                     continue
@@ -143,9 +146,9 @@ class OmniPolling(_OmniBase):
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
-                    await self._perform(self._route(stage_id, StageDied.of(exc)))
+                    await self.perform(self.route(stage_id, StageDied.of(exc)))
                     idle = False
                     continue
-                await self._perform(router.route_many(stage_id, outs))
+                await self.perform(router.route_many(stage_id, outs))
                 idle = False
             await asyncio.sleep(self.idle_sleep if idle else 0)

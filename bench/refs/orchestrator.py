@@ -68,12 +68,22 @@ class AsyncioOrchestrator:
     Build it inside the loop that will run it (janus queues bind to it).  The
     serving thread calls :meth:`add_request` and :meth:`abort`; output
     batches (lists of messages) come out of :attr:`output_queue`'s ``sync_q``,
-    one put per routing step.
+    one put per routing step.  A variant's ``run()`` starts
+    :meth:`request_handler` and its readers, hands stage outputs to
+    :meth:`route` and performs the result with :meth:`perform`, waits with
+    :meth:`wait_stop_requested`, sets :attr:`stopping` and ends with :meth:`finish`.
     """
 
     #: bound the shutdown cleanup (stage aborts, aclose) by ``shutdown_grace``
     bounded_cleanup = False
-    variant = "base"
+    #: the implementation's name in the comparison and the benchmark ("": not one, e.g. a base class);
+    #: bench.implementations registers every class of bench/refs/ that has one
+    variant = ""
+    #: one line for the tables' legends
+    description = ""
+    #: its thread runs the loop with ``asyncio.Runner`` (which cancels leftover tasks on close)
+    #: instead of ``new_event_loop`` + ``run_until_complete`` + ``close`` (what vLLM-Omni's thread does)
+    use_runner = False
 
     def __init__(
         self,
@@ -101,7 +111,7 @@ class AsyncioOrchestrator:
         self._sending: set[Ticket] = set()  # accepted; the serving thread is putting them in the queue
         self.stage_deaths: dict[int, str] = {}
         self._stop_requested = asyncio.Event()
-        self._stop = asyncio.Event()
+        self.stopping = asyncio.Event()  # set by the variant's run() when it stops: loops end
         self._drained = asyncio.Event()
         self._drain_timeout: float | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}  # per-request deadlines
@@ -166,14 +176,14 @@ class AsyncioOrchestrator:
         self._deliver([a.message for a in actions if type(a) is Emit])
         io = [a for a in actions if type(a) is not Emit]
         if io:  # the stage aborts: fire and forget, as the source does for its side jobs
-            task = self.loop.create_task(self._perform(io))
+            task = self.loop.create_task(self.perform(io))
             self._io_tasks.add(task)
             task.add_done_callback(self._io_tasks.discard)
 
     async def run(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    async def _wait_stop_requested(self) -> None:
+    async def wait_stop_requested(self) -> None:
         """Return once shutdown was requested and the optional drain is over."""
         await self._stop_requested.wait()
         if self._drain_timeout:
@@ -183,7 +193,7 @@ class AsyncioOrchestrator:
                 pass
 
     # ------------------------------------------------------------------ tasks
-    async def _request_handler(self) -> None:
+    async def request_handler(self) -> None:
         """Take adds and aborts from the serving thread, in order."""
         q = self.request_queue.async_q
         while True:
@@ -191,18 +201,18 @@ class AsyncioOrchestrator:
             if type(msg) is AddMsg:
                 await self._handle_add(msg)
             else:
-                await self._perform(self.router.abort(msg.request_id))
+                await self.perform(self.router.abort(msg.request_id))
 
     async def _handle_add(self, msg: AddMsg) -> None:
         try:
             with self.lock:
                 actions = self.router.start(msg.ticket)
-            await self._perform(actions)
+            await self.perform(actions)
         finally:
             if msg.done is not None:
                 msg.done.set()
 
-    def _route(self, stage_id: int, item: Any) -> list[Action]:
+    def route(self, stage_id: int, item: Any) -> list[Action]:
         if type(item) is list:
             return self.router.route_many(stage_id, item)
         msg = item.describe(stage_id)
@@ -228,7 +238,7 @@ class AsyncioOrchestrator:
         if self._stop_requested.is_set() and not self.router.live_count:
             self._drained.set()
 
-    async def _perform(self, actions: list[Action]) -> None:
+    async def perform(self, actions: list[Action]) -> None:
         """Deliver the emits at once, then do the stage I/O in decision order."""
         if not actions:
             return
@@ -241,7 +251,7 @@ class AsyncioOrchestrator:
                 try:
                     await self.stages[a.stage_id].submit(a.request_id, a.payload)
                 except Exception as exc:
-                    await self._perform(router.submit_failed(
+                    await self.perform(router.submit_failed(
                         a.stage_id, a.request_id,
                         f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
                     continue
@@ -288,7 +298,7 @@ class AsyncioOrchestrator:
         self._deliver([a.message for a in actions if type(a) is Emit])
         return [a for a in actions if type(a) is not Emit]
 
-    async def _finish(self) -> None:
+    async def finish(self) -> None:
         """Terminals first, then stage aborts and closes (bounded or not), then end of stream."""
         io = self._finish_sync()
         try:

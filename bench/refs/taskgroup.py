@@ -36,6 +36,8 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
     """Event-driven asyncio orchestrator with structured task supervision."""
 
     variant = "asyncio-taskgroup"
+    description = "modern asyncio: the same under asyncio.TaskGroup + asyncio.timeout, no sweep"
+    use_runner = True
     bounded_cleanup = True
 
     async def run(self) -> None:
@@ -46,12 +48,12 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             async with asyncio.timeout(None) as stop_deadline:
                 async with asyncio.TaskGroup() as tg:
                     ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-                    tasks = [tg.create_task(self._request_handler(), name="orchestrator-request-handler"),
+                    tasks = [tg.create_task(self.request_handler(), name="orchestrator-request-handler"),
                              tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
-                    tasks += [tg.create_task(self._reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
+                    tasks += [tg.create_task(self.reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
                               for k, s in enumerate(self.stages)]
-                    await self._wait_stop_requested()
-                    self._stop.set()
+                    await self.wait_stop_requested()
+                    self.stopping.set()
                     stop_deadline.reschedule(asyncio.get_running_loop().time() + self.shutdown_grace)
                     for t in tasks:
                         t.cancel()
@@ -59,15 +61,15 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
                         self.shutdown_grace)
         finally:
-            self._stop.set()
-            await self._finish()
+            self.stopping.set()
+            await self.finish()
 
     async def _dispatcher(self, ready_q: asyncio.Queue[tuple[int, Any]]) -> None:
         while True:
             stage_id, item = await ready_q.get()
-            await self._perform(self._route(stage_id, item))
+            await self.perform(self.route(stage_id, item))
 
-    async def _reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
+    async def reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
         try:
             while True:
                 outs = await stage.receive()

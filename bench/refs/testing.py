@@ -1,12 +1,14 @@
-"""The asyncio flavour of :class:`trio_orch.testing.ScriptedStage`.
+"""The asyncio twin of :class:`trio_orch.testing.ScriptedStage`.
 
-Same API (``emit``/``emit_nowait``/``fail``/``fail_nowait``/``hold_submits``/
-``release_submits``, ``submissions``, ``aborts``) and the same stage-client
-protocol, on an :class:`asyncio.Queue`, so the asyncio references are driven
-by exactly what drives the Trio orchestrator.  ``misbehaviour`` adds the
-faults the comparison scenarios need; ``close_under_reader`` reproduces what
-pyzmq's asyncio socket does when it is closed under a pending ``recv``: the
-waiting coroutine gets ``CancelledError`` although nobody cancelled its task.
+Same API (``emit``/``emit_nowait``/``emit_batch_nowait``/``fail``/``fail_nowait``/
+``hold_submits``/``release_submits``, ``submissions``, ``aborts``, ``on_submit``)
+and the same stage-client protocol, on an :class:`asyncio.Queue`, so the asyncio
+references are driven by exactly what drives the Trio orchestrator.  The same
+:class:`~trio_orch.testing.Misbehaviour` adds the comparison scenarios' faults;
+``close_under_reader`` reproduces what pyzmq's asyncio socket does when it is
+closed under a pending ``recv``: the waiting coroutine gets ``CancelledError``
+although nobody cancelled its task.  The asyncio references have no push fast
+path, so there is no push variant.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import time
 from typing import Any
 
-from bench.misbehaviour import Misbehaviour
+from trio_orch.testing import Misbehaviour, SubmitHook
 from trio_orch.types import StageOutput, StageUnavailable
 
 __all__ = ["AsyncScriptedStage"]
@@ -27,21 +29,24 @@ class _ClosedUnder:
 
 _CLOSED_UNDER = _ClosedUnder()
 
+_Item = list[StageOutput] | BaseException | _ClosedUnder
+
 
 class AsyncScriptedStage:
     """A stage client whose outputs are whatever the test tells it to emit (asyncio)."""
 
     def __init__(self, stage_id: int = 0, *, name: str | None = None,
-                 misbehaviour: Misbehaviour | None = None) -> None:
+                 misbehaviour: Misbehaviour | None = None, on_submit: SubmitHook | None = None) -> None:
         self.stage_id = stage_id
         self.name = name or f"asyncio-scripted-stage-{stage_id}"
         self.misbehaviour = misbehaviour or Misbehaviour()
+        self.on_submit = on_submit
         self.submissions: list[tuple[str, Any]] = []
         self.aborts: list[str] = []
         self.closed = False
         self.swallowed_cancels = 0
         self.helpers: set[asyncio.Task[None]] = set()
-        self._queue: asyncio.Queue[StageOutput | BaseException | _ClosedUnder] = asyncio.Queue()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()  # one item per emit: a batch, or the death
         self._dead: BaseException | None = None
         self._submit_gate: asyncio.Event | None = None
 
@@ -56,10 +61,14 @@ class AsyncScriptedStage:
 
     def emit_nowait(self, request_id: str, data: Any = None, finished: bool = False,
                     error: str | None = None) -> None:
+        self.emit_batch_nowait([StageOutput(request_id, data, finished, error,
+                                            t_produced=time.perf_counter())])
+
+    def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
+        """Queue ready-made outputs; they come out of one ``receive`` together (a batched step)."""
         if self._dead is not None or self.closed:
             raise RuntimeError(f"{self.name} is closed or dead; cannot emit")
-        self._queue.put_nowait(StageOutput(request_id, data, finished, error,
-                                           t_produced=time.perf_counter()))
+        self._queue.put_nowait(outputs)
 
     async def fail(self, exc: BaseException | None = None) -> None:
         self.fail_nowait(exc)
@@ -94,6 +103,8 @@ class AsyncScriptedStage:
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
         self.submissions.append((request_id, payload))
+        if self.on_submit is not None:
+            self.on_submit(self.stage_id, request_id)
         if self.misbehaviour.helper_per_submit:
             task = asyncio.create_task(asyncio.sleep(3600), name=f"{self.name}.heartbeat[{request_id}]")
             self.helpers.add(task)
@@ -135,14 +146,14 @@ class AsyncScriptedStage:
                     return batch
                 self._queue.put_nowait(item)  # stay dead: every later receive raises too
                 raise item
-            batch.append(item)
+            batch += item
             try:
                 item = self._queue.get_nowait()
             except asyncio.QueueEmpty:
                 return batch
 
     def _requeue_front(self, item: BaseException | _ClosedUnder) -> None:
-        rest = [item]
+        rest: list[_Item] = [item]
         while not self._queue.empty():
             rest.append(self._queue.get_nowait())
         for x in rest:

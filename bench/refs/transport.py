@@ -1,4 +1,4 @@
-"""The asyncio references' ZMQ stage client (pyzmq's asyncio sockets) and worker launcher.
+"""The asyncio references' ZMQ stage client (pyzmq's asyncio sockets).
 
 The twin of :class:`trio_orch.transport.ZmqStageClient` for the asyncio
 orchestrators: one DEALER socket per worker replica, bound here (the worker
@@ -8,12 +8,7 @@ burst comes back as one batch; pyzmq's asyncio socket handles the
 edge-triggered ZMQ fd.  The replica is dead when it sends ``Dying``, when its
 process exits (``mark_dead``), or after ``heartbeat_timeout`` seconds of
 silence; ``receive`` then raises :class:`ReplicaDied`, after the outputs that
-came before.
-
-:func:`open_worker_stages` starts the same ``python -m stages.worker``
-processes as :func:`trio_orch.launcher.open_pipeline` (one replica per stage;
-command lines from :func:`trio_orch.launcher.worker_argv`), waits for their
-``Ready`` and stops them, always, on the way out.
+came before.  :mod:`bench.refs.launcher` starts the workers behind them.
 """
 
 from __future__ import annotations
@@ -21,19 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
-from collections.abc import AsyncIterator
 from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from trio_orch.config import PipelineConfig
-from trio_orch.launcher import worker_argv
 from trio_orch.transport import ReplicaDied
 from trio_orch.types import StageOutput, StageUnavailable
 from trio_orch.wire import (
@@ -51,7 +38,7 @@ from trio_orch.wire import (
     WireError,
 )
 
-__all__ = ["AsyncZmqStageClient", "ReplicaDied", "open_worker_stages"]
+__all__ = ["AsyncZmqStageClient", "ReplicaDied"]
 
 log = logging.getLogger("bench.refs.transport")
 
@@ -180,66 +167,3 @@ class AsyncZmqStageClient:
             self.mark_dead(f"worker is dying: {msg.reason}")
         elif t is not Heartbeat:
             log.debug("%s: ignoring %s", self.name, t.__name__)
-
-
-@contextlib.asynccontextmanager
-async def open_worker_stages(config: PipelineConfig, *, stop_grace: float = 2.0
-                             ) -> AsyncIterator[list[AsyncZmqStageClient]]:
-    """Start one worker per stage of ``config``; yield their clients (ready); stop and reap them."""
-    config.validate()
-    if any(st.replicas != 1 for st in config.stages):
-        raise ValueError("open_worker_stages: one replica per stage (the asyncio references have no pool)")
-    tmpdir = tempfile.mkdtemp(prefix="trio-orch-asyncio-")
-    ctx = zmq.asyncio.Context()
-    clients: list[AsyncZmqStageClient] = []
-    procs: list[asyncio.subprocess.Process] = []
-    watchers: list[asyncio.Task[None]] = []
-    try:
-        hb = config.heartbeat_timeout if config.heartbeat_interval > 0 else None
-        for k, st in enumerate(config.stages):
-            addr = f"ipc://{tmpdir}/ctl-s{k}r0"
-            client = AsyncZmqStageClient(ctx, addr, stage_id=k, heartbeat_timeout=hb,
-                                         name=f"stage {k} ({st.label})")
-            clients.append(client)
-            errf = open(os.path.join(tmpdir, f"s{k}r0.stderr"), "wb")
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *worker_argv(config, k, 0, st, addr, tmpdir), stdin=subprocess.DEVNULL,
-                    stdout=errf, stderr=errf)
-            finally:
-                errf.close()
-            procs.append(proc)
-            client.pid = proc.pid
-            watchers.append(asyncio.create_task(_watch(proc, client), name=f"watch-worker-{k}"))
-        async with asyncio.timeout(config.startup_timeout):
-            await asyncio.gather(*(c.wait_ready() for c in clients))
-        yield clients
-    finally:
-        for c in clients:
-            await c.aclose()
-        await asyncio.gather(*(_stop(p, stop_grace) for p in procs))
-        for w in watchers:
-            w.cancel()
-        await asyncio.gather(*watchers, return_exceptions=True)
-        ctx.term()
-        shutil.rmtree(tmpdir, ignore_errors=True)
-
-
-async def _watch(proc: asyncio.subprocess.Process, client: AsyncZmqStageClient) -> None:
-    code = await proc.wait()
-    client.mark_dead(f"worker process {proc.pid} exited with code {code}")
-
-
-async def _stop(proc: asyncio.subprocess.Process, grace: float) -> None:
-    """Wait for the worker (it was asked to shut down), SIGTERM, SIGKILL; always reap."""
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
-        if proc.returncode is not None:
-            return
-        if sig is not None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
-        try:
-            async with asyncio.timeout(grace):
-                await proc.wait()
-        except TimeoutError:
-            continue

@@ -1,7 +1,7 @@
 """What every comparison scenario shares: the record, the watchdog, and the measurements.
 
 A scenario is an experiment: it drives one implementation through the
-thread-side harness, measures what happened (shutdown time, terminals per
+thread-side driver (:class:`bench.drivers.base.Driver`), measures what happened (shutdown time, terminals per
 request, messages sent vs. delivered, tasks alive, errors surfaced...) and
 returns those numbers.  Its verdict is computed from the numbers by the
 scenario's stated rule, never typed in, so changing an implementation changes
@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.drivers.base import Harness, make_harness
+from bench.drivers.base import Driver
+from bench.implementations import make_driver
 
 __all__ = [
     "CUT",
@@ -169,7 +170,7 @@ def terminal_stats(messages: list[Any], accepted: Iterable[str]) -> dict[str, in
     }
 
 
-def stop_and_drain(h: Harness, timeout: float | None = None) -> dict[str, Any]:
+def stop_and_drain(h: Driver, timeout: float | None = None) -> dict[str, Any]:
     """Shut down under the watchdog, collect what is left; the shutdown metrics."""
     rep = h.shutdown(timeout, wait=CUT)
     if rep.hung:
@@ -185,9 +186,10 @@ def stop_and_drain(h: Harness, timeout: float | None = None) -> dict[str, Any]:
     }
 
 
-def start(impl: str, *args: Any, **kwargs: Any) -> Harness:
+def start(impl: str, *args: Any, **kwargs: Any) -> Driver:
+    """A started driver for ``impl`` with the comparison's shutdown grace."""
     kwargs.setdefault("shutdown_grace", GRACE)
-    return make_harness(impl, *args, **kwargs).start()
+    return make_driver(impl, *args, **kwargs).start()
 
 
 def shut_fmt(m: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from bench.compare.scenarios.base import (
     stop_and_drain,
     terminal_stats,
 )
-from bench.misbehaviour import Misbehaviour
+from trio_orch.testing import Misbehaviour
 
 # ---------------------------------------------------------------- 7
 N7 = 300
@@ -68,7 +68,7 @@ async def _asyncio_consumer(h: Any) -> tuple[list[Any], int]:
     import asyncio
 
     stage = h.stages[0]
-    modern = h.impl == "asyncio-taskgroup"
+    modern = h.name == "asyncio-taskgroup"
     got: list[Any] = []
     timeouts = 0
 
@@ -241,7 +241,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 def measure_sigint(impl: str) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    argv = [sys.executable, "-m", "bench.compare.scenarios.sigint_child", impl, str(IN_FLIGHT10)]
+    argv = [sys.executable, "-m", "bench.compare.sigint_child", impl, str(IN_FLIGHT10)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=env)
     m: dict[str, Any] = {"in_flight": IN_FLIGHT10}

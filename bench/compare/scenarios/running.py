@@ -114,9 +114,9 @@ def measure_register_submit(impl: str) -> dict[str, Any]:
         h.hold_submits(0)  # stage 0 does not take the submit: the request handler blocks in it
         for r in rids:
             h.add_request(r, "p", wait=False)
-        registered = h.wait_until(lambda: "r1" in h._router().requests, CUT)
+        registered = h.wait_until(lambda: "r1" in h.router.requests, CUT)
         m = stop_and_drain(h)  # cancels the handler between "registered" and "submitted"
-        router_left = len(h._router().requests)
+        router_left = len(h.router.requests)
         h.release_submits(0) if not h.stopped else None
     subs = {r for r, _ in h.submissions(0)}
     aborted = set(h.aborts(0))

@@ -16,7 +16,7 @@ from bench.compare.scenarios.base import (
     surfaced,
     terminal_stats,
 )
-from bench.misbehaviour import Misbehaviour
+from trio_orch.testing import Misbehaviour
 
 
 def _in_flight(h: Any, rids: list[str], stage: int = 0) -> list[Any]:

@@ -1,6 +1,6 @@
 """Child process of scenario 10: a serving main thread, the orchestrator in a background thread.
 
-Run as ``python -m bench.compare.scenarios.sigint_child IMPL N``: starts IMPL, puts N
+Run as ``python -m bench.compare.sigint_child IMPL N``: starts IMPL, puts N
 streaming requests in flight, prints ``READY``, consumes until SIGINT, then
 (in ``except KeyboardInterrupt``) shuts the orchestrator down and prints one
 JSON line: how many in-flight requests got their terminal, how long it took.
