@@ -34,29 +34,20 @@ from typing import Any
 
 import trio
 
-from bench.chaos.run import ChaosOptions, ChaosResult, run_fault
+from bench.chaos.faults import FAULTS
+from bench.chaos.run import IMPLEMENTATION, ChaosOptions, ChaosResult
 
 __all__ = ["configure", "main_async", "render_markdown", "render_table", "run"]
 
 QUICK_REQUESTS = 200
 
 
-def _faults() -> dict[str, Any]:
-    from bench.chaos.faults import FAULTS
-
-    faults: dict[str, Any] = dict(FAULTS)
-    try:
-        from bench.chaos.server import HTTP_FAULTS
-    except ImportError:  # the HTTP server is not available
-        return faults
-    faults.update(HTTP_FAULTS)
-    return faults
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.description = __doc__
-    parser.epilog = "faults: " + ", ".join(_faults())
+    parser.epilog = ("faults:\n" + "\n".join(f"  {name:22s} {f.description}" for name, f in FAULTS.items())
+                     + f"\nimplementation: {IMPLEMENTATION} (the one that supports the whole process layer: "
+                       "replica pools, supervisor, async-chunk connector)")
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK_REQUESTS} requests per fault instead of 1000 (2-3 minutes in all)")
     parser.add_argument("--requests", type=int, default=None, metavar="N",
@@ -116,7 +107,8 @@ def render_table(results: list[ChaosResult]) -> str:
 
 
 def render_markdown(results: list[ChaosResult], meta: dict[str, Any]) -> str:
-    out = [f"Chaos matrix: `{meta['command']}` ({meta['workers']} workers, {meta['requests']} requests per "
+    out = [f"Chaos matrix: `{meta['command']}` ({meta.get('implementation', IMPLEMENTATION)} over "
+           f"{meta['workers']} workers, {meta['requests']} requests per "
            f"fault + {meta['probe']} probe requests, 2 replicas per stage, {meta['date']}).", ""]
     out.append("| " + " | ".join(HEADERS[:-1]) + " | notes |")
     out.append("|" + "---|" * len(HEADERS))
@@ -128,7 +120,7 @@ def render_markdown(results: list[ChaosResult], meta: dict[str, Any]) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
-    faults = _faults()
+    faults = FAULTS
     names = args.only or list(faults)
     unknown = [n for n in names if n not in faults]
     if unknown:
@@ -142,10 +134,7 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
     for i, name in enumerate(names, 1):
         f = faults[name]
         print(f"[{i}/{len(names)}] {name}: {f.description}", file=sys.stderr, flush=True)
-        if hasattr(f, "run"):  # an HTTP fault: it runs its own server
-            res = await f.run(opts)
-        else:
-            res = await run_fault(name, f.description, f.inject, opts, **f.options)
+        res = await f.run(opts)
         print(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed {res.failed or '-'}, "
               f"{res.without_terminal} without terminal, {res.wall_s:.1f}s", file=sys.stderr, flush=True)
         results.append(res)
@@ -166,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         orch_log.setLevel(saved_level)
     print(render_table(results))
     meta = {"command": "trio-orch chaos " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["chaos"]
-            else "trio-orch chaos", "workers": results[0].workers if results else "-",
+            else "trio-orch chaos", "implementation": IMPLEMENTATION,
+            "workers": results[0].workers if results else "-",
             "requests": results[0].requests if results else 0, "probe": args.probe,
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "wall_s": round(time.monotonic() - t0, 1)}
     if args.json:

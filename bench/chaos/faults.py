@@ -1,34 +1,66 @@
-"""The faults of the chaos matrix: each one an ``inject`` coroutine plus its run options.
+"""The chaos matrix's faults: the :class:`Fault` protocol and the one registry, :data:`FAULTS`.
 
-An ``inject(run)`` waits for its moment (a fraction of the load submitted),
-does its damage, and marks ``t_fault`` / ``t_detect`` / ``t_recover`` on the
-:class:`~bench.chaos.run.ChaosRun` from what it observes (the supervisor's
-restart events, counters, the output backlog).  The HTTP faults live in
-:mod:`bench.chaos.server`.
+A fault is a row of the matrix: ``await fault.run(opts)`` starts what it
+needs, injects itself under load, measures and stops, and returns a
+:class:`~bench.chaos.run.ChaosResult` (it never raises: a crash is a failed
+row).  Two kinds satisfy the protocol:
+
+* :class:`PipelineFault` -- an ``inject(run)`` coroutine run beside the load
+  of a pipeline under the supervisor (:func:`bench.chaos.run.run_fault`); it
+  waits for its moment (a fraction of the load submitted), does its damage
+  and marks ``t_fault`` / ``t_detect`` / ``t_recover`` on the
+  :class:`~bench.chaos.run.ChaosRun` from what it observes (the supervisor's
+  restart events, counters, the output backlog); ``setup`` says how its run
+  differs from the default one;
+* :class:`~bench.chaos.server.HttpFault` -- load and fault against a real
+  ``trio-orch serve`` process.
+
+Adding a fault is adding an entry to :data:`FAULTS` here (with its inject
+coroutine, for a pipeline fault) and a test.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
-from bench.chaos.run import ChaosRun, Inject
+from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
+from bench.chaos.server import HttpFault
+from trio_orch.config import PipelineConfig
 from trio_orch.types import StageOutput
 
-__all__ = ["FAULTS", "Fault", "GatedStage"]
+__all__ = ["FAULTS", "Fault", "GatedStage", "PipelineFault"]
 
 
-@dataclass
-class Fault:
+class Fault(Protocol):
+    """One row of the chaos matrix."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    async def run(self, opts: ChaosOptions) -> ChaosResult:
+        """Start what the fault needs, inject it under load, measure, stop; never raises."""
+        ...
+
+
+@dataclass(frozen=True)
+class PipelineFault:
+    """A fault injected by ``inject(run)`` into a pipeline under load (see the module docstring)."""
+
     name: str
     description: str
     inject: Inject
-    options: dict[str, Any] = field(default_factory=dict)  # run_fault keyword arguments
+    setup: RunSetup = field(default_factory=RunSetup)
+
+    async def run(self, opts: ChaosOptions) -> ChaosResult:
+        return await run_fault(self.name, self.description, self.inject, opts, self.setup)
 
 
 async def kill9(run: ChaosRun) -> None:
@@ -45,7 +77,7 @@ async def sigstop(run: ChaosRun) -> None:
     await run.mark_restart(2, 1)
 
 
-def _garbage_config(cfg: Any) -> None:
+def _garbage_config(cfg: PipelineConfig) -> None:
     # Early steps of replica 0 (the first placement of every stage): sure to happen under any load.
     cfg.stages[0].replica_args[0] = ["--garbage-after-steps", "2", "--unknown-rid-after-steps", "3"]
     cfg.stages[2].replica_args[0] = ["--garbage-after-steps", "1"]
@@ -69,16 +101,15 @@ async def slow_consumer(run: ChaosRun) -> None:
     await trio.sleep(2.0)
     run.consumer_delay = 0.0
     run.consumer_gate = gate = trio.Event()  # ... then not reading at all for 2 s
-    backlog = run.orch._out_recv  # the orchestrator's unbounded output channel
     peak = 0
     with trio.move_on_after(2.0):
         while True:
-            peak = max(peak, backlog.statistics().current_buffer_used)
+            peak = max(peak, run.outputs.backlog)  # the orchestrator's output, not read yet
             await trio.sleep(0.01)
     gate.set()
     run.consumer_gate = None
     run.mark_fault()  # from here: how long until the backlog is gone
-    while backlog.statistics().current_buffer_used > 0:
+    while run.outputs.backlog > 0:
         await trio.sleep(0.005)
     run.notes["peak_backlog_msgs"] = peak
     run.mark_recover()
@@ -158,17 +189,13 @@ class GatedStage:
         await self.inner.aclose()
 
 
-_gates: list[GatedStage] = []
-
-
 def _gate_stage0(stages: list[Any]) -> list[Any]:
-    gated = GatedStage(stages[0])
-    _gates[:] = [gated]
-    return [gated, *stages[1:]]
+    return [GatedStage(stages[0]), *stages[1:]]
 
 
 async def channel_full(run: ChaosRun) -> None:
-    gate = _gates[0]
+    gate = run.stages[0]  # the run's setup gated stage 0
+    assert isinstance(gate, GatedStage)
     await run.submitted_at_least(0.3)
     run.mark_fault()
     gate.open = trio.Event()  # the request handler now blocks: the bounded channel fills up
@@ -210,26 +237,28 @@ async def leave_rejoin(run: ChaosRun) -> None:
     run.mark_recover()  # back in the pool and placed on
 
 
-def _faults() -> list[Fault]:
-    cfg_hook: Callable[[Any], None] = _garbage_config
-    return [
-        Fault("kill9", "kill -9 a talker replica under load", kill9),
-        Fault("sigstop", "SIGSTOP a code2wav replica (hung: no heartbeats)", sigstop),
-        Fault("garbage", "workers send undecodable frames and outputs for unknown request ids", garbage,
-              {"config_hook": cfg_hook}),
-        Fault("slow_consumer", "the consumer reads slowly for 2 s, then not at all for 2 s (recover: from "
-              "resuming to an empty output backlog)", slow_consumer),
-        Fault("abort_storm", "half the requests aborted at random points (0-200 ms after accept)",
-              abort_storm),
-        Fault("shutdown", "orchestrator shutdown (no drain) with half the load sent", shutdown_under_load),
-        Fault("startup_failure", "kill a thinker replica; its first two replacements fail at startup",
-              startup_failure, {"sup_kwargs": {"extra_args": _fail_twice}}),
-        Fault("channel_full", "stage 0 submits stall 3 s: the request channel (16) stays full",
-              channel_full, {"orch_kwargs": {"request_queue_size": 16}, "wrap_stages": _gate_stage0}),
-        Fault("connector_peer_killed", "async-chunk: kill -9 the code2wav replica receiving chunks",
-              connector_peer_killed, {"async_chunk": True}),
-        Fault("leave_rejoin", "a talker replica leaves gracefully (drained) and rejoins later", leave_rejoin),
-    ]
-
-
-FAULTS: dict[str, Fault] = {f.name: f for f in _faults()}
+#: name -> fault, in the matrix's order
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    PipelineFault("kill9", "kill -9 a talker replica under load", kill9),
+    PipelineFault("sigstop", "SIGSTOP a code2wav replica (hung: no heartbeats)", sigstop),
+    PipelineFault("garbage", "workers send undecodable frames and outputs for unknown request ids", garbage,
+                  RunSetup(config_hook=_garbage_config)),
+    PipelineFault("slow_consumer", "the consumer reads slowly for 2 s, then not at all for 2 s (recover: "
+                  "from resuming to an empty output backlog)", slow_consumer),
+    PipelineFault("abort_storm", "half the requests aborted at random points (0-200 ms after accept)",
+                  abort_storm),
+    PipelineFault("shutdown", "orchestrator shutdown (no drain) with half the load sent",
+                  shutdown_under_load),
+    PipelineFault("startup_failure", "kill a thinker replica; its first two replacements fail at startup",
+                  startup_failure, RunSetup(sup_kwargs={"extra_args": _fail_twice})),
+    PipelineFault("channel_full", "stage 0 submits stall 3 s: the request channel (16) stays full",
+                  channel_full, RunSetup(orch_kwargs={"request_queue_size": 16}, wrap_stages=_gate_stage0)),
+    PipelineFault("connector_peer_killed", "async-chunk: kill -9 the code2wav replica receiving chunks",
+                  connector_peer_killed, RunSetup(async_chunk=True)),
+    PipelineFault("leave_rejoin", "a talker replica leaves gracefully (drained) and rejoins later",
+                  leave_rejoin),
+    HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after its first "
+              "chunks)", "disconnect"),
+    HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",
+              "sigint"),
+)}

@@ -7,6 +7,13 @@ flight, lets the fault's ``inject`` coroutine do its damage at the chosen
 moment, then checks that the orchestrator still serves (fresh probe requests
 must all finish), shuts everything down and counts what was left behind.
 Every number in a :class:`ChaosResult` is measured in that run.
+
+The run drives the Trio orchestrator in this thread, not through a
+thread-side driver: the faults act on the process layer (replica pools, the
+supervisor, the async-chunk connector), which only the Trio side has, and
+they observe it from inside its loop.  The implementation comes from the
+registry all the same (:data:`IMPLEMENTATION`: one that supports
+``pipeline``).
 """
 
 from __future__ import annotations
@@ -21,13 +28,19 @@ from typing import Any
 
 import trio
 
-from bench.faults import LeakProbe, TerminalLedger
+from bench.implementations import names
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.launcher import Pipeline, open_pipeline
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.supervisor import RestartPolicy, Supervisor, open_supervisor
+from trio_orch.testing import LeakProbe, TerminalLedger
+from trio_orch.types import Message
 
-__all__ = ["ChaosOptions", "ChaosResult", "ChaosRun", "build_config", "run_fault"]
+__all__ = ["IMPLEMENTATION", "ChaosOptions", "ChaosResult", "ChaosRun", "Inject", "OutputStream", "RunSetup",
+           "build_config", "run_fault"]
+
+#: the implementation under chaos: the first that supports the whole process layer (trio-orch)
+IMPLEMENTATION = names("pipeline")[0]
 
 POLICY = RestartPolicy(max_restarts=5, window=60.0, backoff_initial=0.05, backoff_factor=2.0, backoff_max=2.0)
 
@@ -50,6 +63,7 @@ class ChaosResult:
     fault: str
     description: str
     workers: str
+    implementation: str = IMPLEMENTATION
     requests: int = 0
     accepted: int = 0
     completed: int = 0
@@ -88,13 +102,43 @@ def build_config(opts: ChaosOptions, *, async_chunk: bool = False) -> PipelineCo
     return cfg.validate()
 
 
+class OutputStream:
+    """The orchestrator's output sink, read by the run's consumer; its backlog can be measured."""
+
+    def __init__(self) -> None:
+        self._send, self._recv = trio.open_memory_channel[Message](math.inf)
+
+    def put(self, msgs: list[Message]) -> None:
+        """The orchestrator's ``output_sink``: one batch per routing step."""
+        send = self._send.send_nowait
+        for m in msgs:
+            send(m)
+
+    def close(self) -> None:
+        """End of stream: the orchestrator stopped."""
+        self._send.close()
+
+    @property
+    def backlog(self) -> int:
+        """Messages delivered by the orchestrator and not consumed yet."""
+        return self._recv.statistics().current_buffer_used
+
+    def __aiter__(self) -> trio.MemoryReceiveChannel[Message]:
+        return self._recv
+
+
 class ChaosRun:
-    """What a fault's ``inject`` coroutine sees and marks."""
+    """What a fault's ``inject`` coroutine sees and marks.
+
+    ``stages`` are the stage clients the orchestrator routes through (the
+    pipeline's pools, or what :attr:`RunSetup.wrap_stages` made of them);
+    ``outputs`` is the stream the consumer reads.
+    """
 
     def __init__(self, name: str, opts: ChaosOptions, pipe: Pipeline, sup: Supervisor, orch: Orchestrator,
-                 ledger: TerminalLedger) -> None:
+                 ledger: TerminalLedger, stages: list[Any], outputs: OutputStream) -> None:
         self.name, self.opts, self.pipe, self.sup = name, opts, pipe, sup
-        self.orch, self.ledger = orch, ledger
+        self.orch, self.ledger, self.stages, self.outputs = orch, ledger, stages, outputs
         self.rng = random.Random(opts.seed)
         self.submitted = 0
         self.refused = 0
@@ -144,7 +188,8 @@ class ChaosRun:
         self.mark_detect(self.trio_to_mono(ev.t_dead))
         self.mark_recover(self.trio_to_mono(ev.t_ready))
 
-    def _bump(self) -> None:
+    def bump(self) -> None:
+        """Wake whoever waits in :meth:`submitted_at_least` (the load sent one more request)."""
         self._progress.set()
         self._progress = trio.Event()
 
@@ -152,30 +197,49 @@ class ChaosRun:
 Inject = Callable[[ChaosRun], Awaitable[None]]
 
 
-async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOptions, *,
-                    async_chunk: bool = False, orch_kwargs: dict[str, Any] | None = None,
-                    sup_kwargs: dict[str, Any] | None = None,
-                    wrap_stages: Callable[[list[Any]], list[Any]] | None = None,
-                    config_hook: Callable[[PipelineConfig], None] | None = None) -> ChaosResult:
+@dataclass(frozen=True)
+class RunSetup:
+    """How a fault's run differs from the default one."""
+
+    async_chunk: bool = False
+    orch_kwargs: dict[str, Any] = field(default_factory=dict)  #: Orchestrator options on top
+    sup_kwargs: dict[str, Any] = field(default_factory=dict)  #: open_supervisor options
+    #: the stage clients the orchestrator gets, made from the pipeline's pools
+    wrap_stages: Callable[[list[Any]], list[Any]] | None = None
+    config_hook: Callable[[PipelineConfig], None] | None = None  #: edits the pipeline config in place
+
+
+async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOptions,
+                    setup: RunSetup | None = None) -> ChaosResult:
     """Run one fault from a fresh pipeline to a clean shutdown; see the module docstring."""
+    setup = setup or RunSetup()
     res = ChaosResult(name, description, "echo" if opts.echo else "torch (thinker/talker/code2wav)")
     res.requests = opts.requests
     t_start = time.monotonic()
     probe = LeakProbe()
     ledger = TerminalLedger()
-    cfg = build_config(opts, async_chunk=async_chunk)
-    if config_hook is not None:
-        config_hook(cfg)
+    cfg = build_config(opts, async_chunk=setup.async_chunk)
+    if setup.config_hook is not None:
+        setup.config_hook(cfg)
     try:
-        async with open_pipeline(cfg) as pipe, open_supervisor(pipe, POLICY, **(sup_kwargs or {})) as sup:
+        async with open_pipeline(cfg) as pipe, open_supervisor(pipe, POLICY, **setup.sup_kwargs) as sup:
             probe.saw(pipe.pids)
             probe.saw_dir(pipe.tmpdir)
-            stages = wrap_stages(list(pipe.stages)) if wrap_stages else list(pipe.stages)
-            orch = Orchestrator(stages, request_timeout=opts.request_timeout,
-                                **{**pipe.orchestrator_kwargs(), **(orch_kwargs or {})})
-            run = ChaosRun(name, opts, pipe, sup, orch, ledger)
+            stages = setup.wrap_stages(list(pipe.stages)) if setup.wrap_stages else list(pipe.stages)
+            outputs = OutputStream()
+            orch = Orchestrator(stages, request_timeout=opts.request_timeout, output_sink=outputs.put,
+                                **{**pipe.orchestrator_kwargs(), **setup.orch_kwargs})
+            run = ChaosRun(name, opts, pipe, sup, orch, ledger, stages, outputs)
+
+            async def run_orchestrator(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                                       ) -> None:
+                try:
+                    await orch.run(task_status=task_status)
+                finally:
+                    outputs.close()
+
             async with trio.open_nursery() as nursery:
-                await nursery.start(orch.run)
+                await nursery.start(run_orchestrator)
                 await _drive(run, nursery, inject)
                 res.still_serving = await _still_serving(run)
                 await orch.shutdown()
@@ -223,7 +287,7 @@ async def _drive(run: ChaosRun, nursery: trio.Nursery, inject: Inject) -> None:
     mine: set[str] = set()
 
     async def consume() -> None:
-        async for msg in orch.outputs():
+        async for msg in run.outputs:
             gate = run.consumer_gate
             if gate is not None:
                 await gate.wait()
@@ -256,11 +320,11 @@ async def _drive(run: ChaosRun, nursery: trio.Nursery, inject: Inject) -> None:
                 if run.on_accepted is not None:
                     run.on_accepted(rid)
                 run.submitted += 1
-                run._bump()
+                run.bump()
         finally:
             done_sending.set()
             run.load_done.set()
-            run._bump()
+            run.bump()
             if not mine:
                 all_ended.set()
 

@@ -5,7 +5,10 @@ the supervisor.  Clients are httpx streams (server-sent events) sending
 text+audio chat completions.  Server-side accounting comes from ``/metrics``
 (terminals by kind, active requests, client disconnects, supervisor restarts);
 leaks are checked after the server exits: its worker processes, their ipc
-directory, and this process's fds.
+directory, and this process's fds.  :class:`HttpFault` is one kind of
+:class:`~bench.chaos.faults.Fault`; the registry (:data:`bench.chaos.faults.FAULTS`)
+lists the HTTP faults with the others.  httpx (a development dependency) is
+imported only when an HTTP fault runs.
 """
 
 from __future__ import annotations
@@ -18,15 +21,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 import trio
 
 from bench.chaos.run import ChaosOptions, ChaosResult
-from bench.faults import _alive, _fd_count
+from trio_orch.testing import child_pids, fd_count, worker_alive
 
-__all__ = ["HTTP_FAULTS", "HttpFault", "ServerProcess"]
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["HttpFault", "ServerProcess", "chat_body", "parse_metrics"]
 
 
 class ServerProcess:
@@ -77,21 +82,17 @@ class ServerProcess:
     def scan_workers(self) -> None:
         """Record the server's worker processes (and their ipc directory) from /proc."""
         assert self.proc is not None
-        for path in _children_files(self.proc.pid):
+        for pid in child_pids(self.proc.pid):
             try:
-                pids = [int(x) for x in open(path).read().split()]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
             except OSError:
                 continue
-            for pid in pids:
-                try:
-                    cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-                except OSError:
-                    continue
-                if b"stages.worker" in cmd:
-                    self.worker_pids.add(pid)
-                    addr = cmd[cmd.index(b"--connect") + 1].decode()
-                    if addr.startswith("ipc://"):
-                        self.ipc_dirs.add(os.path.dirname(addr[len("ipc://"):]))
+            if b"stages.worker" in cmd:
+                self.worker_pids.add(pid)
+                addr = cmd[cmd.index(b"--connect") + 1].decode()
+                if addr.startswith("ipc://"):
+                    self.ipc_dirs.add(os.path.dirname(addr[len("ipc://"):]))
 
     async def stop(self, sig: int | None = signal.SIGINT, timeout: float = 30.0,
                    t0: float | None = None) -> tuple[int | None, float]:
@@ -116,16 +117,9 @@ class ServerProcess:
         return code, took
 
     def leaks(self) -> tuple[int, int]:
-        procs = sum(1 for p in self.worker_pids if _alive(p))
+        procs = sum(1 for p in self.worker_pids if worker_alive(p))
         ipc = sum(max(1, len(os.listdir(d))) for d in self.ipc_dirs if os.path.isdir(d))
         return procs, ipc
-
-
-def _children_files(pid: int) -> list[str]:
-    try:
-        return [f"/proc/{pid}/task/{t}/children" for t in os.listdir(f"/proc/{pid}/task")]
-    except OSError:
-        return []
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -142,7 +136,8 @@ def _sum(metrics: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in metrics.items() if k.startswith(prefix))
 
 
-def _body(opts: ChaosOptions, i: int, stream: bool = True) -> dict[str, Any]:
+def chat_body(opts: ChaosOptions, i: int, stream: bool = True) -> dict[str, Any]:
+    """A text+audio chat completion request body (streamed by default)."""
     return {"messages": [{"role": "user", "content": f"chaos request {i}: say something"}],
             "stream": stream, "modalities": ["text", "audio"], "max_tokens": opts.max_new_tokens}
 
@@ -154,6 +149,8 @@ async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     "refused": no response at all (connection refused or closed before a status line: the server
     never accepted it); "cut": a 200 stream that ended without a terminal chunk.
     """
+    import httpx
+
     started = False
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -187,17 +184,19 @@ async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
         return "cut" if started else "refused"
 
 
-@dataclass
+@dataclass(frozen=True)
 class HttpFault:
+    """A fault of the HTTP front: ``mode`` "disconnect" (clients leave mid-stream) or "sigint"."""
+
     name: str
     description: str
-    mode: str  # "disconnect" | "sigint"
+    mode: str
 
     async def run(self, opts: ChaosOptions) -> ChaosResult:
         res = ChaosResult(self.name, self.description, "torch (thinker/talker/code2wav), via trio-orch serve")
         res.requests = opts.requests
         t_start = time.monotonic()
-        fds_before = _fd_count()
+        fds_before = fd_count()
         server = ServerProcess(opts)
         outcomes: dict[str, int] = {}
         try:
@@ -224,7 +223,7 @@ class HttpFault:
         res.refused = outcomes.get("refused", 0)
         res.accepted = sum(outcomes.values()) - res.refused
         res.leaked_processes, res.leaked_ipc_files = server.leaks()
-        res.leaked_fds = max(0, _fd_count() - fds_before)
+        res.leaked_fds = max(0, fd_count() - fds_before)
         if res.notes.get("exit_code") != 0:
             res.error = res.error or f"server exit code {res.notes.get('exit_code')} (None: killed)"
         if res.error and opts.progress:
@@ -236,6 +235,8 @@ class HttpFault:
     async def _load(self, server: ServerProcess, opts: ChaosOptions, res: ChaosResult,
                     outcomes: dict[str, int]) -> float | None:
         """Send the load; return when SIGINT was sent (sigint mode) or None."""
+        import httpx
+
         limits = httpx.Limits(max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency)
         timeout = httpx.Timeout(opts.request_timeout + 30)
         async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
@@ -247,7 +248,7 @@ class HttpFault:
             async def one(i: int) -> None:
                 try:
                     leave = 2 if self.mode == "disconnect" and i % 2 else None
-                    kind = await _one_stream(client, server.url, _body(opts, i), leave)
+                    kind = await _one_stream(client, server.url, chat_body(opts, i), leave)
                     outcomes[kind] = outcomes.get(kind, 0) + 1
                 finally:
                     slots.release()
@@ -286,20 +287,11 @@ class HttpFault:
             res.duplicates += max(0, int(terminals) - opts.requests)
             ok = 0
             for i in range(opts.probe_requests):
-                r = await client.post(server.url + "/v1/chat/completions", json=_body(opts, i, stream=False))
+                r = await client.post(server.url + "/v1/chat/completions",
+                                      json=chat_body(opts, i, stream=False))
                 ok += r.status_code == 200
             after = parse_metrics((await client.get(server.url + "/metrics")).text)
             res.still_serving = "yes" if ok == opts.probe_requests else "no"
             res.notes["probe_ok"] = ok
             res.restarts = int(_sum(after, "trio_orch_supervisor_restarts_total"))
             return None
-
-
-HTTP_FAULTS: dict[str, HttpFault] = {
-    f.name: f for f in (
-        HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after "
-                  "its first chunks)", "disconnect"),
-        HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",
-                  "sigint"),
-    )
-}
