@@ -32,7 +32,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "scenario's stated rule; scenarios that hang are cut by a watchdog and reported as hangs."
     )
     parser.add_argument("--only", type=int, action="append", metavar="N",
-                        help="run only scenario N (1-12); repeat for several")
+                        help="run only scenario N (see --list); repeat for several")
     parser.add_argument("--impl", action="append", choices=impls, metavar="NAME",
                         help=f"run only this implementation (repeatable): {', '.join(impls)}")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every measurement as JSON here")
