@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pytest
+
 from bench.implementations import IMPLEMENTATIONS, make_driver, names
 from bench.perf import report
 from bench.perf.cli import run_benchmark
@@ -15,6 +17,7 @@ from trio_orch.cli import main
 LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
     impls = list(IMPLEMENTATIONS)
     results, raw = run_benchmark(["a_seq", "c_chain", "b_64_unbatched", "idle"], impls, rounds=1, quick=True)

@@ -37,6 +37,7 @@ def check(res: ChaosResult) -> None:
     assert res.ok
 
 
+@pytest.mark.slow
 async def test_chaos_kill9_worker() -> None:
     res = await run("kill9")
     check(res)
@@ -45,6 +46,7 @@ async def test_chaos_kill9_worker() -> None:
     assert res.detect_s is not None and res.recover_s is not None
 
 
+@pytest.mark.slow
 async def test_chaos_sigstop_worker() -> None:
     res = await run("sigstop")
     check(res)
@@ -52,6 +54,7 @@ async def test_chaos_sigstop_worker() -> None:
     assert set(res.failed) <= {"replica_died"}
 
 
+@pytest.mark.slow
 async def test_chaos_garbage_frames() -> None:
     res = await run("garbage")
     check(res)
@@ -61,6 +64,7 @@ async def test_chaos_garbage_frames() -> None:
     assert res.restarts == 0
 
 
+@pytest.mark.slow
 async def test_chaos_slow_consumer_backlog_builds_up_and_drains() -> None:
     # enough load that the outputs outlast the 2 s of slow reading and meet the paused consumer
     opts = dataclasses.replace(OPTS, requests=1000, concurrency=64)
@@ -71,6 +75,7 @@ async def test_chaos_slow_consumer_backlog_builds_up_and_drains() -> None:
     assert res.recover_s is not None  # ... and it drained once the consumer resumed
 
 
+@pytest.mark.slow
 async def test_chaos_channel_full_refuses_then_recovers() -> None:
     res = await run("channel_full")
     check(res)
@@ -79,6 +84,7 @@ async def test_chaos_channel_full_refuses_then_recovers() -> None:
     assert res.notes["accepted_during_stall"] > 0 and res.recover_s is not None
 
 
+@pytest.mark.slow
 async def test_chaos_shutdown_under_load() -> None:
     res = await run("shutdown")
     check(res)
@@ -106,6 +112,7 @@ def test_chaos_cli_writes_table_json_markdown(tmp_path: Path, capsys: pytest.Cap
     assert "| kill9 |" in mpath.read_text()
 
 
+@pytest.mark.slow
 async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
     """kill -9 a worker of a real ``trio-orch serve``: restarted, counted on /metrics, still serving."""
     import os

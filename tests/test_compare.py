@@ -115,6 +115,7 @@ def test_changing_an_implementation_changes_its_cell(monkeypatch: pytest.MonkeyP
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "silent"
 
 
+@pytest.mark.slow
 def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
     js, md = tmp_path / "out.json", tmp_path / "out.md"
     rc = main(["compare", "--only", "1", "--json", str(js), "--markdown", str(md), "-q"])

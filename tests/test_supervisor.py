@@ -110,6 +110,7 @@ async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
         assert fams["trio_orch_supervisor_restarts"][1] == {(("stage", "0"), ("cause", "exited")): 1}
 
 
+@pytest.mark.slow
 async def test_sigstopped_worker_is_detected_by_heartbeat_killed_and_restarted() -> None:
     async with serving(slow_echo()) as (pipe, sup, orch, ledger):
         for i in range(10):
@@ -126,6 +127,7 @@ async def test_sigstopped_worker_is_detected_by_heartbeat_killed_and_restarted()
         assert [ledger.terminal[f"b{i}"] for i in range(10)] == ["ok"] * 10
 
 
+@pytest.mark.slow
 async def test_last_replica_down_fails_fast_with_stage_unavailable_then_recovers() -> None:
     # The replacement takes a second to start: requests meanwhile must not wait for it.
     slow_start = lambda k, r, attempt: ["--startup-delay", "1.0"]  # noqa: E731
@@ -223,7 +225,8 @@ async def open_stage(argv_for: list[Callable[[str], list[str]]], *, max_message_
 async def test_bad_worker_output_is_counted_and_loses_no_other_output(mode: str) -> None:
     probe = LeakProbe()
     ledger = TerminalLedger()
-    argvs = [lambda a: echo_argv(a, replica=0, extra=[f"--fault-{mode}", "bad"]),
+    # Both replicas take a while per step, so requests in flight spread over them (least loaded first).
+    argvs = [lambda a: echo_argv(a, replica=0, extra=[f"--fault-{mode}", "bad", "--step-delay-ms", "5"]),
              lambda a: echo_argv(a, replica=1, extra=["--step-delay-ms", "30"])]
     async with open_stage(argvs, max_message_bytes=1 << 20, probe=probe) as (pool, handles):
         async with open_orchestrator([pool], final_stage_ids=[0]) as orch:
