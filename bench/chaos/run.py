@@ -262,7 +262,7 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
             res.refused = run.refused
             if run.stopped_on_purpose:
                 res.still_serving = "n/a (stopped)"
-    except Exception as exc:  # a crash of the harness or the orchestrator is a failed row, not a crash
+    except Exception as exc:  # a crash of the run or the orchestrator is a failed row, not a crash
         res.error = f"{type(exc).__name__}: {exc}"
     res.accepted = len(ledger.accepted)
     kinds = ledger.by_kind()

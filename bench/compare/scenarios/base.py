@@ -30,6 +30,8 @@ __all__ = [
     "Outcome",
     "Scenario",
     "run_scenario",
+    "shut_fmt",
+    "start",
     "stop_and_drain",
     "surfaced",
     "terminal_stats",
