@@ -203,6 +203,7 @@ class Worker:
             results = [exc] * len(batch)  # type: ignore[list-item]
         now = time.perf_counter()
         items: list[OutItem] = []
+        faulty: list[tuple[ReqState, OutItem]] = []  # finishes a per-request fault flag applies to
         control_only = self.args.control_only
         for req, res in zip(batch, results, strict=True):
             if isinstance(res, Exception):
@@ -222,15 +223,45 @@ class Worker:
                     continue
                 self.stats["chunks_out"] += 1
             if res.finished:
-                items.append(OutItem(req.request_id, None if control_only else res.data, True, None, now))
+                item = OutItem(req.request_id, None if control_only else res.data, True, None, now)
+                if self._request_faults(req):
+                    faulty.append((req, item))
+                else:
+                    items.append(item)
                 self.retire(req.request_id)
             elif res.data is not None and not control_only:
                 items.append(OutItem(req.request_id, res.data, False, None, now))
         if items:
             self.stats["outputs"] += len(items)
             self.send(Outputs(items))
+        for req, item in faulty:
+            self.stats["outputs"] += 1
+            self._finish_with_faults(req, item)
         self._faults_after_step()
         return True
+
+    def _request_faults(self, req: ReqState) -> bool:
+        """Does a per-request fault flag (``--fault-*``) apply to this request?"""
+        a = self.args
+        return any(_applies(flag, req.payload) for flag in (
+            a.fault_unknown_rid, a.fault_duplicate_finish, a.fault_oversized, a.fault_garbage))
+
+    def _finish_with_faults(self, state: ReqState, item: OutItem) -> None:
+        """Send a finished request's terminal output, misbehaving as its ``--fault-*`` flags say.
+
+        Each fault is a message of its own, so the orchestrator sees exactly one
+        per faulty request.
+        """
+        a, req, payload = self.args, item.request_id, state.payload
+        if _applies(a.fault_unknown_rid, payload):
+            self.send(Outputs([OutItem(f"never-given-{req}", "stray", True, None, item.t_produced)]))
+        if _applies(a.fault_garbage, payload):
+            self.sock.send_multipart([b"\xc1 this is not msgpack", b"junk"])
+        if _applies(a.fault_oversized, payload):
+            item = OutItem(req, {"blob": bytes(a.fault_oversized_bytes)}, True, None, item.t_produced)
+        self.send(Outputs([item]))
+        if _applies(a.fault_duplicate_finish, payload):
+            self.send(Outputs([OutItem(req, "again", True, None, item.t_produced)]))
 
     def _faults_after_step(self) -> None:
         a, n = self.args, self.stats["steps"]
@@ -289,6 +320,11 @@ def _kind_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _applies(flag: str | None, payload: Any) -> bool:
+    """A ``--fault-*`` flag given as STR applies to a payload whose repr contains STR (given bare: all)."""
+    return flag is not None and flag in repr(payload)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m stages.worker",
@@ -341,6 +377,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after step N, stop responding (no heartbeats) until killed")
     f.add_argument("--fail-requests-containing", default=None, metavar="STR",
                    help="refuse (per-request error) every request whose payload repr contains STR")
+    f.add_argument("--fault-unknown-rid", nargs="?", const="", default=None, metavar="STR",
+                   help="when a request finishes, also send an output for a request id nobody submitted "
+                        "(only requests whose payload repr contains STR, if given; else every request)")
+    f.add_argument("--fault-duplicate-finish", nargs="?", const="", default=None, metavar="STR",
+                   help="report a finished request finished a second time (STR: as above)")
+    f.add_argument("--fault-oversized", nargs="?", const="", default=None, metavar="STR",
+                   help="send a request's finishing output padded to --fault-oversized-bytes (STR: as above)")
+    f.add_argument("--fault-oversized-bytes", type=int, default=2 << 20, metavar="N",
+                   help="padding of --fault-oversized (default 2 MiB)")
+    f.add_argument("--fault-garbage", nargs="?", const="", default=None, metavar="STR",
+                   help="when a request finishes, also send one undecodable message (STR: as above)")
     return p
 
 

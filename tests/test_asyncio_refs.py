@@ -1,9 +1,10 @@
-"""The routing scenario suite, run against every implementation through the thread-side harness.
+"""The routing scenario suite, run against every implementation through the thread-side driver.
 
-The asyncio references must honour the same routing contract (DESIGN §3) as
-the Trio orchestrator -- same core, different concurrency shell -- so the
-comparison measures the shell alone.  Every test runs once per
-implementation (Trio included).
+The asyncio references must honour the same routing contract (every request
+ends with exactly one terminal, the last message for it) as the Trio
+orchestrator -- same core, different concurrency shell -- so the comparison
+measures the shell alone.  Every test runs once per implementation that
+supports scripted stages (Trio included).
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections import Counter
 
 import pytest
 
-from bench.harness import IMPLEMENTATIONS, EndOfStream, Harness, make_harness
+from bench.drivers.base import Driver, EndOfStream
+from bench.implementations import make_driver, names
 from trio_orch.config import echo_config
 from trio_orch.types import OrchError, OrchOutput
 
-IMPLS = list(IMPLEMENTATIONS)
+IMPLS = names("scripted")
 
 
 @pytest.fixture(params=IMPLS)
@@ -25,8 +27,8 @@ def impl(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def start(impl: str, *args, **kwargs) -> Harness:
-    return make_harness(impl, *args, **kwargs).start()
+def start(impl: str, *args, **kwargs) -> Driver:
+    return make_driver(impl, *args, **kwargs).start()
 
 
 def assert_one_terminal_last(msgs: list, rids: set[str]) -> None:
@@ -67,7 +69,7 @@ def test_normal_mode_forward_chain(impl: str) -> None:
 
 
 def test_async_chunk_worked_table(impl: str) -> None:
-    """DESIGN §3's worked example, row by row."""
+    """The routing contract's async-chunk example, row by row."""
     with start(impl, 3, {0, 2}, async_chunk=True, prewarm_fn=lambda k, p: f"warm{k}:{len(p)}") as h:
         h.add_request("r1", "hi there")
         assert h.submissions(0) == [("r1", "hi there")]

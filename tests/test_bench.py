@@ -6,13 +6,18 @@ import json
 import math
 from pathlib import Path
 
-from bench import report
-from bench.benchmark import IMPLEMENTATIONS, run_benchmark
+import pytest
+
+from bench.implementations import IMPLEMENTATIONS, make_driver, names
+from bench.perf import report
+from bench.perf.cli import run_benchmark
+from bench.perf.workloads import echo_pipeline, run_workload, zmq_seq
 from trio_orch.cli import main
 
 LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
 
 
+@pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
     impls = list(IMPLEMENTATIONS)
     results, raw = run_benchmark(["a_seq", "c_chain", "b_64_unbatched", "idle"], impls, rounds=1, quick=True)
@@ -54,16 +59,13 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) ->
 
 
 def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
-    from bench.zmq_bench import ZmqTrioDriver, echo_pipeline, zmq_seq
-
-    driver = ZmqTrioDriver(echo_pipeline(1))
-    driver.start()
-    pids = list(driver.pipe.pids)
+    driver = make_driver("trio", workers=echo_pipeline(1)).start()
+    pids = list(driver.worker_pids)
     assert len(pids) == 3 and all(Path(f"/proc/{p}").exists() for p in pids)
     try:
         res = zmq_seq(driver, 200)
     finally:
-        driver.shutdown()
+        driver.close()
     assert res["outputs"] == 200
     assert len(res["latency"]) == 200  # every output carried the worker's production time
     assert all(x > 0 for x in res["latency"])
@@ -71,8 +73,14 @@ def test_zmq_echo_workload_reports_latency_from_worker_timestamps() -> None:
 
 
 def test_asyncio_reference_runs_the_zmq_echo_workload_over_real_workers() -> None:
-    from bench.zmq_bench import run_zmq_workload
-
-    res = run_zmq_workload("zmq_a_seq", quick=True, impl="asyncio-taskgroup")
+    res = run_workload("zmq_a_seq", "asyncio-taskgroup", quick=True)
     assert res["outputs"] == 200 and len(res["latency"]) == 200
     assert res["shutdown_s"] >= 0
+
+
+def test_workloads_run_only_where_supported() -> None:
+    """The torch pipeline needs the process layer: only trio-orch offers it; echo workers: not the floor."""
+    assert names("pipeline") == ["trio"]
+    assert "floor" not in names("workers") and "trio-engine" not in names("workers")
+    results, _ = run_benchmark(["zmq_a_seq"], ["trio", "floor"], rounds=1, quick=True)
+    assert set(results["workloads"]["zmq_a_seq"]) == {"trio"}

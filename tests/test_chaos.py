@@ -9,23 +9,23 @@ after a terminal, no leaked process / fd / ipc file, still serving after.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import trio
 
-from bench import chaos
-from bench.chaos_faults import FAULTS
-from bench.chaos_run import ChaosOptions, ChaosResult, run_fault
+from bench.chaos import cli as chaos
+from bench.chaos.faults import FAULTS
+from bench.chaos.run import ChaosOptions, ChaosResult
 
 OPTS = ChaosOptions(requests=150, concurrency=32, echo=True, request_timeout=20.0, probe_requests=10,
                     progress=False)
 
 
 async def run(name: str) -> ChaosResult:
-    f = FAULTS[name]
-    return await run_fault(name, f.description, f.inject, OPTS, **f.options)
+    return await FAULTS[name].run(OPTS)
 
 
 def check(res: ChaosResult) -> None:
@@ -37,6 +37,7 @@ def check(res: ChaosResult) -> None:
     assert res.ok
 
 
+@pytest.mark.slow
 async def test_chaos_kill9_worker() -> None:
     res = await run("kill9")
     check(res)
@@ -45,6 +46,7 @@ async def test_chaos_kill9_worker() -> None:
     assert res.detect_s is not None and res.recover_s is not None
 
 
+@pytest.mark.slow
 async def test_chaos_sigstop_worker() -> None:
     res = await run("sigstop")
     check(res)
@@ -52,6 +54,7 @@ async def test_chaos_sigstop_worker() -> None:
     assert set(res.failed) <= {"replica_died"}
 
 
+@pytest.mark.slow
 async def test_chaos_garbage_frames() -> None:
     res = await run("garbage")
     check(res)
@@ -61,6 +64,27 @@ async def test_chaos_garbage_frames() -> None:
     assert res.restarts == 0
 
 
+@pytest.mark.slow
+async def test_chaos_slow_consumer_backlog_builds_up_and_drains() -> None:
+    # enough load that the outputs outlast the 2 s of slow reading and meet the paused consumer
+    opts = dataclasses.replace(OPTS, requests=1000, concurrency=64)
+    res = await FAULTS["slow_consumer"].run(opts)
+    check(res)
+    assert res.still_serving == "yes" and res.failed == {}
+    assert res.notes["peak_backlog_msgs"] > 0  # the paused consumer let the output stream back up
+    assert res.recover_s is not None  # ... and it drained once the consumer resumed
+
+
+@pytest.mark.slow
+async def test_chaos_channel_full_refuses_then_recovers() -> None:
+    res = await run("channel_full")
+    check(res)
+    assert res.still_serving == "yes" and res.failed == {}
+    assert res.notes["refused_channel_full"] > 0  # the gated stage 0 kept the request channel full
+    assert res.notes["accepted_during_stall"] > 0 and res.recover_s is not None
+
+
+@pytest.mark.slow
 async def test_chaos_shutdown_under_load() -> None:
     res = await run("shutdown")
     check(res)
@@ -88,6 +112,7 @@ def test_chaos_cli_writes_table_json_markdown(tmp_path: Path, capsys: pytest.Cap
     assert "| kill9 |" in mpath.read_text()
 
 
+@pytest.mark.slow
 async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
     """kill -9 a worker of a real ``trio-orch serve``: restarted, counted on /metrics, still serving."""
     import os
@@ -95,7 +120,7 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
 
     import httpx
 
-    from bench.chaos_http import ServerProcess, _body, parse_metrics
+    from bench.chaos.server import ServerProcess, chat_body, parse_metrics
 
     opts = ChaosOptions(request_timeout=20.0, progress=False)
     server = ServerProcess(opts, replicas=1)
@@ -113,7 +138,8 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
                         metrics = parse_metrics((await client.get(server.url + "/metrics")).text)
                 deaths = [k for k in metrics if k.startswith("trio_orch_supervisor_deaths_total")]
                 assert deaths and all('cause="exited"' in k for k in deaths)
-                r = await client.post(server.url + "/v1/chat/completions", json=_body(opts, 0, stream=False))
+                r = await client.post(server.url + "/v1/chat/completions",
+                                      json=chat_body(opts, 0, stream=False))
                 assert r.status_code == 200
             code, _ = await server.stop(signal.SIGINT)
             assert code == 0

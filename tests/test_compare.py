@@ -12,11 +12,11 @@ import json
 
 import pytest
 
-from bench.asyncio_omni import OmniEventDriven
-from bench.asyncio_taskgroup import TaskGroupOrchestrator
-from bench.scenarios import SCENARIOS, by_number, run_scenario
-from bench.scenarios.base import CUT
-from bench.scenarios.shutdown import judge_no_hang_no_leak
+from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
+from bench.compare.scenarios.base import CUT
+from bench.compare.scenarios.shutdown import judge_no_hang_no_leak
+from bench.refs.omni import OmniEventDriven
+from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.cli import main
 
 
@@ -111,10 +111,11 @@ def test_verdicts_are_derived_from_measurements() -> None:
 def test_changing_an_implementation_changes_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
     """TaskGroup's reader tells its own cancellation from the stage's; give it omni's and S3 turns silent."""
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "ok"
-    monkeypatch.setattr(TaskGroupOrchestrator, "_reader", OmniEventDriven._reader)
+    monkeypatch.setattr(TaskGroupOrchestrator, "reader", OmniEventDriven.reader)
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "silent"
 
 
+@pytest.mark.slow
 def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
     js, md = tmp_path / "out.json", tmp_path / "out.md"
     rc = main(["compare", "--only", "1", "--json", str(js), "--markdown", str(md), "-q"])
@@ -142,13 +143,19 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
 
 
 def test_compare_cli_rejects_unknown_scenario(capsys) -> None:
-    assert main(["compare", "--only", "13"]) == 2
-    assert "no scenario 13" in capsys.readouterr().err
+    n = len(SCENARIOS) + 1
+    assert main(["compare", "--only", str(n)]) == 2
+    assert f"no scenario {n}" in capsys.readouterr().err
 
 
-def test_every_scenario_is_listed() -> None:
-    assert [s.number for s in SCENARIOS] == list(range(1, 13))
+def test_every_scenario_is_collected_and_listed(capsys) -> None:
+    """Scenarios are found in their modules, numbered 1..N without a gap, each listed by --list."""
+    assert len(SCENARIOS) >= 12
+    assert [s.number for s in SCENARIOS] == list(range(1, len(SCENARIOS) + 1))
+    assert len({s.key for s in SCENARIOS}) == len(SCENARIOS)
     assert main(["compare", "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[1] for line in listed] == [s.key for s in SCENARIOS]
 
 
 def test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench.harness import IMPLEMENTATIONS, make_harness
+from bench.implementations import make_driver, names
 from trio_orch import core
 from trio_orch.core import Submit
 from trio_orch.core.admission import AdmissionRules
@@ -44,7 +44,7 @@ def test_every_rule_in_the_design_table_names_one_existing_core_function() -> No
     assert issubclass(core.Router, RoutingRules) and issubclass(RoutingRules, AdmissionRules)
 
 
-@pytest.mark.parametrize("impl", list(IMPLEMENTATIONS))
+@pytest.mark.parametrize("impl", names("scripted"))
 def test_swapping_a_rule_function_changes_every_shell(impl: str, monkeypatch: pytest.MonkeyPatch) -> None:
     accept, forward = AdmissionRules.accept, RoutingRules.forward
 
@@ -59,7 +59,7 @@ def test_swapping_a_rule_function_changes_every_shell(impl: str, monkeypatch: py
 
     monkeypatch.setattr(AdmissionRules, "accept", strict_accept)
     monkeypatch.setattr(RoutingRules, "forward", tagged_forward)
-    with make_harness(impl, num_stages=2, final_stage_ids={1}) as h:
+    with make_driver(impl, 2, {1}).start() as h:
         with pytest.raises(ValueError, match="swapped admission rule"):
             h.add_request("x1", "p")
         h.add_request("r1", "p")

@@ -1,26 +1,34 @@
 """The supervisor and bad worker input, with real worker processes and real ZMQ sockets.
 
-Every test checks DESIGN §3's "exactly one terminal per request" with a
-:class:`~bench.faults.TerminalLedger` and that nothing is left behind
-(:class:`~bench.faults.LeakProbe`: processes, ipc files).  No timing asserts.
+Every test checks "exactly one terminal per request, the last message for it"
+with a :class:`~trio_orch.testing.TerminalLedger` and that nothing is left
+behind (:class:`~trio_orch.testing.LeakProbe`: processes, ipc files).  Bad
+output comes from real ``stages.worker`` processes told to misbehave by their
+``--fault-*`` flags.  No timing asserts.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-from collections.abc import AsyncIterator
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 import trio
+import zmq
 
-from bench.faults import LeakProbe, TerminalLedger, echo_argv, open_stage, rogue_argv
-from trio_orch.config import echo_config
-from trio_orch.launcher import Pipeline, open_pipeline
+from trio_orch.config import PipelineConfig, StageConfig, echo_config
+from trio_orch.launcher import Pipeline, WorkerHandle, open_pipeline, run_worker
 from trio_orch.orchestrator import Orchestrator, open_orchestrator
+from trio_orch.pool import ReplicaPool
 from trio_orch.supervisor import RestartPolicy, Supervisor, classify_death, open_supervisor
+from trio_orch.testing import LeakProbe, TerminalLedger
+from trio_orch.transport import ZmqStageClient
 
 FAST = RestartPolicy(max_restarts=3, window=30.0, backoff_initial=0.05, backoff_max=0.5)
 
@@ -102,6 +110,7 @@ async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
         assert fams["trio_orch_supervisor_restarts"][1] == {(("stage", "0"), ("cause", "exited")): 1}
 
 
+@pytest.mark.slow
 async def test_sigstopped_worker_is_detected_by_heartbeat_killed_and_restarted() -> None:
     async with serving(slow_echo()) as (pipe, sup, orch, ledger):
         for i in range(10):
@@ -118,6 +127,7 @@ async def test_sigstopped_worker_is_detected_by_heartbeat_killed_and_restarted()
         assert [ledger.terminal[f"b{i}"] for i in range(10)] == ["ok"] * 10
 
 
+@pytest.mark.slow
 async def test_last_replica_down_fails_fast_with_stage_unavailable_then_recovers() -> None:
     # The replacement takes a second to start: requests meanwhile must not wait for it.
     slow_start = lambda k, r, attempt: ["--startup-delay", "1.0"]  # noqa: E731
@@ -170,11 +180,53 @@ async def test_replica_leaves_gracefully_and_rejoins() -> None:
         assert sup.restarts == 0 and sup.counters()["deaths.left"] == 1
 
 
-@pytest.mark.parametrize("mode", ["unknown_rid", "duplicate_finish", "oversized", "garbage"])
+def echo_argv(addr: str, *, replica: int = 0, extra: list[str] | None = None) -> list[str]:
+    """A real ``stages.worker`` echo replica (heartbeat 0.2 s)."""
+    return [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", "0",
+            "--replica", str(replica), "--kind", "echo", "--heartbeat-interval", "0.2", *(extra or [])]
+
+
+@asynccontextmanager
+async def open_stage(argv_for: list[Callable[[str], list[str]]], *, max_message_bytes: int | None = 1 << 20,
+                     probe: LeakProbe | None = None) -> AsyncIterator[tuple[ReplicaPool, list[WorkerHandle]]]:
+    """One stage of replicas, each started from its own command line (``addr -> argv``), behind a pool
+    whose clients refuse messages over ``max_message_bytes``; stops them all."""
+    tmpdir = tempfile.mkdtemp(prefix="trio-orch-test-stage-")
+    if probe is not None:
+        probe.saw_dir(tmpdir)
+    ctx = zmq.Context()
+    cfg = PipelineConfig([StageConfig("echo")], startup_timeout=20.0, stop_grace=1.0)
+    pool = ReplicaPool(0)
+    handles: list[WorkerHandle] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            for r, make in enumerate(argv_for):
+                addr = f"ipc://{tmpdir}/ctl-r{r}"
+                client = ZmqStageClient(ctx, addr, stage_id=0, replica=r, sink=pool.sink,
+                                        heartbeat_timeout=2.0, name=f"stage 0 r{r}",
+                                        max_message_bytes=max_message_bytes)
+                pool.add_replica(client)
+                await nursery.start(client.run)
+                h = WorkerHandle(0, r, "echo", client, os.path.join(tmpdir, f"r{r}.stderr"))
+                handles.append(h)
+                await nursery.start(run_worker, h, make(addr), cfg)
+                if probe is not None:
+                    probe.saw([h.pid])
+            try:
+                yield pool, handles
+            finally:
+                nursery.cancel_scope.cancel()
+    finally:
+        ctx.destroy(linger=0)
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("mode", ["unknown-rid", "duplicate-finish", "oversized", "garbage"])
 async def test_bad_worker_output_is_counted_and_loses_no_other_output(mode: str) -> None:
     probe = LeakProbe()
     ledger = TerminalLedger()
-    argvs = [lambda a: rogue_argv(a, mode, replica=0),
+    # Both replicas take a while per step, so requests in flight spread over them (least loaded first).
+    argvs = [lambda a: echo_argv(a, replica=0, extra=[f"--fault-{mode}", "bad", "--step-delay-ms", "5"]),
              lambda a: echo_argv(a, replica=1, extra=["--step-delay-ms", "30"])]
     async with open_stage(argvs, max_message_bytes=1 << 20, probe=probe) as (pool, handles):
         async with open_orchestrator([pool], final_stage_ids=[0]) as orch:
@@ -185,19 +237,23 @@ async def test_bad_worker_output_is_counted_and_loses_no_other_output(mode: str)
 
                 nursery.start_soon(consume)
                 for i in range(40):
-                    await add(orch, ledger, f"r{i}", f"bad{i}")  # the rogue misbehaves on all it gets
+                    prompt = f"bad{i}" if i % 4 else f"good{i}"  # the faulty worker misbehaves on "bad" ones
+                    await add(orch, ledger, f"r{i}", prompt)
                 await settle(ledger)
                 orch.request_shutdown()
-        rogue = handles[0].client
-        counts = {"unknown_rid": pool.stray_outputs["unknown"],
-                  "duplicate_finish": pool.stray_outputs["duplicate_finish"],
-                  "oversized": rogue.oversized_messages, "garbage": rogue.garbage_frames}
-        bad_on_rogue = [f"r{i}" for i in range(40) if pool.timings[f"r{i}"].replica == 0]
-    assert 0 < len(bad_on_rogue) < 40 and counts[mode] == len(bad_on_rogue)
+        faulty = handles[0].client
+        counts = {"unknown-rid": pool.stray_outputs["unknown"],
+                  "duplicate-finish": pool.stray_outputs["duplicate_finish"],
+                  "oversized": faulty.oversized_messages, "garbage": faulty.garbage_frames}
+        on_faulty = {f"r{i}" for i in range(40) if pool.timings[f"r{i}"].replica == 0}
+        bad_on_faulty = {r for r in on_faulty if int(r[1:]) % 4}
+    # r0 ("good0") is placed first, on replica 0: the faulty worker saw good requests too
+    assert "r0" in on_faulty and 0 < len(bad_on_faulty) < len(on_faulty) < 40
+    assert counts[mode] == len(bad_on_faulty)
     assert ledger.without_terminal() == 0 and ledger.duplicates == 0 and ledger.after_terminal == 0
     want_bad = "stage_failed" if mode == "oversized" else "ok"
     for i in range(40):
-        expect = want_bad if f"r{i}" in bad_on_rogue else "ok"
+        expect = want_bad if f"r{i}" in bad_on_faulty else "ok"
         assert ledger.terminal[f"r{i}"] == expect, (i, ledger.terminal[f"r{i}"])
     assert probe.leaks()["processes"] == 0 and probe.leaks()["ipc_files"] == 0
 

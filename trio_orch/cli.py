@@ -17,9 +17,9 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("trio_orch.demo", "in-process 3-stage pipeline, no processes or torch: print routed outputs"),
     "generate": ("trio_orch.generate", "text + speech (WAV) for a prompt through the ZMQ stage workers"),
-    "bench": ("bench.benchmark", "dispatch latency and throughput of every implementation, side by side"),
-    "chaos": ("bench.chaos", "fault matrix over real workers: kill -9, SIGSTOP, garbage, aborts, ..."),
-    "compare": ("bench.compare", "cancellation semantics measured: Trio vs. the asyncio references"),
+    "bench": ("bench.perf.cli", "dispatch latency and throughput of every implementation, side by side"),
+    "chaos": ("bench.chaos.cli", "fault matrix over real workers: kill -9, SIGSTOP, garbage, aborts, ..."),
+    "compare": ("bench.compare.cli", "cancellation semantics measured: Trio vs. the asyncio references"),
     "serve": ("trio_orch.server", "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
 }
 

@@ -1,0 +1,1 @@
+"""``trio-orch chaos``: the fault matrix over real worker processes."""

@@ -1,0 +1,172 @@
+"""``trio-orch chaos``: the fault matrix, one fault at a time, over real worker processes.
+
+Each fault gets a fresh pipeline (the default thinker -> talker -> code2wav
+torch pipeline with 2 replicas per stage and short generations, or echo
+workers with ``--echo``) under the supervisor, ``--requests`` requests with
+at most ``--concurrency`` in flight, the fault injected mid-load, a check
+that fresh requests still finish, a shutdown, and a leak check.  Every cell
+of the table comes from that run:
+
+* completed / failed by kind: terminals of the accepted requests (plus the
+  ``--probe`` requests sent after the fault);
+* no terminal / duplicates / after terminal: requests without exactly one
+  terminal, second terminals, messages after a terminal (all must be 0);
+* leaks: worker processes still alive, fds opened and not closed, files left
+  in the pipeline's ipc directory, after shutdown (all must be 0);
+* serving: the probe requests after the fault all finished;
+* detect / recover: seconds from the fault to its detection (e.g. the
+  supervisor seeing the death) and to recovery (the replacement ready).
+
+Output: a terminal table, ``--json PATH``, ``--markdown PATH``; the exit
+status is 1 if any row breaks a guarantee.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bench.chaos.faults import FAULTS
+from bench.chaos.run import IMPLEMENTATION, ChaosOptions, ChaosResult
+
+__all__ = ["configure", "main_async", "render_markdown", "render_table", "run"]
+
+QUICK_REQUESTS = 200
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = __doc__
+    parser.epilog = ("faults:\n" + "\n".join(f"  {name:22s} {f.description}" for name, f in FAULTS.items())
+                     + f"\nimplementation: {IMPLEMENTATION} (the one that supports the whole process layer: "
+                       "replica pools, supervisor, async-chunk connector)")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK_REQUESTS} requests per fault instead of 1000 (2-3 minutes in all)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="requests per fault (default 1000; --quick: 200)")
+    parser.add_argument("--concurrency", type=int, default=64, metavar="C", help="most requests in flight")
+    parser.add_argument("--only", action="append", default=[], metavar="NAME",
+                        help="run only this fault (repeatable)")
+    parser.add_argument("--echo", action="store_true",
+                        help="echo workers instead of the torch models (model compute is irrelevant to "
+                             "most faults; the table says which workers ran)")
+    parser.add_argument("--max-new-tokens", type=int, default=4, help="thinker tokens per request")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="torch device of the workers (default cpu)")
+    parser.add_argument("--request-timeout", type=float, default=30.0,
+                        help="per-request deadline (the server default); a hang shows up as 'timeout'")
+    parser.add_argument("--probe", type=int, default=20,
+                        help="requests sent after the fault to check it still serves")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (abort storm)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+
+
+def _fmt_s(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def _row(r: ChaosResult) -> list[str]:
+    failed = ", ".join(f"{k} {n}" for k, n in r.failed.items()) or "-"
+    notes = ", ".join(f"{k}={v}" for k, v in r.notes.items())
+    if r.restarts:
+        notes = f"restarts={r.restarts}" + (f", {notes}" if notes else "")
+    if r.refused:
+        notes = f"refused={r.refused}" + (f", {notes}" if notes else "")
+    if r.error:
+        notes = f"ERROR {r.error}" + (f", {notes}" if notes else "")
+    leaks = f"{r.leaked_processes}/{r.leaked_fds}/{r.leaked_ipc_files}"
+    return [r.fault, str(r.accepted), str(r.completed), failed, str(r.without_terminal),
+            str(r.duplicates + r.after_terminal), leaks, r.still_serving, _fmt_s(r.detect_s),
+            _fmt_s(r.recover_s), "ok" if r.ok else "FAIL", notes or "-"]
+
+
+HEADERS = ["fault", "accepted", "completed", "failed by kind", "no terminal", "dup/after",
+           "leaked proc/fd/ipc", "serving after", "detect s", "recover s", "verdict", "notes"]
+
+
+def render_table(results: list[ChaosResult]) -> str:
+    rows = [HEADERS, *(_row(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows[:]) for i in range(len(HEADERS) - 1)]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [row[-1]]
+        lines.append("  ".join(cells))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  -----")
+    return "\n".join(lines)
+
+
+def render_markdown(results: list[ChaosResult], meta: dict[str, Any]) -> str:
+    out = [f"Chaos matrix: `{meta['command']}` ({meta.get('implementation', IMPLEMENTATION)} over "
+           f"{meta['workers']} workers, {meta['requests']} requests per "
+           f"fault + {meta['probe']} probe requests, 2 replicas per stage, {meta['date']}).", ""]
+    out.append("| " + " | ".join(HEADERS[:-1]) + " | notes |")
+    out.append("|" + "---|" * len(HEADERS))
+    for r in results:
+        out.append("| " + " | ".join(c.replace("|", "/") for c in _row(r)) + " |")
+    out.append("")
+    out.extend(f"- **{r.fault}**: {r.description}" for r in results)
+    return "\n".join(out) + "\n"
+
+
+async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
+    faults = FAULTS
+    names = args.only or list(faults)
+    unknown = [n for n in names if n not in faults]
+    if unknown:
+        raise SystemExit(f"unknown fault(s) {unknown}; known: {', '.join(faults)}")
+    n_req = args.requests or (QUICK_REQUESTS if args.quick else 1000)
+    opts = ChaosOptions(requests=n_req, concurrency=args.concurrency, echo=args.echo,
+                        max_new_tokens=args.max_new_tokens, request_timeout=args.request_timeout,
+                        probe_requests=args.probe, progress=not args.no_progress, seed=args.seed,
+                        device=args.device)
+    results = []
+    for i, name in enumerate(names, 1):
+        f = faults[name]
+        print(f"[{i}/{len(names)}] {name}: {f.description}", file=sys.stderr, flush=True)
+        res = await f.run(opts)
+        print(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed {res.failed or '-'}, "
+              f"{res.without_terminal} without terminal, {res.wall_s:.1f}s", file=sys.stderr, flush=True)
+        results.append(res)
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    orch_log = logging.getLogger("trio_orch")
+    saved_level = orch_log.level
+    if not (getattr(args, "verbose", 0) or getattr(args, "sub_verbose", 0)):
+        # The faults make the orchestrator log warnings by the hundred (that is their job); keep the
+        # progress readable.  -v shows them.
+        orch_log.setLevel(logging.CRITICAL)
+    try:
+        results = trio.run(main_async, args)
+    finally:
+        orch_log.setLevel(saved_level)
+    print(render_table(results))
+    meta = {"command": "trio-orch chaos " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["chaos"]
+            else "trio-orch chaos", "implementation": IMPLEMENTATION,
+            "workers": results[0].workers if results else "-",
+            "requests": results[0].requests if results else 0, "probe": args.probe,
+            "date": time.strftime("%Y-%m-%d", time.gmtime()), "wall_s": round(time.monotonic() - t0, 1)}
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": [asdict(r) | {"ok": r.ok}
+                                                                          for r in results]}, indent=2))
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.markdown:
+        Path(args.markdown).write_text(render_markdown(results, meta))
+        print(f"wrote {args.markdown}", file=sys.stderr)
+    bad = [r.fault for r in results if not r.ok]
+    print(f"{len(results) - len(bad)}/{len(results)} faults kept every guarantee"
+          + (f"; FAILED: {', '.join(bad)}" if bad else "") + f" ({time.monotonic() - t0:.0f}s)")
+    return 1 if bad else 0

@@ -1,0 +1,264 @@
+"""The chaos matrix's faults: the :class:`Fault` protocol and the one registry, :data:`FAULTS`.
+
+A fault is a row of the matrix: ``await fault.run(opts)`` starts what it
+needs, injects itself under load, measures and stops, and returns a
+:class:`~bench.chaos.run.ChaosResult` (it never raises: a crash is a failed
+row).  Two kinds satisfy the protocol:
+
+* :class:`PipelineFault` -- an ``inject(run)`` coroutine run beside the load
+  of a pipeline under the supervisor (:func:`bench.chaos.run.run_fault`); it
+  waits for its moment (a fraction of the load submitted), does its damage
+  and marks ``t_fault`` / ``t_detect`` / ``t_recover`` on the
+  :class:`~bench.chaos.run.ChaosRun` from what it observes (the supervisor's
+  restart events, counters, the output backlog); ``setup`` says how its run
+  differs from the default one;
+* :class:`~bench.chaos.server.HttpFault` -- load and fault against a real
+  ``trio-orch serve`` process.
+
+Adding a fault is adding an entry to :data:`FAULTS` here (with its inject
+coroutine, for a pipeline fault) and a test.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import trio
+
+from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
+from bench.chaos.server import HttpFault
+from trio_orch.config import PipelineConfig
+from trio_orch.types import StageOutput
+
+__all__ = ["FAULTS", "Fault", "GatedStage", "PipelineFault"]
+
+
+class Fault(Protocol):
+    """One row of the chaos matrix."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    async def run(self, opts: ChaosOptions) -> ChaosResult:
+        """Start what the fault needs, inject it under load, measure, stop; never raises."""
+        ...
+
+
+@dataclass(frozen=True)
+class PipelineFault:
+    """A fault injected by ``inject(run)`` into a pipeline under load (see the module docstring)."""
+
+    name: str
+    description: str
+    inject: Inject
+    setup: RunSetup = field(default_factory=RunSetup)
+
+    async def run(self, opts: ChaosOptions) -> ChaosResult:
+        return await run_fault(self.name, self.description, self.inject, opts, self.setup)
+
+
+async def kill9(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    os.kill(run.worker_pid(1, 0), signal.SIGKILL)
+    await run.mark_restart(1, 0)
+
+
+async def sigstop(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    os.kill(run.worker_pid(2, 1), signal.SIGSTOP)  # the supervisor kills it after the heartbeat timeout
+    await run.mark_restart(2, 1)
+
+
+def _garbage_config(cfg: PipelineConfig) -> None:
+    # Early steps of replica 0 (the first placement of every stage): sure to happen under any load.
+    cfg.stages[0].replica_args[0] = ["--garbage-after-steps", "2", "--unknown-rid-after-steps", "3"]
+    cfg.stages[2].replica_args[0] = ["--garbage-after-steps", "1"]
+
+
+async def garbage(run: ChaosRun) -> None:
+    # The workers send their bad messages themselves (replica_args); we watch the counters.
+    def total() -> int:
+        return sum(n for (_, kind), n in run.sup.bad_input().items() if kind in ("garbage", "unknown"))
+
+    while total() == 0:
+        await trio.sleep(0.005)
+    run.mark_fault()
+    run.notes["healthy_replicas_kept"] = sum(len(p.live_replicas()) for p in run.pipe.stages)
+
+
+async def slow_consumer(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    run.consumer_delay = 0.002  # 2 ms per message for 2 s ...
+    await trio.sleep(2.0)
+    run.consumer_delay = 0.0
+    run.consumer_gate = gate = trio.Event()  # ... then not reading at all for 2 s
+    peak = 0
+    with trio.move_on_after(2.0):
+        while True:
+            peak = max(peak, run.outputs.backlog)  # the orchestrator's output, not read yet
+            await trio.sleep(0.01)
+    gate.set()
+    run.consumer_gate = None
+    run.mark_fault()  # from here: how long until the backlog is gone
+    while run.outputs.backlog > 0:
+        await trio.sleep(0.005)
+    run.notes["peak_backlog_msgs"] = peak
+    run.mark_recover()
+
+
+async def abort_storm(run: ChaosRun) -> None:
+    send, recv = trio.open_memory_channel[tuple[str, float]](float("inf"))
+    aborted = 0
+
+    def maybe_abort(rid: str) -> None:
+        if run.rng.random() < 0.5:
+            send.send_nowait((rid, run.rng.uniform(0.0, 0.2)))
+
+    async def abort_later(rid: str, delay: float) -> None:
+        nonlocal aborted
+        await trio.sleep(delay)
+        await run.orch.abort(rid)
+        aborted += 1
+
+    async def close_after_load() -> None:
+        await run.load_done.wait()
+        send.close()
+
+    run.on_accepted = maybe_abort
+    run.mark_fault()
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_after_load)
+            async for rid, delay in recv:
+                nursery.start_soon(abort_later, rid, delay)
+    finally:
+        run.notes["aborts_sent"] = aborted
+
+
+async def shutdown_under_load(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.5)
+    run.stopped_on_purpose = True
+    run.mark_fault()
+    active = run.orch.active_requests
+    await run.orch.shutdown()
+    run.mark_detect()
+    run.mark_recover()  # recover = how long shutdown took
+    run.notes["active_at_shutdown"] = active
+
+
+def _fail_twice(stage: int, replica: int, attempt: int) -> list[str]:
+    return ["--fail-at-startup", "injected: cannot load weights"] if attempt <= 2 else []
+
+
+async def startup_failure(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    os.kill(run.worker_pid(0, 1), signal.SIGKILL)  # its first two replacements fail at startup
+    await run.mark_restart(0, 1)
+
+
+class GatedStage:
+    """A stage client whose ``submit`` waits while the gate is closed (a stalled submit path)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.open = trio.Event()
+        self.open.set()
+
+    async def submit(self, request_id: str, payload: Any) -> None:
+        await self.open.wait()
+        await self.inner.submit(request_id, payload)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self.inner.abort(request_ids)
+
+    async def receive(self) -> list[StageOutput]:
+        return await self.inner.receive()
+
+    async def aclose(self) -> None:
+        self.open.set()
+        await self.inner.aclose()
+
+
+def _gate_stage0(stages: list[Any]) -> list[Any]:
+    return [GatedStage(stages[0]), *stages[1:]]
+
+
+async def channel_full(run: ChaosRun) -> None:
+    gate = run.stages[0]  # the run's setup gated stage 0
+    assert isinstance(gate, GatedStage)
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    gate.open = trio.Event()  # the request handler now blocks: the bounded channel fills up
+    refused = burst = 0
+    with trio.move_on_after(3.0):
+        while True:
+            rid = f"{run.name}-burst-{burst}"
+            try:
+                run.ledger.accepted.add(rid)
+                run.orch.add_request_nowait(rid, "burst" if run.opts.echo else
+                                            {"text": "burst", "max_new_tokens": run.opts.max_new_tokens})
+                burst += 1
+            except trio.WouldBlock:
+                run.ledger.accepted.discard(rid)
+                refused += 1
+                run.mark_detect()
+            await trio.sleep(0.01)
+    gate.open.set()
+    while run.orch.queued_requests > 0:
+        await trio.sleep(0.005)
+    run.mark_recover()
+    run.notes.update(refused_channel_full=refused, accepted_during_stall=burst)
+
+
+async def connector_peer_killed(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    os.kill(run.worker_pid(2, 0), signal.SIGKILL)  # the code2wav replica stage 1 streams chunks to
+    await run.mark_restart(2, 0)
+
+
+async def leave_rejoin(run: ChaosRun) -> None:
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    await run.sup.leave(1, 0)
+    run.mark_detect()  # left: drained and stopped
+    await run.submitted_at_least(0.6)
+    await run.sup.rejoin(1, 0)
+    run.mark_recover()  # back in the pool and placed on
+
+
+#: name -> fault, in the matrix's order
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    PipelineFault("kill9", "kill -9 a talker replica under load", kill9),
+    PipelineFault("sigstop", "SIGSTOP a code2wav replica (hung: no heartbeats)", sigstop),
+    PipelineFault("garbage", "workers send undecodable frames and outputs for unknown request ids", garbage,
+                  RunSetup(config_hook=_garbage_config)),
+    PipelineFault("slow_consumer", "the consumer reads slowly for 2 s, then not at all for 2 s (recover: "
+                  "from resuming to an empty output backlog)", slow_consumer),
+    PipelineFault("abort_storm", "half the requests aborted at random points (0-200 ms after accept)",
+                  abort_storm),
+    PipelineFault("shutdown", "orchestrator shutdown (no drain) with half the load sent",
+                  shutdown_under_load),
+    PipelineFault("startup_failure", "kill a thinker replica; its first two replacements fail at startup",
+                  startup_failure, RunSetup(sup_kwargs={"extra_args": _fail_twice})),
+    PipelineFault("channel_full", "stage 0 submits stall 3 s: the request channel (16) stays full",
+                  channel_full, RunSetup(orch_kwargs={"request_queue_size": 16}, wrap_stages=_gate_stage0)),
+    PipelineFault("connector_peer_killed", "async-chunk: kill -9 the code2wav replica receiving chunks",
+                  connector_peer_killed, RunSetup(async_chunk=True)),
+    PipelineFault("leave_rejoin", "a talker replica leaves gracefully (drained) and rejoins later",
+                  leave_rejoin),
+    HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after its first "
+              "chunks)", "disconnect"),
+    HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",
+              "sigint"),
+)}

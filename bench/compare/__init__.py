@@ -1,0 +1,1 @@
+"""``trio-orch compare``: cancellation semantics measured on every implementation."""

@@ -1,0 +1,1 @@
+"""Thread-side drivers: one orchestrator implementation each, driven from the calling thread."""

@@ -1,0 +1,114 @@
+"""The one registry of implementations: name -> description -> driver factory, and what each supports.
+
+``trio-orch compare``, ``trio-orch bench`` and ``trio-orch chaos`` all pick
+their implementations here, by what they need (:data:`CAPABILITIES`):
+
+* ``scripted`` -- scripted in-process stages driven from the thread (emit,
+  fail, hold submits...), optionally misbehaving, with access to the loop
+  (the comparison's scenarios, the routing tests);
+* ``fed`` -- in-process stages fed batches from the thread, with submission
+  timestamps (the benchmark's in-process workloads);
+* ``workers`` -- real ``stages.worker`` processes over ZeroMQ, one replica
+  per stage (the benchmark's echo-worker workloads);
+* ``pipeline`` -- the whole process layer: replica pools, the async-chunk
+  connector, the supervisor (the end-to-end torch workloads, the chaos
+  matrix).
+
+The Trio side is listed here (the orchestrator, the production ``Engine``
+bridge, the benchmark's floor).  The asyncio references register
+themselves: every :class:`~bench.refs.orchestrator.AsyncioOrchestrator`
+subclass in a module of ``bench/refs/`` whose ``variant`` is set is one
+(named ``variant``, described by its ``description``), in module order.
+The order of :data:`IMPLEMENTATIONS` is the order of every table's columns.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import bench.refs
+from bench.drivers.asyncio import AsyncioDriver
+from bench.drivers.base import Driver
+from bench.drivers.engine import EngineDriver
+from bench.drivers.floor import FloorDriver
+from bench.drivers.trio import TrioDriver
+from bench.refs.orchestrator import AsyncioOrchestrator
+
+__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Implementation", "make_driver", "names"]
+
+#: what an implementation can be asked to do (see the module docstring)
+CAPABILITIES = ("scripted", "fed", "workers", "pipeline")
+
+
+@dataclass(frozen=True, slots=True)
+class Implementation:
+    """One orchestrator implementation and how to drive it."""
+
+    name: str
+    description: str
+    factory: Callable[..., Driver]  #: ``factory(*args, name=..., **options)`` -> a driver, not started
+    supports: frozenset[str]
+
+    def driver(self, *args: Any, **options: Any) -> Driver:
+        """A (not yet started) driver; ValueError if the options ask for what it does not support."""
+        missing = _needs(options) - self.supports
+        if missing:
+            raise ValueError(f"implementation {self.name!r} does not support {', '.join(sorted(missing))} "
+                             f"(it supports {', '.join(sorted(self.supports))})")
+        return self.factory(*args, name=self.name, **options)
+
+
+def _needs(options: dict[str, Any]) -> set[str]:
+    """The capabilities a driver built with these options uses."""
+    workers = options.get("workers")
+    if workers is not None:
+        pools = workers.async_chunk or any(st.replicas != 1 for st in workers.stages)
+        return {"pipeline"} if pools else {"workers"}
+    if options.get("misbehaviour") or options.get("in_loop_consumer"):
+        return {"scripted"}
+    return set()
+
+
+def _references() -> list[Implementation]:
+    """The asyncio references: concrete AsyncioOrchestrator subclasses of bench/refs/, in module order."""
+    supports = frozenset({"scripted", "fed", "workers"})
+    found: list[Implementation] = []
+    for info in sorted(pkgutil.iter_modules(bench.refs.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{bench.refs.__name__}.{info.name}")
+        for obj in vars(module).values():
+            if (isinstance(obj, type) and issubclass(obj, AsyncioOrchestrator)
+                    and obj.__module__ == module.__name__ and obj.variant):
+                found.append(Implementation(obj.variant, obj.description,
+                                            partial(AsyncioDriver, orchestrator_cls=obj), supports))
+    return found
+
+
+IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
+    Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
+                   FloorDriver, frozenset({"fed"})),
+    Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
+                   TrioDriver, frozenset(CAPABILITIES)),
+    Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "
+                   "per request", EngineDriver, frozenset({"fed"})),
+    *_references(),
+)}
+
+
+def names(supporting: str) -> list[str]:
+    """The implementations that support ``supporting`` (one of :data:`CAPABILITIES`), in table order."""
+    if supporting not in CAPABILITIES:
+        raise ValueError(f"unknown capability {supporting!r}: choose from {', '.join(CAPABILITIES)}")
+    return [n for n, i in IMPLEMENTATIONS.items() if supporting in i.supports]
+
+
+def make_driver(name: str, *args: Any, **options: Any) -> Driver:
+    """A (not yet started) driver for implementation ``name``; see :class:`~bench.drivers.base.Driver`."""
+    impl = IMPLEMENTATIONS.get(name)
+    if impl is None:
+        raise ValueError(f"unknown implementation {name!r}: choose from {', '.join(IMPLEMENTATIONS)}")
+    return impl.driver(*args, **options)

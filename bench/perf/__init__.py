@@ -1,0 +1,1 @@
+"""``trio-orch bench``: dispatch latency and throughput of every implementation."""

@@ -1,0 +1,165 @@
+"""``trio-orch bench``: dispatch latency and throughput, every implementation in one run.
+
+Implementations come from :mod:`bench.implementations`, workloads from
+:mod:`bench.perf.workloads`; a workload runs on every chosen implementation
+that supports what it needs.
+
+Implementations run interleaved (round r runs each of them once, in a
+shuffled order, and sequential workloads start with untimed warm-up
+outputs) so machine drift and power-state carry-over hit all alike; each
+run starts a fresh orchestrator, runs the workload and measures its shutdown.  Results are merged per
+(workload, implementation) and every ratio is computed from this run's numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.implementations import IMPLEMENTATIONS, names
+from bench.perf import report
+from bench.perf.stats import summarize
+from bench.perf.workloads import WORKLOADS, run_workload
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.description = (
+        "Dispatch latency (a stage output handed over in the main thread -> the consumer in the main\n"
+        "thread receives it through the thread bridge), forward and admission latency, throughput,\n"
+        "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch (direct and through\n"
+        "the production Engine bridge), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
+        "asyncio.TaskGroup) and the floor (a bare thread hand-off + one channel hop), interleaved in one\n"
+        "run (worker workloads: on those that support worker processes). Prints a table with ratios\n"
+        "against trio-orch and the performance targets; writes results.json, results.md and PNG plots\n"
+        "to --out.")
+    parser.epilog = ("workloads:\n"
+                     + "\n".join(f"  {k:16s} {w.description}" for k, w in WORKLOADS.items())
+                     + "\nimplementations:\n"
+                     + "\n".join(f"  {k:18s} {i.description}" for k, i in IMPLEMENTATIONS.items()))
+    parser.add_argument("--quick", action="store_true",
+                        help="smaller workloads and fewer rounds (under a minute)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="interleaved rounds per workload (default 3, --quick 1)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated subset of the workloads below (default: all)")
+    parser.add_argument("--impls", default=None,
+                        help="comma-separated subset of the implementations (default: all); "
+                             f"known: {', '.join(IMPLEMENTATIONS)}")
+    parser.add_argument("--out", type=Path, default=Path("bench_results"),
+                        help="directory for results.json, results.md and the PNG plots "
+                             "(default ./bench_results)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the JSON to this path")
+    parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown to this path")
+    parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="also put the table between the '<!-- bench:begin -->' and "
+                             "'<!-- bench:end -->' markers of this file (e.g. README.md)")
+
+
+def _pick(arg: str | None, known: dict[str, Any], what: str) -> list[str]:
+    if not arg:
+        return list(known)
+    picked = [x.strip() for x in arg.split(",") if x.strip()]
+    bad = [n for n in picked if n not in known]
+    if bad:
+        raise SystemExit(f"unknown {what}: {', '.join(bad)} (known: {', '.join(known)})")
+    return picked
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                f"{time.perf_counter() - self.t0:5.1f}s {label}")
+        if self.tty:
+            sys.stderr.write("\r" + line.ljust(100))
+            if self.done == self.total:
+                sys.stderr.write("\n")
+        else:
+            sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def _impls_for(workload: str, impl_names: list[str]) -> list[str]:
+    """The chosen implementations that can run ``workload``."""
+    able = set(names(WORKLOADS[workload].needs))
+    return [i for i in impl_names if i in able]
+
+
+def _rounds(workload: str, rounds: int) -> int:
+    """Idle CPU and the torch pipeline are measured once; the rest ``rounds`` times."""
+    return 1 if WORKLOADS[workload].once else rounds
+
+
+def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int, quick: bool,
+                  progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """Run everything; return (results, raw a_seq latencies per implementation)."""
+    results: dict[str, Any] = {"implementations": impl_names, "workloads": {}}
+    raw_a_seq: dict[str, list[float]] = {}
+    for wl in workload_names:
+        impls = _impls_for(wl, impl_names)
+        runs: dict[str, list[dict[str, Any]]] = {i: [] for i in impls}
+        n_rounds = _rounds(wl, rounds)
+        for r in range(n_rounds):
+            order = list(impls)
+            random.Random(r).shuffle(order)  # a different neighbour each round (power-state carry-over)
+            for impl in order:
+                runs[impl].append(run_workload(wl, impl, quick))
+                if progress:
+                    progress.step(f"{wl} {impl} (round {r + 1}/{n_rounds})")
+        results["workloads"][wl] = {i: summarize(runs[i]) for i in impls}
+        if wl == "a_seq":
+            raw_a_seq = {i: [x for run in runs[i] for x in run["latency"]] for i in impls}
+    results["targets"] = report.targets(results)
+    return results, raw_a_seq
+
+
+def run(args: argparse.Namespace) -> int:
+    wls = _pick(args.workloads, WORKLOADS, "workload")
+    impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
+    if "trio" not in impls:
+        impls.insert(0, "trio")  # ratios are against the Trio orchestrator
+    rounds = args.rounds or (1 if args.quick else 3)
+    progress = Progress(sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls))
+    results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
+    results["meta"] = {
+        "mode": "quick" if args.quick else "full", "rounds": rounds,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
+        else "trio-orch bench",
+    }
+    print(report.text_report(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report.write_json(results, args.out / "results.json")
+    (args.out / "results.md").write_text(report.markdown_report(results))
+    written = [args.out / "results.json", args.out / "results.md"]
+    if args.json:
+        report.write_json(results, args.json)
+        written.append(args.json)
+    if args.markdown:
+        args.markdown.write_text(report.markdown_report(results))
+        written.append(args.markdown)
+    if not args.no_plots:
+        written += report.plot(results, raw, args.out)
+    if args.readme:
+        report.update_between_markers(args.readme, report.readme_block(results, args.out))
+        written.append(args.readme)
+    print("\nwrote: " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,309 @@
+"""The benchmark's workloads: one registry (:data:`WORKLOADS`), each run against one started driver.
+
+In-process workloads (``needs="fed"``) hand outputs to scripted stages from
+the main thread; every output carries ``(index, t_produced)`` as its data, so
+the consumer gets the production timestamp back with the message and no
+lookup is needed.  Worker workloads run real ``stages.worker`` processes:
+echo workers (``needs="workers"``: trio-orch and the asyncio references) or
+the default torch pipeline (``needs="pipeline"``: trio-orch only, it needs
+the async-chunk connector); their outputs carry the worker's ``t_produced``
+(the monotonic clock is system-wide on Linux, so a worker's stamp compares
+with the consumer's), so dispatch latency there is worker -> socket ->
+transport -> orchestrator -> consumer thread.  Latencies are
+``perf_counter`` differences in seconds; the report converts.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from bench.drivers.base import Driver
+from bench.implementations import make_driver
+from trio_orch.config import PipelineConfig, default_config, echo_config
+from trio_orch.types import Message, StageOutput
+
+__all__ = ["WORKLOADS", "Workload", "run_workload"]
+
+Result = dict[str, Any]
+perf = time.perf_counter
+
+#: untimed outputs before a sequential workload is measured: the CPU's power state
+#: otherwise carries over from whatever ran before (e.g. a polling implementation)
+WARMUP = 200
+
+def _receive_until(driver: Driver, want: Callable[[Any], bool], lat: list[float] | None) -> float:
+    """Consume batches until a message satisfies ``want``; record latencies; return its time."""
+    while True:
+        batch = driver.next_batch()
+        now = perf()
+        hit = None
+        for msg in batch:
+            data = getattr(msg, "data", None)
+            if lat is not None and isinstance(data, tuple):
+                lat.append(now - data[1])
+            if want(msg):
+                hit = now
+        if hit is not None:
+            return hit
+
+
+def seq(driver: Driver, n: int, paced: bool, seed: int = 0) -> Result:
+    """``a_seq`` / ``a_paced``: one request, n outputs on final stage 0, one at a time."""
+    rng = random.Random(seed)
+    driver.post_request("a", "prompt", final_stage_id=0)
+    driver.wait_submission()
+    warm = min(WARMUP, n)
+    for i in range(-warm, 0):  # untimed: the machine settles into this implementation's rhythm
+        driver.emit_batch(0, [StageOutput("a", (i, perf()), False)])
+        _receive_until(driver, lambda m, i=i: m.data[0] == i, None)
+    lat: list[float] = []
+    cpu0, t_start = driver.cpu_seconds(), perf()
+    for i in range(n):
+        if paced:
+            time.sleep(rng.uniform(0.0002, 0.003))
+        t = perf()
+        driver.emit_batch(0, [StageOutput("a", (i, t), i == n - 1)])
+        _receive_until(driver, lambda m, i=i: m.data[0] == i, lat)
+    elapsed = perf() - t_start
+    cpu = driver.cpu_seconds() - cpu0
+    return {"latency": lat, "outputs": n, "elapsed_s": elapsed, "cpu_s": cpu}
+
+
+def chain(driver: Driver, n: int) -> Result:
+    """``c_chain``: n requests one after another, one output per stage."""
+    admission: list[float] = []
+    fwd01: list[float] = []
+    fwd12: list[float] = []
+    lat: list[float] = []
+    cpu0, t_start = driver.cpu_seconds(), perf()
+    for i in range(n):
+        rid = f"c{i}"
+        t_add = perf()
+        driver.post_request(rid, "prompt")
+        _, _, t_sub = driver.wait_submission()
+        admission.append(t_sub - t_add)
+        t0 = perf()
+        driver.emit_batch(0, [StageOutput(rid, (0, t0), True)])
+        _receive_until(driver, lambda m: True, lat)  # stage 0 is a final-output stage
+        _, _, t_sub = driver.wait_submission()
+        fwd01.append(t_sub - t0)
+        t1 = perf()
+        driver.emit_batch(1, [StageOutput(rid, (1, t1), True)])
+        _, _, t_sub = driver.wait_submission()
+        fwd12.append(t_sub - t1)
+        t2 = perf()
+        driver.emit_batch(2, [StageOutput(rid, (2, t2), True)])
+        _receive_until(driver, lambda m: m.finished, lat)
+    elapsed = perf() - t_start
+    return {"latency": lat, "admission": admission, "forward_0_1": fwd01, "forward_1_2": fwd12,
+            "forward": fwd01 + fwd12, "outputs": 2 * n, "elapsed_s": elapsed,
+            "cpu_s": driver.cpu_seconds() - cpu0}
+
+
+def concurrent(driver: Driver, n_requests: int, n_outputs: int, batched: bool) -> Result:
+    """``b_N_batched`` / ``b_N_unbatched``: N requests x M outputs, produced by another thread.
+
+    Batched: one hand-over per step carries an output for every request (one
+    ``receive`` returns the whole step).  Unbatched: every output is handed
+    over on its own.  The main thread only consumes.
+    """
+    rids = [f"b{i}" for i in range(n_requests)]
+    for rid in rids:
+        driver.post_request(rid, "prompt", final_stage_id=0)
+    for _ in rids:
+        driver.wait_submission()
+    last = n_outputs - 1
+
+    def produce() -> None:
+        for step in range(n_outputs):
+            if batched:
+                t = perf()
+                driver.emit_batch(0, [StageOutput(rid, (step, t), step == last) for rid in rids])
+            else:
+                for rid in rids:
+                    driver.emit_batch(0, [StageOutput(rid, (step, perf()), step == last)])
+
+    total = n_requests * n_outputs
+    lat: list[float] = []
+    cpu0, t_start = driver.cpu_seconds(), perf()
+    producer = threading.Thread(target=produce, name="bench-producer", daemon=True)
+    producer.start()
+    got = 0
+    while got < total:
+        batch = driver.next_batch()
+        now = perf()
+        for msg in batch:
+            lat.append(now - msg.data[1])
+        got += len(batch)
+    elapsed = perf() - t_start
+    producer.join()
+    return {"latency": lat, "outputs": total, "elapsed_s": elapsed, "cpu_s": driver.cpu_seconds() - cpu0}
+
+
+def idle(driver: Driver, seconds: float) -> Result:
+    """CPU used by the orchestrator thread while no request exists."""
+    cpu0, t0 = driver.cpu_seconds(), perf()
+    time.sleep(seconds)
+    return {"idle_cpu_s": driver.cpu_seconds() - cpu0, "idle_wall_s": perf() - t0}
+
+
+def _latency(msg: Message, now: float) -> float | None:
+    t = getattr(msg, "t_produced", 0.0)
+    return now - t if t else None
+
+
+def zmq_seq(driver: Driver, n: int) -> dict[str, Any]:
+    """``zmq_a_seq``: n requests one after another, each echoed once by a stage-0 worker."""
+    lat: list[float] = []
+    cpu0, t0 = driver.cpu_seconds(), perf()
+    for i in range(n):
+        driver.post_request(f"z{i}", i, final_stage_id=0)
+        done = False
+        while not done:
+            batch = driver.next_batch()
+            now = perf()
+            for msg in batch:
+                d = _latency(msg, now)
+                if d is not None:
+                    lat.append(d)
+                done = done or msg.finished
+    return {"latency": lat, "outputs": n, "elapsed_s": perf() - t0, "cpu_s": driver.cpu_seconds() - cpu0}
+
+
+def zmq_concurrent(driver: Driver, n_requests: int, n_outputs: int) -> dict[str, Any]:
+    """``zmq_b_N``: N concurrent requests, each echoed ``n_outputs`` times (one per worker step)."""
+    lat: list[float] = []
+    cpu0, t0 = driver.cpu_seconds(), perf()
+    for i in range(n_requests):
+        driver.post_request(f"zb{i}", i, final_stage_id=0)
+    left = n_requests
+    got = 0
+    while left:
+        batch = driver.next_batch()
+        now = perf()
+        for msg in batch:
+            d = _latency(msg, now)
+            if d is not None:
+                lat.append(d)
+            got += 1
+            left -= msg.finished
+    return {"latency": lat, "outputs": got, "elapsed_s": perf() - t0, "cpu_s": driver.cpu_seconds() - cpu0,
+            "expected_outputs": n_requests * n_outputs}
+
+
+def e2e(driver: Driver, prompts: list[str]) -> dict[str, Any]:
+    """Default torch pipeline: time to first text token and to first audio chunk, per request."""
+    ttft: list[float] = []
+    ttfa: list[float] = []
+    total: list[float] = []
+    for i, prompt in enumerate(prompts):
+        t_add = perf()
+        driver.post_request(f"e{i}", prompt)
+        first_text = first_audio = math.nan
+        done = False
+        while not done:
+            for msg in driver.next_batch(timeout=120):
+                now = perf()
+                if msg.stage_id == 0 and math.isnan(first_text):
+                    first_text = now - t_add
+                if msg.stage_id == 2 and math.isnan(first_audio):
+                    first_audio = now - t_add
+                if msg.finished:
+                    done = True
+                    if getattr(msg, "kind", None):
+                        raise RuntimeError(f"e2e request failed: {msg}")
+        ttft.append(first_text)
+        ttfa.append(first_audio)
+        total.append(perf() - t_add)
+    return {"first_text": ttft, "first_audio": ttfa, "total": total, "outputs": 0}
+
+
+def echo_pipeline(outputs: int) -> PipelineConfig:
+    return echo_config(3, final_stage_ids=[0, 2], outputs=outputs)
+
+
+def torch_pipeline(async_chunk: bool) -> PipelineConfig:
+    return default_config().with_overrides(async_chunk=async_chunk)
+
+
+# ---------------------------------------------------------------------------- the registry
+Measure = Callable[[Driver, bool], Result]
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """One workload: what it needs of an implementation, how to set up its driver, what it measures."""
+
+    name: str
+    description: str
+    needs: str  #: the capability (bench.implementations.CAPABILITIES) an implementation must have
+    setup: Callable[[bool], dict[str, Any]]  #: quick -> the driver's options
+    measure: Measure  #: (started driver, quick) -> raw result
+    once: bool = False  #: measured once per run, not once per round (idle CPU, the torch pipeline)
+
+
+def _in_process(quick: bool) -> dict[str, Any]:
+    return {"num_stages": 3, "final_stage_ids": {0, 2}, "push": True}
+
+
+def _echo_workers(outputs_full: int, outputs_quick: int) -> Callable[[bool], dict[str, Any]]:
+    return lambda quick: {"workers": echo_pipeline(outputs_quick if quick else outputs_full)}
+
+
+def _torch(async_chunk: bool) -> Callable[[bool], dict[str, Any]]:
+    return lambda quick: {"workers": torch_pipeline(async_chunk)}
+
+
+def _e2e(driver: Driver, quick: bool) -> Result:
+    prompts = ["Hello there", "Structured concurrency"][: 1 if quick else 2] * (1 if quick else 2)
+    return e2e(driver, prompts)
+
+
+WORKLOADS: dict[str, Workload] = {w.name: w for w in (
+    Workload("a_seq", "one request, 1,000 outputs on a final stage, each handed over when the previous "
+             "arrived", "fed", _in_process, lambda d, q: seq(d, 300 if q else 1000, paced=False)),
+    Workload("a_paced", "a_seq with a uniform random 0.2-3 ms gap before each output", "fed", _in_process,
+             lambda d, q: seq(d, 100 if q else 1000, paced=True)),
+    Workload("c_chain", "200 requests one after another, one output per stage: admission, forward, final",
+             "fed", _in_process, lambda d, q: chain(d, 50 if q else 200)),
+    Workload("b_64_batched", "64 concurrent requests x 50 outputs, one batch per step", "fed", _in_process,
+             lambda d, q: concurrent(d, 64, 20 if q else 50, batched=True)),
+    Workload("b_64_unbatched", "64 concurrent requests x 50 outputs, each output on its own", "fed",
+             _in_process, lambda d, q: concurrent(d, 64, 20 if q else 50, batched=False)),
+    Workload("b_512_batched", "512 concurrent requests x 50 outputs, one batch per step", "fed", _in_process,
+             lambda d, q: concurrent(d, 512, 10 if q else 50, batched=True)),
+    Workload("b_512_unbatched", "512 concurrent requests x 50 outputs, each output on its own", "fed",
+             _in_process, lambda d, q: concurrent(d, 512, 10 if q else 50, batched=False)),
+    Workload("idle", "orchestrator-thread CPU with no requests (5 s)", "fed", _in_process,
+             lambda d, q: idle(d, 1.0 if q else 5.0), once=True),
+    Workload("zmq_a_seq", "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
+             "workers", _echo_workers(1, 1), lambda d, q: zmq_seq(d, 200 if q else 1000)),
+    Workload("zmq_b_64", "64 concurrent requests x 50 outputs from ZMQ echo workers (worker batches per "
+             "step)", "workers", _echo_workers(50, 20),
+             lambda d, q: zmq_concurrent(d, 64, 20 if q else 50)),
+    Workload("e2e", "default torch pipeline, stage by stage: time to first text and to first audio",
+             "pipeline", _torch(False), _e2e, once=True),
+    Workload("e2e_async_chunk", "default torch pipeline with async-chunk: time to first text and to first "
+             "audio", "pipeline", _torch(True), _e2e, once=True),
+)}
+
+
+def run_workload(name: str, impl: str, quick: bool) -> Result:
+    """Start a fresh driver for ``impl``, run the workload, stop it; the raw result (with ``shutdown_s``)."""
+    wl = WORKLOADS[name]
+    driver = make_driver(impl, **wl.setup(quick))
+    driver.start()
+    try:
+        res = wl.measure(driver, quick)
+    finally:
+        t = perf()
+        driver.close()
+        shutdown_s = perf() - t
+    res["shutdown_s"] = shutdown_s
+    return res

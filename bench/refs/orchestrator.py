@@ -1,0 +1,334 @@
+"""What the asyncio references share: the vLLM-Omni thread/loop boundary around the routing core.
+
+vLLM-Omni's orchestrator lives in a background thread with its own event loop;
+the serving thread talks to it through janus queues (a request queue bounded
+at 256, an output queue), the request handler starts a request before its
+first ``await`` and submits it, readers only move stage outputs, and one
+dispatcher routes them serially.  This module holds the parts every asyncio
+variant shares -- the serving-thread calls, request handling, performing the
+core's actions, the shutdown cleanup -- so that the variants
+(:mod:`bench.refs.omni`, :mod:`bench.refs.taskgroup`) differ only in
+how their tasks are started, stopped and supervised, which is what the
+comparison is about.  Every decision (acceptance, routing, every terminal) is
+made by the same :class:`trio_orch.core.Router` as the Trio orchestrator's;
+this module only performs its actions.
+
+The serving thread accepts a request against the core under a lock (the core
+is otherwise used by the loop thread alone), as vLLM-Omni's client checks its
+own request table before queueing, so a duplicate id is refused at once.
+
+Two deliberate departures from the source, both so the references honour the
+same contract as the Trio orchestrator: at shutdown every active or
+still-queued request gets its ``shutdown`` terminal (the source does that
+only after a fatal error), and a stage whose client dies gets
+``replica_died`` terminals for its requests instead of stopping the whole
+orchestrator (the source is fail-stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import janus
+
+from trio_orch.core import Abort, Action, Emit, Router, Submit, Ticket
+from trio_orch.types import Message, StageClient
+
+__all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
+
+log = logging.getLogger("bench.asyncio")
+
+
+class AddMsg:
+    """An accepted request handed from the serving thread; ``done`` is set once it started."""
+
+    __slots__ = ("done", "ticket")
+
+    def __init__(self, ticket: Ticket, done: threading.Event | None = None) -> None:
+        self.ticket = ticket
+        self.done = done
+
+
+class AbortMsg:
+    """``abort`` handed from the serving thread (same queue as adds, as in vLLM-Omni)."""
+
+    __slots__ = ("request_id",)
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+
+
+class AsyncioOrchestrator:
+    """Base of the asyncio references; subclasses provide :meth:`run`.
+
+    Build it inside the loop that will run it (janus queues bind to it).  The
+    serving thread calls :meth:`add_request` and :meth:`abort`; output
+    batches (lists of messages) come out of :attr:`output_queue`'s ``sync_q``,
+    one put per routing step.  A variant's ``run()`` starts
+    :meth:`request_handler` and its readers, hands stage outputs to
+    :meth:`route` and performs the result with :meth:`perform`, waits with
+    :meth:`wait_stop_requested`, sets :attr:`stopping` and ends with :meth:`finish`.
+    """
+
+    #: bound the shutdown cleanup (stage aborts, aclose) by ``shutdown_grace``
+    bounded_cleanup = False
+    #: the implementation's name in the comparison and the benchmark ("": not one, e.g. a base class);
+    #: bench.implementations registers every class of bench/refs/ that has one
+    variant = ""
+    #: one line for the tables' legends
+    description = ""
+    #: its thread runs the loop with ``asyncio.Runner`` (which cancels leftover tasks on close)
+    #: instead of ``new_event_loop`` + ``run_until_complete`` + ``close`` (what vLLM-Omni's thread does)
+    use_runner = False
+
+    def __init__(
+        self,
+        stages: Sequence[StageClient],
+        final_stage_ids: Iterable[int],
+        *,
+        async_chunk: bool = False,
+        forward_fn: Callable[..., Any] | None = None,
+        prewarm_fn: Callable[[int, Any], Any] | None = None,
+        request_queue_size: int = 256,
+        shutdown_grace: float = 2.0,
+    ) -> None:
+        self.stages = list(stages)
+        self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
+                             forward_fn=forward_fn, prewarm_fn=prewarm_fn)
+        self.shutdown_grace = shutdown_grace
+        self.loop = asyncio.get_running_loop()
+        self.request_queue: janus.Queue[AddMsg | AbortMsg] = janus.Queue(maxsize=request_queue_size)
+        self.output_queue: janus.Queue[list[Message]] = janus.Queue()
+        # Held by the serving thread around accept/withdraw, and by the loop around the core
+        # calls that move a request between its tables (start, shutdown).  Other loop-side calls
+        # only delete a started request: a concurrent accept of the same id either still sees it
+        # (a duplicate, refused) or no longer does (a new incarnation): both orders are correct.
+        self.lock = threading.Lock()
+        self._sending: set[Ticket] = set()  # accepted; the serving thread is putting them in the queue
+        self.stage_deaths: dict[int, str] = {}
+        self._stop_requested = asyncio.Event()
+        self.stopping = asyncio.Event()  # set by the variant's run() when it stops: loops end
+        self._drained = asyncio.Event()
+        self._drain_timeout: float | None = None
+        self._timers: dict[str, asyncio.TimerHandle] = {}  # per-request deadlines
+        self._io_tasks: set[asyncio.Task[None]] = set()
+
+    # ------------------------------------------------------------------ serving thread
+    def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
+                    timeout: float | None = None, done: threading.Event | None = None) -> None:
+        """(Serving thread.)  Accept a request and queue it; ``done`` is set once it started.
+
+        Raises ``ValueError`` (bad input, duplicate live id) or ``RuntimeError``
+        (shutting down) with nothing registered.  Blocks while the request
+        queue is full.  ``timeout`` is the request's deadline in seconds.
+        """
+        with self.lock:
+            ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout)
+            self._sending.add(ticket)
+        try:
+            if ticket.timeout is not None:  # armed at acceptance, before the add is queued (FIFO)
+                self.loop.call_soon_threadsafe(self._set_deadline, ticket)
+            self.request_queue.sync_q.put(AddMsg(ticket, done))
+        except (janus.SyncQueueShutDown, RuntimeError):
+            with self.lock:
+                self.router.withdraw(ticket)
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        finally:
+            with self.lock:
+                self._sending.discard(ticket)
+
+    def abort(self, request_id: str) -> None:
+        """(Serving thread.)  Abort a request, in order with the adds queued before it."""
+        try:
+            self.request_queue.sync_q.put(AbortMsg(request_id))
+        except janus.SyncQueueShutDown:
+            pass  # stopped: every request already had its terminal
+
+    # ------------------------------------------------------------------ control (loop thread)
+    def request_shutdown(self, timeout: float | None = None) -> None:
+        """Begin shutting down; ``timeout`` lets active requests finish first."""
+        with self.lock:
+            self.router.stop_accepting()
+        if not self._stop_requested.is_set():
+            self._drain_timeout = timeout
+            self._stop_requested.set()
+            self._check_drained()
+
+    def _set_deadline(self, ticket: Ticket) -> None:
+        """Expire the request ``ticket.timeout`` s after acceptance, queued or running.
+
+        Requests are not tasks, so ``asyncio.timeout`` does not apply; the
+        idiom is a ``call_later`` timer whose callback asks the core.
+        """
+        if not self.router.is_current(ticket):
+            return  # it already ended
+        assert ticket.timeout is not None
+        rid = ticket.request_id
+        self._timers[rid] = self.loop.call_later(ticket.timeout, self._expire, rid)
+
+    def _expire(self, request_id: str) -> None:
+        self._timers.pop(request_id, None)
+        actions = self.router.expire(request_id)
+        self._deliver([a.message for a in actions if type(a) is Emit])
+        io = [a for a in actions if type(a) is not Emit]
+        if io:  # the stage aborts: fire and forget, as the source does for its side jobs
+            task = self.loop.create_task(self.perform(io))
+            self._io_tasks.add(task)
+            task.add_done_callback(self._io_tasks.discard)
+
+    async def run(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    async def wait_stop_requested(self) -> None:
+        """Return once shutdown was requested and the optional drain is over."""
+        await self._stop_requested.wait()
+        if self._drain_timeout:
+            try:
+                await asyncio.wait_for(self._drained.wait(), self._drain_timeout)
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ tasks
+    async def request_handler(self) -> None:
+        """Take adds and aborts from the serving thread, in order."""
+        q = self.request_queue.async_q
+        while True:
+            msg = await q.get()
+            if type(msg) is AddMsg:
+                await self._handle_add(msg)
+            else:
+                await self.perform(self.router.abort(msg.request_id))
+
+    async def _handle_add(self, msg: AddMsg) -> None:
+        try:
+            with self.lock:
+                actions = self.router.start(msg.ticket)
+            await self.perform(actions)
+        finally:
+            if msg.done is not None:
+                msg.done.set()
+
+    def route(self, stage_id: int, item: Any) -> list[Action]:
+        if type(item) is list:
+            return self.router.route_many(stage_id, item)
+        msg = item.describe(stage_id)
+        log.warning("%s", msg)
+        self.stage_deaths[stage_id] = msg
+        return self.router.stage_died(stage_id, msg)
+
+    # ------------------------------------------------------------------ I/O
+    def _deliver(self, msgs: list[Message]) -> None:
+        if not msgs:
+            return
+        timers = self._timers
+        if timers:
+            for m in msgs:
+                if m.finished:
+                    handle = timers.pop(m.request_id, None)
+                    if handle is not None:
+                        handle.cancel()
+        self.output_queue.async_q.put_nowait(msgs)
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        if self._stop_requested.is_set() and not self.router.live_count:
+            self._drained.set()
+
+    async def perform(self, actions: list[Action]) -> None:
+        """Deliver the emits at once, then do the stage I/O in decision order."""
+        if not actions:
+            return
+        self._deliver([a.message for a in actions if type(a) is Emit])
+        router = self.router
+        for a in actions:
+            if type(a) is Submit:
+                if a.request_id not in router:
+                    continue
+                try:
+                    await self.stages[a.stage_id].submit(a.request_id, a.payload)
+                except Exception as exc:
+                    await self.perform(router.submit_failed(
+                        a.stage_id, a.request_id,
+                        f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
+                    continue
+                for x in router.submitted(a.stage_id, a.request_id):
+                    if type(x) is Abort:
+                        await self._abort_on(x.stage_id, x.request_ids)
+            elif type(a) is Abort:
+                await self._abort_on(a.stage_id, a.request_ids)
+
+    async def _abort_on(self, stage_id: int, request_ids: list[str]) -> None:
+        try:
+            await self.stages[stage_id].abort(request_ids)
+        except Exception as exc:
+            log.debug("abort %s on stage %d failed: %r", request_ids, stage_id, exc)
+
+    # ------------------------------------------------------------------ shutdown
+    def _finish_sync(self) -> list[Action]:
+        """Refuse new work, give every accepted request its terminal; return the stage I/O left.
+
+        Adds found in the request queue were handed over and get their
+        shutdown terminal from the core; adds the serving thread had not put
+        yet are withdrawn (its ``put`` raises once the queue is shut down).
+        """
+        for handle in self._timers.values():
+            handle.cancel()
+        self._timers.clear()
+        rq = self.request_queue
+        with self.lock:
+            self.router.stop_accepting()
+            rq.shutdown()  # the serving thread's put now raises janus.SyncQueueShutDown
+            handed_over: set[Ticket] = set()
+            while True:
+                try:
+                    m = rq.async_q.get_nowait()
+                except (asyncio.QueueEmpty, janus.AsyncQueueShutDown):
+                    break
+                if type(m) is AddMsg:
+                    handed_over.add(m.ticket)
+                    if m.done is not None:
+                        m.done.set()
+            for ticket in self._sending - handed_over:
+                self.router.withdraw(ticket)
+            actions = self.router.shutdown()
+        self._deliver([a.message for a in actions if type(a) is Emit])
+        return [a for a in actions if type(a) is not Emit]
+
+    async def finish(self) -> None:
+        """Terminals first, then stage aborts and closes (bounded or not), then end of stream."""
+        io = self._finish_sync()
+        try:
+            if self.bounded_cleanup:
+                try:
+                    async with asyncio.timeout(self.shutdown_grace):
+                        await self._cleanup_io(io)
+                except TimeoutError:
+                    log.warning("stage aborts took longer than %.1fs; abandoned", self.shutdown_grace)
+                for stage in self.stages:
+                    try:
+                        async with asyncio.timeout(self.shutdown_grace):
+                            await self._close_stage(stage)
+                    except TimeoutError:
+                        log.warning("closing %r took longer than %.1fs; abandoned",
+                                    stage, self.shutdown_grace)
+            else:
+                await self._cleanup_io(io)
+                for stage in self.stages:
+                    await self._close_stage(stage)
+        finally:
+            self.output_queue.shutdown()
+
+    async def _cleanup_io(self, io: list[Action]) -> None:
+        for a in io:
+            if type(a) is Abort and self.router.available[a.stage_id]:
+                await self._abort_on(a.stage_id, a.request_ids)
+
+    async def _close_stage(self, stage: StageClient) -> None:
+        try:
+            await stage.aclose()
+        except Exception as exc:
+            log.warning("closing stage %r failed: %r", stage, exc)

@@ -1,0 +1,171 @@
+"""The asyncio twin of :class:`trio_orch.testing.ScriptedStage`.
+
+Same API (``emit``/``emit_nowait``/``emit_batch_nowait``/``fail``/``fail_nowait``/
+``hold_submits``/``release_submits``, ``submissions``, ``aborts``, ``on_submit``)
+and the same stage-client protocol, on an :class:`asyncio.Queue`, so the asyncio
+references are driven by exactly what drives the Trio orchestrator.  The same
+:class:`~trio_orch.testing.Misbehaviour` adds the comparison scenarios' faults;
+``close_under_reader`` reproduces what pyzmq's asyncio socket does when it is
+closed under a pending ``recv``: the waiting coroutine gets ``CancelledError``
+although nobody cancelled its task.  The asyncio references have no push fast
+path, so there is no push variant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from trio_orch.testing import Misbehaviour, SubmitHook
+from trio_orch.types import StageOutput, StageUnavailable
+
+__all__ = ["AsyncScriptedStage"]
+
+
+class _ClosedUnder:
+    """Queue marker: the stage's socket was closed under a pending receive."""
+
+
+_CLOSED_UNDER = _ClosedUnder()
+
+_Item = list[StageOutput] | BaseException | _ClosedUnder
+
+
+class AsyncScriptedStage:
+    """A stage client whose outputs are whatever the test tells it to emit (asyncio)."""
+
+    def __init__(self, stage_id: int = 0, *, name: str | None = None,
+                 misbehaviour: Misbehaviour | None = None, on_submit: SubmitHook | None = None) -> None:
+        self.stage_id = stage_id
+        self.name = name or f"asyncio-scripted-stage-{stage_id}"
+        self.misbehaviour = misbehaviour or Misbehaviour()
+        self.on_submit = on_submit
+        self.submissions: list[tuple[str, Any]] = []
+        self.aborts: list[str] = []
+        self.closed = False
+        self.swallowed_cancels = 0
+        self.helpers: set[asyncio.Task[None]] = set()
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()  # one item per emit: a batch, or the death
+        self._dead: BaseException | None = None
+        self._submit_gate: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<AsyncScriptedStage {self.name}>"
+
+    # ---------------------------------------------------------------- test side
+    async def emit(self, request_id: str, data: Any = None, finished: bool = False,
+                   error: str | None = None) -> None:
+        self.emit_nowait(request_id, data, finished, error)
+        await asyncio.sleep(0)
+
+    def emit_nowait(self, request_id: str, data: Any = None, finished: bool = False,
+                    error: str | None = None) -> None:
+        self.emit_batch_nowait([StageOutput(request_id, data, finished, error,
+                                            t_produced=time.perf_counter())])
+
+    def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
+        """Queue ready-made outputs; they come out of one ``receive`` together (a batched step)."""
+        if self._dead is not None or self.closed:
+            raise RuntimeError(f"{self.name} is closed or dead; cannot emit")
+        self._queue.put_nowait(outputs)
+
+    async def fail(self, exc: BaseException | None = None) -> None:
+        self.fail_nowait(exc)
+        await asyncio.sleep(0)
+
+    def fail_nowait(self, exc: BaseException | None = None) -> None:
+        if self._dead is None:
+            self._dead = exc or RuntimeError(f"{self.name} died")
+            self._queue.put_nowait(self._dead)
+
+    def close_under_reader(self) -> None:
+        """The next (or pending) receive raises ``CancelledError``, as pyzmq's does on close."""
+        self._queue.put_nowait(_CLOSED_UNDER)
+
+    def hold_submits(self) -> None:
+        if self._submit_gate is None:
+            self._submit_gate = asyncio.Event()
+
+    def release_submits(self) -> None:
+        if self._submit_gate is not None:
+            self._submit_gate.set()
+            self._submit_gate = None
+
+    @property
+    def dead(self) -> bool:
+        return self._dead is not None
+
+    # ---------------------------------------------------------------- client protocol
+    async def submit(self, request_id: str, payload: Any) -> None:
+        while self._submit_gate is not None:
+            await self._submit_gate.wait()
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.submissions.append((request_id, payload))
+        if self.on_submit is not None:
+            self.on_submit(self.stage_id, request_id)
+        if self.misbehaviour.helper_per_submit:
+            task = asyncio.create_task(asyncio.sleep(3600), name=f"{self.name}.heartbeat[{request_id}]")
+            self.helpers.add(task)
+            task.add_done_callback(self.helpers.discard)
+        await asyncio.sleep(0)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        if self.misbehaviour.hang_abort:
+            await asyncio.Event().wait()
+        self.aborts.extend(request_ids)
+        await asyncio.sleep(0)
+
+    async def receive(self) -> list[StageOutput]:
+        """Wait for at least one output; return everything already emitted."""
+        mb = self.misbehaviour
+        while True:
+            try:
+                item = await self._queue.get()
+                break
+            except asyncio.CancelledError:
+                if mb.cancel_error is not None:
+                    raise mb.cancel_error from None
+                if mb.swallow_cancel_once and self.swallowed_cancels == 0:
+                    self.swallowed_cancels += 1
+                    continue
+                raise
+        batch: list[StageOutput] = []
+        while True:
+            if isinstance(item, _ClosedUnder):
+                if batch:
+                    self._requeue_front(item)
+                    return batch
+                raise asyncio.CancelledError()
+            if isinstance(item, BaseException):
+                if batch:  # deliver what came before the death first
+                    self._requeue_front(item)
+                    return batch
+                self._queue.put_nowait(item)  # stay dead: every later receive raises too
+                raise item
+            batch += item
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                return batch
+
+    def _requeue_front(self, item: BaseException | _ClosedUnder) -> None:
+        rest: list[_Item] = [item]
+        while not self._queue.empty():
+            rest.append(self._queue.get_nowait())
+        for x in rest:
+            self._queue.put_nowait(x)
+
+    async def aclose(self) -> None:
+        self.closed = True
+        mb = self.misbehaviour
+        if mb.hang_aclose:
+            await asyncio.Event().wait()
+        if mb.aclose_delay:
+            await asyncio.sleep(mb.aclose_delay)
+        if mb.aclose_error is not None:
+            raise mb.aclose_error
+        await asyncio.sleep(0)

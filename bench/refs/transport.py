@@ -1,0 +1,169 @@
+"""The asyncio references' ZMQ stage client (pyzmq's asyncio sockets).
+
+The twin of :class:`trio_orch.transport.ZmqStageClient` for the asyncio
+orchestrators: one DEALER socket per worker replica, bound here (the worker
+connects), speaking :mod:`trio_orch.wire`.  ``receive`` awaits one multipart
+message, then takes whatever else is already queued without waiting, so a
+burst comes back as one batch; pyzmq's asyncio socket handles the
+edge-triggered ZMQ fd.  The replica is dead when it sends ``Dying``, when its
+process exits (``mark_dead``), or after ``heartbeat_timeout`` seconds of
+silence; ``receive`` then raises :class:`ReplicaDied`, after the outputs that
+came before.  :mod:`bench.refs.launcher` starts the workers behind them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from trio_orch.transport import ReplicaDied
+from trio_orch.types import StageOutput, StageUnavailable
+from trio_orch.wire import (
+    Abort,
+    Dying,
+    Heartbeat,
+    InboundMsg,
+    OutboundMsg,
+    Outputs,
+    Ready,
+    RequestError,
+    Shutdown,
+    Submit,
+    WireCodec,
+    WireError,
+)
+
+__all__ = ["AsyncZmqStageClient", "ReplicaDied"]
+
+log = logging.getLogger("bench.refs.transport")
+
+
+class AsyncZmqStageClient:
+    """A stage client for one worker replica over a pyzmq asyncio DEALER socket."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, address: str, *, stage_id: int = 0, replica: int = 0,
+                 heartbeat_timeout: float | None = None, name: str | None = None) -> None:
+        self.stage_id = stage_id
+        self.replica = replica
+        self.name = name or f"stage{stage_id}.r{replica}"
+        self.address = address
+        self.heartbeat_timeout = heartbeat_timeout
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.bind(address)
+        self.in_codec = WireCodec(OutboundMsg)
+        self.out_codec = WireCodec(InboundMsg)
+        self.ready: Ready | None = None
+        self.dead_reason: str | None = None
+        self.closed = False
+        self.garbage_frames = 0
+        self.pid: int | None = None  # the worker process, when open_worker_stages started it
+        self._pending: list[StageOutput] = []
+        self._died = asyncio.Event()
+
+    def __repr__(self) -> str:
+        return f"<AsyncZmqStageClient {self.name} {self.address}>"
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and not self.closed
+
+    def mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason
+            self._died.set()
+
+    # ------------------------------------------------------------------ stage-client protocol
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
+        if not self.alive:
+            raise StageUnavailable(f"{self.name} is not running: {self.dead_reason or 'closed'}")
+        await self.sock.send_multipart(self.out_codec.encode(Submit(request_id, payload, downstream)),
+                                       copy=False)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.alive:
+            await self.sock.send_multipart(self.out_codec.encode(Abort(list(request_ids))), copy=False)
+
+    async def receive(self) -> list[StageOutput]:
+        """Wait for at least one output; raise :class:`ReplicaDied` once dead and drained."""
+        while not self._pending:
+            if self.dead_reason is not None or self.closed:
+                raise ReplicaDied(f"{self.name}: {self.dead_reason or 'closed'}")
+            await self._recv_some()
+        batch, self._pending = self._pending, []
+        return batch
+
+    async def aclose(self) -> None:
+        """Ask the worker to stop (best effort) and close the socket; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.dead_reason is None:
+            with contextlib.suppress(zmq.ZMQError):
+                await self.sock.send_multipart(self.out_codec.encode(Shutdown("orchestrator closing")),
+                                               flags=zmq.NOBLOCK)
+        self.sock.close()
+
+    # ------------------------------------------------------------------ internals
+    async def wait_ready(self) -> Ready:
+        while self.ready is None:
+            if self.dead_reason is not None:
+                raise ReplicaDied(f"{self.name}: {self.dead_reason}")
+            await self._recv_some()
+        return self.ready
+
+    async def _recv_some(self) -> None:
+        """Wait for one message (or death/silence), then take every message already queued."""
+        recv = asyncio.ensure_future(self.sock.recv_multipart(copy=False))
+        died = asyncio.ensure_future(self._died.wait())
+        try:
+            done, _ = await asyncio.wait({recv, died}, timeout=self.heartbeat_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            # Cancelled (e.g. the polling loop's 1 ms wait_for): a message that arrived in the
+            # same loop iteration is already out of the socket -- keep it, or it is lost.
+            died.cancel()
+            if recv.done() and not recv.cancelled() and recv.exception() is None:
+                self._handle(recv.result())
+            else:
+                recv.cancel()
+            raise
+        died.cancel()
+        if not recv.done():
+            recv.cancel()
+        if recv not in done or recv.cancelled():
+            if not done:
+                self.mark_dead(f"no message for {self.heartbeat_timeout}s (missed heartbeats)")
+            return
+        self._handle(recv.result())
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(frames)
+
+    def _handle(self, frames: list[Any]) -> None:
+        try:
+            msg = self.in_codec.decode(frames)
+        except WireError as exc:
+            self.garbage_frames += 1
+            log.error("%s: dropped a garbage message from the worker: %s", self.name, exc)
+            return
+        t = type(msg)
+        if t is Outputs:
+            self._pending.extend(StageOutput(it.request_id, it.data, it.finished, it.error,
+                                             t_produced=it.t_produced) for it in msg.items)
+        elif t is RequestError:
+            self._pending.append(StageOutput(msg.request_id, None, True, msg.message))
+        elif t is Ready:
+            self.ready = msg
+        elif t is Dying:
+            self.mark_dead(f"worker is dying: {msg.reason}")
+        elif t is not Heartbeat:
+            log.debug("%s: ignoring %s", self.name, t.__name__)
