@@ -70,7 +70,7 @@ log = logging.getLogger("trio_orch.bridge")
 
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
-    """Dispatch latency of each message the consumer just took (DESIGN §5).
+    """Dispatch latency of each message the consumer just took (see docs/design.md).
 
     From the stage's production timestamp (``OrchOutput.t_produced``, the
     system-wide monotonic clock, so a worker's stamp compares) when there is
