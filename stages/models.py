@@ -12,7 +12,10 @@
   per step.
 
 Every model batches: one :meth:`step` runs one forward pass over every
-runnable request.  Arrays handed back are numpy (CPU), so the wire never
+runnable request.  Every model takes more input for a resumable request
+(:meth:`extend`, one input segment at a time): the thinker appends the new
+text to the KV cache it has and keeps generating from there; the talker keeps
+its speech context; the vocoder its phase.  Arrays handed back are numpy (CPU), so the wire never
 sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`;
 what each kind means to the orchestrator (its output modality, how its outputs
 become the next stage's input) is its row in :mod:`stages.registry`, which also
@@ -80,7 +83,42 @@ class Thinker(SlotModel):
             raise ValueError("thinker payload must be a non-empty string or {'text': str}")
         ids = list(text.encode()[-self.max_prompt:])
         req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0,
-                     "max_new": max(1, min(max_new, self.max_new)), "last": None}
+                     "max_new": max(1, min(max_new, self.max_new)), "last": None, "ctx": ids, "out": []}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next input segment: its text joins the context in the KV cache; generation goes on.
+
+        The cache keeps the conversation so far (prompt, answers, earlier
+        segments); only the new tokens are run through the decoder.  The last
+        sampled token (EOS after a full answer) goes in first, as the turn's
+        separator.  When the conversation no longer leaves room for a whole
+        answer, its most recent ``max_prompt`` tokens are re-encoded from
+        position 0 instead (a context shift).
+        """
+        p = payload
+        text, max_new = (p, self.max_new) if isinstance(p, str) else (None, self.max_new)
+        if isinstance(p, dict):
+            text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
+        if not isinstance(text, str) or not text:
+            raise ValueError("thinker segment must be a non-empty string or {'text': str}")
+        m = req.model
+        new = list(text.encode())
+        m["n"], m["max_new"] = 0, max(1, min(max_new, self.max_new))
+        if m["pos"] is None:  # not prefilled yet: the segment joins the prompt
+            m["prompt"] = m["ctx"] = (m["prompt"] + new)[-self.max_prompt:]
+            return
+        talk = m["ctx"] + m["out"] + new  # the whole conversation; its last token is not cached yet
+        m["out"] = []
+        if m["pos"] + len(new) + m["max_new"] > self.dec.max_len - 1:
+            m["prompt"] = m["ctx"] = talk[-self.max_prompt:]
+            m["pos"] = None  # the next step prefills it into the slot
+            return
+        seq = talk[-len(new) - 1:]  # the last sampled token, then the new text
+        with torch.inference_mode():
+            self.dec.extend(self.emb(torch.tensor(seq[:-1], device=self.device)), self._slot(req), m["pos"])
+        m["pos"] += len(new)
+        m["last"] = seq[-1]
+        m["ctx"] = talk
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -116,6 +154,7 @@ class Thinker(SlotModel):
             m = r.model
             m["n"] += 1
             m["last"] = tok
+            m["out"].append(tok)
             done = tok == EOS or m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
             if tok == EOS:
                 results.append(StepResult({"text": "", "tokens": np.zeros(0, np.int32)}, True, None))
@@ -158,6 +197,18 @@ class Talker(SlotModel):
                 raise ValueError("talker payload must be {'tokens': int array}")
             req.inputs.append(np.asarray(toks).reshape(-1))
         req.model = {"slot": None, "queue": [], "pos": 0, "codes": []}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next segment's tokens continue the speech context (a fresh one once 3/4 of it is used)."""
+        if req.model["pos"] > self.dec.max_len * 3 // 4:
+            req.model["pos"] = 0
+        if req.upstream:
+            req.input_done = False
+            return
+        toks = payload.get("tokens") if isinstance(payload, dict) else None
+        if toks is None:
+            raise ValueError("talker segment must be {'tokens': int array}")
+        req.inputs.append(np.asarray(toks).reshape(-1))
 
     def runnable(self, req: ReqState) -> bool:
         return bool(req.inputs) or bool(req.model["queue"]) or req.input_done
@@ -233,6 +284,16 @@ class Code2Wav(SlotModel):
                 raise ValueError("code2wav payload must be {'codes': int array [frames, codebooks]}")
             req.inputs.append(np.asarray(codes))
         req.model = {"queue": np.zeros((0, self.cb), np.int32), "phase": 0.0}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next segment's codes; the voice's phase carries on, so segments join without a click."""
+        if req.upstream:
+            req.input_done = False
+            return
+        codes = payload.get("codes") if isinstance(payload, dict) else None
+        if codes is None:
+            raise ValueError("code2wav segment must be {'codes': int array [frames, codebooks]}")
+        req.inputs.append(np.asarray(codes))
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
