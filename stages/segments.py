@@ -13,7 +13,11 @@ strictly one after the other on a replica:
   slot) but takes no step, so a model never reports a segment it was not given;
 - in async-chunk mode a segment's input streams from the previous stage's
   worker, each chunk tagged with its segment; chunks of a segment that has
-  not started here are held and fed, in order, when it starts.
+  not started here are held and fed, in order, when it starts;
+- a segment whose payload is None is *empty* ("no new input", e.g. a final
+  segment that only closes the input): the worker closes it without a model
+  step, with a finished output whose data is None.  (In async-chunk mode a
+  downstream stage learns of it from the upstream's end chunk as usual.)
 
 :class:`SegmentTracker` holds this bookkeeping for the worker loop
 (``stages.worker``), which asks it what to do at each event.  Nothing here
@@ -40,6 +44,7 @@ class Session:
 
     current: int = 0  #: the segment running (or, while parked, the one that just finished)
     parked: bool = False  #: ``current`` finished; the next one has not started
+    empty: bool = False  #: ``current`` is an empty segment: close it without a model step
     final: bool = False  #: the final segment was received
     updates: deque[Any] = field(default_factory=deque)  #: received segments not started yet, in order
     held: dict[int, list[tuple[Any, bool]]] = field(default_factory=dict)  #: their early chunks
@@ -68,6 +73,10 @@ class SegmentTracker:
         s = self.sessions.get(request_id)
         return s is not None and s.parked
 
+    def empty(self, request_id: str) -> bool:
+        s = self.sessions.get(request_id)
+        return s is not None and s.empty and not s.parked
+
     def segment(self, request_id: str) -> int:
         """The segment the request's outputs (and downstream chunks) belong to now."""
         s = self.sessions.get(request_id)
@@ -95,6 +104,7 @@ class SegmentTracker:
         already arrived.  Raises ``ValueError`` if the model refuses it.
         """
         s = self.sessions[req.request_id]
+        s.empty = False
         if s.final and not s.updates:
             return True
         s.parked = True
@@ -118,6 +128,10 @@ class SegmentTracker:
     def _start_next(self, req: ReqState, s: Session) -> None:
         s.current += 1
         s.parked = False
-        self.model.extend(req, s.updates.popleft())
+        payload = s.updates.popleft()
+        if payload is None and not req.upstream:
+            s.empty = True
+            return
+        self.model.extend(req, payload)
         for data, end in s.held.pop(s.current, ()):
             self.model.feed(req, data, end)

@@ -231,19 +231,32 @@ class Worker:
         while self.waiting and len(self.active) < self.args.max_batch:
             req = self.waiting.popleft()
             self.active[req.request_id] = req
-        parked = self.segments.parked
-        batch = [r for r in self.active.values() if not parked(r.request_id) and self.model.runnable(r)]
-        if not batch:
+        batch: list[ReqState] = []
+        empty: list[ReqState] = []  # on an empty input segment: closed without a model step
+        segments = self.segments
+        for r in self.active.values():
+            if not segments.resumable(r.request_id):
+                if self.model.runnable(r):
+                    batch.append(r)
+            elif segments.empty(r.request_id):
+                empty.append(r)
+            elif not segments.parked(r.request_id) and self.model.runnable(r):
+                batch.append(r)
+        if not batch and not empty:
             return False
-        if self.args.step_delay_ms:
-            time.sleep(self.args.step_delay_ms / 1000)
-        self.stats["steps"] += 1
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
-        try:
-            results = self.model.step(batch)
-        except Exception as exc:  # the step failed: fail its requests, keep serving
-            log.exception("stage %d: model step failed", self.args.stage_id)
-            results = [exc] * len(batch)  # type: ignore[list-item]
+        results: list[Any] = []
+        if batch:
+            if self.args.step_delay_ms:
+                time.sleep(self.args.step_delay_ms / 1000)
+            self.stats["steps"] += 1
+            self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
+            try:
+                results = self.model.step(batch)
+            except Exception as exc:  # the step failed: fail its requests, keep serving
+                log.exception("stage %d: model step failed", self.args.stage_id)
+                results = [exc] * len(batch)
+        batch += empty
+        results += [StepResult(None, True, None)] * len(empty)
         now = time.perf_counter()
         items: list[OutItem] = []
         faulty: list[tuple[ReqState, OutItem]] = []  # finishes a per-request fault flag applies to

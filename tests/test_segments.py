@@ -198,3 +198,20 @@ def test_chunks_of_a_later_segment_are_held_and_fed_in_order_when_it_starts() ->
     t.update(req, {"prewarm": 1}, final=False)
     assert model.log == [("extend", {"prewarm": 1}), ("feed", "b0"), ("feed", "b1")]
     assert req.input_done  # b1 ended segment 1's input
+
+
+def test_a_none_segment_is_empty_and_never_reaches_the_model() -> None:
+    model = Recorder()
+    t = SegmentTracker(model)
+    req = ReqState("r", "a")
+    t.open(req)
+    t.update(req, None, final=True)
+    assert not t.empty("r")  # segment 0 still runs
+    assert not t.segment_finished(req)
+    assert t.empty("r") and model.log == []  # closed by the worker without a model step
+    assert t.segment_finished(req) and not t.empty("r")
+    up = ReqState("u", {"prewarm": 1}, upstream=True, input_done=False)
+    t.open(up)
+    t.segment_finished(up)
+    t.update(up, None, final=True)  # downstream in async-chunk mode: its input still streams in
+    assert not t.empty("u") and model.log == [("extend", None)]

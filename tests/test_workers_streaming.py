@@ -88,25 +88,31 @@ async def test_three_segments_each_answered_with_text_and_audio_before_the_next(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("async_chunk", [False, True], ids=["normal", "async_chunk"])
-async def test_segments_sent_at_once_are_answered_in_order(async_chunk: bool) -> None:
-    """Updates that arrive while earlier segments still run wait their turn on every stage."""
+async def test_segments_sent_at_once_are_answered_in_order_and_an_empty_one_closes_the_input(
+        async_chunk: bool) -> None:
+    """Updates that arrive while earlier segments still run wait their turn on every stage;
+    a None segment is empty: every stage closes it without new output."""
     async with checked_pipeline(tiny_speech_config(async_chunk=async_chunk)) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
             await nursery.start(orch.run)
             await orch.add_request("r1", "one", resumable=True)
             await orch.update_request("r1", "two")
-            await orch.update_request("r1", "three", final=True)
+            await orch.update_request("r1", None, final=True)
             msgs = await until_terminal(orch)
             await nothing_left(pipe)
             await orch.shutdown()
+    assert all(isinstance(m, OrchOutput) for m in msgs), msgs
     for stage in (0, 2):
         mine = [m for m in msgs if m.stage_id == stage]
         assert [m.segment for m in mine] == sorted(m.segment for m in mine)  # never interleaved
         assert [m.segment for m in mine if m.segment_done] == [0, 1, 2]
-    pcm = [np.concatenate([m.data["pcm"] for m in msgs if m.stage_id == 2 and m.segment == s])
+    text = ["".join(m.data["text"] for m in msgs if m.stage_id == 0 and m.segment == s and m.data)
+            for s in range(3)]
+    assert [len(t) for t in text] == [TOKENS, TOKENS, 0]
+    pcm = [sum(len(m.data["pcm"]) for m in msgs if m.stage_id == 2 and m.segment == s and m.data)
            for s in range(3)]
-    assert [len(p) for p in pcm] == [TOKENS * SAMPLES_PER_TOKEN] * 3
+    assert pcm == [TOKENS * SAMPLES_PER_TOKEN] * 2 + [0]
 
 
 @pytest.mark.slow
