@@ -52,9 +52,9 @@ from trio_orch.launcher import (
     Pipeline,
     WorkerHandle,
     WorkerStartupError,
-    _run_worker,
-    _worker_argv,
     open_pipeline,
+    run_worker,
+    worker_argv,
 )
 from trio_orch.transport import ZmqStageClient
 
@@ -364,12 +364,12 @@ class Supervisor:
                                 name=old.client.name, max_message_bytes=self.max_message_bytes)
         h = WorkerHandle(k, r, st.kind, client,
                          os.path.join(pipe.tmpdir, f"s{k}r{r}.g{slot.generation}.stderr"))
-        argv = _worker_argv(cfg, k, r, st, client.address, pipe.tmpdir)
+        argv = worker_argv(cfg, k, r, st, client.address, pipe.tmpdir)
         if self.extra_args is not None:
             argv += self.extra_args(k, r, attempt)
         await self._nursery.start(client.run)
         try:
-            await self._nursery.start(_run_worker, h, argv, cfg)
+            await self._nursery.start(run_worker, h, argv, cfg)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await client.aclose()
