@@ -31,10 +31,11 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from tests.conftest import live_task_names
-from tests.test_server import _alive, _children, wait_until
+from tests.test_server import wait_until
 from trio_orch.bridge import Engine
 from trio_orch.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.server import create_app
+from trio_orch.testing import child_pids, worker_alive
 from trio_orch.toy_pipeline import toy_pipeline
 from trio_orch.types import OrchError, OrchOutput
 
@@ -412,7 +413,8 @@ def test_trio_orch_serve_and_the_example_client_as_a_user_would(tmp_path: Path) 
             m = re.search(r"serving on http://(\S+)", line)
             url = m.group(1) if m else None
         assert url, "serve did not report its address"
-        workers = _children(proc.pid)
+        workers = child_pids(proc.pid)
+        assert len(workers) >= 3
         client = load_example_client()
         wav = tmp_path / "out" / "session.wav"
         wav.parent.mkdir()
@@ -425,7 +427,7 @@ def test_trio_orch_serve_and_the_example_client_as_a_user_would(tmp_path: Path) 
         assert pcm.tobytes() == audio and len(pcm) == 3 * 10 * 2 * 12 and np.abs(pcm).max() > 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
-        wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
+        wait_until(lambda: not any(worker_alive(p) for p in workers), "worker processes gone")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.toml"]  # no ipc file left
     finally:
         if proc.poll() is None:
