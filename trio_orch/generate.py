@@ -5,7 +5,9 @@ code2wav, one process per replica), sends one request through the Trio
 orchestrator, streams the thinker's text to the terminal as it is generated,
 writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 ``--async-chunk`` the stages stream to each other chunk by chunk, so the
-first audio comes long before the text is finished.
+first audio comes long before the text is finished.  With ``--stream-input``
+the prompt comes from standard input, one input segment per line, into one
+resumable request (:mod:`trio_orch.generate_stream`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import trio
 
 from stages.registry import as_audio, as_text, outputs_of
 from trio_orch.config import PipelineConfig, default_config, load_config
+from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.orchestrator import open_orchestrator
 from trio_orch.types import OrchError
@@ -45,6 +48,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="most text tokens the thinker generates (default: its config, 48)")
+    parser.add_argument("--stream-input", action="store_true",
+                        help="read the prompt from standard input, one segment per line, into one "
+                             "request that takes more input while it answers (end of input ends it); "
+                             "each segment's answer streams as it comes")
     parser.add_argument("--compare", action="store_true",
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
@@ -141,6 +148,12 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     try:
         async with open_pipeline(cfg) as pipe:
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            if args.stream_input:
+                rc, pcm, rate = await stream_input(cfg, pipe, args.max_tokens)
+                if pcm is not None:
+                    write_wav(args.out, pcm, rate)
+                    print(f"wrote {args.out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -152,6 +165,9 @@ async def _main(args: argparse.Namespace) -> int:
         cfg = _config(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stream_input and args.compare:
+        print("error: --stream-input and --compare do not go together", file=sys.stderr)
         return 2
     if not args.compare:
         return (await _run_once(args, cfg))[0]
