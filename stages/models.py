@@ -308,22 +308,25 @@ class Code2Wav(SlotModel):
             n = min(self.chunk, len(m["queue"]))
             take.append(m["queue"][:n])
             m["queue"] = m["queue"][n:]
-        T = max(len(t) for t in take)
-        pcm = None
-        if T:
-            batch = np.zeros((len(reqs), T, self.cb), np.int32)
-            for i, t in enumerate(take):
-                batch[i, : len(t)] = t
-            voices = torch.tensor([r.model["voice"] for r in reqs], device=self.device)
-            pcm = self.net(torch.from_numpy(batch).to(self.device), self.spk(voices)) * self.gain
-            pcm = pcm.float().cpu().numpy()
+        pcm: list[np.ndarray | None] = [None] * len(reqs)
+        # One forward pass per chunk length (usually one: full chunks).  Padding a shorter chunk
+        # would let the padding's embeddings leak into its last frames through the convolutions,
+        # making a request's audio depend on its batch-mates.
+        for n in {len(t) for t in take} - {0}:
+            idx = [i for i, t in enumerate(take) if len(t) == n]
+            batch = torch.from_numpy(np.stack([take[i] for i in idx])).to(self.device)
+            voices = torch.tensor([reqs[i].model["voice"] for i in idx], device=self.device)
+            out = (self.net(batch, self.spk(voices)) * self.gain).float().cpu().numpy()
+            for j, i in enumerate(idx):
+                pcm[i] = out[j]
         results = []
         for i, r in enumerate(reqs):
             done = r.input_done and not r.inputs and not len(r.model["queue"])
             n = len(take[i])
             if n:
-                assert pcm is not None
-                audio = self._voice(r, take[i], pcm[i, : n * self.hop])
+                texture = pcm[i]
+                assert texture is not None
+                audio = self._voice(r, take[i], texture[: n * self.hop])
                 results.append(StepResult({"pcm": audio, "sample_rate": SAMPLE_RATE}, done, None))
             elif done:
                 results.append(StepResult({"pcm": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE},
