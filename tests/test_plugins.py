@@ -125,7 +125,7 @@ CASES = {
     "spec of the wrong type": ("{mod}:SpecNotASpec", {"size": 1},
                                "stage_spec must be a stages.registry.StageSpec"),
     "sampling not of Params": ("{mod}:BadSampling", {"size": 1},
-                               "stage_spec: sampling must map parameter names to stages.sampling_params.Param"),
+                               "stage_spec: sampling must map parameter names to .*Param"),
     "option typo": ("{mod}:Good", {"size": 1, "flavor": "x"},
                     "unknown model option 'flavor'.*did you mean 'flavour'"),
     "option missing": ("{mod}:Good", {}, "needs model option 'size' in \\[stages.model\\]"),
