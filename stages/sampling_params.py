@@ -81,7 +81,8 @@ class Param:
                 raise ValueError(f"{name!r} must be a string or a list of strings, got {_what(value)}")
             bad = next((s for s in items if not s or (self.hi is not None and len(s) > self.hi)), None)
             if bad is not None:
-                raise ValueError(f"{name!r}: each string must have 1 to {self.hi:g} characters, got {bad!r}")
+                raise ValueError(f"{name!r}: each string must have 1 to {_num(self.hi)} characters, "
+                                 f"got {bad!r}")
         elif t == "ints":
             items = value
             if not isinstance(items, list) or not all(isinstance(v, int) and not isinstance(v, bool)
@@ -104,14 +105,14 @@ class Param:
 
     def range_text(self) -> str:
         """The allowed values, for error messages and the documentation."""
-        lo, hi = self.lo, self.hi
+        lo, hi = _num(self.lo), _num(self.hi)
         if lo is None and hi is None:
             return "any value"
         if hi is None:
-            return f"{'>' if self.lo_open else '>='} {lo:g}"
+            return f"{'>' if self.lo_open else '>='} {lo}"
         if lo is None:
-            return f"<= {hi:g}"
-        return f"in {'(' if self.lo_open else '['}{lo:g}, {hi:g}]"
+            return f"<= {hi}"
+        return f"in {'(' if self.lo_open else '['}{lo}, {hi}]"
 
 
 SamplingSchema = Mapping[str, Param]
@@ -241,11 +242,18 @@ def describe(schema: SamplingSchema) -> list[tuple[str, str, str, str]]:
     """``(name, allowed values, default, meaning)`` rows, for help texts and documentation."""
     rows = []
     for name, p in schema.items():
-        allowed = {"choice": " | ".join(p.choices),
+        allowed = {"choice": ", ".join(p.choices),
                    "strings": f"string or list of <= {p.max_items} strings",
                    "ints": f"list of <= {p.max_items} ints {p.range_text()}"}.get(p.type, p.range_text())
         rows.append((name, allowed, "-" if p.default is None else repr(p.default), p.doc))
     return rows
+
+
+def _num(v: float | None) -> str | None:
+    """A bound as written: integers in full (a seed's bound is 2**63 - 1), others shortest."""
+    if v is None:
+        return None
+    return str(int(v)) if float(v).is_integer() and abs(v) < 2**64 else f"{v:g}"
 
 
 def _what(v: Any) -> str:

@@ -240,3 +240,15 @@ def test_fields_no_stage_can_honour_are_refused_not_dropped() -> None:
         map_sampling({"stage_sampling": {"echo": {}}}, echo, text_stage=0, last_stage=1)
     assert map_sampling({"temperature": None, "stage_sampling": None}, echo, text_stage=0, last_stage=1) == {}
     assert len(VOICES) == len(set(VOICES))
+
+
+def test_the_documented_parameter_tables_are_the_kinds_own() -> None:
+    """docs/sampling.md lists every parameter of every built-in kind as the schema says."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "sampling.md").read_text()
+    for kind in KINDS:
+        section = doc.split(f"### `{kind}`", 1)[1].split("###", 1)[0]
+        rows = [f"| `{n}` | {a} | {d} | {m} |" for n, a, d, m in describe(registry.spec_for(kind).sampling)]
+        listed = [line for line in section.splitlines() if line.startswith("| `")]
+        assert listed == rows, kind
