@@ -57,6 +57,9 @@ def test_fields_reach_the_toy_stages_that_take_them(toy: Served) -> None:
     resp = c.chat.completions.create(model="toy", messages=USER, max_tokens=3)
     assert resp.choices[0].message.content == "You said: one " and resp.choices[0].finish_reason == "length"
     assert stages[0].sampling[-1][1] == {"max_tokens": 3}  # type: ignore[attr-defined]
+    chunks = list(c.chat.completions.create(model="toy", messages=USER, max_tokens=2, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "You said: "
+    assert chunks[-1].choices[0].finish_reason == "length"
     alloy = said(c.chat.completions.create(model="toy", messages=USER, modalities=["text", "audio"],
                                            audio={"voice": "alloy", "format": "wav"}))
     onyx = said(c.chat.completions.create(model="toy", messages=USER, modalities=["text", "audio"],

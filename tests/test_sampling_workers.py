@@ -130,3 +130,24 @@ async def test_a_worker_refuses_parameters_its_kind_does_not_take(async_chunk: b
     assert isinstance(err, OrchError) and err.stage_id == 1 and err.kind == "stage_failed"
     assert "echo takes no sampling parameter 'seed' (it takes none)" in err.message
     assert not isinstance(got["ok"], OrchError) and got["ok"].finished
+
+
+def test_the_asyncio_twin_client_sends_sampling_too() -> None:
+    """bench/'s asyncio ZMQ client puts a stage's parameters on the wire like the Trio one."""
+    import asyncio
+
+    from bench.refs.launcher import open_worker_stages
+
+    async def main() -> dict[str, Any]:
+        async with asyncio.timeout(30), open_worker_stages(echo_config(1)) as (client,):
+            await client.submit("bad", "hi", sampling={"seed": 1})
+            await client.submit("ok", "hi")
+            got: dict[str, Any] = {}
+            while len(got) < 2:
+                for out in await client.receive():
+                    got[out.request_id] = out
+            return got
+
+    got = asyncio.run(main())
+    assert "echo takes no sampling parameter 'seed'" in (got["bad"].error or "")
+    assert got["ok"].error is None and got["ok"].data == "hi"
