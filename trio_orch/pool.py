@@ -223,7 +223,11 @@ class ReplicaPool:
         return min(live, key=lambda i: (self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None) -> None:
+        """Place the request on a replica (its reserved one, else the least loaded) and submit it there.
+
+        ``sampling``: this stage's parameters for the request, passed to the replica as they are.
+        """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
@@ -247,7 +251,10 @@ class ReplicaPool:
         self.placements[idx] += 1
         self._remember(request_id, StageTiming(idx, time.perf_counter()))
         try:
-            await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+            if sampling is None:
+                await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+            else:
+                await self.replicas[idx].submit(request_id, payload, downstream=downstream, sampling=sampling)
         except BaseException:
             self._unbind(request_id)
             raise

@@ -125,10 +125,11 @@ class ZmqStageClient:
         return self.dead_reason is None and not self.closed
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
+                     sampling: dict[str, Any] | None = None) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed."""
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream))
+        self._queue(Submit(request_id, payload, downstream, sampling))
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:
