@@ -37,13 +37,14 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from time import monotonic, perf_counter
 from typing import Any
 
 import trio
 
+from stages.sampling_params import StageParams
 from trio_orch.demux import (
     ACK,
     ADMITTED,
@@ -203,6 +204,7 @@ class Engine:
         self._token: trio.lowlevel.TrioToken | None = None
         self._main_scope: trio.CancelScope | None = None
         self._orch: Orchestrator | None = None
+        self._stage_params: Sequence[StageParams] | None = None
         self._failure: BaseException | None = None
         self._stop_flag = False
         self._drain: float | None = None
@@ -282,6 +284,11 @@ class Engine:
         return list(self._orch.stages) if self._orch is not None else []
 
     @property
+    def stage_params(self) -> Sequence[StageParams] | None:
+        """Each stage's name and sampling parameters, as the pipeline declared them (None: none)."""
+        return self._stage_params
+
+    @property
     def final_stage_ids(self) -> frozenset[int]:
         """The pipeline's final-output stages (empty before start)."""
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
@@ -359,6 +366,7 @@ class Engine:
                 return
             async with self._pipeline() as raw:
                 spec = as_spec(raw)
+                self._stage_params = spec.stage_params
                 orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
                                     **{**self._orch_options, **spec.options})
                 async with trio.open_nursery() as nursery:
@@ -390,7 +398,8 @@ class Engine:
             if self._n_waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout, resumable=s.resumable)
+                                            timeout=s.timeout, sampling=s.sampling,
+                                            resumable=s.resumable)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:
@@ -415,7 +424,8 @@ class Engine:
                     self._sending = (s, cs)
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout, resumable=s.resumable)
+                                               timeout=s.timeout, sampling=s.sampling,
+                                               resumable=s.resumable)
                     except Exception as exc:
                         self._refused(s, exc)
                         continue
@@ -523,19 +533,21 @@ class Engine:
     # ------------------------------------------------------------------ sync API
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
                     timeout: float | None = None, request_timeout: float | None = None,
-                    resumable: bool = False) -> RequestHandle:
+                    sampling: Any = None, resumable: bool = False) -> RequestHandle:
         """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
 
         Blocks while the request channel is full, for at most ``timeout``
         seconds (then ``TimeoutError``; nothing was registered).
         ``request_timeout`` bounds the request's life in the orchestrator.
+        ``sampling``: per-stage sampling parameters (a list indexed by stage,
+        or a mapping stage -> parameters), checked against each stage's.
         ``resumable``: it takes more input (:meth:`update_request`) until a ``final`` one.
         Raises ``ValueError`` for bad parameters or a duplicate active id and
         :class:`EngineClosed` once the engine is closed.  Do not call it on an
         asyncio loop's thread (it blocks): use :meth:`generate` there.
         """
         s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       want_ack=True)
+                       want_ack=True, sampling=sampling)
         assert isinstance(s, SyncStream)
         h = RequestHandle(self, s)
         deadline = None if timeout is None else monotonic() + timeout
@@ -665,17 +677,18 @@ class Engine:
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None, request_timeout: float | None = None,
-                       resumable: bool = False) -> AsyncIterator[Message]:
+                       sampling: Any = None, resumable: bool = False) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
         Never blocks the event loop.  Cancellation of the consuming task, or
-        closing the generator before the terminal, aborts the request.  The
-        request is registered when the iteration starts; to send a resumable
-        request's updates right away, use :meth:`add_request_async`.
+        closing the generator before the terminal, aborts the request.
+        ``sampling`` as for :meth:`add_request` (bad parameters: ValueError).
+        The request is registered when the iteration starts; to send a
+        resumable request's updates right away, use :meth:`add_request_async`.
         """
         loop = asyncio.get_running_loop()
         s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop)
+                       loop=loop, sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -699,7 +712,7 @@ class Engine:
 
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                                final_stage_id: int | None = None, request_timeout: float | None = None,
-                               resumable: bool = False) -> AsyncIterator[list[Message]]:
+                               sampling: Any = None, resumable: bool = False) -> AsyncIterator[list[Message]]:
         """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
 
         For consumers that write in bulk (one HTTP chunk per batch) or count
@@ -707,7 +720,7 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop)
+                       loop=loop, sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False

@@ -39,16 +39,12 @@ async def _read_line(stream: TextIO) -> str | None:
             return line.rstrip("\r\n")
 
 
-def _segment(text: str, max_tokens: int | None) -> Any:
-    return text if max_tokens is None else {"text": text, "max_new_tokens": max_tokens}
-
-
-async def _feed(orch: Orchestrator, stream: TextIO, max_tokens: int | None) -> int:
+async def _feed(orch: Orchestrator, stream: TextIO) -> int:
     """Send every later line as the next segment; close the input at its end.  Return the count."""
     n = 0
     try:
         while (line := await _read_line(stream)) is not None:
-            await orch.update_request(RID, _segment(line, max_tokens))
+            await orch.update_request(RID, line)
             n += 1
         await orch.update_request(RID, None, final=True)  # an empty final segment: no more input
     except (ValueError, RuntimeError):  # the request ended (failed); its error is reported
@@ -56,9 +52,12 @@ async def _feed(orch: Orchestrator, stream: TextIO, max_tokens: int | None) -> i
     return n
 
 
-async def stream_input(cfg: PipelineConfig, pipe: Pipeline, max_tokens: int | None,
+async def stream_input(cfg: PipelineConfig, pipe: Pipeline, sampling: Any = None,
                        stream: TextIO | None = None) -> tuple[int, np.ndarray | None, int]:
-    """Run the session; return (exit code, the audio or None, its sample rate)."""
+    """Run the session; return (exit code, the audio or None, its sample rate).
+
+    ``sampling``: the request's per-stage parameters (they hold for every segment).
+    """
     stream = stream or sys.stdin
     outputs = outputs_of(s.kind for s in cfg.stages)
     first = await _read_line(stream)
@@ -69,9 +68,9 @@ async def stream_input(cfg: PipelineConfig, pipe: Pipeline, max_tokens: int | No
     rate = 24000
     failed: OrchError | None = None
     async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
-        await orch.add_request(RID, _segment(first, max_tokens), resumable=True)
+        await orch.add_request(RID, first, resumable=True, sampling=sampling)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_feed, orch, stream, max_tokens)
+            nursery.start_soon(_feed, orch, stream)
             while True:
                 msg = await orch.next_output()
                 if isinstance(msg, OrchError):

@@ -230,7 +230,13 @@ class ReplicaPool:
         return min(live, key=lambda i: (self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False) -> None:
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
+                     resumable: bool = False) -> None:
+        """Place the request on a replica (its reserved one, else the least loaded) and submit it there.
+
+        ``sampling``: this stage's parameters for the request, passed to the replica as they are.
+        ``resumable``: more input segments follow (:meth:`update`); the request stays bound.
+        """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
@@ -256,10 +262,12 @@ class ReplicaPool:
         if resumable:
             self._segments[request_id] = [1, False]
         try:
+            opts: dict[str, Any] = {}
+            if sampling is not None:
+                opts["sampling"] = sampling
             if resumable:
-                await self.replicas[idx].submit(request_id, payload, downstream=downstream, resumable=True)
-            else:
-                await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+                opts["resumable"] = True
+            await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
         except BaseException:
             self._unbind(request_id)
             raise

@@ -127,13 +127,13 @@ class ZmqStageClient:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
-                     resumable: bool = False) -> None:
+                     sampling: dict[str, Any] | None = None, resumable: bool = False) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
 
         ``resumable``: more input segments follow through :meth:`update`.
         """
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream, resumable))
+        self._queue(Submit(request_id, payload, downstream, sampling, resumable))
         await trio.lowlevel.checkpoint()
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,

@@ -51,13 +51,17 @@ class WireError(ValueError):
 # --------------------------------------------------------------------- inbound (orchestrator -> worker)
 class Submit(msgspec.Struct, tag="submit", array_like=True):
     """Start ``request_id`` with ``payload``; ``downstream`` = replica index of the
-    next stage that receives this request's chunks (async-chunk), or -1.
-    ``resumable``: more input segments follow as :class:`Update` messages, so the
-    worker keeps the request (and its model state) after a segment finishes."""
+    next stage that receives this request's chunks (async-chunk), or -1;
+    ``sampling`` = this stage's sampling parameters for the request (None: its
+    defaults); ``resumable``: more input segments follow as :class:`Update`
+    messages, so the worker keeps the request (and its model state) after a
+    segment finishes.  Fields only ever get appended with a default, so a peer
+    one version behind still decodes the message (it ignores what it does not know)."""
 
     request_id: str
     payload: Any
     downstream: int = -1
+    sampling: dict[str, Any] | None = None
     resumable: bool = False
 
 
