@@ -112,13 +112,15 @@ class StageSpec:
 
 
 def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
-    """thinker -> next stage: every generated token, in order."""
-    return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
+    """thinker -> next stage: every generated token, in order (None: an empty input segment)."""
+    toks = [np.asarray(o["tokens"]).reshape(-1) for o in outputs if o is not None]
+    return {"tokens": np.concatenate(toks)} if toks else None
 
 
 def codes_input(prompt: Any, outputs: list[Any]) -> Any:
-    """talker -> next stage: every code frame, in order."""
-    return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
+    """talker -> next stage: every code frame, in order (None: an empty input segment)."""
+    codes = [np.asarray(o["codes"]) for o in outputs if o is not None]
+    return {"codes": np.concatenate(codes, axis=0)} if codes else None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.

@@ -47,19 +47,22 @@ class Stream:
     ``detached``: the consumer is gone (cancelled, closed early); the sink
     drops its messages but keeps the id reserved until its terminal.
     ``withdrawn``: a sync caller gave up waiting for admission.
+    ``resumable``: the request takes more input segments (``update_request``).
     """
 
-    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "sampling", "state", "timeout",
-                 "want_ack", "withdrawn")
+    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling", "state",
+                 "timeout", "want_ack", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 timeout: float | None, want_ack: bool = False, sampling: Any = None) -> None:
+                 timeout: float | None, want_ack: bool = False, sampling: Any = None,
+                 resumable: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
         self.timeout = timeout
         self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted
         self.want_ack = want_ack
+        self.resumable = resumable
         self.state = PENDING
         self.detached = False
         self.withdrawn = False

@@ -8,7 +8,9 @@ writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 first audio comes long before the text is finished.  Sampling flags
 (``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
 as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
-``--stage-param`` sets any stage's parameter explicitly.
+``--stage-param`` sets any stage's parameter explicitly.  With
+``--stream-input`` the prompt comes from standard input, one input segment
+per line, into one resumable request (:mod:`trio_orch.generate_stream`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import trio
 from stages.registry import as_audio, as_text, outputs_of, stage_params, text_stage
 from stages.sampling_params import VOICES
 from trio_orch.config import PipelineConfig, default_config, load_config
+from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.openai_sampling import SamplingError, map_sampling
 from trio_orch.orchestrator import open_orchestrator
@@ -49,6 +52,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch device of the workers (default: cpu, or the config's)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    parser.add_argument("--stream-input", action="store_true",
+                        help="read the prompt from standard input, one segment per line, into one "
+                             "request that takes more input while it answers (end of input ends it); "
+                             "each segment's answer streams as it comes")
     s = parser.add_argument_group(
         "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
                     "text, --seed and --voice to every stage that takes them (see the README)")
@@ -187,6 +194,12 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     try:
         async with open_pipeline(cfg) as pipe:
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            if args.stream_input:
+                rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
+                if pcm is not None:
+                    write_wav(args.out, pcm, rate)
+                    print(f"wrote {args.out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -199,6 +212,9 @@ async def _main(args: argparse.Namespace) -> int:
         args.sampling = request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stream_input and args.compare:
+        print("error: --stream-input and --compare do not go together", file=sys.stderr)
         return 2
     if not args.compare:
         return (await _run_once(args, cfg))[0]
