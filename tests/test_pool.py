@@ -131,8 +131,22 @@ async def test_a_request_that_stops_upstream_frees_its_downstream_reservation() 
     assert down.in_flight() == [1]
     u.emit("text-only", "done", finished=True)
     await up.receive()
+    # a finish keeps the reservation (the next stage's submit may still be on its way) ...
+    assert down.in_flight() == [1] and d.aborts == []
+    # ... the orchestrator's abort of a request that stops upstream frees it
+    await down.abort(["text-only"])
     assert down.in_flight() == [0] and down.replica_of("text-only") is None
     assert d.aborts == ["text-only"]  # the chunks streamed to it are dropped at once
+
+
+async def test_an_upstream_failure_frees_the_downstream_reservation_at_once() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    u, d = FakeReplica(up), FakeReplica(down)
+    await up.submit("r1", "prompt")
+    up.sink(u, [StageOutput("r1", None, True, error="boom")])  # type: ignore[arg-type]
+    await up.receive()
+    assert down.in_flight() == [0] and d.aborts == ["r1"]
 
 
 async def test_a_used_reservation_is_not_aborted_when_upstream_finishes() -> None:

@@ -86,7 +86,9 @@ def test_per_request_final_stage_id_text_only() -> None:
     r.add("t", "p", final_stage_id=0)
     assert r.route(0, out("t", "only", True)) == [Emit(OrchOutput("t", 0, "only", True))]
     r = Router(3, {0, 2}, async_chunk=True)
-    assert [a.stage_id for a in r.add("t", "p", final_stage_id=0)] == [0]
+    # submitted to stage 0 only; stage 1 drops whatever stage 0 streams to it for this request
+    assert r.add("t", "p", final_stage_id=0) == [Submit(0, "t", "p"), Abort(1, ["t"])]
+    assert r.route(0, out("t", "only", True)) == [Emit(OrchOutput("t", 0, "only", True))]
 
 
 @pytest.mark.parametrize(

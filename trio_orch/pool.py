@@ -298,7 +298,9 @@ class ReplicaPool:
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
         for rid in request_ids:
-            self.release_reservation(rid)
+            # never submitted here (reserved by the upstream stage, which streams chunks to it):
+            # free the reservation and tell that replica to drop the chunks
+            self.release_reservation(rid, drop_chunks=True)
             idx = self._unbind(rid)
             if idx is not None:
                 by_replica.setdefault(idx, []).append(rid)
@@ -384,7 +386,7 @@ class ReplicaPool:
                     if seg[0] > 0 or not seg[1]:
                         outs.append(o)
                         continue
-                self._unbind(o.request_id, finished=True)
+                self._unbind(o.request_id, finished=True, keep_next=o.error is None)
             outs.append(o)
 
     def _stray(self, idx: int, o: StageOutput) -> bool:
@@ -418,16 +420,19 @@ class ReplicaPool:
         while len(self._doomed) > 4096:
             self._doomed.popitem(last=False)
 
-    def _unbind(self, request_id: str, *, finished: bool = False) -> int | None:
+    def _unbind(self, request_id: str, *, finished: bool = False, keep_next: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
         self._segments.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
-            if self.downstream is not None:
-                # The orchestrator performs all of a request's async-chunk submits before any
-                # reply can be routed, so a reservation still open now is one no submit will use
-                # (a request that stops at this stage): free it, and tell that replica to drop
-                # the chunks this stage already streamed to it.
+            if self.downstream is not None and not keep_next:
+                # It ended here early (abort, error, death): the next stage will get no submit
+                # for it (a decided one is followed by an abort), so free a reservation still
+                # open there and tell that replica to drop the chunks already streamed to it.
+                # A request that *finished* here keeps its reservation: its submit to the next
+                # stage may still be on its way (the orchestrator yields between the submits of
+                # one request); one that stops at this stage is dropped there by the
+                # orchestrator's own abort (the routing core asks for it at start).
                 self.downstream.release_reservation(request_id, drop_chunks=True)
             ended = self._ended
             ended[request_id] = (idx, finished)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trio_orch.core.actions import Action, Emit, Submit
+from trio_orch.core.actions import Abort, Action, Emit, Submit
 from trio_orch.core.companions import CompanionRules
 from trio_orch.core.control import ControlRules
 from trio_orch.core.state import NOTHING, RequestState, Ticket
@@ -191,7 +191,22 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
                 actions.extend(self.open_segment(req, segment, final_segment))
         for cid, cprompt in ticket.companions.items():  # after the parent: the same replica takes them
             actions.append(Submit(0, cid, cprompt, False, sampling.get(0), rid))
+        actions.extend(self.past_final(req))
         return actions
+
+    def past_final(self, req: RequestState) -> list[Action]:
+        """Async-chunk: the stage after a request's final stage drops what its final stage streams.
+
+        In async-chunk mode every stage streams its chunks to the next one as
+        it goes; a request that stops early (a text-only request stopping at
+        the thinker) is never submitted to the next stage, which would
+        otherwise hold those chunks until they expire.  An abort there is
+        stage-side cleanup for a request it never had.
+        """
+        nxt = req.final_stage_id + 1
+        if not self.async_chunk or nxt >= self.num_stages or not self.available[nxt]:
+            return NOTHING
+        return [Abort(nxt, [req.request_id])]
 
     def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None, *,
             timeout: float | None = None, resumable: bool = False, sampling: Any = None,
