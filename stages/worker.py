@@ -75,6 +75,9 @@ class Worker:
         self.outbox = ChunkOutbox(ctx, args.downstream) if args.downstream else None
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
+        # per request: when it arrived, and when the batch took it (perf_counter), for its timing
+        self.t_arrived: dict[str, float] = {}
+        self.t_batched: dict[str, float] = {}
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
                       "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0}
         self.t_start = time.monotonic()
@@ -155,9 +158,12 @@ class Worker:
         if self.inbox is not None:
             for data, end in self.inbox.claim(rid):  # chunks that came before the submit
                 self.model.feed(req, data, end)
+        self.t_arrived[rid] = time.perf_counter()
         self.waiting.append(req)
 
     def retire(self, rid: str) -> None:
+        self.t_arrived.pop(rid, None)
+        self.t_batched.pop(rid, None)
         req = self.active.pop(rid, None)
         if req is None:
             for r in self.waiting:
@@ -186,9 +192,12 @@ class Worker:
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
         """Admit, run one batched step, emit, retire; return whether work was done."""
-        while self.waiting and len(self.active) < self.args.max_batch:
-            req = self.waiting.popleft()
-            self.active[req.request_id] = req
+        if self.waiting and len(self.active) < self.args.max_batch:
+            t = time.perf_counter()
+            while self.waiting and len(self.active) < self.args.max_batch:
+                req = self.waiting.popleft()
+                self.active[req.request_id] = req
+                self.t_batched[req.request_id] = t
         batch = [r for r in self.active.values() if self.model.runnable(r)]
         if not batch:
             return False
@@ -223,7 +232,8 @@ class Worker:
                     continue
                 self.stats["chunks_out"] += 1
             if res.finished:
-                item = OutItem(req.request_id, None if control_only else res.data, True, None, now)
+                item = OutItem(req.request_id, None if control_only else res.data, True, None, now,
+                              self.timing(req.request_id, now))
                 if self._request_faults(req):
                     faulty.append((req, item))
                 else:
@@ -239,6 +249,13 @@ class Worker:
             self._finish_with_faults(req, item)
         self._faults_after_step()
         return True
+
+    def timing(self, rid: str, now: float) -> tuple[float, float] | None:
+        """(seconds queued before the batch took ``rid``, seconds in the batch) for its last output."""
+        arrived, batched = self.t_arrived.get(rid), self.t_batched.get(rid)
+        if arrived is None or batched is None:
+            return None
+        return batched - arrived, now - batched
 
     def _request_faults(self, req: ReqState) -> bool:
         """Does a per-request fault flag (``--fault-*``) apply to this request?"""

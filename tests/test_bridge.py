@@ -287,7 +287,7 @@ def test_asyncio_backpressure_waits_without_blocking_the_loop_and_cancel_withdra
         # a: stuck in submit; b: in the channel; c and d: waiting in the bridge
         await await_until(lambda: engine.stages and len(engine._demux.streams) == 4)
         stats = await engine.stats_async()
-        await await_until(lambda: engine._n_waiting == 2, "two waiting for room")
+        await await_until(lambda: engine.admission_waiting == 2, "two waiting for room")
         ticks = 0
         for _ in range(5):  # the loop keeps running while they wait
             await asyncio.sleep(0)
@@ -318,7 +318,7 @@ def test_abort_while_waiting_for_room_gives_aborted_terminal() -> None:
         async def scenario() -> list[Any]:
             agen = engine.generate("p", request_id="c")
             first = asyncio.ensure_future(agen.__anext__())
-            await await_until(lambda: engine._n_waiting == 1, "c waiting")
+            await await_until(lambda: engine.admission_waiting == 1, "c waiting")
             engine.abort("c")
             return [await first]
 

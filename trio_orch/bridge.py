@@ -25,20 +25,19 @@ import asyncio
 import atexit
 import itertools
 import logging
-import math
 import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from time import monotonic, perf_counter
 from typing import Any
 
 import trio
 
+from trio_orch.admitter import Admitter
 from trio_orch.demux import (
     ACK,
-    ADMITTED,
     DONE,
     PENDING,
     WITHDRAWN,
@@ -51,10 +50,12 @@ from trio_orch.engine_base import (
     EngineClosed,
     EngineStartupError,
     EngineStatistics,
+    Overloaded,
     PipelineFactory,
     PipelineSpec,
     as_spec,
     collect_stats,
+    stage_timings,
     static_pipeline,
     unwrap,
 )
@@ -63,8 +64,8 @@ from trio_orch.trio_engine import TrioEngine, open_trio_engine
 from trio_orch.types import Message, OrchError, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
-__all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineFactory", "PipelineSpec", "RequestHandle",
-           "TrioEngine", "open_trio_engine", "static_pipeline"]
+__all__ = ["AsyncRequest", "Engine", "EngineClosed", "EngineStartupError", "Overloaded", "PipelineFactory",
+           "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine", "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
 
@@ -160,18 +161,86 @@ class RequestHandle:
         self.close()
 
 
+class AsyncRequest:
+    """An asyncio caller's view of one request, once the engine admitted it (:meth:`Engine.open_request`).
+
+    ``rejection`` is the terminal error of a request the engine ended before
+    admitting it (a stage of its path has no live replica, the engine is
+    stopping); :meth:`batches` then yields just that.  ``timings`` (asked for
+    with ``want_timings``) holds each stage's timing once the terminal was taken.
+    """
+
+    def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
+        self._engine = engine
+        self._s = stream
+        self._early: list[list[Message]] = []  # batches that overtook the admission
+        self.rejection: OrchError | None = None
+        self.ended = False  # the terminal was yielded (or an exception raised)
+
+    @property
+    def request_id(self) -> str:
+        return self._s.request_id
+
+    @property
+    def t_open(self) -> float:
+        """When the caller asked (``time.perf_counter``)."""
+        return self._s.t_open
+
+    @property
+    def timings(self) -> tuple[Any, ...] | None:
+        return self._s.timings
+
+    async def batches(self) -> AsyncIterator[list[Message]]:
+        """The request's messages, one list per dispatcher batch, the terminal last.
+
+        Leaving early (break, cancellation) aborts the request.
+        """
+        observe = self._engine._demux.latency.observe
+        s = self._s
+        try:
+            while not self.ended:
+                if self._early:
+                    msgs = self._early.pop(0)
+                else:
+                    item = await s.next_item()
+                    if item is ACK:
+                        continue
+                    if isinstance(item, BaseException):
+                        self.ended = True
+                        raise item
+                    t, msgs = item
+                    observe_latency(observe, t, msgs)
+                self.ended = msgs[-1].finished
+                yield msgs
+        finally:
+            if not self.ended:
+                self.aclose_nowait()
+
+    def aclose_nowait(self) -> None:
+        """Stop listening; aborts the request if it has not ended."""
+        if not self.ended:
+            self.ended = True
+            self._engine._client_gone(self._s)
+
+
 class Engine:
     """The orchestrator in a background Trio thread; see the module docstring.
 
     ``pipeline`` is a :data:`PipelineFactory`.  ``startup_timeout`` bounds
     :meth:`start`; ``close_timeout`` bounds :meth:`close` (beyond any drain).
-    ``request_queue_size``, ``shutdown_grace`` and ``request_timeout`` go to
-    the :class:`Orchestrator` (the pipeline's own options come on top).
+    ``request_queue_size``, ``shutdown_grace``, ``request_timeout`` and
+    ``max_inflight`` go to the :class:`Orchestrator` (the pipeline's own
+    options come on top).  ``admission_timeout`` and ``max_waiting`` bound how
+    long and how many requests wait for room in the request channel; past
+    them a request is shed with :class:`Overloaded` (None: no bound, callers
+    wait -- backpressure).  See :mod:`trio_orch.admitter`.
     """
 
     def __init__(self, pipeline: PipelineFactory, *, startup_timeout: float = 60.0,
                  close_timeout: float = 10.0, request_queue_size: int = 256,
                  shutdown_grace: float = 2.0, request_timeout: float | None = None,
+                 admission_timeout: float | None = None, max_waiting: int | None = None,
+                 max_inflight: Sequence[int | None] | None = None,
                  name: str = "trio-orch-engine") -> None:
         self._pipeline = pipeline
         self.startup_timeout = startup_timeout
@@ -180,8 +249,11 @@ class Engine:
                                               "shutdown_grace": shutdown_grace}
         if request_timeout is not None:
             self._orch_options["request_timeout"] = request_timeout
+        self._max_inflight = max_inflight
         self.name = name
         self._demux = Demux()
+        self._demux.timings_of = self._timings_of
+        self._admitter = Admitter(self._demux, timeout=admission_timeout, max_waiting=max_waiting)
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}"
         self._thread: threading.Thread | None = None
@@ -194,10 +266,6 @@ class Engine:
         self._drain: float | None = None
         self._closing: str | None = None  # set: new requests are refused with this reason
         self._dead: str | None = None  # set: the Trio thread is gone (or abandoned)
-        # admitter state (Trio thread only)
-        self._adm_send, self._adm_recv = trio.open_memory_channel[Stream](math.inf)
-        self._n_waiting = 0
-        self._sending: tuple[Stream, trio.CancelScope] | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -272,6 +340,11 @@ class Engine:
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
 
     @property
+    def admission_waiting(self) -> int:
+        """Requests waiting for room in the request channel (readable from any thread)."""
+        return self._admitter.waiting
+
+    @property
     def closed_reason(self) -> str | None:
         """Why the engine refuses requests (None while it runs)."""
         return self._dead or self._closing
@@ -279,6 +352,11 @@ class Engine:
     def _request_stop(self, drain: float | None) -> None:
         self._stop_flag = True
         self._drain = drain
+        self._post_quiet(self._stop_cb)
+
+    def end_drain(self) -> None:
+        """Cut a drain begun by :meth:`close` short: what is still in flight ends now (any thread)."""
+        self._drain = None
         self._post_quiet(self._stop_cb)
 
     def _stop_cb(self) -> None:
@@ -318,11 +396,14 @@ class Engine:
                 return
             async with self._pipeline() as raw:
                 spec = as_spec(raw)
-                orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
-                                    **{**self._orch_options, **spec.options})
+                opts = {**self._orch_options, **spec.options}
+                if self._max_inflight is not None:
+                    opts["max_inflight"] = self._max_inflight
+                orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink, **opts)
+                self._admitter.orch = orch
                 async with trio.open_nursery() as nursery:
                     await nursery.start(orch.run)
-                    nursery.start_soon(self._admitter, orch, name="trio_orch.bridge.admitter")
+                    nursery.start_soon(self._admitter.run, orch, name="trio_orch.bridge.admitter")
                     self._orch = orch
                     self._ready.set()
                     if self._stop_flag:
@@ -336,78 +417,7 @@ class Engine:
                     nursery.cancel_scope.cancel()
 
     def _admit_cb(self, s: Stream) -> None:
-        """Trio thread: admit at once if there is room and nobody is waiting, else queue."""
-        try:
-            if s.state != PENDING:
-                return
-            if s.detached:
-                self._demux.unregister(s)
-                return
-            orch = self._orch
-            assert orch is not None
-            if self._n_waiting == 0:
-                try:
-                    orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout)
-                except trio.WouldBlock:
-                    pass
-                except Exception as exc:
-                    self._refused(s, exc)
-                    return
-                else:
-                    self._admitted(s)
-                    return
-            self._n_waiting += 1
-            self._adm_send.send_nowait(s)
-        except BaseException as exc:  # never let a callback kill the Trio run
-            log.exception("admission of %r failed", s.request_id)
-            self._demux.fail(s, exc)
-
-    async def _admitter(self, orch: Orchestrator) -> None:
-        """Admit, in FIFO order, the requests that found the request channel full."""
-        async for s in self._adm_recv:
-            try:
-                if s.state != PENDING:
-                    continue  # aborted or withdrawn while waiting
-                with trio.CancelScope() as cs:
-                    self._sending = (s, cs)
-                    try:
-                        await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout)
-                    except Exception as exc:
-                        self._refused(s, exc)
-                        continue
-                    finally:
-                        self._sending = None
-                if cs.cancelled_caught:
-                    # Aborted while waiting.  If it was accepted, add_request aborted it and its
-                    # terminal comes from the orchestrator; otherwise we end it here.
-                    if s.state != DONE and s.request_id not in orch.router:
-                        self._ended_unadmitted(s)
-                    continue
-                self._admitted(s)
-            finally:
-                self._n_waiting -= 1
-
-    def _refused(self, s: Stream, exc: Exception) -> None:
-        if isinstance(exc, RuntimeError):  # the orchestrator stopped accepting: a terminal, not a raise
-            self._demux.end(s, OrchError(s.request_id, None, "shutdown", str(exc)))
-        else:
-            self._demux.fail(s, exc)
-
-    def _admitted(self, s: Stream) -> None:
-        if s.state == PENDING:
-            s.state = ADMITTED
-            if s.want_ack:
-                s.put(ACK)
-
-    def _ended_unadmitted(self, s: Stream) -> None:
-        if s.withdrawn:
-            self._demux.unregister(s)
-            s.put(WITHDRAWN)
-        else:
-            self._demux.end(s, OrchError(s.request_id, None, "aborted",
-                                         "aborted while waiting for room in the request channel"))
+        self._admitter.admit(s)
 
     def _abort_cb(self, s: Stream) -> None:
         """Trio thread: abort ``s`` wherever it is (waiting for admission, queued, routed)."""
@@ -415,11 +425,7 @@ class Engine:
             if s.state == DONE:
                 return
             if s.state == PENDING:
-                sending = self._sending
-                if sending is not None and sending[0] is s:
-                    sending[1].cancel()  # the admitter sorts out whether it was accepted
-                else:
-                    self._ended_unadmitted(s)  # still in the admitter's queue: it will skip it
+                self._admitter.abort(s)
                 return
             if self._orch is not None:
                 self._orch.abort_nowait(s.request_id)
@@ -451,6 +457,7 @@ class Engine:
 
     def _open(self, cls: type[Stream], prompt: Any, request_id: str | None, final_stage_id: int | None,
               request_timeout: float | None, **kw: Any) -> Stream:
+        """Register a stream for a new request and post its admission to the Trio thread."""
         if self._closing is not None or self._dead is not None or self._orch is None:
             raise EngineClosed(self._closed_message())
         rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
@@ -513,11 +520,7 @@ class Engine:
         try:
             if s.state != PENDING:
                 return  # already admitted or ended: the ACK/terminal is in its queue
-            sending = self._sending
-            if sending is not None and sending[0] is s:
-                sending[1].cancel()
-            else:
-                self._ended_unadmitted(s)
+            self._admitter.abort(s)  # s.withdrawn: it answers WITHDRAWN, not a terminal
         except BaseException:
             log.exception("withdrawal of %r failed", s.request_id)
 
@@ -566,7 +569,10 @@ class Engine:
             return collect_stats(None, self._demux, 0, False)
 
     def _stats_now(self) -> EngineStatistics:
-        return collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
+        return collect_stats(self._orch, self._demux, self._admitter.waiting, self._dead is None)
+
+    def _timings_of(self, request_id: str) -> tuple[Any, ...]:
+        return stage_timings(self._orch, request_id)
 
     @property
     def latency(self) -> Any:
@@ -604,6 +610,39 @@ class Engine:
         finally:
             if not ended:
                 self._client_gone(s)
+
+    async def open_request(self, prompt: Any, *, request_id: str | None = None,
+                           final_stage_id: int | None = None, request_timeout: float | None = None,
+                           want_timings: bool = False) -> AsyncRequest:
+        """Submit from an asyncio task; return once the engine admitted (or refused) the request.
+
+        Raises :class:`Overloaded` when the request was shed (no room within
+        the admission bounds), ``ValueError`` for bad parameters and
+        :class:`EngineClosed` once the engine is closed -- before anything was
+        sent, so an HTTP front can still answer with a status code.  Being
+        cancelled while waiting aborts the request.
+        """
+        loop = asyncio.get_running_loop()
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
+                       want_ack=True, want_timings=want_timings)
+        assert isinstance(s, AsyncioStream)
+        req = AsyncRequest(self, s)
+        try:
+            item = await s.next_item()
+        except BaseException:
+            self._client_gone(s)
+            raise
+        if item is ACK:
+            return req
+        if isinstance(item, BaseException):
+            raise item
+        t, msgs = item  # outputs (or a terminal) came before the acknowledgement
+        observe_latency(self._demux.latency.observe, t, msgs)
+        req._early.append(msgs)
+        last = msgs[-1]
+        if len(msgs) == 1 and isinstance(last, OrchError):
+            req.rejection = last
+        return req
 
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                                final_stage_id: int | None = None,

@@ -9,6 +9,7 @@ full, and leaving the iteration early or being cancelled aborts the request.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from time import perf_counter
@@ -17,7 +18,14 @@ from typing import Any
 import trio
 
 from trio_orch.demux import ADMITTED, DONE, PENDING, Demux, TrioStream
-from trio_orch.engine_base import EngineClosed, EngineStatistics, PipelineFactory, as_spec, collect_stats
+from trio_orch.engine_base import (
+    EngineClosed,
+    EngineStatistics,
+    Overloaded,
+    PipelineFactory,
+    as_spec,
+    collect_stats,
+)
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.types import Message, OrchError, StageClient
 
@@ -28,8 +36,9 @@ __all__ = ["TrioEngine", "open_trio_engine"]
 class TrioEngine:
     """The bridge's API for Trio code running in the orchestrator's own thread."""
 
-    def __init__(self, orch: Orchestrator, demux: Demux) -> None:
+    def __init__(self, orch: Orchestrator, demux: Demux, admission_timeout: float | None = None) -> None:
         self.orchestrator = orch
+        self.admission_timeout = admission_timeout
         self._demux = demux
         self._ids = itertools.count()
         self._closed: str | None = None
@@ -45,25 +54,37 @@ class TrioEngine:
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None,
                        request_timeout: float | None = None) -> AsyncIterator[Message]:
-        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
+        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full.
+
+        With an ``admission_timeout``, a request that found no room within it
+        is shed: :class:`~trio_orch.engine_base.Overloaded`, nothing registered.
+        """
         orch = self.orchestrator
         if self._closed is not None or not orch.running:
             raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
         rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
         s = TrioStream(rid, prompt, final_stage_id, request_timeout)
         self._demux.register(s)
+        wait = self.admission_timeout
         try:
-            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
+            with trio.move_on_after(math.inf if wait is None else wait) as admission:
+                await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout,
+                                       wait_start=False)
         except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
             self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
         except BaseException:
-            if s.state != DONE and rid not in orch.router:
-                self._demux.unregister(s)  # never accepted (or ended while queued)
+            if s.state != DONE and not orch.router.is_live(rid):
+                self._demux.unregister(s)  # never accepted
             else:
                 s.detached = True  # accepted: its abort's terminal will free the id
             raise
+        if admission.cancelled_caught:  # a cancelled send did not send: nothing was registered
+            self._demux.unregister(s)
+            self._demux.count_shed("overloaded")
+            raise Overloaded(f"overloaded: no room within {wait:g}s; retry later")
         if s.state == PENDING:
             s.state = ADMITTED
+            self._demux.admitted += 1
         observe = self._demux.latency.observe
         ended = False
         try:
@@ -90,18 +111,20 @@ class TrioEngine:
 
 @asynccontextmanager
 async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
-                           shutdown_grace: float = 2.0) -> AsyncIterator[TrioEngine]:
+                           shutdown_grace: float = 2.0, admission_timeout: float | None = None
+                           ) -> AsyncIterator[TrioEngine]:
     """``async with open_trio_engine(factory) as engine``: the Trio API, no thread.
 
     Leaving the block shuts the orchestrator down (no drain); every request
-    still open gets its ``shutdown`` terminal.
+    still open gets its ``shutdown`` terminal.  ``admission_timeout``: see
+    :meth:`TrioEngine.generate`.
     """
     demux = Demux()
     async with pipeline() as raw:
         spec = as_spec(raw)
         opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
         orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
-        engine = TrioEngine(orch, demux)
+        engine = TrioEngine(orch, demux, admission_timeout)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(orch.run)

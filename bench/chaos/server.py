@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from bench.chaos.run import ChaosOptions, ChaosResult
+from trio_orch.server import EXIT_SIGNAL
 from trio_orch.testing import child_pids, fd_count, worker_alive
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ class HttpFault:
         res.accepted = sum(outcomes.values()) - res.refused
         res.leaked_processes, res.leaked_ipc_files = server.leaks()
         res.leaked_fds = max(0, fd_count() - fds_before)
-        if res.notes.get("exit_code") != 0:
+        if res.notes.get("exit_code") != EXIT_SIGNAL:  # serve's documented code after a SIGINT drain
             res.error = res.error or f"server exit code {res.notes.get('exit_code')} (None: killed)"
         if res.error and opts.progress:
             tail = "".join(server.output)[-3000:]
