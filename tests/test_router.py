@@ -411,6 +411,12 @@ def test_a_stale_ticket_may_always_start_and_bad_bounds_are_refused() -> None:
     r.add("a", "p")
     t = r.accept("t", "p")
     assert not r.can_start(t)
+    r.abort("a")
+    assert r.can_start(t)
+    r.pause("wait")  # paused: a queued ticket waits even with room
+    assert not r.can_start(t)
+    r.resume()
+    assert r.can_start(t)
     r.abort("t")  # ended while queued: start() does nothing, so the shell need not wait
     assert r.can_start(t) and r.start(t) == []
     for bad, match in [([0], "stage 0"), ([1, 1], "one entry per stage"), (["2"], "stage 0")]:

@@ -239,12 +239,14 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
 
         Yes when there is room on its path, and also when ``start`` would not
         submit anything anyway (the ticket ended while queued, or a stage it
-        starts on has no live replica: it ends at once).  Otherwise the shell
-        waits, and asks again after a request ended, a stage finished one, or
-        a stage's replicas changed.
+        starts on has no live replica: it ends at once).  No while paused.
+        Otherwise the shell waits, and asks again after a request ended, a
+        stage finished one, a stage's replicas changed or a pause ended.
         """
         if self.queued.get(ticket.request_id) is not ticket:
             return True
+        if self.paused is not None:
+            return False
         final = ticket.final_stage_id
         first = range(final + 1) if self.async_chunk else (0,)
         if any(not self.available[k] for k in first):
