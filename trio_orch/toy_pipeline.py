@@ -35,7 +35,8 @@ class ToyStage:
 
     ``produce(payload)`` returns the list of outputs for one request; they
     are emitted one every ``delay`` seconds, the last one ``finished``.
-    Records ``submissions`` and ``aborts`` (ids) like ScriptedStage.
+    Records ``submissions`` and ``aborts`` (ids) like ScriptedStage, and
+    ``peak_active``: the most requests it ever held at once (admission tests).
     """
 
     def __init__(self, stage_id: int, nursery: trio.Nursery, produce: Callable[[Any], list[Any]],
@@ -48,6 +49,7 @@ class ToyStage:
         self.submissions: list[tuple[str, Any]] = []
         self.aborts: list[str] = []
         self._scopes: dict[str, trio.CancelScope] = {}
+        self.peak_active = 0
         self._send, self._recv = trio.open_memory_channel[StageOutput](math.inf)
         self.closed = False
 
@@ -60,21 +62,25 @@ class ToyStage:
         self.submissions.append((request_id, payload))
         scope = trio.CancelScope()
         self._scopes[request_id] = scope
+        self.peak_active = max(self.peak_active, len(self._scopes))
         self._nursery.start_soon(self._run, request_id, payload, scope)
         await trio.lowlevel.checkpoint()
 
     async def _run(self, request_id: str, payload: Any, scope: trio.CancelScope) -> None:
-        with scope:
-            try:
-                items = self._produce(payload)
-            except Exception as exc:  # a bad payload fails this request, not the stage
-                self._send.send_nowait(StageOutput(request_id, None, True, error=f"{self.name}: {exc}"))
-                return
-            for i, item in enumerate(items):
-                await trio.sleep(self.delay)
-                self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
-                                                   t_produced=time.perf_counter()))
-        self._scopes.pop(request_id, None)
+        try:
+            with scope:
+                try:
+                    items = self._produce(payload)
+                except Exception as exc:  # a bad payload fails this request, not the stage
+                    self._send.send_nowait(StageOutput(request_id, None, True, error=f"{self.name}: {exc}"))
+                    return
+                for i, item in enumerate(items):
+                    await trio.sleep(self.delay)
+                    self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
+                                                       t_produced=time.perf_counter()))
+        finally:
+            if self._scopes.get(request_id) is scope:
+                del self._scopes[request_id]
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborts.extend(request_ids)
