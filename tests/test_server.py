@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import os
 import re
 import signal
@@ -19,51 +18,19 @@ import sys
 import threading
 import time
 import wave
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.http_helpers import HANG, Served, chat, deltas, metrics, sse_events, wait_until
 from trio_orch.bridge import Engine
-from trio_orch.http_app import create_app
 from trio_orch.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
-HANG = 10.0
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def wait_until(pred: Callable[[], bool], what: str = "condition") -> None:
-    end = time.monotonic() + HANG
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-class Served:
-    """An Engine + uvicorn in a background thread, on an ephemeral loopback port."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        config = uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=0,
-                                log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn started")
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG)
-        self.engine.close()
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -78,35 +45,6 @@ def served() -> Iterator[Served]:
 def client(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.url, timeout=HANG) as c:
         yield c
-
-
-def chat(text: str, **kw: Any) -> dict[str, Any]:
-    return {"model": "toy", "messages": [{"role": "user", "content": text}], **kw}
-
-
-def sse_events(lines: Iterator[str]) -> list[Any]:
-    """Parse an SSE body into JSON objects, with the final ``[DONE]`` kept as the string."""
-    events: list[Any] = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def deltas(events: list[Any]) -> list[dict[str, Any]]:
-    return [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
-
-
-def metrics(client: httpx.Client) -> dict[str, float]:
-    r = client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(r.text):  # raises on malformed exposition text
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 # ---------------------------------------------------------------- streaming

@@ -98,21 +98,22 @@ def parse_json_body(raw: bytes, max_depth: int = 32) -> Any:
 
 
 def _check_tree(body: Any, max_depth: int) -> None:
-    """Depth bound, and no string (key or value) that is not valid Unicode text (a lone surrogate)."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    """Depth bound, and no string (key or value) that is not valid Unicode text (a lone surrogate).
+
+    A too-deep value is reported by its top-level field; a bad string by its full path.
+    """
+    stack: list[tuple[Any, str, str, int]] = [(body, "", "", 0)]
     while stack:
-        value, path, depth = stack.pop()
+        value, path, top, depth = stack.pop()
+        if isinstance(value, (dict, list)) and depth >= max_depth:
+            raise BadRequest(f"the request body nests deeper than {max_depth} levels", top or None)
         if isinstance(value, dict):
-            if depth >= max_depth:
-                raise BadRequest(f"the request body nests deeper than {max_depth} levels", path or None)
             for k, v in value.items():
                 sub = f"{path}.{k}" if path else str(k)
                 _check_text(k, sub)
-                stack.append((v, sub, depth + 1))
+                stack.append((v, sub, top or sub, depth + 1))
         elif isinstance(value, list):
-            if depth >= max_depth:
-                raise BadRequest(f"the request body nests deeper than {max_depth} levels", path or None)
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value))
+            stack.extend((v, f"{path}[{i}]", top, depth + 1) for i, v in enumerate(value))
         elif isinstance(value, str):
             _check_text(value, path)
 
