@@ -37,8 +37,10 @@ class Served:
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
         self.limiter = ConnectionLimiter(max_connections, self.limits.header_timeout)
+        more = app_kwargs.pop("extra_metrics", None)
         app = create_app(engine, model_name=model_name, limits=self.limits, front=self.front,
-                         extra_metrics=self.limiter.counters, **app_kwargs)
+                         extra_metrics=lambda: {**(more() if more else {}), **self.limiter.counters()},
+                         **app_kwargs)
         config = uvicorn_config(app, self.limits, self.limiter, log_level="warning")
         config.host, config.port = "127.0.0.1", 0
         self.server = DrainingServer(config, lambda signum, count: None)

@@ -4,9 +4,10 @@ Everything uvicorn-specific lives here (the app itself is server-neutral):
 
 * :class:`ConnectionLimiter` and the H11 protocol subclass it makes hold the
   number of open connections at ``max_connections``.  When a new
-  connection would pass it, the connection that has been idle longest (no
-  request in progress) is closed to make room; if every connection is busy
-  the new one gets a plain ``503`` and is closed.  Idle sockets can
+  connection would pass it, the oldest connection that is idle (no request
+  in progress) and has been open for at least ``min_idle`` seconds is
+  closed to make room; if there is none (a burst of fresh connections, or
+  every connection busy) the new one gets a plain ``503`` and is closed.  Idle sockets can
   therefore never use up the file descriptors a real request needs.  A
   connection that has not sent a complete request head within
   ``header_timeout`` seconds of connecting (or of its previous answer) is
@@ -68,10 +69,11 @@ def quiet_floods(interval: float = 10.0) -> None:
 class ConnectionLimiter:
     """Open connections of one server, oldest first; see the module docstring.  Event loop only."""
 
-    def __init__(self, max_connections: int, header_timeout: float) -> None:
+    def __init__(self, max_connections: int, header_timeout: float, min_idle: float = 1.0) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
-        self.open: OrderedDict[Any, None] = OrderedDict()
+        self.min_idle = min(min_idle, header_timeout)
+        self.open: OrderedDict[Any, float] = OrderedDict()  # connection -> when it was opened
         self.closed: dict[str, int] = {"idle_evicted": 0, "refused": 0, "header_timeout": 0}
 
     def protocol_class(self) -> type[H11Protocol]:
@@ -95,21 +97,29 @@ class ConnectionLimiter:
         return cycle is not None and not cycle.response_complete
 
     def opened(self, proto: Any) -> None:
+        now = proto.loop.time()
         if len(self.open) >= self.max_connections:
-            victim = next((p for p in self.open if not self.busy(p)), None)
+            old_enough = now - self.min_idle
+            victim = None
+            for p, t_open in self.open.items():  # oldest first
+                if t_open > old_enough:
+                    break
+                if not self.busy(p):
+                    victim = p
+                    break
             if victim is None:
                 self.refuse(proto)
                 return
             self.open.pop(victim, None)
             self.closed["idle_evicted"] += 1
             victim.transport.close()
-        self.open[proto] = None
+        self.open[proto] = now
         self._arm(proto, proto.cycle, False)
 
     def refuse(self, proto: Any) -> None:
         self.closed["refused"] += 1
         body = json.dumps({"error": {"message": f"the server is at its limit of {self.max_connections} "
-                                                "connections, all busy; retry later",
+                                                "connections, none idle; retry later",
                                      "type": "server_error", "param": None, "code": "too_many_connections"}})
         head = (f"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
                 f"content-length: {len(body)}\r\nretry-after: 1\r\nconnection: close\r\n\r\n")
