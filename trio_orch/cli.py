@@ -4,6 +4,10 @@ Each entry of :data:`COMMANDS` names a module that provides
 ``configure(parser)`` (add its options) and ``run(args) -> int``.  Modules
 are imported only when their subcommand runs, so ``trio-orch --help`` stays
 fast and the orchestrator never imports torch unless a job needs it.
+
+Exit codes, the same for every command: 0 done, 1 failed, 2 bad command
+line or config, :data:`EXIT_SIGNAL` (130) stopped by Ctrl-C -- and, for
+``generate`` and ``serve``, by SIGTERM too (``serve`` drains first).
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ import argparse
 import importlib
 import logging
 import sys
+
+#: the exit code of a command stopped by SIGINT (or SIGTERM): 128 + SIGINT, the shell's Ctrl-C code
+EXIT_SIGNAL = 130
 
 #: subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -36,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -60,7 +68,18 @@ def main(argv: list[str] | None = None) -> int:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNAL
+
+
+def version() -> str:
+    """The installed package's version (the source tree's own when not installed)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("trio-orch")
+    except PackageNotFoundError:
+        return "0+unknown"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from typing import Any
 
 from stages.registry import outputs_of, text_stage
 from trio_orch.bridge import Engine, EngineStartupError
+from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.http_app import create_app
 from trio_orch.http_limits import HTTPLimits
 from trio_orch.metrics import FrontMetrics
@@ -43,8 +44,6 @@ __all__ = ["EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
 
 log = logging.getLogger("trio_orch.server")
 
-#: the exit code of a command stopped by SIGINT or SIGTERM (128 + SIGINT, the shell's Ctrl-C code)
-EXIT_SIGNAL = 130
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
