@@ -313,6 +313,12 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
                 assert r.status_code == 200
                 events = sse_events(r.iter_lines())
             assert c.get("/health").json()["status"] == "ok"
+            short = c.post("/v1/chat/completions", json=chat("Hello!", max_tokens=5)).json()
+            assert short["usage"]["completion_tokens"] == 5  # the thinker's own floor (8) is above it
+            assert short["choices"][0]["finish_reason"] == "length"
+            full = c.post("/v1/chat/completions", json=chat("Hello!")).json()
+            n = len(full["choices"][0]["message"]["content"])  # one character per token
+            assert full["choices"][0]["finish_reason"] == ("length" if n == 48 else "stop")  # its own cap
         ds = deltas(events)
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
         assert "".join(d.get("content", "") for d in ds)
@@ -387,3 +393,27 @@ def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
     engine.close()
     watcher.join(HANG)
     assert not server.should_exit and died == []
+
+
+def test_the_answer_names_the_served_model_never_an_echo_of_the_request(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={**chat("hi"), "model": "x" * 200})
+    assert r.json()["model"] == "toy"
+    body = {**chat("hi", stream=True), "model": "y" * 200}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert {e["model"] for e in events if isinstance(e, dict)} == {"toy"}
+
+
+def test_finish_reason_is_length_when_the_text_stage_own_limit_cut_the_answer() -> None:
+    s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), token_limit=4)
+    try:
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            short = c.post("/v1/chat/completions", json=chat("hi")).json()  # "You said: hi": 3 tokens
+            cut = c.post("/v1/chat/completions", json=chat("a b c d")).json()
+            assert short["choices"][0]["finish_reason"] == "stop"
+            assert cut["choices"][0]["finish_reason"] == "length"
+            with c.stream("POST", "/v1/chat/completions", json=chat("a b c d", stream=True)) as r:
+                events = sse_events(r.iter_lines())
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+    finally:
+        s.stop()
