@@ -148,3 +148,13 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
             await server.stop(signal.SIGKILL)
     assert len(server.worker_pids) == 4  # 3 first workers + the replacement, all gone now
     assert server.leaks() == (0, 0)
+
+
+@pytest.mark.slow
+async def test_chaos_says_what_it_does_while_the_workers_start(capsys: pytest.CaptureFixture[str]) -> None:
+    opts = dataclasses.replace(OPTS, requests=20, probe_requests=2, progress=True)
+    res = await FAULTS["abort_storm"].run(opts)
+    check(res)
+    err = capsys.readouterr().err
+    assert "abort_storm: starting 6 workers ..." in err
+    assert err.index("starting 6 workers") < err.index("workers ready after")

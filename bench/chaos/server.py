@@ -51,6 +51,8 @@ class ServerProcess:
         argv = [sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
                 "--replicas", str(self.replicas), "--request-timeout", str(self.opts.request_timeout),
                 "--device", self.opts.device]
+        if self.opts.progress:  # the workers take seconds to start: say so rather than sit silent
+            print("  starting trio-orch serve and its workers ...", file=sys.stderr, flush=True)
         self.proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None
