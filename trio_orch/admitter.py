@@ -11,12 +11,18 @@ nothing was registered, so there is no terminal to deliver.  A request
 whose path has a stage with no live replica is refused at once with the
 ``stage_unavailable`` terminal the core would give it later, rather than
 queue behind requests it could never follow.
+
+While it sheds, the admitter keeps ``shedding_until`` a short ``shed_window``
+ahead (a plain float, readable from any thread): an HTTP front may refuse a
+new request at once while it is in the future, before reading or parsing
+it, so that under a flood its own CPU goes to the requests it admitted.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import time
 
 import trio
 
@@ -50,7 +56,7 @@ class Admitter:
     """
 
     def __init__(self, demux: Demux, *, timeout: float | None = None, max_waiting: int | None = None,
-                 retry_after: float = 1.0) -> None:
+                 retry_after: float = 1.0, shed_window: float = 0.05) -> None:
         if timeout is not None and timeout < 0:
             raise ValueError(f"admission timeout must be >= 0 seconds, got {timeout!r}")
         if max_waiting is not None and max_waiting < 0:
@@ -59,6 +65,8 @@ class Admitter:
         self.timeout = timeout
         self.max_waiting = max_waiting
         self.retry_after = retry_after
+        self.shed_window = shed_window
+        self.shedding_until = 0.0  # time.monotonic(): a request now would most likely be shed
         self.orch: Orchestrator | None = None
         self.waiting = 0
         self._send, self._recv = trio.open_memory_channel[tuple[Stream, float]](math.inf)
@@ -153,6 +161,7 @@ class Admitter:
         return True
 
     def shed(self, s: Stream, why: str) -> None:
+        self.shedding_until = time.monotonic() + self.shed_window
         self.demux.count_shed("overloaded")
         self.demux.fail(s, Overloaded(f"overloaded: request not accepted ({why}); retry later",
                                       retry_after=self.retry_after))

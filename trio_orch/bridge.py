@@ -340,6 +340,20 @@ class Engine:
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
 
     @property
+    def shedding(self) -> bool:
+        """The engine shed a request moments ago: a new one now would most likely be shed too.
+
+        A hint for a front that wants to refuse cheaply under a flood (any thread);
+        the admission decision itself stays with the core and the admitter.
+        """
+        return monotonic() < self._admitter.shedding_until
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a shed caller is told to wait."""
+        return self._admitter.retry_after
+
+    @property
     def admission_waiting(self) -> int:
         """Requests waiting for room in the request channel (readable from any thread)."""
         return self._admitter.waiting

@@ -294,4 +294,6 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ], exception_handlers={HTTPException: http_error},
-        middleware=[Middleware(LimitsMiddleware, limits=limits, front=front)])
+        middleware=[Middleware(LimitsMiddleware, limits=limits, front=front,
+                               shedding=lambda: engine.shedding, shed_paths=frozenset({CHAT}),
+                               retry_after=engine.retry_after)])

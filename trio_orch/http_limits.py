@@ -7,7 +7,10 @@ send that cross-origin without a CORS preflight), refuses a declared body
 over ``max_body_bytes`` at once (413), reads the body within
 ``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
 forever) and stops reading as soon as it passes the limit (413); the route
-then gets the buffered body.  A client that disconnects during its upload
+then gets the buffered body.  While ``shedding()`` says the engine sheds,
+a POST to one of ``shed_paths`` is refused with 429 before its body is read
+(under a flood, parsing requests that would be shed anyway would starve the
+admitted ones of CPU).  A client that disconnects during its upload
 costs one log line.  An exception from a route becomes an OpenAI-shaped
 500, counted and logged once.  Every refusal has OpenAI's
 ``{"error": {...}}`` body.
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -95,10 +99,15 @@ class _ClientLeft(Exception):
 class LimitsMiddleware:
     """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics) -> None:
+    def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
+                 shedding: Callable[[], bool] | None = None, shed_paths: frozenset[str] = frozenset(),
+                 retry_after: float = 1.0) -> None:
         self.app = app
         self.limits = limits
         self.front = front
+        self.shedding = shedding
+        self.shed_paths = shed_paths
+        self.retry_after = retry_after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -106,6 +115,12 @@ class LimitsMiddleware:
             return
         route = scope.get("path", "")
         if scope.get("method") == "POST":
+            if route in self.shed_paths and self.shedding is not None and self.shedding():
+                self.front.shed += 1
+                await self._refuse(send, route, 429, "overloaded: request not accepted (the server is "
+                                   "shedding load); retry later", "overloaded", "rate_limit_error",
+                                   {"retry-after": str(max(1, math.ceil(self.retry_after)))})
+                return
             try:
                 body = await self._read_body(scope, receive)
             except _Refused as exc:
@@ -180,12 +195,12 @@ class LimitsMiddleware:
         return replay
 
     async def _refuse(self, send: Send, route: str, status: int, message: str, code: str,
-                      kind: str = "invalid_request_error") -> None:
+                      kind: str = "invalid_request_error", extra: dict[str, str] | None = None) -> None:
         self.front.count(route, status)
-        if status < 500:
+        if status < 500 and status != 429:  # shedding is counted, not logged line by line
             log.warning("refused a request to %s (%d): %s", route, status, message)
         headers, data = json_response(status, error_body(message, kind, None, code),
-                                      {"connection": "close"} if status in (408, 413) else None)
+                                      {"connection": "close"} if status in (408, 413) else extra)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
 

@@ -105,6 +105,7 @@ class FrontMetrics:
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
+    shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
     rtf: Histogram = field(default_factory=lambda: Histogram(RTF_BUCKETS))
     draining: bool = False
 
@@ -151,8 +152,10 @@ class EngineCollector(Collector):
         c.add_metric([], st.admitted)
         yield c
         c = _counter("trio_orch_requests_shed", ["reason"])
+        front_shed = self.front.shed if self.front is not None else 0
         for reason in sorted({"overloaded", "stage_unavailable", *st.shed_by_reason}):
-            c.add_metric([reason], st.shed_by_reason.get(reason, 0))
+            extra = front_shed if reason == "overloaded" else 0
+            c.add_metric([reason], st.shed_by_reason.get(reason, 0) + extra)
         yield c
         c = _counter("trio_orch_outputs_routed")
         c.add_metric([], st.outputs_routed)

@@ -85,11 +85,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="admitted requests per live replica that may still have to pass a stage, for "
                         "every stage (default: each stage's max_inflight, else its max_batch, 32; "
                         "0: no bound)")
-    a.add_argument("--request-queue-size", type=int, default=64,
-                   help="admitted requests that may wait for room to start (default 64)")
-    a.add_argument("--admission-timeout", type=float, default=1.0,
+    a.add_argument("--request-queue-size", type=int, default=32,
+                   help="admitted requests that may wait for room to start (default 32)")
+    a.add_argument("--admission-timeout", type=float, default=0.0,
                    help="seconds a request may wait for a place in that queue before it is shed with "
-                        "429 (default 1; 0: shed at once)")
+                        "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
+                        "pay for it in latency)")
     h = parser.add_argument_group("HTTP limits")
     d = HTTPLimits()
     h.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
