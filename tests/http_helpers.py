@@ -43,7 +43,7 @@ class Served:
                          **app_kwargs)
         config = uvicorn_config(app, self.limits, self.limiter, log_level="warning")
         config.host, config.port = "127.0.0.1", 0
-        self.server = DrainingServer(config, lambda signum, count: None)
+        self.server = DrainingServer(config, lambda signum: None)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, "uvicorn started")

@@ -323,3 +323,17 @@ def test_stage_timings_reach_the_non_streamed_answer_as_an_extension() -> None:
     assert t["total_ms"] >= t["time_to_first_audio_ms"] >= t["time_to_first_token_ms"] > 0
     assert t["real_time_factor"] > 0 and t["stages"] == []  # toy stages keep no per-stage timings
     json.dumps(body)
+
+
+@pytest.mark.parametrize("delay", [0.2, 1.0])
+def test_a_sigterm_at_any_point_of_startup_exits_130_too(delay: float) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--in-process"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(delay)  # importing, starting or serving: the outcome is the same
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(HANG) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

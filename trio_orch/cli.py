@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import signal
 import sys
+import threading
 
 #: the exit code of a command stopped by SIGINT (or SIGTERM): 128 + SIGINT, the shell's Ctrl-C code
 EXIT_SIGNAL = 130
@@ -55,20 +57,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not args.command:
-        parser.print_help()
-        return 2
-    verbosity = args.verbose + getattr(args, "sub_verbose", 0)
-    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(args._module)
+    # Importing the commands takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not
+    # with a bare kill.  Each command then handles SIGTERM its own way (serve drains).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
     try:
+        try:
+            parser = build_parser()
+            args = parser.parse_args(argv)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+        if not args.command:
+            parser.print_help()
+            return 2
+        verbosity = args.verbose + getattr(args, "sub_verbose", 0)
+        level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+        logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        module = importlib.import_module(args._module)
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_SIGNAL
+
+
+def _sigterm_as_ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def version() -> str:

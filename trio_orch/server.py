@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -177,6 +178,8 @@ class _Pipeline:
 
 
 def run(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # until serving: a SIGTERM is a Ctrl-C (exit 130)
     try:
         limits = _check_args(args)
         pipeline = _Pipeline(args)
@@ -203,6 +206,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 1
+    except KeyboardInterrupt:
+        print("interrupted while starting: stopping the engine ...", file=sys.stderr, flush=True)
+        _close(engine)
+        sock.close()
+        return EXIT_SIGNAL
     host, port = sock.getsockname()[:2]
     front = FrontMetrics()
     limiter = ConnectionLimiter(max_connections, limits.header_timeout)
@@ -220,21 +228,25 @@ def run(args: argparse.Namespace) -> int:
         engine.close(drain=args.shutdown_timeout)
         server.should_exit = True
 
-    def on_signal(signum: int, count: int) -> None:
+    def on_signal(signum: int, frame: Any = None) -> None:
         # Runs in a signal handler: set flags, start a thread, return.
-        if count == 1:
-            stopped_by.append(signal_name(signum))
+        stopped_by.append(signal_name(signum))
+        if len(stopped_by) == 1:
             stopping.set()
             front.draining = True
             print(f"{signal_name(signum)}: draining (up to {args.shutdown_timeout:g}s; again to stop "
                   "at once) ...", flush=True)
             threading.Thread(target=drain, name="trio-orch-drain", daemon=True).start()
-        else:
+        elif len(stopped_by) == 2:
             engine.end_drain()
+        else:  # the operator insists: uvicorn's own forced exit
+            server.should_exit = server.force_exit = True
 
     server = DrainingServer(uvicorn_config(app, limits, limiter,
                                            log_level="info" if level <= logging.INFO else "warning"),
                             on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
+        signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
                      name="trio-orch-engine-watch").start()
     print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
@@ -244,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stopping.set()
         print("stopping the engine ...", flush=True)
-        engine.close()
+        _close(engine)
         sock.close()
     if died:
         print(f"error: the engine stopped on its own ({died[0]}); the server stopped with it",
@@ -252,6 +264,21 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("stopped", flush=True)
     return EXIT_SIGNAL if stopped_by else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _close(engine: Engine) -> None:
+    """Close the engine; meanwhile SIGINT/SIGTERM only cut a drain short: the bounded cleanup must finish."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: engine.end_drain())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        engine.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: list[str]) -> None:

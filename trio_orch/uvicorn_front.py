@@ -151,24 +151,19 @@ class ConnectionLimiter:
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose SIGINT/SIGTERM handling is ``on_signal(signum, count)``.
+    """A uvicorn server whose SIGINT/SIGTERM handling is ``on_signal(signum)``.
 
     uvicorn would stop accepting and give connections a fixed grace period;
     the serve command instead keeps answering (``/health`` says draining)
     while in-flight requests finish, then sets ``should_exit`` itself.
     """
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int, int], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None]) -> None:
         super().__init__(config)
         self.on_signal = on_signal
-        self.signals = 0
 
     def handle_exit(self, sig: int, frame: Any) -> None:
-        self.signals += 1
-        if self.signals >= 3:  # the operator insists: uvicorn's own forced exit
-            self.should_exit = self.force_exit = True
-            return
-        self.on_signal(sig, self.signals)
+        self.on_signal(sig)
 
 
 def uvicorn_config(app: Any, limits: HTTPLimits, limiter: ConnectionLimiter, *, log_level: str,
