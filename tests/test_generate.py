@@ -161,3 +161,15 @@ def test_generate_stopped_by_a_signal_exits_130_and_leaves_no_worker(sig: int, t
     assert f"{signal.Signals(sig).name}: stopping" in out
     assert not any(worker_alive(p) for p in workers)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.toml"]  # no ipc directory left
+
+
+def test_max_inflight_in_the_config_and_its_serving_default(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text('[[stages]]\nkind = "echo"\nmax_batch = 8\n[[stages]]\nkind = "echo"\nmax_inflight = 3\n'
+                 '[[stages]]\nkind = "echo"\nmax_inflight = 0\n')
+    cfg = load_config(p)
+    assert cfg.admission_bounds(serving=True) == [8, 3, None]  # unset: max_batch; 0: no bound
+    assert cfg.admission_bounds(serving=False) == [None, 3, None]
+    p.write_text('[[stages]]\nkind = "echo"\nmax_inflight = -1\n')
+    with pytest.raises(ValueError, match="max_inflight >= 0"):
+        load_config(p)

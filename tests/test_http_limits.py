@@ -155,3 +155,39 @@ def test_idle_connections_never_lock_out_a_real_request(served: Served) -> None:
     finally:
         for s in idle:
             s.close()
+
+
+def test_at_the_connection_limit_with_no_idle_connection_old_enough_a_new_one_is_refused_clearly() -> None:
+    s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), max_connections=2)
+    s.limiter.min_idle = 60.0  # no connection is old enough to be evicted
+    held = [socket.create_connection(("127.0.0.1", s.port), timeout=HANG) for _ in range(2)]
+    try:
+        wait_until(lambda: len(s.limiter.open) == 2, "both connections accepted")
+        with socket.create_connection(("127.0.0.1", s.port), timeout=HANG) as extra:
+            reply = b""
+            while chunk := extra.recv(4096):
+                reply += chunk
+        head, body = reply.split(b"\r\n\r\n", 1)
+        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        assert s.limiter.closed["refused"] == 1 and s.limiter.closed["idle_evicted"] == 0
+    finally:
+        for c in held:
+            c.close()
+        s.stop()
+
+
+def test_a_log_flood_becomes_one_line_per_interval_with_a_count() -> None:
+    from trio_orch.http_limits import RateLimitFilter
+
+    flt = RateLimitFilter(("out of system resource",), interval=3600)
+    records = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system "
+                                 "resource", None, None) for _ in range(1000)]
+    passed = [r for r in records if flt.filter(r)]
+    assert len(passed) == 1
+    other = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "something else", None, None)
+    assert flt.filter(other)
+    flt.interval = 0.0  # the interval is over: the next one says how many were held back
+    nxt = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
+                            None, None)
+    assert flt.filter(nxt) and "999 more like this" in nxt.getMessage()
