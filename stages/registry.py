@@ -11,7 +11,10 @@ differs between kinds is read from here, and nowhere else:
 - the orchestrator: ``forward_fn`` and ``prewarm_fn`` (:func:`forward_fn`,
   :func:`prewarm_fn`), from each row's ``next_input`` and ``prewarm_input``;
 - ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
-  :func:`as_text`, :func:`as_audio`, :func:`text_stage`).
+  :func:`as_text`, :func:`as_audio`, :func:`text_stage`);
+- per-request sampling parameters: what each kind takes, checked when a request
+  is accepted and again in the worker (``sampling``, :func:`stage_params`,
+  :func:`check_sampling`; the parameters themselves are in :mod:`stages.sampling_params`).
 
 This module imports neither torch nor trio: a model class is imported when it
 is built (in the worker) or, for a plug-in, when it is checked.  A built-in
@@ -30,18 +33,29 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
 import numpy as np
 
 from stages.base import StageModel
+from stages.sampling_params import (
+    CODE2WAV_PARAMS,
+    NO_PARAMS,
+    TALKER_PARAMS,
+    THINKER_PARAMS,
+    Param,
+    SamplingSchema,
+    StageParams,
+    checker,
+)
 
 __all__ = ["KINDS", "MODALITIES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_stage", "forward_fn", "last_output", "model_class", "outputs_of",
-           "pcm_of", "placeholder_input", "prewarm_fn", "source_root", "spec_for", "text_of", "text_stage"]
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "last_output", "model_class",
+           "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root", "spec_for",
+           "stage_params", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -83,33 +97,38 @@ class StageSpec:
     -> the next stage's input.  ``prewarm_input(stage_id, prompt)``: async-chunk
     mode, what this stage is submitted when it is stage >= 1 (its real input
     streams in as chunks).  Both run in the orchestrator process, never in a
-    worker, and must not raise for well-formed outputs.  ``model`` is the
+    worker, and must not raise for well-formed outputs.  ``sampling``: the
+    per-request sampling parameters the kind takes (name -> :class:`Param`;
+    default: none, so any parameter sent to it is refused).  ``model`` is the
     ``"module:Class"`` path, imported only when needed; ``kind`` the name.
     """
 
     output: str = "data"
     next_input: ForwardInput = last_output
     prewarm_input: PrewarmInput = placeholder_input
+    sampling: SamplingSchema = field(default_factory=lambda: NO_PARAMS)
     model: str = ""
     kind: str = ""
 
 
 def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
-    """thinker -> next stage: every generated token, in order."""
-    return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
+    """thinker -> next stage: every generated token, in order (None: an empty input segment)."""
+    toks = [np.asarray(o["tokens"]).reshape(-1) for o in outputs if o is not None]
+    return {"tokens": np.concatenate(toks)} if toks else None
 
 
 def codes_input(prompt: Any, outputs: list[Any]) -> Any:
-    """talker -> next stage: every code frame, in order."""
-    return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
+    """talker -> next stage: every code frame, in order (None: an empty input segment)."""
+    codes = [np.asarray(o["codes"]) for o in outputs if o is not None]
+    return {"codes": np.concatenate(codes, axis=0)} if codes else None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, model="stages.models:Thinker"),
-    "talker": StageSpec("codes", codes_input, model="stages.models:Talker"),
-    "code2wav": StageSpec("audio", model="stages.models:Code2Wav"),
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker"),
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker"),
+    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
 }.items()}
 
 
@@ -158,6 +177,11 @@ def _plugin_spec(path: str) -> StageSpec:
     for name in ("next_input", "prewarm_input"):
         if not callable(getattr(declared, name)):
             raise KindError(f"{path}.stage_spec: {name} must be a function")
+    sampling = declared.sampling
+    if not isinstance(sampling, Mapping) or not all(
+            isinstance(k, str) and isinstance(p, Param) for k, p in sampling.items()):
+        raise KindError(f"{path}.stage_spec: sampling must map parameter names to "
+                        "stages.sampling_params.Param")
     return replace(declared, model=path, kind=path)
 
 
@@ -332,6 +356,16 @@ def prewarm_fn(kinds: Sequence[str]) -> Callable[[int, Any], Any]:
         return specs[k].prewarm_input(k, prompt)
 
     return prewarm
+
+
+def stage_params(kinds: Iterable[str]) -> list[StageParams]:
+    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto)."""
+    return [StageParams(spec.kind, spec.sampling) for spec in map(spec_for, kinds)]
+
+
+def check_sampling(kinds: Iterable[str]) -> Callable[[int, Any], dict[str, Any]]:
+    """The pipeline's ``check_sampling(stage_id, params)``: stage k's parameters against its kind's."""
+    return checker(stage_params(kinds))
 
 
 def outputs_of(kinds: Iterable[str]) -> list[str]:

@@ -75,6 +75,29 @@ class TinyDecoder(nn.Module):
             x = x + self.mlp[i](self.ln2[i](x))
         return self.ln_f(x[-1])
 
+    def extend(self, x: torch.Tensor, slot: int, start: int) -> None:
+        """Append ``x`` [T, d] to one slot's cache at positions ``start .. start+T-1``.
+
+        The new positions attend to everything the slot holds before them
+        (the conversation so far) and causally to each other: the cached
+        context is reused, not recomputed.
+        """
+        T = x.shape[0]
+        if start + T > self.max_len:
+            raise ValueError(f"{start + T} positions do not fit a cache of {self.max_len}")
+        pos = torch.arange(start, start + T, device=x.device)
+        x = x + self.pos(pos)
+        mask = torch.arange(start + T, device=x.device)[None, :] <= pos[:, None]  # [T, start+T]
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](self.ln1[i](x)).view(T, 3, self.h, self.dh).permute(1, 2, 0, 3)
+            self.k_cache[i, slot, :, start:start + T] = k
+            self.v_cache[i, slot, :, start:start + T] = v
+            K = self.k_cache[i, slot, :, :start + T]
+            V = self.v_cache[i, slot, :, :start + T]
+            a = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=mask)[0]
+            x = x + self.proj[i](a.permute(1, 0, 2).reshape(T, -1))
+            x = x + self.mlp[i](self.ln2[i](x))
+
 
 class SlotModel(StageModel):
     """Shared slot bookkeeping for the torch models."""
@@ -122,7 +145,11 @@ class Upsampler(nn.Module):
         self.ups = nn.Sequential(*ups)
         self.post = nn.Conv1d(ch, 1, 7, padding=3)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [B, T * hop]
-        x = self.emb(codes.long() + self.offsets).sum(2).transpose(1, 2)
+    def forward(self, codes: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        """``codes`` [B, T, C] (and a conditioning vector [B, dim] per sequence) -> [B, T * hop]."""
+        x = self.emb(codes.long() + self.offsets).sum(2)
+        if cond is not None:
+            x = x + cond[:, None, :]
+        x = x.transpose(1, 2)
         x = self.ups(F.gelu(self.pre(x)))
         return torch.tanh(self.post(x))[:, 0]

@@ -175,12 +175,12 @@ def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> Non
                     admission_timeout=0.2, max_waiting=1).start()
     try:
         async def main() -> None:
-            admitted = [await engine.open_request(p) for p in ("a", "b", "c")]  # started, waiting, queued
-            waiter = asyncio.ensure_future(engine.open_request("d"))  # waits for room, at most 0.2 s
+            admitted = [await engine.add_request_async(p) for p in "abc"]  # started, waiting, queued
+            waiter = asyncio.ensure_future(engine.add_request_async("d"))  # waits for room, at most 0.2 s
             await asyncio.sleep(0)  # d is posted; a snapshot (posted after it, in order) sees it wait
             assert (await engine.stats_async()).admission_waiting == 1
             with pytest.raises(Overloaded) as now:
-                await engine.open_request("e")  # nobody else may wait: shed at once
+                await engine.add_request_async("e")  # nobody else may wait: shed at once
             assert now.value.retry_after > 0
             with pytest.raises(Overloaded, match=r"no room within 0\.2s"):
                 await waiter
@@ -188,7 +188,7 @@ def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> Non
             async for msgs in admitted[0].batches():
                 assert msgs[-1] == OrchOutput(admitted[0].request_id, 0, "x", True)
             for h in admitted[1:]:
-                h.aclose_nowait()
+                h.close()
 
         run_async(main)
         stats = engine.stats()
@@ -209,8 +209,8 @@ def test_the_engine_refuses_a_request_whose_path_has_a_dead_stage_without_queuei
             time.sleep(0.002)
 
         async def main() -> tuple[Any, Any]:
-            audio = await engine.open_request("p")  # path 0..1: stage 1 is dead
-            text = await engine.open_request("p", final_stage_id=0)
+            audio = await engine.add_request_async("p")  # path 0..1: stage 1 is dead
+            text = await engine.add_request_async("p", final_stage_id=0)
             return audio, text
 
         audio, text = run_async(main)
@@ -219,7 +219,7 @@ def test_the_engine_refuses_a_request_whose_path_has_a_dead_stage_without_queuei
         deadline = time.monotonic() + 10
         while not stages[0].submissions and time.monotonic() < deadline:
             time.sleep(0.002)
-        text.aclose_nowait()
+        text.close()
         assert stages[0].submissions == [(text.request_id, "p")]  # the refused one never reached stage 0
         assert engine.stats().shed_by_reason == {"stage_unavailable": 1}
     finally:

@@ -325,3 +325,37 @@ def test_request_deadline_expires_running_and_queued(impl: str) -> None:
         rest, ended = h.drain()
     assert ended and [(m.request_id, m.kind) for m in rest] == [("blocker", "shutdown")]
     assert_one_terminal_last(h.received, {"slow", "quick", "blocker", "queued"})
+
+
+def test_resumable_session_sampling_and_companions(impl: str) -> None:
+    """Streaming input, per-stage sampling and CFG companions run the same way in every shell."""
+    fwd = lambda k, p, outs, companions=None: (outs, companions)  # noqa: E731
+    with start(impl, 2, {1}, forward_fn=fwd) as h:
+        h.add_request("s", "seg0", resumable=True, sampling={1: {"temperature": 0.0}})
+        h.update_request("s", "seg1", final=True)
+        with pytest.raises(ValueError, match="final input segment"):
+            h.update_request("s", "seg2")
+        assert h.updates(0) == [("s", "seg1")] and h.stage_record(0, "final_updates") == ["s"]
+        h.emit(0, "s", "a", finished=True)
+        h.emit(0, "s", "b", finished=True)
+        assert h.wait_until(lambda: h.updates(1) == [("s", (["b"], None))])
+        assert h.submissions(1) == [("s", (["a"], None))]
+        assert h.stage_record(1, "sampling") == [("s", {"temperature": 0.0})] * 2
+        h.emit(1, "s", "x", finished=True)
+        h.emit(1, "s", "y", finished=True)
+        msgs = h.collect(2)
+        assert [(m.data, m.finished) for m in msgs] == [("x", False), ("y", True)]
+        h.add_request("p", "cat", companions={"p:neg": "blur"})
+        assert h.stage_record(0, "companions") == [("p:neg", "p")]
+        h.emit(0, "p", "e", finished=True)
+        h.emit(0, "p:neg", "n", finished=True)
+        assert h.wait_until(lambda: h.submissions(1)[-1] == ("p", (["e"], {"p:neg": ["n"]})))
+        h.emit(1, "p", "png", finished=True)
+        assert h.next_output() == OrchOutput("p", 1, "png", True)
+        if impl.startswith("omni"):  # the source's fallback, reproduced on purpose: a new request
+            h.update_request("ghost", "x")
+            assert h.wait_until(lambda: h.submissions(0)[-1] == ("ghost", "x"))
+        else:
+            with pytest.raises(ValueError, match="unknown or ended"):
+                h.update_request("ghost", "x")
+            assert ("ghost", "x") not in h.submissions(0)

@@ -99,6 +99,22 @@ def test_trio_stage_death_ends_every_request_before_shutdown() -> None:
     assert kinds["a1"] == ["replica_died"] and kinds["a0"] == ["stage_unavailable"]
 
 
+def test_trio_refuses_late_input_updates_and_starts_nothing() -> None:
+    m = trio_run(13)
+    assert "unknown or ended" in m["update_after_abort_error"]
+    assert "unknown or ended" in m["unknown_update_error"]
+    assert m["requests_started_by_updates"] == 0 and m["after_terminal"] == m["messages_for_unknown_id"] == 0
+    assert m["aborted_terminal_seen"] and m["updates_delivered"] == 1
+
+
+def test_the_omni_references_reproduce_the_sources_update_fallback_and_taskgroup_stays_strict() -> None:
+    omni = run_scenario(by_number(13), "omni-event")
+    assert omni.verdict == "zombie", omni.reason
+    assert omni.metrics["requests_started_by_updates"] == 2 and omni.metrics["fallback_warnings"] == 2
+    assert omni.metrics["update_after_abort_error"] is None  # the caller never learns
+    assert run_scenario(by_number(13), "asyncio-taskgroup").verdict == "ok"
+
+
 def test_verdicts_are_derived_from_measurements() -> None:
     base = {"hung": False, "cut_s": None, "without_terminal": 0, "duplicate_terminals": 0,
             "tasks_alive_after_run": 0}

@@ -44,6 +44,7 @@ dim = 16
 """
 
 
+@pytest.mark.slow
 def test_generate_compare_runs_both_modes_writes_a_wav_and_prints_timings(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "tiny.toml"
@@ -173,3 +174,74 @@ def test_max_inflight_in_the_config_and_its_serving_default(tmp_path: Path) -> N
     p.write_text('[[stages]]\nkind = "echo"\nmax_inflight = -1\n')
     with pytest.raises(ValueError, match="max_inflight >= 0"):
         load_config(p)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--temperature", "3"], "error: --temperature: 'temperature' must be in [0, 2], got 3.0"),
+    (["--top-p", "0"], "error: --top-p: 'top_p' must be in (0, 1]"),
+    (["--stage-param", "talker.temprature=1"],
+     "error: --stage-param: stage_sampling.talker: talker takes no sampling parameter 'temprature'"),
+    (["--stage-param", "talker=1"], "expected STAGE.KEY=VALUE"),
+    (["--stage-param", "vocoder.voice=nova"],
+     "no stage 'vocoder' (stages: 0 (thinker), 1 (talker), 2 (code2wav))"),
+])
+def test_generate_refuses_bad_sampling_flags_before_starting_workers(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(["generate", "Hi", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "starting workers" not in captured.err
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_generate_with_a_seed_is_reproducible_and_voices_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+
+    def generate(name: str, *flags: str) -> tuple[str, bytes]:
+        out = tmp_path / f"{name}.wav"
+        assert cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), *flags]) == 0
+        text = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("text: "))
+        return text, out.read_bytes()
+
+    hot = ("--seed", "7", "--temperature", "1.0", "--stage-param", "talker.temperature=0.8")
+    first = generate("a", *hot)
+    assert generate("b", *hot) == first
+    assert generate("c", *hot, "--async-chunk") == first  # the same in either mode
+    nova = generate("d", *hot, "--voice", "nova")
+    assert nova[0] == first[0] and nova[1] != first[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_chunk", [False, True], ids=["normal", "async_chunk"])
+def test_generate_stream_input_answers_each_line_of_stdin_in_one_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        async_chunk: bool) -> None:
+    import io
+    import sys
+
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    out = tmp_path / "talk.wav"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n\nHow are you?\nBye\n"))  # a blank line is skipped
+    argv = ["generate", "--stream-input", "--out", str(out), "--config", str(cfg)]
+    rc = cli.main(argv + (["--async-chunk"] if async_chunk else []))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    lines = captured.out.splitlines()
+    assert len(lines) == 3 and all(len(line) == 10 for line in lines)  # one answer line per segment
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 3 * 10 * 2 * 480  # three answers' audio in one file
+    assert list(scratch.iterdir()) == []
+
+
+def test_generate_stream_input_refuses_compare(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--stream-input", "--compare"]) == 2
+    assert "do not go together" in capsys.readouterr().err

@@ -42,6 +42,14 @@ def body_with(**fields: object) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": "hi"}], **fields}).encode()
 
 
+def read_all(s: socket.socket) -> str:
+    """Everything the server sends until it closes the connection."""
+    data = b""
+    while chunk := s.recv(65536):
+        data += chunk
+    return data.decode()
+
+
 HI = b'{"messages": [{"role": "user", "content": "hi"}]'
 JSON = {"content-type": "application/json"}
 
@@ -93,7 +101,7 @@ def test_a_declared_body_over_the_limit_is_refused_before_it_is_read(served: Ser
     with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                   b"content-length: 50000000\r\n\r\n{")  # 50 MB announced, one byte sent
-        reply = s.recv(65536).decode()
+        reply = read_all(s)
     assert reply.startswith("HTTP/1.1 413") and "request_too_large" in reply
 
 
@@ -103,7 +111,7 @@ def test_a_slow_body_gets_408_and_a_client_that_leaves_mid_upload_costs_one_log_
             b"content-length: 100\r\n\r\n")
     with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
         s.sendall(head + b'{"messages": ')  # and nothing more: the body timeout (0.5 s) answers
-        reply = s.recv(65536).decode()
+        reply = read_all(s)
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.5s" in reply
     before = metrics(client)["trio_orch_http_client_disconnects_total"]
     with caplog.at_level(logging.INFO, logger="trio_orch.server"):
@@ -121,7 +129,7 @@ def test_an_unexpected_error_is_an_openai_shaped_500_that_is_counted(
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in the front")
 
-    monkeypatch.setattr(served.engine, "open_request", broken)
+    monkeypatch.setattr(served.engine, "add_request_async", broken)
     with caplog.at_level(logging.ERROR, logger="trio_orch.server"):
         r = client.post("/v1/chat/completions", json=chat("hi"))
     assert r.status_code == 500

@@ -289,6 +289,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's ipc sockets and logs go here
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0"], cwd=ROOT,
@@ -320,7 +321,8 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
             n = len(full["choices"][0]["message"]["content"])  # one character per token
             assert full["choices"][0]["finish_reason"] == ("length" if n == 48 else "stop")  # its own cap
         ds = deltas(events)
-        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"
+        # the thinker reports why it ended: end-of-text ("stop") or its token limit ("length")
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
         assert "".join(d.get("content", "") for d in ds)
         pcm = np.frombuffer(b"".join(base64.b64decode(d["audio"]["data"]) for d in ds
                                      if "data" in d.get("audio", {})), "<i2")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import trio
 
@@ -52,7 +53,9 @@ class Admitter:
 
     ``timeout``: seconds a request may wait for room (None: as long as it
     takes); ``max_waiting``: how many may wait (None: no bound);
-    ``retry_after``: the seconds suggested to shed callers.
+    ``retry_after``: the seconds suggested to shed callers.  ``on_admitted(rid)``
+    and ``on_dropped(rid, why)`` tell whoever holds a request's early input
+    updates whether they may follow it (the engine's update forwarder).
     """
 
     def __init__(self, demux: Demux, *, timeout: float | None = None, max_waiting: int | None = None,
@@ -68,6 +71,8 @@ class Admitter:
         self.shed_window = shed_window
         self.shedding_until = 0.0  # time.monotonic(): a request now would most likely be shed
         self.orch: Orchestrator | None = None
+        self.on_admitted: Callable[[str], None] = lambda rid: None
+        self.on_dropped: Callable[[str, str], None] = lambda rid, why: None
         self.waiting = 0
         self._send, self._recv = trio.open_memory_channel[tuple[Stream, float]](math.inf)
         self._sending: _Sending | None = None
@@ -85,7 +90,8 @@ class Admitter:
                     sending = self._sending = _Sending(s, cs)
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout, wait_start=False)
+                                               timeout=s.timeout, sampling=s.sampling, resumable=s.resumable,
+                                               wait_start=False)
                     except Exception as exc:
                         self.refused(s, exc)
                         continue
@@ -118,7 +124,7 @@ class Admitter:
             if self.waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout)
+                                            timeout=s.timeout, sampling=s.sampling, resumable=s.resumable)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:
@@ -156,17 +162,20 @@ class Admitter:
         k = router.unavailable_stage(router.resolve_final_stage(s.request_id, s.final_stage_id))
         if k is None:
             return False
+        self.on_dropped(s.request_id, f"stage {k} has no live replica")
         self.demux.count_shed("stage_unavailable")
         self.demux.end(s, OrchError(s.request_id, k, "stage_unavailable", f"stage {k} has no live replica"))
         return True
 
     def shed(self, s: Stream, why: str) -> None:
+        self.on_dropped(s.request_id, f"it was shed: {why}")
         self.shedding_until = time.monotonic() + self.shed_window
         self.demux.count_shed("overloaded")
         self.demux.fail(s, Overloaded(f"overloaded: request not accepted ({why}); retry later",
                                       retry_after=self.retry_after))
 
     def refused(self, s: Stream, exc: Exception) -> None:
+        self.on_dropped(s.request_id, f"it was refused: {exc}")
         if isinstance(exc, RuntimeError):  # the orchestrator stopped accepting: a terminal, not a raise
             self.demux.end(s, OrchError(s.request_id, None, "shutdown", str(exc)))
         else:
@@ -176,12 +185,14 @@ class Admitter:
         if s.state == PENDING:
             s.state = ADMITTED
             self.demux.admitted += 1
+            self.on_admitted(s.request_id)
             if s.want_ack:
                 self.demux.put(s, ACK)
 
     def ended_unadmitted(self, s: Stream) -> None:
         if s.state == DONE:
             return
+        self.on_dropped(s.request_id, "it ended before it was admitted")
         if s.withdrawn:
             self.demux.unregister(s)
             s.put(WITHDRAWN)

@@ -14,6 +14,13 @@ that cannot start), every registered request -- queued, waiting for
 admission or in flight -- gets a terminal ``OrchError(kind="shutdown")`` and
 every later call raises :class:`EngineClosed` at once.
 
+Resumable requests (``resumable=True``) take more input while they run:
+``update_request`` (sync) and ``update_request_async`` post each segment to
+the Trio thread, where :class:`~trio_orch.engine_updates.UpdateForwarder`
+applies them in call order, after the request's own admission.
+:meth:`Engine.add_request_async` returns once the request was accepted, so
+its updates can follow at once.
+
 :func:`open_trio_engine` (:mod:`trio_orch.trio_engine`) is the same API for
 Trio code, without a thread; :mod:`trio_orch.engine_base` holds the errors,
 the pipeline factory contract and the metrics snapshot they share.
@@ -30,11 +37,13 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import Future
 from time import monotonic, perf_counter
 from typing import Any
 
 import trio
 
+from stages.sampling_params import StageParams
 from trio_orch.admitter import Admitter
 from trio_orch.demux import (
     ACK,
@@ -59,19 +68,21 @@ from trio_orch.engine_base import (
     static_pipeline,
     unwrap,
 )
+from trio_orch.engine_updates import UpdateForwarder
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.trio_engine import TrioEngine, open_trio_engine
 from trio_orch.types import Message, OrchError, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
-__all__ = ["AsyncRequest", "Engine", "EngineClosed", "EngineStartupError", "Overloaded", "PipelineFactory",
-           "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine", "static_pipeline"]
+__all__ = ["AsyncRequestHandle", "Engine", "EngineClosed", "EngineStartupError", "Overloaded",
+           "PipelineFactory", "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine",
+           "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
 
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
-    """Dispatch latency of each message the consumer just took (DESIGN §5).
+    """Dispatch latency of each message the consumer just took (see docs/design.md).
 
     From the stage's production timestamp (``OrchOutput.t_produced``, the
     system-wide monotonic clock, so a worker's stamp compares) when there is
@@ -148,6 +159,10 @@ class RequestHandle:
         """Abort the request; iterating on yields its ``aborted`` terminal."""
         self._engine.abort(self.request_id)
 
+    def update(self, segment: Any, *, final: bool = False, timeout: float | None = None) -> None:
+        """More input for this resumable request: :meth:`Engine.update_request`."""
+        self._engine.update_request(self.request_id, segment, final=final, timeout=timeout)
+
     def close(self) -> None:
         """Stop listening; aborts the request if it has not ended."""
         if not self._ended:
@@ -159,68 +174,6 @@ class RequestHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-class AsyncRequest:
-    """An asyncio caller's view of one request, once the engine admitted it (:meth:`Engine.open_request`).
-
-    ``rejection`` is the terminal error of a request the engine ended before
-    admitting it (a stage of its path has no live replica, the engine is
-    stopping); :meth:`batches` then yields just that.  ``timings`` (asked for
-    with ``want_timings``) holds each stage's timing once the terminal was taken.
-    """
-
-    def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
-        self._engine = engine
-        self._s = stream
-        self._early: list[list[Message]] = []  # batches that overtook the admission
-        self.rejection: OrchError | None = None
-        self.ended = False  # the terminal was yielded (or an exception raised)
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
-
-    @property
-    def t_open(self) -> float:
-        """When the caller asked (``time.perf_counter``)."""
-        return self._s.t_open
-
-    @property
-    def timings(self) -> tuple[Any, ...] | None:
-        return self._s.timings
-
-    async def batches(self) -> AsyncIterator[list[Message]]:
-        """The request's messages, one list per dispatcher batch, the terminal last.
-
-        Leaving early (break, cancellation) aborts the request.
-        """
-        observe = self._engine._demux.latency.observe
-        s = self._s
-        try:
-            while not self.ended:
-                if self._early:
-                    msgs = self._early.pop(0)
-                else:
-                    item = await s.next_item()
-                    if item is ACK:
-                        continue
-                    if isinstance(item, BaseException):
-                        self.ended = True
-                        raise item
-                    t, msgs = item
-                    observe_latency(observe, t, msgs)
-                self.ended = msgs[-1].finished
-                yield msgs
-        finally:
-            if not self.ended:
-                self.aclose_nowait()
-
-    def aclose_nowait(self) -> None:
-        """Stop listening; aborts the request if it has not ended."""
-        if not self.ended:
-            self.ended = True
-            self._engine._client_gone(self._s)
 
 
 class Engine:
@@ -261,11 +214,15 @@ class Engine:
         self._token: trio.lowlevel.TrioToken | None = None
         self._main_scope: trio.CancelScope | None = None
         self._orch: Orchestrator | None = None
+        self._stage_params: Sequence[StageParams] | None = None
         self._failure: BaseException | None = None
         self._stop_flag = False
         self._drain: float | None = None
         self._closing: str | None = None  # set: new requests are refused with this reason
         self._dead: str | None = None  # set: the Trio thread is gone (or abandoned)
+        self._updates = UpdateForwarder()  # update_request's Trio side
+        self._admitter.on_admitted = self._updates.admitted
+        self._admitter.on_dropped = self._updates.dropped
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -335,9 +292,34 @@ class Engine:
         return list(self._orch.stages) if self._orch is not None else []
 
     @property
+    def stage_params(self) -> Sequence[StageParams] | None:
+        """Each stage's name and sampling parameters, as the pipeline declared them (None: none)."""
+        return self._stage_params
+
+    @property
     def final_stage_ids(self) -> frozenset[int]:
         """The pipeline's final-output stages (empty before start)."""
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
+
+    @property
+    def thread_alive(self) -> bool:
+        """The engine's Trio thread is running (False before start and once it exited)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the Trio thread, if it crashed or could not start (None otherwise)."""
+        return self._failure
+
+    @property
+    def demux(self) -> Demux:
+        """The per-request streams the orchestrator's batches are routed to (introspection)."""
+        return self._demux
+
+    @property
+    def open_requests(self) -> set[str]:
+        """Ids of the requests whose consumer has not had the terminal yet (a snapshot)."""
+        return set(self._demux.streams)
 
     @property
     def shedding(self) -> bool:
@@ -400,6 +382,7 @@ class Engine:
         finally:
             self._mark_dead(reason or ("the engine was closed" if self._stop_flag
                                        else "its orchestrator stopped"))
+            self._updates.close(self._dead or "its orchestrator stopped")  # the Trio thread is gone
             self._ready.set()
 
     async def _trio_main(self) -> None:
@@ -410,6 +393,7 @@ class Engine:
                 return
             async with self._pipeline() as raw:
                 spec = as_spec(raw)
+                self._stage_params = spec.stage_params
                 opts = {**self._orch_options, **spec.options}
                 if self._max_inflight is not None:
                     opts["max_inflight"] = self._max_inflight
@@ -418,6 +402,7 @@ class Engine:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(orch.run)
                     nursery.start_soon(self._admitter.run, orch, name="trio_orch.bridge.admitter")
+                    nursery.start_soon(self._updates.run, orch, name="trio_orch.bridge.updates")
                     self._orch = orch
                     self._ready.set()
                     if self._stop_flag:
@@ -470,7 +455,7 @@ class Engine:
         return f"the engine is closed: {self._dead or self._closing}"
 
     def _open(self, cls: type[Stream], prompt: Any, request_id: str | None, final_stage_id: int | None,
-              request_timeout: float | None, **kw: Any) -> Stream:
+              request_timeout: float | None, resumable: bool = False, **kw: Any) -> Stream:
         """Register a stream for a new request and post its admission to the Trio thread."""
         if self._closing is not None or self._dead is not None or self._orch is None:
             raise EngineClosed(self._closed_message())
@@ -478,7 +463,7 @@ class Engine:
         self._orch.router.resolve_final_stage(rid, final_stage_id)  # immutable config: thread-safe
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
-        s = cls(rid, prompt, final_stage_id, request_timeout, **kw)
+        s = cls(rid, prompt, final_stage_id, request_timeout, resumable=bool(resumable), **kw)
         self._demux.register(s)
         if self._dead is not None or self._closing is not None:  # raced with the fatal drain
             self._demux.unregister(s)
@@ -498,17 +483,22 @@ class Engine:
 
     # ------------------------------------------------------------------ sync API
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
-                    timeout: float | None = None, request_timeout: float | None = None) -> RequestHandle:
+                    timeout: float | None = None, request_timeout: float | None = None,
+                    sampling: Any = None, resumable: bool = False) -> RequestHandle:
         """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
 
         Blocks while the request channel is full, for at most ``timeout``
         seconds (then ``TimeoutError``; nothing was registered).
         ``request_timeout`` bounds the request's life in the orchestrator.
+        ``sampling``: per-stage sampling parameters (a list indexed by stage,
+        or a mapping stage -> parameters), checked against each stage's.
+        ``resumable``: it takes more input (:meth:`update_request`) until a ``final`` one.
         Raises ``ValueError`` for bad parameters or a duplicate active id and
         :class:`EngineClosed` once the engine is closed.  Do not call it on an
         asyncio loop's thread (it blocks): use :meth:`generate` there.
         """
-        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, want_ack=True)
+        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       want_ack=True, sampling=sampling)
         assert isinstance(s, SyncStream)
         h = RequestHandle(self, s)
         deadline = None if timeout is None else monotonic() + timeout
@@ -553,6 +543,47 @@ class Engine:
         if s is not None:
             self._post_quiet(self._abort_cb, s)
 
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float | None = None) -> None:
+        """One more input segment for a live resumable request (plain threads; ``final``: the last one).
+
+        Returns once the segment was handed to the stages.  Raises
+        ``ValueError`` (nothing changes) for an unknown or ended id, a request
+        not added with ``resumable=True`` or after its final segment;
+        :class:`EngineClosed` once the engine stopped; ``TimeoutError`` after
+        ``timeout`` seconds if the update was not taken up by then (it is then
+        withdrawn).  Updates of one request apply in the order of the calls.
+        """
+        fut = self._post_update(request_id, segment, final)
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            if fut.cancel():
+                raise TimeoutError(f"update of {request_id!r} not taken up within {timeout}s; "
+                                   "withdrawn") from None
+            fut.result()
+
+    async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None:
+        """:meth:`update_request` for asyncio code: awaited, never blocks the loop.
+
+        Cancelled before the update was taken up, it is withdrawn; after, it still applies.
+        """
+        await asyncio.wrap_future(self._post_update(request_id, segment, final))
+
+    def _post_update(self, request_id: str, segment: Any, final: bool) -> Future[None]:
+        fut: Future[None] = Future()
+        self._post(self._update_cb, request_id, segment, bool(final), fut)
+        return fut
+
+    def _update_cb(self, request_id: str, segment: Any, final: bool, fut: Future[None]) -> None:
+        """Trio thread: hand the update to the forwarder (it answers ``fut``)."""
+        try:
+            self._updates.post(self._demux.streams.get(request_id), request_id, segment, final, fut)
+        except BaseException as exc:  # never let a callback kill the Trio run
+            log.exception("update of %r failed", request_id)
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` in the Trio thread soon (any thread; never blocks).  Must not raise."""
         self._post(fn, *args)
@@ -595,15 +626,19 @@ class Engine:
 
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
-                       final_stage_id: int | None = None,
-                       request_timeout: float | None = None) -> AsyncIterator[Message]:
+                       final_stage_id: int | None = None, request_timeout: float | None = None,
+                       sampling: Any = None, resumable: bool = False) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
         Never blocks the event loop.  Cancellation of the consuming task, or
         closing the generator before the terminal, aborts the request.
+        ``sampling`` as for :meth:`add_request` (bad parameters: ValueError).
+        The request is registered when the iteration starts; to send a
+        resumable request's updates right away, use :meth:`add_request_async`.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -625,49 +660,17 @@ class Engine:
             if not ended:
                 self._client_gone(s)
 
-    async def open_request(self, prompt: Any, *, request_id: str | None = None,
-                           final_stage_id: int | None = None, request_timeout: float | None = None,
-                           want_timings: bool = False) -> AsyncRequest:
-        """Submit from an asyncio task; return once the engine admitted (or refused) the request.
-
-        Raises :class:`Overloaded` when the request was shed (no room within
-        the admission bounds), ``ValueError`` for bad parameters and
-        :class:`EngineClosed` once the engine is closed -- before anything was
-        sent, so an HTTP front can still answer with a status code.  Being
-        cancelled while waiting aborts the request.
-        """
-        loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
-                       want_ack=True, want_timings=want_timings)
-        assert isinstance(s, AsyncioStream)
-        req = AsyncRequest(self, s)
-        try:
-            item = await s.next_item()
-        except BaseException:
-            self._client_gone(s)
-            raise
-        if item is ACK:
-            return req
-        if isinstance(item, BaseException):
-            raise item
-        t, msgs = item  # outputs (or a terminal) came before the acknowledgement
-        observe_latency(self._demux.latency.observe, t, msgs)
-        req._early.append(msgs)
-        last = msgs[-1]
-        if len(msgs) == 1 and isinstance(last, OrchError):
-            req.rejection = last
-        return req
-
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
-                               final_stage_id: int | None = None,
-                               request_timeout: float | None = None) -> AsyncIterator[list[Message]]:
+                               final_stage_id: int | None = None, request_timeout: float | None = None,
+                               sampling: Any = None, resumable: bool = False) -> AsyncIterator[list[Message]]:
         """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
 
         For consumers that write in bulk (one HTTP chunk per batch) or count
         every microsecond; the terminal is the last message of the last list.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -684,6 +687,35 @@ class Engine:
         finally:
             if not ended:
                 self._client_gone(s)
+
+    async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
+                                final_stage_id: int | None = None, request_timeout: float | None = None,
+                                resumable: bool = False, sampling: Any = None,
+                                want_timings: bool = False) -> AsyncRequestHandle:
+        """Submit a request from asyncio code; return its :class:`AsyncRequestHandle` once accepted.
+
+        Waits (without blocking the loop) while the request channel is full,
+        within the engine's admission bounds.  Once it returns the orchestrator
+        knows the request, so updates of a resumable one may follow at once --
+        and nothing has been sent to the caller's client yet, so an HTTP front
+        can still answer with a status code: :class:`Overloaded` when the
+        request was shed, ``handle.rejection`` when the engine refused it (a
+        stage of its path has no live replica; it is stopping).  Raises as
+        :meth:`add_request` otherwise; cancelled while waiting, the request is
+        aborted (or never registered).  ``want_timings``: ``handle.timings``
+        holds each stage's timing once the terminal was taken.
+        """
+        loop = asyncio.get_running_loop()
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, want_ack=True, sampling=sampling, want_timings=want_timings)
+        assert isinstance(s, AsyncioStream)
+        handle = AsyncRequestHandle(self, s)
+        try:
+            await handle.wait_accepted()
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     async def stats_async(self, timeout: float = 5.0) -> EngineStatistics:
         """A metrics snapshot, awaited on an asyncio loop without blocking it."""
@@ -709,3 +741,107 @@ class Engine:
             return await asyncio.wait_for(fut, timeout)
         except (EngineClosed, TimeoutError):
             return collect_stats(None, self._demux, 0, False)
+
+
+class AsyncRequestHandle:
+    """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
+
+    ``async for m in handle``: its messages, terminal last (:meth:`batches`:
+    one list per dispatcher batch).  ``await handle.update(segment)`` sends
+    more input to a resumable request.  Leaving an ``async with handle`` block
+    (or :meth:`close`) before the terminal aborts the request.  ``rejection``
+    is the terminal error of a request the engine ended before admitting it;
+    ``t_open`` when it was asked for (``time.perf_counter``); ``timings`` each
+    stage's timing, once the terminal was taken (asked for with ``want_timings``).
+    """
+
+    def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
+        self._engine = engine
+        self._s = stream
+        self._msgs: deque[Message] = deque()
+        self._ended = False  # the terminal (or an exception) reached the handle
+        self.finished = False  # the caller has taken the terminal
+        self.rejection: OrchError | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self._s.request_id
+
+    @property
+    def t_open(self) -> float:
+        return self._s.t_open
+
+    @property
+    def timings(self) -> tuple[Any, ...] | None:
+        return self._s.timings
+
+    async def wait_accepted(self) -> None:
+        """Wait for the admission acknowledgement (or an early end, whose terminal is kept)."""
+        while True:
+            item = await self._s.next_item()
+            if item is ACK:
+                return
+            if self._take(item):
+                if len(self._msgs) == 1 and isinstance(self._msgs[0], OrchError):
+                    self.rejection = self._msgs[0]  # ended before anything else: refused at admission
+                return
+
+    async def batches(self) -> AsyncIterator[list[Message]]:
+        """The messages, one list per dispatcher batch, the terminal last; leaving early aborts."""
+        try:
+            while not self.finished:
+                while not self._msgs:
+                    self._take(await self._s.next_item())
+                batch = list(self._msgs)
+                self._msgs.clear()
+                self.finished = batch[-1].finished
+                yield batch
+        finally:
+            self.close()
+
+    def _take(self, item: Any) -> bool:
+        """Absorb one item; True once the request ended."""
+        if item is ACK or item is WITHDRAWN:
+            return self._ended
+        if isinstance(item, BaseException):
+            self._ended = self.finished = True
+            raise item
+        t, msgs = item
+        observe_latency(self._engine._demux.latency.observe, t, msgs)
+        self._msgs.extend(msgs)
+        if msgs[-1].finished:
+            self._ended = True
+        return self._ended
+
+    def __aiter__(self) -> AsyncRequestHandle:
+        return self
+
+    async def __anext__(self) -> Message:
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._msgs:
+            self._take(await self._s.next_item())
+        m = self._msgs.popleft()
+        if m.finished:
+            self.finished = True
+        return m
+
+    async def update(self, segment: Any, *, final: bool = False) -> None:
+        """More input for this resumable request: :meth:`Engine.update_request_async`."""
+        await self._engine.update_request_async(self.request_id, segment, final=final)
+
+    def abort(self) -> None:
+        """Abort the request; iterating on yields its ``aborted`` terminal."""
+        self._engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not ended."""
+        if not self._ended:
+            self._ended = self.finished = True
+            self._engine._client_gone(self._s)
+
+    async def __aenter__(self) -> AsyncRequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

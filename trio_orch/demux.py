@@ -48,6 +48,7 @@ class Stream:
     ``detached``: the consumer is gone (cancelled, closed early); the sink
     drops its messages but keeps the id reserved until its terminal.
     ``withdrawn``: a sync caller gave up waiting for admission.
+    ``resumable``: the request takes more input segments (``update_request``).
     ``t_open`` (``perf_counter``) is when the caller asked; ``seen`` has bit k
     set once stage k's first output went out (time to first output);
     ``timings``, for a stream opened with ``want_timings``, is filled at its
@@ -55,16 +56,19 @@ class Stream:
     for a stage that did not run it or does not time requests).
     """
 
-    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "seen", "state", "t_open", "timeout",
-                 "timings", "want_ack", "want_timings", "withdrawn")
+    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling", "seen",
+                 "state", "t_open", "timeout", "timings", "want_ack", "want_timings", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 timeout: float | None, want_ack: bool = False, want_timings: bool = False) -> None:
+                 timeout: float | None, want_ack: bool = False, sampling: Any = None,
+                 resumable: bool = False, want_timings: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
         self.timeout = timeout
+        self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted
         self.want_ack = want_ack
+        self.resumable = resumable
         self.want_timings = want_timings
         self.timings: tuple[Any, ...] | None = None
         self.state = PENDING

@@ -5,7 +5,12 @@ code2wav, one process per replica), sends one request through the Trio
 orchestrator, streams the thinker's text to the terminal as it is generated,
 writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 ``--async-chunk`` the stages stream to each other chunk by chunk, so the
-first audio comes long before the text is finished.
+first audio comes long before the text is finished.  Sampling flags
+(``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
+as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
+``--stage-param`` sets any stage's parameter explicitly.  With
+``--stream-input`` the prompt comes from standard input, one input segment
+per line, into one resumable request (:mod:`trio_orch.generate_stream`).
 
 Everything that can be checked is checked before a worker starts (the
 prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
@@ -16,6 +21,7 @@ with exit code 130, like ``trio-orch serve``.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -26,11 +32,14 @@ from typing import Any
 import numpy as np
 import trio
 
-from stages.registry import as_audio, as_text, outputs_of
+from stages.registry import as_audio, as_text, outputs_of, stage_params, text_stage
+from stages.sampling_params import VOICES
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PipelineConfig, default_config, load_config
+from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.openai_chat import BadRequest, check_max_tokens
+from trio_orch.openai_sampling import SamplingError, map_sampling
 from trio_orch.orchestrator import open_orchestrator
 from trio_orch.pool import StageTiming
 from trio_orch.types import OrchError
@@ -53,8 +62,27 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch device of the workers (default: cpu, or the config's)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="most text tokens the thinker generates (default: its config, 48)")
+    parser.add_argument("--stream-input", action="store_true",
+                        help="read the prompt from standard input, one segment per line, into one "
+                             "request that takes more input while it answers (end of input ends it); "
+                             "each segment's answer streams as it comes")
+    s = parser.add_argument_group(
+        "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
+                    "text, --seed and --voice to every stage that takes them (see the README)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="most text tokens the thinker generates (default and cap: its config, 48)")
+    s.add_argument("--temperature", type=float, default=None, help="text temperature (0: greedy)")
+    s.add_argument("--top-p", type=float, default=None, help="text nucleus sampling mass (0, 1]")
+    s.add_argument("--top-k", type=int, default=None, help="sample the text from the k most likely tokens")
+    s.add_argument("--seed", type=int, default=None,
+                   help="per-request seed: the same seed and parameters give the same text and audio")
+    s.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end the text before this string (repeatable)")
+    s.add_argument("--voice", default=None, choices=VOICES, metavar="VOICE",
+                   help=f"speaker of the talker and vocoder: {', '.join(VOICES)} (default alloy)")
+    s.add_argument("--stage-param", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="one parameter of one stage, the stage by kind or index, the value as JSON "
+                        "(e.g. talker.temperature=0.7, 1.seed=3, thinker.stop='[\"x\"]'; repeatable)")
     parser.add_argument("--compare", action="store_true",
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
@@ -73,6 +101,33 @@ def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
 def _config(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(args.config) if args.config else default_config()
     return cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+
+
+def request_sampling(args: argparse.Namespace, cfg: PipelineConfig) -> dict[int, dict[str, Any]]:
+    """The per-stage sampling parameters asked for on the command line (ValueError if one does not fit)."""
+    fields: dict[str, Any] = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                              "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop,
+                              "voice": args.voice}
+    explicit: dict[str, dict[str, Any]] = {}
+    for item in args.stage_param:
+        where, eq, raw = item.partition("=")
+        stage, dot, key = where.rpartition(".")  # a plug-in's kind may have dots, a key has none
+        if not (eq and dot and stage and key):
+            raise ValueError(f"--stage-param {item!r}: expected STAGE.KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word: a string (voice=nova)
+        explicit.setdefault(stage, {})[key] = value
+    fields["stage_sampling"] = explicit or None
+    kinds = [st.kind for st in cfg.stages]
+    try:
+        return map_sampling(fields, stage_params(kinds), text_stage=text_stage(cfg.final_stage_ids,
+                            outputs_of(kinds)), last_stage=max(cfg.final_stage_ids))
+    except SamplingError as exc:
+        flag = ("--stage-param" if exc.param.startswith("stage_sampling") else "--voice"
+                if exc.param == "audio.voice" else "--" + exc.param.replace("_", "-"))
+        raise ValueError(f"{flag}: {exc}") from None
 
 
 def _ms(t: float | None, t0: float) -> str:
@@ -107,9 +162,7 @@ def _check_args(args: argparse.Namespace) -> None:
 async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                     pipe: Pipeline) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
-    payload: Any = args.text  # what stage 0 takes: the prompt, with a token limit if asked
-    if args.max_tokens is not None:
-        payload = {"text": args.text, "max_new_tokens": args.max_tokens}
+    payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
     outputs = outputs_of(s.kind for s in cfg.stages)  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
@@ -117,7 +170,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
     t_text = t_audio = t_last_audio = None
     async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
         t0 = time.perf_counter()
-        await orch.add_request(rid, payload)
+        await orch.add_request(rid, payload, sampling=args.sampling)
         print("text: ", end="", flush=True)
         while True:
             msg = await orch.next_output()
@@ -187,6 +240,12 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     try:
         async with open_pipeline(cfg, handle_sigterm=False) as pipe:  # _main handles SIGTERM
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            if args.stream_input:
+                rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
+                if pcm is not None:
+                    write_wav(args.out, pcm, rate)
+                    print(f"wrote {args.out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -217,8 +276,12 @@ async def _job(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         cfg = _config(args)
+        args.sampling = request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stream_input and args.compare:
+        print("error: --stream-input and --compare do not go together", file=sys.stderr)
         return 2
     if not args.compare:
         return (await _run_once(args, cfg))[0]

@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with
 ``"stream": true``; ``modalities`` ``["text"]`` or ``["text", "audio"]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), and
+the ``/v1/realtime`` WebSocket session (:mod:`trio_orch.realtime_server`).
 The app is independent of the server that runs it (``trio-orch serve`` runs
 it under uvicorn, :mod:`trio_orch.uvicorn_front`); :class:`~trio_orch.http_limits.LimitsMiddleware`
 applies the limits any ASGI server can.
@@ -35,7 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from stages.registry import text_stage
-from trio_orch.bridge import AsyncRequest, Engine, EngineClosed, Overloaded
+from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed, Overloaded
 from trio_orch.http_limits import HTTPLimits, LimitsMiddleware
 from trio_orch.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
 from trio_orch.openai_chat import (
@@ -43,10 +44,12 @@ from trio_orch.openai_chat import (
     ChatRequest,
     ChatStream,
     error_body,
+    map_chat_sampling,
     orch_error_status,
     parse_chat_request,
     parse_json_body,
 )
+from trio_orch.realtime_server import realtime_route
 from trio_orch.types import OrchError
 
 __all__ = ["SSEResponse", "create_app"]
@@ -163,14 +166,16 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
             body = parse_json_body(await request.body(), limits.max_json_depth)
             req = parse_chat_request(body, model_name, limits.max_prompt_chars)
             final = final_stage_for(req)
+            map_chat_sampling(body, req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
+                              outputs=outputs, final_stage_id=final)
         except BadRequest as exc:
             return error(exc.status, str(exc), param=exc.param, code=exc.code)
         if not engine.running:
             why = engine.closed_reason or "it has not started"
             return error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
         try:
-            handle = await engine.open_request(req.payload(), final_stage_id=final,
-                                               want_timings=not req.stream)
+            handle = await engine.add_request_async(req.payload(), final_stage_id=final,
+                                                    sampling=req.sampling, want_timings=not req.stream)
         except Overloaded as exc:
             return error(429, str(exc), "rate_limit_error", code="overloaded", retry_after=exc.retry_after)
         except EngineClosed as exc:
@@ -210,7 +215,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         return error(status, f"request failed: {err.kind}: {err.message}", "server_error", code=err.kind,
                      retry_after=1 if status == 503 else None)
 
-    async def _collect(req: ChatRequest, handle: AsyncRequest) -> dict[str, Any] | OrchError:
+    async def _collect(req: ChatRequest, handle: AsyncRequestHandle) -> dict[str, Any] | OrchError:
         cs = ChatStream(req, outputs, token_limit)
         async for msgs in handle.batches():
             for m in msgs:
@@ -220,12 +225,12 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         observe_rtf(cs, handle)
         return cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
 
-    def observe_rtf(cs: ChatStream, handle: AsyncRequest) -> None:
+    def observe_rtf(cs: ChatStream, handle: AsyncRequestHandle) -> None:
         rtf = cs.real_time_factor(handle.t_open)
         if rtf is not None:
             front.rtf.observe(rtf)
 
-    async def _stream(req: ChatRequest, handle: AsyncRequest) -> AsyncIterator[bytes]:
+    async def _stream(req: ChatRequest, handle: AsyncRequestHandle) -> AsyncIterator[bytes]:
         cs = ChatStream(req, outputs, token_limit)
         yield _sse(cs.first_chunk())
         gen = handle.batches()
@@ -293,6 +298,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        realtime_route(engine, outputs),
     ], exception_handlers={HTTPException: http_error},
         middleware=[Middleware(LimitsMiddleware, limits=limits, front=front,
                                shedding=lambda: engine.shedding, shed_paths=frozenset({CHAT}),

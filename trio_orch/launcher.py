@@ -123,6 +123,9 @@ class Pipeline:
         kinds = [s.kind for s in config.stages]
         self.forward_fn = registry.forward_fn(kinds)
         self.prewarm_fn = registry.prewarm_fn(kinds)
+        #: each stage's name and sampling parameters (what requests are checked and mapped against)
+        self.stage_params = registry.stage_params(kinds)
+        self.check_sampling = registry.check_sampling(kinds)
 
     @property
     def final_stage_ids(self) -> list[int]:
@@ -133,12 +136,13 @@ class Pipeline:
         return [w.pid for w in self.workers if w.pid is not None]
 
     def orchestrator_kwargs(self) -> dict[str, Any]:
-        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn`` for Orchestrator.
+        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn``, ``check_sampling``.
 
         Also ``max_inflight`` when the config sets a stage's bound.
         """
         kw: dict[str, Any] = {"final_stage_ids": self.final_stage_ids, "async_chunk": self.config.async_chunk,
-                              "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn}
+                              "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn,
+                              "check_sampling": self.check_sampling}
         bounds = self.config.admission_bounds(serving=False)
         if any(b is not None for b in bounds):
             kw["max_inflight"] = bounds

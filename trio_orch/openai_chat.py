@@ -36,13 +36,15 @@ from typing import Any
 import numpy as np
 
 from stages.registry import as_audio, as_text
+from stages.sampling_params import StageParams
+from trio_orch import openai_sampling
 from trio_orch.types import OrchError, OrchOutput
 
 __all__ = ["MAX_TOKENS", "BadRequest", "ChatRequest", "ChatStream", "check_max_tokens", "error_body",
-           "parse_chat_request", "parse_json_body"]
+           "map_chat_sampling", "parse_chat_request", "parse_json_body"]
 
 _FIELDS = {"model", "messages", "stream", "stream_options", "modalities", "audio", "max_tokens",
-           "max_completion_tokens", "temperature", "top_p", "seed", "user", "n"}
+           "max_completion_tokens", "temperature", "top_p", "seed", "user", "n"} | openai_sampling.FIELDS
 _ROLES = {"system", "developer", "user", "assistant"}
 _AUDIO_FORMATS = {"wav", "pcm16"}
 _VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
@@ -142,12 +144,11 @@ class ChatRequest:
     voice: str = "alloy"
     max_tokens: int | None = None
     include_usage: bool = False
+    sampling: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its parameters
 
     def payload(self) -> Any:
-        """What stage 0 takes: the prompt string, or ``{text, max_new_tokens}`` with a token limit."""
-        if self.max_tokens is None:
-            return self.prompt
-        return {"text": self.prompt, "max_new_tokens": self.max_tokens}
+        """What stage 0 takes: the prompt (limits and the like travel in ``sampling``)."""
+        return self.prompt
 
 
 def _type_name(v: Any) -> str:
@@ -266,6 +267,21 @@ def parse_chat_request(body: Any, model_name: str, max_prompt_chars: int | None 
     return ChatRequest(model_name, prompt, stream, want_audio, fmt, voice, max_tokens, include_usage)
 
 
+def map_chat_sampling(body: dict[str, Any], req: ChatRequest, stages: Sequence[StageParams] | None, *,
+                      final_stage_ids: Sequence[int] | frozenset[int], outputs: Sequence[str] | None,
+                      final_stage_id: int | None) -> None:
+    """Set ``req.sampling`` from the body's sampling fields (:mod:`trio_orch.openai_sampling`).
+
+    BadRequest when a field cannot be honoured by the stages this request runs.
+    """
+    try:
+        req.sampling = openai_sampling.chat_sampling(
+            body, audio=req.audio, stages=stages, final_stage_ids=final_stage_ids, outputs=outputs,
+            final_stage_id=final_stage_id)
+    except openai_sampling.SamplingError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+
+
 def pcm16(pcm: np.ndarray) -> bytes:
     return (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
@@ -301,6 +317,7 @@ class ChatStream:
     audio: list[bytes] = field(default_factory=list)
     sample_rate: int = 24000
     text_outputs: int = 0
+    reason: str | None = None  # the finish reason the text stage reported, if it did
     audio_samples: int = 0
     t_first_text: float | None = None
     t_first_audio: float | None = None
@@ -320,6 +337,8 @@ class ChatStream:
         text = as_text(modality, m.data)
         if text is not None:
             self.text_outputs += 1
+            if isinstance(m.data, dict) and isinstance(m.data.get("finish_reason"), str):
+                self.reason = m.data["finish_reason"]
             if text:
                 if self.t_first_text is None:
                     self.t_first_text = time.perf_counter()
@@ -346,7 +365,10 @@ class ChatStream:
         return None
 
     def finish_reason(self) -> str:
-        """"length" when the text reached the request's or the stage's token limit, else "stop"."""
+        """The text stage's reported reason; else "length" when the text reached the request's or
+        the stage's token limit, "stop" otherwise."""
+        if self.reason is not None:
+            return self.reason
         limits = [n for n in (self.req.max_tokens, self.token_limit) if n is not None]
         return "length" if limits and len(self.text) >= min(limits) else "stop"
 

@@ -4,7 +4,7 @@ A request is bound to one replica for its whole life (its KV cache lives
 there).  New requests go to the live replica with the fewest requests in
 flight (ties: lowest index).  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
-(DESIGN §3 replica death) while the other replicas keep serving; ``submit``
+(the routing contract's replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
 ``receive`` raises :class:`StageDied` only once every replica is dead and
 no supervisor will bring one back (``supervised``; see
@@ -16,6 +16,11 @@ Async-chunk: a pool may have a ``downstream`` pool (the next stage).  When
 it submits a request it first *reserves* the downstream replica for it, so
 its worker knows where to stream that request's chunks; the downstream
 pool's later (prewarm) submit then uses the reserved replica.
+
+Resumable requests: ``update`` sends a request's next input segment to the
+replica it is bound to (where its model state lives).  Such a request stays
+bound while it finishes segments; it is unbound when it finishes the segment
+its final update opened (or fails).
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class ReplicaPool:
         #: given to it), "duplicate_finish" (it already finished it), "late" (after an abort; benign)
         self.stray_outputs: dict[str, int] = {"unknown": 0, "duplicate_finish": 0, "late": 0}
         self._ended: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # rid -> (replica, finished)
+        #: resumable requests bound here -> [segments sent and not finished, final segment sent]
+        self._segments: dict[str, list[Any]] = {}
         # push fast path (``pump``): while set, the replicas' sink routes straight to the orchestrator
         self._deliver: Callable[[list[StageOutput]], None] | None = None
         self._pump_dead = trio.Event()
@@ -261,7 +268,13 @@ class ReplicaPool:
         return min(live, key=lambda i: (self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
+                     resumable: bool = False) -> None:
+        """Place the request on a replica (its reserved one, else the least loaded) and submit it there.
+
+        ``sampling``: this stage's parameters for the request, passed to the replica as they are.
+        ``resumable``: more input segments follow (:meth:`update`); the request stays bound.
+        """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
@@ -284,11 +297,41 @@ class ReplicaPool:
         self._load[idx] += 1
         self.placements[idx] += 1
         self._remember(request_id, StageTiming(idx, time.perf_counter()))
+        if resumable:
+            self._segments[request_id] = [1, False]
         try:
-            await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+            opts: dict[str, Any] = {}
+            if sampling is not None:
+                opts["sampling"] = sampling
+            if resumable:
+                opts["resumable"] = True
+            await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
         except BaseException:
             self._unbind(request_id)
             raise
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """The next input segment of a resumable request, to the replica it is bound to.
+
+        Raises ``ValueError`` for a request not submitted here as resumable
+        (or after its final segment) and :class:`StageUnavailable` when it is
+        no longer bound here (its replica died, or it ended).
+        """
+        if self._closed:
+            raise StageUnavailable(f"{self.name} is closed")
+        idx = self._bound.get(request_id)
+        if idx is None:
+            raise StageUnavailable(f"{self.name}: request {request_id!r} is not active here "
+                                   "(it ended, or its replica died)")
+        seg = self._segments.get(request_id)
+        if seg is None:
+            raise ValueError(f"{self.name}: request {request_id!r} was not submitted as resumable")
+        if seg[1]:
+            raise ValueError(f"{self.name}: request {request_id!r} already had its final segment")
+        seg[0] += 1
+        seg[1] = final
+        await self.replicas[idx].update(request_id, payload, final=final)
 
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -380,6 +423,12 @@ class ReplicaPool:
                 if tm is not None and tm.replica == idx:
                     tm.queue_s, tm.compute_s = tm_q, tm_c
             if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
+                seg = self._segments.get(o.request_id)
+                if seg is not None and o.error is None:  # a resumable request finished a segment
+                    seg[0] -= 1
+                    if seg[0] > 0 or not seg[1]:
+                        outs.append(o)
+                        continue
                 self._unbind(o.request_id, finished=True)
             outs.append(o)
 
@@ -417,6 +466,7 @@ class ReplicaPool:
 
     def _unbind(self, request_id: str, *, finished: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
+        self._segments.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
             if self.downstream is not None:

@@ -51,7 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
-        "base64 16-bit PCM at 24 kHz), GET /health, GET /metrics (Prometheus). The orchestrator runs "
+        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
+        "streams out), GET /health, GET /metrics (Prometheus). The orchestrator runs "
         "in a Trio thread, the HTTP server (Starlette + uvicorn) on asyncio in the main thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
@@ -249,8 +250,8 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
                      name="trio-orch-engine-watch").start()
-    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
-          "Ctrl-C or SIGTERM drains and stops)", flush=True)
+    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, WS /v1/realtime, GET /health, "
+          "GET /metrics; Ctrl-C or SIGTERM drains and stops)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -142,13 +142,20 @@ class AsyncioDriver(Driver):
         self.call_soon(self.orch.request_shutdown, timeout)
 
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None,
+                    **options: Any) -> None:
         orch = self.orch
         assert orch is not None
         done = threading.Event() if wait else None
-        orch.add_request(request_id, prompt, final_stage_id=final_stage_id, timeout=deadline, done=done)
+        orch.add_request(request_id, prompt, final_stage_id=final_stage_id, timeout=deadline, done=done,
+                         **options)
         if done is not None and not done.wait(timeout):
             raise TimeoutError(f"request {request_id!r} was not handled within {timeout}s")
+
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float = 5.0) -> None:
+        assert self.orch is not None
+        self.orch.update_request(request_id, segment, final=final, timeout=timeout)
 
     def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
         """Accept and put the add on the janus request queue (no wait; blocks only when it is full)."""

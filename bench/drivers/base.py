@@ -291,16 +291,27 @@ class Driver:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None,
+                    **options: Any) -> None:
         """Accept a request; with ``wait`` return once it is registered and submitted.
 
         ``timeout`` bounds that wait; ``deadline`` (seconds) is the request's own
         deadline, kept by the orchestrator (terminal ``OrchError(kind="timeout")``).
+        ``options`` go to the implementation's ``add_request`` as they are
+        (``resumable``, ``sampling``, ``companions``).
 
         Raises ``ValueError`` for bad input or a duplicate active id and
         ``RuntimeError`` once the orchestrator no longer accepts requests.
         """
         raise Unsupported(f"{self.name}: add_request")
+
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float = 5.0) -> None:
+        """One more input segment for a resumable request; returns once it was handled.
+
+        Raises what the implementation raises (``ValueError`` for a bad update).
+        """
+        raise Unsupported(f"{self.name}: update_request")
 
     def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
         """Hand an add over to the loop and return at once (the benchmark's way in).
@@ -350,6 +361,13 @@ class Driver:
 
     def aborts(self, stage: int) -> list[str]:
         return list(self.stages[stage].aborts)
+
+    def updates(self, stage: int) -> list[tuple[str, Any]]:
+        return list(self.stages[stage].updates)
+
+    def stage_record(self, stage: int, what: str) -> list[Any]:
+        """Any list a scripted stage records (``sampling``, ``companions``, ``final_updates``...)."""
+        return list(getattr(self.stages[stage], what))
 
     def wait_submission(self, timeout: float = 10.0) -> tuple[int, str, float]:
         """The next submit a scripted stage saw: ``(stage, request id, perf_counter)``."""

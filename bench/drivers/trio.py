@@ -152,25 +152,41 @@ class TrioDriver(Driver):
         self.call_soon(self.orch.request_shutdown, timeout)
 
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None) -> None:
+                    wait: bool = True, timeout: float = 5.0, deadline: float | None = None,
+                    **options: Any) -> None:
         assert self.orch is not None
         try:
             if wait:
-                trio.from_thread.run(self._add_with_timeout, request_id, prompt, final_stage_id, timeout,
-                                     deadline, trio_token=self.token)
+                add = functools.partial(self._add_with_timeout, final_stage_id=final_stage_id,
+                                        timeout=timeout, deadline=deadline, **options)
+                trio.from_thread.run(add, request_id, prompt, trio_token=self.token)
             else:
                 add = functools.partial(self.orch.add_request_nowait, final_stage_id=final_stage_id,
-                                        timeout=deadline)
+                                        timeout=deadline, **options)
                 trio.from_thread.run_sync(add, request_id, prompt, trio_token=self.token)
         except trio.RunFinishedError as exc:
             raise RuntimeError("orchestrator is not running") from exc
 
-    async def _add_with_timeout(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                                timeout: float, deadline: float | None) -> None:
+    async def _add_with_timeout(self, request_id: str, prompt: Any, *, final_stage_id: int | None,
+                                timeout: float, deadline: float | None, **options: Any) -> None:
         assert self.orch is not None
         with trio.fail_after(timeout):
             await self.orch.add_request(request_id, prompt, final_stage_id=final_stage_id,
-                                        timeout=deadline)
+                                        timeout=deadline, **options)
+
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float = 5.0) -> None:
+        assert self.orch is not None
+
+        async def update() -> None:
+            assert self.orch is not None
+            with trio.fail_after(timeout):
+                await self.orch.update_request(request_id, segment, final=final)
+
+        try:
+            trio.from_thread.run(update, trio_token=self.token)
+        except trio.RunFinishedError as exc:
+            raise RuntimeError("orchestrator is not running") from exc
 
     def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
         """Post the add with the token (no wait); a full request channel queues it in a task."""

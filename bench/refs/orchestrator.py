@@ -30,12 +30,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import janus
 
-from trio_orch.core import Abort, Action, Emit, Router, Submit, Ticket
+from trio_orch.core import Abort, Action, Emit, Router, Submit, Ticket, Update, stage_io_options
 from trio_orch.types import Message, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
@@ -51,6 +51,19 @@ class AddMsg:
     def __init__(self, ticket: Ticket, done: threading.Event | None = None) -> None:
         self.ticket = ticket
         self.done = done
+
+
+class UpdateMsg:
+    """``update_request`` handed from the serving thread (same queue: ordered after its add)."""
+
+    __slots__ = ("done", "error", "final", "request_id", "segment")
+
+    def __init__(self, request_id: str, segment: Any, final: bool, done: threading.Event | None) -> None:
+        self.request_id = request_id
+        self.segment = segment
+        self.final = final
+        self.done = done
+        self.error: Exception | None = None
 
 
 class AbortMsg:
@@ -119,15 +132,20 @@ class AsyncioOrchestrator:
 
     # ------------------------------------------------------------------ serving thread
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
-                    timeout: float | None = None, done: threading.Event | None = None) -> None:
+                    timeout: float | None = None, done: threading.Event | None = None,
+                    resumable: bool = False, sampling: Any = None,
+                    companions: Mapping[str, Any] | None = None) -> None:
         """(Serving thread.)  Accept a request and queue it; ``done`` is set once it started.
 
         Raises ``ValueError`` (bad input, duplicate live id) or ``RuntimeError``
         (shutting down) with nothing registered.  Blocks while the request
-        queue is full.  ``timeout`` is the request's deadline in seconds.
+        queue is full.  ``timeout`` is the request's deadline in seconds;
+        ``resumable``, ``sampling`` and ``companions`` as for the Trio
+        orchestrator.
         """
         with self.lock:
-            ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout)
+            ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
+                                        resumable=resumable, sampling=sampling, companions=companions)
             self._sending.add(ticket)
         try:
             if ticket.timeout is not None:  # armed at acceptance, before the add is queued (FIFO)
@@ -140,6 +158,24 @@ class AsyncioOrchestrator:
         finally:
             with self.lock:
                 self._sending.discard(ticket)
+
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float = 5.0) -> None:
+        """(Serving thread.)  One more input segment; returns once the loop handled it.
+
+        The update travels through the request queue behind the add it
+        follows; what the core refuses (``ValueError``) is raised here.
+        """
+        done = threading.Event()
+        msg = UpdateMsg(request_id, segment, final, done)
+        try:
+            self.request_queue.sync_q.put(msg)
+        except janus.SyncQueueShutDown:
+            raise RuntimeError("orchestrator is not accepting requests: it has shut down") from None
+        if not done.wait(timeout):
+            raise TimeoutError(f"update of {request_id!r} was not handled within {timeout}s")
+        if msg.error is not None:
+            raise msg.error
 
     def abort(self, request_id: str) -> None:
         """(Serving thread.)  Abort a request, in order with the adds queued before it."""
@@ -200,8 +236,23 @@ class AsyncioOrchestrator:
             msg = await q.get()
             if type(msg) is AddMsg:
                 await self._handle_add(msg)
+            elif type(msg) is UpdateMsg:
+                await self.handle_update(msg)
             else:
                 await self.perform(self.router.abort(msg.request_id))
+
+    async def handle_update(self, msg: UpdateMsg) -> None:
+        """Apply an input update in queue order; the core decides (and refuses)."""
+        try:
+            try:
+                actions = self.router.update(msg.request_id, msg.segment, final=msg.final)
+            except ValueError as exc:
+                msg.error = exc
+                return
+            await self.perform(actions)
+        finally:
+            if msg.done is not None:
+                msg.done.set()
 
     async def _handle_add(self, msg: AddMsg) -> None:
         try:
@@ -245,15 +296,23 @@ class AsyncioOrchestrator:
         self._deliver([a.message for a in actions if type(a) is Emit])
         router = self.router
         for a in actions:
-            if type(a) is Submit:
-                if a.request_id not in router:
+            if type(a) is Submit or type(a) is Update:
+                if not router.is_started(a.request_id):
                     continue
+                stage = self.stages[a.stage_id]
+                opts = stage_io_options(a)
                 try:
-                    await self.stages[a.stage_id].submit(a.request_id, a.payload)
+                    if type(a) is Update:
+                        await stage.update(a.request_id, a.payload, **opts)  # type: ignore[attr-defined]
+                    elif opts:
+                        await stage.submit(a.request_id, a.payload, **opts)  # type: ignore[call-arg]
+                    else:
+                        await stage.submit(a.request_id, a.payload)
                 except Exception as exc:
+                    what = "update" if type(a) is Update else "submit"
                     await self.perform(router.submit_failed(
                         a.stage_id, a.request_id,
-                        f"submit to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
+                        f"{what} to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
                     continue
                 for x in router.submitted(a.stage_id, a.request_id):
                     if type(x) is Abort:
@@ -290,6 +349,10 @@ class AsyncioOrchestrator:
                     break
                 if type(m) is AddMsg:
                     handed_over.add(m.ticket)
+                    if m.done is not None:
+                        m.done.set()
+                elif type(m) is UpdateMsg:
+                    m.error = RuntimeError("orchestrator shut down before the update was handled")
                     if m.done is not None:
                         m.done.set()
             for ticket in self._sending - handed_over:

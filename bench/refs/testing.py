@@ -42,6 +42,11 @@ class AsyncScriptedStage:
         self.misbehaviour = misbehaviour or Misbehaviour()
         self.on_submit = on_submit
         self.submissions: list[tuple[str, Any]] = []
+        self.updates: list[tuple[str, Any]] = []
+        self.resumable: list[str] = []
+        self.final_updates: list[str] = []
+        self.sampling: list[tuple[str, Any]] = []
+        self.companions: list[tuple[str, str]] = []
         self.aborts: list[str] = []
         self.closed = False
         self.swallowed_cancels = 0
@@ -97,18 +102,39 @@ class AsyncScriptedStage:
         return self._dead is not None
 
     # ---------------------------------------------------------------- client protocol
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, resumable: bool = False,
+                     sampling: Any = None, companion_of: str | None = None) -> None:
         while self._submit_gate is not None:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
         self.submissions.append((request_id, payload))
+        if resumable:
+            self.resumable.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
+        if companion_of is not None:
+            self.companions.append((request_id, companion_of))
         if self.on_submit is not None:
             self.on_submit(self.stage_id, request_id)
         if self.misbehaviour.helper_per_submit:
             task = asyncio.create_task(asyncio.sleep(3600), name=f"{self.name}.heartbeat[{request_id}]")
             self.helpers.add(task)
             task.add_done_callback(self.helpers.discard)
+        await asyncio.sleep(0)
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """More input for a request submitted with ``resumable=True`` (recorded in ``updates``)."""
+        while self._submit_gate is not None:
+            await self._submit_gate.wait()
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.updates.append((request_id, payload))
+        if final:
+            self.final_updates.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
         await asyncio.sleep(0)
 
     async def abort(self, request_ids: list[str]) -> None:
