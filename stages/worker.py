@@ -83,6 +83,9 @@ class Worker:
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
         self.segments = SegmentTracker(model)
+        # per request: when it arrived, and when the batch took it (perf_counter), for its timing
+        self.t_arrived: dict[str, float] = {}
+        self.t_batched: dict[str, float] = {}
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
                       "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0,
                       "updates": 0, "segments_finished": 0}
@@ -178,6 +181,7 @@ class Worker:
             for data, end, segment in self.inbox.claim(rid):  # chunks that came before the submit
                 if not msg.resumable or self.segments.route_chunk(req, data, end, segment):
                     self.model.feed(req, data, end)
+        self.t_arrived[rid] = time.perf_counter()
         self.waiting.append(req)
 
     def update(self, msg: Update) -> None:
@@ -202,6 +206,8 @@ class Worker:
         self.send(RequestError(req.request_id, message))
 
     def retire(self, rid: str) -> None:
+        self.t_arrived.pop(rid, None)
+        self.t_batched.pop(rid, None)
         req = self.active.pop(rid, None)
         if req is None:
             for r in self.waiting:
@@ -232,9 +238,12 @@ class Worker:
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
         """Admit, run one batched step, emit, retire; return whether work was done."""
-        while self.waiting and len(self.active) < self.args.max_batch:
-            req = self.waiting.popleft()
-            self.active[req.request_id] = req
+        if self.waiting and len(self.active) < self.args.max_batch:
+            t = time.perf_counter()
+            while self.waiting and len(self.active) < self.args.max_batch:
+                req = self.waiting.popleft()
+                self.active[req.request_id] = req
+                self.t_batched[req.request_id] = t
         batch: list[ReqState] = []
         empty: list[ReqState] = []  # on an empty input segment: closed without a model step
         segments = self.segments
@@ -287,6 +296,7 @@ class Worker:
                 item = OutItem(req.request_id, None if control_only else res.data, True, None, now)
                 if self.segments.resumable(req.request_id) and not self._last_segment(req, item, items):
                     continue
+                item.timing = self.timing(req.request_id, now)  # the request leaves: its timing
                 if self._request_faults(req):
                     faulty.append((req, item))
                 else:
@@ -302,6 +312,13 @@ class Worker:
             self._finish_with_faults(req, item)
         self._faults_after_step()
         return True
+
+    def timing(self, rid: str, now: float) -> tuple[float, float] | None:
+        """(seconds queued before the batch took ``rid``, seconds in the batch) for its last output."""
+        arrived, batched = self.t_arrived.get(rid), self.t_batched.get(rid)
+        if arrived is None or batched is None:
+            return None
+        return batched - arrived, now - batched
 
     def _last_segment(self, req: ReqState, item: OutItem, items: list[OutItem]) -> bool:
         """A resumable request finished a segment: True if it was its last (retire it as usual).

@@ -142,9 +142,19 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
                                       json=chat_body(opts, 0, stream=False))
                 assert r.status_code == 200
             code, _ = await server.stop(signal.SIGINT)
-            assert code == 0
+            assert code == 130  # serve's exit code after a signal-triggered drain
     finally:
         if server.proc is not None and server.proc.returncode is None:
             await server.stop(signal.SIGKILL)
     assert len(server.worker_pids) == 4  # 3 first workers + the replacement, all gone now
     assert server.leaks() == (0, 0)
+
+
+@pytest.mark.slow
+async def test_chaos_says_what_it_does_while_the_workers_start(capsys: pytest.CaptureFixture[str]) -> None:
+    opts = dataclasses.replace(OPTS, requests=20, probe_requests=2, progress=True)
+    res = await FAULTS["abort_storm"].run(opts)
+    assert res.ok and res.without_terminal == 0, res.error
+    err = capsys.readouterr().err
+    assert "abort_storm: starting 6 workers ..." in err
+    assert err.index("starting 6 workers") < err.index("workers ready after")

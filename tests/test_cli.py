@@ -36,6 +36,7 @@ def test_demo_streams_every_request_to_its_terminal() -> None:
     proc = subprocess.run([sys.executable, "-m", "trio_orch.cli", "demo", "--delay-ms", "1", "a b c", "d e"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+    assert "entry point" not in proc.stderr, proc.stderr  # bench's commands load under -m too
     lines = proc.stdout.splitlines()
     assert sum("[finished]" in ln for ln in lines) == 2
     assert any("req-0 stage 0 text  'a'" in ln for ln in lines)

@@ -207,3 +207,19 @@ def test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv() -> None:
 
     assert asyncio.run(main()) is True
     assert seen == [0]
+
+
+def test_the_terminal_table_fits_the_terminal_and_cuts_no_cell() -> None:
+    from bench.compare.cli import terminal_table
+
+    long = "ok: every request got exactly one terminal within the grace period, none after it"
+    result = {"implementations": {"trio": {}, "omni-event": {}, "omni-poll": {}, "asyncio-taskgroup": {}},
+              "scenarios": [{"number": 12, "title": "a stage hangs in abort while the consumer is cancelled",
+                             "results": {i: {"verdict": "ok", "headline": long} for i in
+                                         ("trio", "omni-event", "omni-poll", "asyncio-taskgroup")}}]}
+    for columns in (100, 140):
+        table = terminal_table(result, columns)
+        assert max(len(line) for line in table.splitlines()) <= columns and "…" not in table
+        flat = " ".join(" ".join(table.split()).split(" | "))
+        for word in long.split():
+            assert word in flat  # wrapped, never cut

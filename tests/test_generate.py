@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import wave
 from pathlib import Path
@@ -11,6 +14,7 @@ import pytest
 
 from trio_orch import cli
 from trio_orch.config import default_config, echo_config, load_config
+from trio_orch.testing import child_pids, worker_alive
 
 TINY_TOML = """
 [pipeline]
@@ -106,6 +110,70 @@ def test_echo_config_defaults() -> None:
     cfg = echo_config(3, replicas=2)
     assert [s.kind for s in cfg.stages] == ["echo"] * 3 and cfg.final_stage_ids == [2]
     assert all(s.replicas == 2 for s in cfg.stages)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "   "], "the prompt is empty"),
+    (["generate", "Hi", "--max-tokens", "0"], "--max-tokens must be between 1 and"),
+    (["generate", "Hi", "--max-tokens", str(2**40)], "--max-tokens must be between 1 and"),
+    (["generate", "Hi", "--out", "{tmp}/no/such/dir/out.wav"], "does not exist"),
+    (["generate", "Hi", "--out", "{tmp}"], "is a directory"),
+    (["generate", "Hi", "--replicas", "0"], "--replicas must be >= 1"),
+])
+def test_generate_refuses_bad_arguments_before_any_worker_starts(
+        argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert "starting workers" not in captured.err + captured.out
+
+
+def test_trio_orch_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"trio-orch {version('trio-orch')}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_generate_stopped_by_a_signal_exits_130_and_leaves_no_worker(sig: int, tmp_path: Path) -> None:
+    cfg = tmp_path / "slow.toml"  # a slow echo stage: the signal comes while the request runs
+    cfg.write_text('[pipeline]\nfinal_stages = [0]\n[[stages]]\nkind = "echo"\n'
+                   'worker_args = ["--step-delay-ms", "100"]\n[stages.model]\noutputs = 200\n')
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "generate", "Hi", "--config", str(cfg),
+                             "--out", str(tmp_path / "o.wav")], cwd=Path(__file__).parents[1], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout is not None
+    seen = b""
+    while b"HiHi" not in seen:  # two outputs streamed: the request is running (200 would take 20 s)
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, seen
+        seen += chunk
+    workers = child_pids(proc.pid)
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=60)
+    out = (seen + rest).decode()
+    assert proc.returncode == 130, out
+    assert f"{signal.Signals(sig).name}: stopping" in out
+    assert not any(worker_alive(p) for p in workers)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slow.toml"]  # no ipc directory left
+
+
+def test_max_inflight_in_the_config_and_its_serving_default(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    p.write_text('[[stages]]\nkind = "echo"\nmax_batch = 8\n[[stages]]\nkind = "echo"\nmax_inflight = 3\n'
+                 '[[stages]]\nkind = "echo"\nmax_inflight = 0\n')
+    cfg = load_config(p)
+    assert cfg.admission_bounds(serving=True) == [8, 3, None]  # unset: max_batch; 0: no bound
+    assert cfg.admission_bounds(serving=False) == [None, 3, None]
+    p.write_text('[[stages]]\nkind = "echo"\nmax_inflight = -1\n')
+    with pytest.raises(ValueError, match="max_inflight >= 0"):
+        load_config(p)
 
 
 @pytest.mark.parametrize(("flags", "message"), [

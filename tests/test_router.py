@@ -358,3 +358,83 @@ def test_pause_modes_decide_what_happens_to_started_requests() -> None:
     assert r.pause("keep") == [] and r.pause_complete() and "d" in r
     with pytest.raises(ValueError, match="pause mode"):
         r.pause("sleep")
+
+
+# ---------------------------------------------------------------- admission bounds and replicas
+def test_a_started_request_holds_room_on_every_stage_of_its_path_until_it_passes_it() -> None:
+    r = Router(3, {0, 2}, forward_fn=lambda k, p, o: o, max_inflight=[2, None, 1])
+    audio = r.accept("audio", "p")  # path 0..2
+    text = r.accept("text", "p", final_stage_id=0)  # path 0 only
+    assert r.can_start(audio) and r.has_room(2)
+    r.start(audio)
+    assert r.statistics().claims_by_stage == (1, 1, 1)
+    assert not r.has_room(2) and r.has_room(0)  # stage 2 admits one, and "audio" will need it
+    assert r.can_start(text)
+    r.start(text)
+    late = r.accept("late", "p", final_stage_id=0)
+    assert not r.can_start(late)  # stage 0 holds two
+    r.route(0, out("text", "t", True))  # text finished: its terminal frees stage 0
+    assert r.can_start(late) and r.statistics().claims_by_stage == (1, 1, 1)
+    r.start(late)
+    r.route(0, out("audio", "a", True))  # audio passed stage 0, still holds 1 and 2
+    assert r.statistics().claims_by_stage == (1, 1, 1)
+    r.route(1, out("audio", "c", True))
+    assert r.statistics().claims_by_stage == (1, 0, 1)
+    r.abort("audio")  # an ended request frees what it still held
+    assert r.statistics().claims_by_stage == (1, 0, 0) and r.has_room(2)
+
+
+def test_admission_bound_follows_the_live_replicas_and_availability() -> None:
+    r = Router(2, {0, 1}, max_inflight=[2, 2])
+    r.replicas_changed(0, 2, 2)
+    for i in range(4):
+        r.add(f"r{i}", "p")
+    assert not r.has_room(1) and r.statistics().stage_limits == (4, 2)
+    r.replicas_changed(1, 3, 3)
+    assert not r.has_room(1) and not r.has_room(0)  # stage 1 may take 6 now; stage 0 holds 4 of 4
+    r.replicas_changed(0, 3, 3)
+    assert r.has_room(1)
+    waiting = r.accept("w", "p")
+    r.replicas_changed(0, 0, 3)  # the last replica died: nothing would start, so do not wait
+    assert r.unavailable_stage(1) == 0 and r.can_start(waiting)
+    assert emitted(r.start(waiting)) == [
+        OrchError("w", 0, "stage_unavailable", "stage 0 has no live replica")]
+    stats = r.statistics()
+    assert (stats.replicas_live, stats.replicas_total, stats.stage_available) == ((0, 3), (3, 3),
+                                                                                   (False, True))
+    r.replicas_changed(1, 0, 2)  # a later stage down: the core still accepts, a front may refuse
+    r.replicas_changed(0, 1, 3)
+    assert r.unavailable_stage(0) is None and r.unavailable_stage(1) == 1
+    assert r.add("x", "p", 0) == [Submit(0, "x", "p")]
+
+
+def test_a_stale_ticket_may_always_start_and_bad_bounds_are_refused() -> None:
+    r = Router(1, {0}, max_inflight=[1])
+    r.add("a", "p")
+    t = r.accept("t", "p")
+    assert not r.can_start(t)
+    r.abort("a")
+    assert r.can_start(t)
+    r.pause("wait")  # paused: a queued ticket waits even with room
+    assert not r.can_start(t)
+    r.resume()
+    assert r.can_start(t)
+    r.abort("t")  # ended while queued: start() does nothing, so the shell need not wait
+    assert r.can_start(t) and r.start(t) == []
+    for bad, match in [([0], "stage 0"), ([1, 1], "one entry per stage"), (["2"], "stage 0")]:
+        with pytest.raises(ValueError, match=match):
+            Router(1, {0}, max_inflight=bad)
+
+
+def test_resumable_and_async_chunk_requests_release_room_when_each_stage_is_done() -> None:
+    r = Router(2, {1}, async_chunk=True, max_inflight=[1, 1])
+    r.add("s", "p", resumable=True)
+    assert r.statistics().claims_by_stage == (1, 1)
+    r.route(0, out("s", None, True))  # segment 0 closed on stage 0, but more input may come
+    assert r.statistics().claims_by_stage == (1, 1)
+    r.update("s", "more", final=True)
+    r.route(0, out("s", None, True))
+    assert r.statistics().claims_by_stage == (0, 1)
+    r.route(1, out("s", "x", True))
+    r.route(1, out("s", "y", True))
+    assert not r.is_live("s") and r.statistics().claims_by_stage == (0, 0)

@@ -53,7 +53,7 @@ class RouterMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.router = Router(3, {0, 2}, async_chunk=self.async_chunk,
+        self.router = Router(3, {0, 2}, async_chunk=self.async_chunk, max_inflight=[2, None, 1],
                              prewarm_fn=lambda k, p: f"warm{k}:{p}", forward_fn=lambda k, p, o: list(o))
         self.live: dict[str, Model] = {}
         self.terminals: dict[tuple[str, int], int] = {}  # (rid, incarnation) -> terminal count
@@ -276,7 +276,33 @@ class RouterMachine(RuleBasedStateMachine):
     def stage_back(self, stage: int) -> None:
         self.router.set_available(stage, True)
 
+    @rule(stage=STAGES, live=st.integers(0, 2))
+    def replicas(self, stage: int, live: int) -> None:
+        self.router.replicas_changed(stage, live, 2)
+        assert self.router.available[stage] == (live > 0)
+
+    @rule(data=st.data())
+    def start_when_the_core_says_so(self, data: st.DataObject) -> None:
+        """What a shell does: start a queued ticket only once ``can_start`` says yes."""
+        queued = sorted(self.router.queued)
+        if not queued:
+            return
+        ticket = self.router.queued[data.draw(st.sampled_from(queued))]
+        if self.router.can_start(ticket):
+            self.apply(self.router.start(ticket))
+        else:
+            assert not self.router.has_room(ticket.final_stage_id)
+
     # ---------------------------------------------------------------- invariants
+    @invariant()
+    def claims_count_the_started_requests_that_still_have_to_pass_each_stage(self) -> None:
+        want = [0, 0, 0]
+        for req in self.router.requests.values():
+            for k in range(req.final_stage_id + 1):
+                if k not in req.finished:
+                    want[k] += 1
+        assert self.router.claims == want
+
     @invariant()
     def at_most_one_terminal(self) -> None:
         assert all(n <= 1 for n in self.terminals.values())

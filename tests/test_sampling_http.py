@@ -78,7 +78,7 @@ def test_fields_reach_the_toy_stages_that_take_them(toy: Served) -> None:
     ({"stop": ["x"]}, "stop", "takes no 'stop'"),
     ({"extra_body": {"stage_sampling": {"toy talker": {"voice": "nova"}}}}, "stage_sampling.toy talker",
      "toy talker takes no sampling parameter 'voice' (it takes none)"),
-    ({"max_tokens": 0}, "max_tokens", "'max_tokens' must be >= 1"),
+    ({"max_tokens": 0}, "max_tokens", "'max_tokens' must be between 1 and"),
 ])
 def test_fields_a_stage_cannot_honour_are_400s(toy: Served, kwargs: dict[str, Any], param: str,
                                                message: str) -> None:
@@ -162,7 +162,7 @@ def test_acceptance_with_the_openai_client_against_trio_orch_serve(tmp_path: Pat
         with pytest.raises(openai.BadRequestError, match=r"'top_p' must be in \(0, 1\]"):
             ask(top_p=0)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 130  # stopped by a signal (documented exit code)
         wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
         assert list(tmp_path.iterdir()) == []
     finally:

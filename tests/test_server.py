@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
 import os
 import re
 import signal
@@ -19,51 +18,19 @@ import sys
 import threading
 import time
 import wave
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.http_helpers import HANG, Served, chat, deltas, metrics, sse_events, wait_until
 from trio_orch.bridge import Engine
-from trio_orch.server import create_app
 from trio_orch.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
-HANG = 10.0
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def wait_until(pred: Callable[[], bool], what: str = "condition") -> None:
-    end = time.monotonic() + HANG
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-class Served:
-    """An Engine + uvicorn in a background thread, on an ephemeral loopback port."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        config = uvicorn.Config(create_app(engine, model_name="toy"), host="127.0.0.1", port=0,
-                                log_level="warning", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn started")
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG)
-        self.engine.close()
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -78,35 +45,6 @@ def served() -> Iterator[Served]:
 def client(served: Served) -> Iterator[httpx.Client]:
     with httpx.Client(base_url=served.url, timeout=HANG) as c:
         yield c
-
-
-def chat(text: str, **kw: Any) -> dict[str, Any]:
-    return {"model": "toy", "messages": [{"role": "user", "content": text}], **kw}
-
-
-def sse_events(lines: Iterator[str]) -> list[Any]:
-    """Parse an SSE body into JSON objects, with the final ``[DONE]`` kept as the string."""
-    events: list[Any] = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
-
-
-def deltas(events: list[Any]) -> list[dict[str, Any]]:
-    return [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
-
-
-def metrics(client: httpx.Client) -> dict[str, float]:
-    r = client.get("/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(r.text):  # raises on malformed exposition text
-        for s in fam.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return out
 
 
 # ---------------------------------------------------------------- streaming
@@ -132,9 +70,12 @@ def test_stream_text_and_audio_decodes_to_pcm(client: httpx.Client) -> None:
     ds = deltas(events)
     text = "".join(d.get("content", "") for d in ds)
     assert text == "You said: one two three"
-    audio = [d["audio"] for d in ds if "audio" in d]
+    audio = [d["audio"] for d in ds if "audio" in d and "data" in d["audio"]]
     assert len(audio) == 5  # one chunk per word
-    assert len({a["id"] for a in audio}) == 1 and "expires_at" in audio[0]
+    assert "expires_at" in audio[0]
+    transcript = [d["audio"]["transcript"] for d in ds if "transcript" in d.get("audio", {})]
+    assert "".join(transcript) == text  # OpenAI's audio streaming carries the text here too
+    assert len({d["audio"]["id"] for d in ds if "audio" in d}) == 1
     pcm = np.frombuffer(b"".join(base64.b64decode(a["data"]) for a in audio), "<i2")
     assert len(pcm) == 5 * int(SAMPLE_RATE * 0.08)
     assert 1000 < np.abs(pcm).max() <= 32767  # audible, not clipped garbage
@@ -164,7 +105,7 @@ def test_concurrent_clients_each_get_their_own_stream(served: Served) -> None:
             assert r.status_code == 200
             lines = [line async for line in r.aiter_lines()]
         ds = deltas(sse_events(iter(lines)))
-        assert sum("audio" in d for d in ds) == 5
+        assert sum("data" in d.get("audio", {}) for d in ds) == 5
         return "".join(d.get("content", "") for d in ds)
 
     async def main() -> list[str]:
@@ -207,7 +148,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(served: Serve
 # ---------------------------------------------------------------- bad requests
 @pytest.mark.parametrize(("body", "fragment"), [
     (b'{"messages": [', "malformed JSON"),
-    (b"\xff\xfe", "malformed JSON"),
+    (b"\xff\xfe", "not valid UTF-8"),
     (b'["not", "an", "object"]', "must be a JSON object"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "temperatur": 1}', "unknown field: 'temperatur'"),
     (b'{"messages": [{"role": "user", "content": "hi", "extra": 1}]}', "unknown field 'extra'"),
@@ -218,7 +159,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(served: Serve
     (b'{"messages": [{"role": "user", "content": 5}]}', "must be a string or an array of text parts"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}', "'stream' must be a boolean"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "modalities": ["audio"]}', "'modalities' must be"),
-    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "'max_tokens' must be >= 1"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', "'max_tokens' must be between"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": true}', "must be an integer"),
     (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "modalities": ["text", "audio"],'
      b' "audio": {"format": "wav"}}', "streamed audio is 16-bit PCM"),
@@ -249,7 +190,7 @@ def test_health_and_metrics_move_when_requests_run(client: httpx.Client) -> None
     for t in ("m1", "m2"):
         r = client.post("/v1/chat/completions", json=chat(t, modalities=["text", "audio"]))
         assert r.status_code == 200
-    client.post("/v1/chat/completions", content=b"{")
+    client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
     after = metrics(client)
     assert after["trio_orch_up"] == 1
     # "You said: m1": 3 text outputs + 3 audio chunks per request
@@ -373,14 +314,21 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
                 assert r.status_code == 200
                 events = sse_events(r.iter_lines())
             assert c.get("/health").json()["status"] == "ok"
+            short = c.post("/v1/chat/completions", json=chat("Hello!", max_tokens=5)).json()
+            assert short["usage"]["completion_tokens"] == 5  # the thinker's own floor (8) is above it
+            assert short["choices"][0]["finish_reason"] == "length"
+            full = c.post("/v1/chat/completions", json=chat("Hello!")).json()
+            n = len(full["choices"][0]["message"]["content"])  # one character per token
+            assert full["choices"][0]["finish_reason"] == ("length" if n == 48 else "stop")  # its own cap
         ds = deltas(events)
         # the thinker reports why it ended: end-of-text ("stop") or its token limit ("length")
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] in ("stop", "length")
         assert "".join(d.get("content", "") for d in ds)
-        pcm = np.frombuffer(b"".join(base64.b64decode(d["audio"]["data"]) for d in ds if "audio" in d), "<i2")
+        pcm = np.frombuffer(b"".join(base64.b64decode(d["audio"]["data"]) for d in ds
+                                     if "data" in d.get("audio", {})), "<i2")
         assert len(pcm) > 0 and np.abs(pcm).max() > 0
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(30) == 130  # stopped by a signal (SIGTERM gives the same)
         wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
         assert list(tmp_path.iterdir()) == []  # no ipc socket or log file left behind
     finally:
@@ -447,3 +395,27 @@ def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
     engine.close()
     watcher.join(HANG)
     assert not server.should_exit and died == []
+
+
+def test_the_answer_names_the_served_model_never_an_echo_of_the_request(client: httpx.Client) -> None:
+    r = client.post("/v1/chat/completions", json={**chat("hi"), "model": "x" * 200})
+    assert r.json()["model"] == "toy"
+    body = {**chat("hi", stream=True), "model": "y" * 200}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    assert {e["model"] for e in events if isinstance(e, dict)} == {"toy"}
+
+
+def test_finish_reason_is_length_when_the_text_stage_own_limit_cut_the_answer() -> None:
+    s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), token_limit=4)
+    try:
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            short = c.post("/v1/chat/completions", json=chat("hi")).json()  # "You said: hi": 3 tokens
+            cut = c.post("/v1/chat/completions", json=chat("a b c d")).json()
+            assert short["choices"][0]["finish_reason"] == "stop"
+            assert cut["choices"][0]["finish_reason"] == "length"
+            with c.stream("POST", "/v1/chat/completions", json=chat("a b c d", stream=True)) as r:
+                events = sse_events(r.iter_lines())
+            assert events[-2]["choices"][0]["finish_reason"] == "length"
+    finally:
+        s.stop()

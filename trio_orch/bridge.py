@@ -32,7 +32,6 @@ import asyncio
 import atexit
 import itertools
 import logging
-import math
 import os
 import queue
 import threading
@@ -45,9 +44,9 @@ from typing import Any
 import trio
 
 from stages.sampling_params import StageParams
+from trio_orch.admitter import Admitter
 from trio_orch.demux import (
     ACK,
-    ADMITTED,
     DONE,
     PENDING,
     WITHDRAWN,
@@ -55,16 +54,17 @@ from trio_orch.demux import (
     Demux,
     Stream,
     SyncStream,
-    wake,
 )
 from trio_orch.engine_base import (
     EngineClosed,
     EngineStartupError,
     EngineStatistics,
+    Overloaded,
     PipelineFactory,
     PipelineSpec,
     as_spec,
     collect_stats,
+    stage_timings,
     static_pipeline,
     unwrap,
 )
@@ -74,8 +74,9 @@ from trio_orch.trio_engine import TrioEngine, open_trio_engine
 from trio_orch.types import Message, OrchError, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
-__all__ = ["AsyncRequestHandle", "Engine", "EngineClosed", "EngineStartupError", "PipelineFactory",
-           "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine", "static_pipeline"]
+__all__ = ["AsyncRequestHandle", "Engine", "EngineClosed", "EngineStartupError", "Overloaded",
+           "PipelineFactory", "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine",
+           "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
 
@@ -180,13 +181,19 @@ class Engine:
 
     ``pipeline`` is a :data:`PipelineFactory`.  ``startup_timeout`` bounds
     :meth:`start`; ``close_timeout`` bounds :meth:`close` (beyond any drain).
-    ``request_queue_size``, ``shutdown_grace`` and ``request_timeout`` go to
-    the :class:`Orchestrator` (the pipeline's own options come on top).
+    ``request_queue_size``, ``shutdown_grace``, ``request_timeout`` and
+    ``max_inflight`` go to the :class:`Orchestrator` (the pipeline's own
+    options come on top).  ``admission_timeout`` and ``max_waiting`` bound how
+    long and how many requests wait for room in the request channel; past
+    them a request is shed with :class:`Overloaded` (None: no bound, callers
+    wait -- backpressure).  See :mod:`trio_orch.admitter`.
     """
 
     def __init__(self, pipeline: PipelineFactory, *, startup_timeout: float = 60.0,
                  close_timeout: float = 10.0, request_queue_size: int = 256,
                  shutdown_grace: float = 2.0, request_timeout: float | None = None,
+                 admission_timeout: float | None = None, max_waiting: int | None = None,
+                 max_inflight: Sequence[int | None] | None = None,
                  name: str = "trio-orch-engine") -> None:
         self._pipeline = pipeline
         self.startup_timeout = startup_timeout
@@ -195,8 +202,11 @@ class Engine:
                                               "shutdown_grace": shutdown_grace}
         if request_timeout is not None:
             self._orch_options["request_timeout"] = request_timeout
+        self._max_inflight = max_inflight
         self.name = name
         self._demux = Demux()
+        self._demux.timings_of = self._timings_of
+        self._admitter = Admitter(self._demux, timeout=admission_timeout, max_waiting=max_waiting)
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}-{id(self) & 0xFFFFFF:x}"
         self._thread: threading.Thread | None = None
@@ -210,11 +220,9 @@ class Engine:
         self._drain: float | None = None
         self._closing: str | None = None  # set: new requests are refused with this reason
         self._dead: str | None = None  # set: the Trio thread is gone (or abandoned)
-        # admitter state (Trio thread only)
-        self._adm_send, self._adm_recv = trio.open_memory_channel[Stream](math.inf)
-        self._n_waiting = 0
-        self._sending: tuple[Stream, trio.CancelScope] | None = None
         self._updates = UpdateForwarder()  # update_request's Trio side
+        self._admitter.on_admitted = self._updates.admitted
+        self._admitter.on_dropped = self._updates.dropped
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -314,9 +322,23 @@ class Engine:
         return set(self._demux.streams)
 
     @property
+    def shedding(self) -> bool:
+        """The engine shed a request moments ago: a new one now would most likely be shed too.
+
+        A hint for a front that wants to refuse cheaply under a flood (any thread);
+        the admission decision itself stays with the core and the admitter.
+        """
+        return monotonic() < self._admitter.shedding_until
+
+    @property
+    def retry_after(self) -> float:
+        """Seconds a shed caller is told to wait."""
+        return self._admitter.retry_after
+
+    @property
     def admission_waiting(self) -> int:
-        """Callers waiting for room in the request channel (an instantaneous read)."""
-        return self._n_waiting
+        """Requests waiting for room in the request channel (readable from any thread)."""
+        return self._admitter.waiting
 
     @property
     def closed_reason(self) -> str | None:
@@ -326,6 +348,11 @@ class Engine:
     def _request_stop(self, drain: float | None) -> None:
         self._stop_flag = True
         self._drain = drain
+        self._post_quiet(self._stop_cb)
+
+    def end_drain(self) -> None:
+        """Cut a drain begun by :meth:`close` short: what is still in flight ends now (any thread)."""
+        self._drain = None
         self._post_quiet(self._stop_cb)
 
     def _stop_cb(self) -> None:
@@ -367,11 +394,14 @@ class Engine:
             async with self._pipeline() as raw:
                 spec = as_spec(raw)
                 self._stage_params = spec.stage_params
-                orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
-                                    **{**self._orch_options, **spec.options})
+                opts = {**self._orch_options, **spec.options}
+                if self._max_inflight is not None:
+                    opts["max_inflight"] = self._max_inflight
+                orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink, **opts)
+                self._admitter.orch = orch
                 async with trio.open_nursery() as nursery:
                     await nursery.start(orch.run)
-                    nursery.start_soon(self._admitter, orch, name="trio_orch.bridge.admitter")
+                    nursery.start_soon(self._admitter.run, orch, name="trio_orch.bridge.admitter")
                     nursery.start_soon(self._updates.run, orch, name="trio_orch.bridge.updates")
                     self._orch = orch
                     self._ready.set()
@@ -386,83 +416,7 @@ class Engine:
                     nursery.cancel_scope.cancel()
 
     def _admit_cb(self, s: Stream) -> None:
-        """Trio thread: admit at once if there is room and nobody is waiting, else queue."""
-        try:
-            if s.state != PENDING:
-                return
-            if s.detached:
-                self._demux.unregister(s)
-                return
-            orch = self._orch
-            assert orch is not None
-            if self._n_waiting == 0:
-                try:
-                    orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout, sampling=s.sampling,
-                                            resumable=s.resumable)
-                except trio.WouldBlock:
-                    pass
-                except Exception as exc:
-                    self._refused(s, exc)
-                    return
-                else:
-                    self._admitted(s)
-                    return
-            self._n_waiting += 1
-            self._adm_send.send_nowait(s)
-        except BaseException as exc:  # never let a callback kill the Trio run
-            log.exception("admission of %r failed", s.request_id)
-            self._demux.fail(s, exc)
-
-    async def _admitter(self, orch: Orchestrator) -> None:
-        """Admit, in FIFO order, the requests that found the request channel full."""
-        async for s in self._adm_recv:
-            try:
-                if s.state != PENDING:
-                    continue  # aborted or withdrawn while waiting
-                with trio.CancelScope() as cs:
-                    self._sending = (s, cs)
-                    try:
-                        await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout, sampling=s.sampling,
-                                               resumable=s.resumable)
-                    except Exception as exc:
-                        self._refused(s, exc)
-                        continue
-                    finally:
-                        self._sending = None
-                if cs.cancelled_caught:
-                    # Aborted while waiting.  If it was accepted, add_request aborted it and its
-                    # terminal comes from the orchestrator; otherwise we end it here.
-                    if s.state != DONE and s.request_id not in orch.router:
-                        self._ended_unadmitted(s)
-                    continue
-                self._admitted(s)
-            finally:
-                self._n_waiting -= 1
-
-    def _refused(self, s: Stream, exc: Exception) -> None:
-        self._updates.dropped(s.request_id, f"it was refused: {exc}")
-        if isinstance(exc, RuntimeError):  # the orchestrator stopped accepting: a terminal, not a raise
-            self._demux.end(s, OrchError(s.request_id, None, "shutdown", str(exc)))
-        else:
-            self._demux.fail(s, exc)
-
-    def _admitted(self, s: Stream) -> None:
-        if s.state == PENDING:
-            s.state = ADMITTED
-            self._updates.admitted(s.request_id)
-            if s.want_ack and s.put(ACK):
-                wake({s.loop: [s]})  # type: ignore[attr-defined]
-
-    def _ended_unadmitted(self, s: Stream) -> None:
-        self._updates.dropped(s.request_id, "it ended before it was admitted")
-        if s.withdrawn:
-            self._demux.unregister(s)
-            s.put(WITHDRAWN)
-        else:
-            self._demux.end(s, OrchError(s.request_id, None, "aborted",
-                                         "aborted while waiting for room in the request channel"))
+        self._admitter.admit(s)
 
     def _abort_cb(self, s: Stream) -> None:
         """Trio thread: abort ``s`` wherever it is (waiting for admission, queued, routed)."""
@@ -470,11 +424,7 @@ class Engine:
             if s.state == DONE:
                 return
             if s.state == PENDING:
-                sending = self._sending
-                if sending is not None and sending[0] is s:
-                    sending[1].cancel()  # the admitter sorts out whether it was accepted
-                else:
-                    self._ended_unadmitted(s)  # still in the admitter's queue: it will skip it
+                self._admitter.abort(s)
                 return
             if self._orch is not None:
                 self._orch.abort_nowait(s.request_id)
@@ -506,6 +456,7 @@ class Engine:
 
     def _open(self, cls: type[Stream], prompt: Any, request_id: str | None, final_stage_id: int | None,
               request_timeout: float | None, resumable: bool = False, **kw: Any) -> Stream:
+        """Register a stream for a new request and post its admission to the Trio thread."""
         if self._closing is not None or self._dead is not None or self._orch is None:
             raise EngineClosed(self._closed_message())
         rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
@@ -573,11 +524,7 @@ class Engine:
         try:
             if s.state != PENDING:
                 return  # already admitted or ended: the ACK/terminal is in its queue
-            sending = self._sending
-            if sending is not None and sending[0] is s:
-                sending[1].cancel()
-            else:
-                self._ended_unadmitted(s)
+            self._admitter.abort(s)  # s.withdrawn: it answers WITHDRAWN, not a terminal
         except BaseException:
             log.exception("withdrawal of %r failed", s.request_id)
 
@@ -667,7 +614,10 @@ class Engine:
             return collect_stats(None, self._demux, 0, False)
 
     def _stats_now(self) -> EngineStatistics:
-        return collect_stats(self._orch, self._demux, self._n_waiting, self._dead is None)
+        return collect_stats(self._orch, self._demux, self._admitter.waiting, self._dead is None)
+
+    def _timings_of(self, request_id: str) -> tuple[Any, ...]:
+        return stage_timings(self._orch, request_id)
 
     @property
     def latency(self) -> Any:
@@ -740,17 +690,24 @@ class Engine:
 
     async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
                                 final_stage_id: int | None = None, request_timeout: float | None = None,
-                                resumable: bool = False) -> AsyncRequestHandle:
+                                resumable: bool = False, sampling: Any = None,
+                                want_timings: bool = False) -> AsyncRequestHandle:
         """Submit a request from asyncio code; return its :class:`AsyncRequestHandle` once accepted.
 
-        Waits (without blocking the loop) while the request channel is full.
-        Once it returns the orchestrator knows the request, so updates of a
-        resumable one may follow at once.  Raises as :meth:`add_request`;
-        cancelled while waiting, the request is aborted (or never registered).
+        Waits (without blocking the loop) while the request channel is full,
+        within the engine's admission bounds.  Once it returns the orchestrator
+        knows the request, so updates of a resumable one may follow at once --
+        and nothing has been sent to the caller's client yet, so an HTTP front
+        can still answer with a status code: :class:`Overloaded` when the
+        request was shed, ``handle.rejection`` when the engine refused it (a
+        stage of its path has no live replica; it is stopping).  Raises as
+        :meth:`add_request` otherwise; cancelled while waiting, the request is
+        aborted (or never registered).  ``want_timings``: ``handle.timings``
+        holds each stage's timing once the terminal was taken.
         """
         loop = asyncio.get_running_loop()
         s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop, want_ack=True)
+                       loop=loop, want_ack=True, sampling=sampling, want_timings=want_timings)
         assert isinstance(s, AsyncioStream)
         handle = AsyncRequestHandle(self, s)
         try:
@@ -789,10 +746,13 @@ class Engine:
 class AsyncRequestHandle:
     """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
 
-    ``async for m in handle``: its messages, terminal last.  ``await
-    handle.update(segment)`` sends more input to a resumable request.
-    Leaving an ``async with handle`` block (or :meth:`close`) before the
-    terminal aborts the request.
+    ``async for m in handle``: its messages, terminal last (:meth:`batches`:
+    one list per dispatcher batch).  ``await handle.update(segment)`` sends
+    more input to a resumable request.  Leaving an ``async with handle`` block
+    (or :meth:`close`) before the terminal aborts the request.  ``rejection``
+    is the terminal error of a request the engine ended before admitting it;
+    ``t_open`` when it was asked for (``time.perf_counter``); ``timings`` each
+    stage's timing, once the terminal was taken (asked for with ``want_timings``).
     """
 
     def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
@@ -801,10 +761,19 @@ class AsyncRequestHandle:
         self._msgs: deque[Message] = deque()
         self._ended = False  # the terminal (or an exception) reached the handle
         self.finished = False  # the caller has taken the terminal
+        self.rejection: OrchError | None = None
 
     @property
     def request_id(self) -> str:
         return self._s.request_id
+
+    @property
+    def t_open(self) -> float:
+        return self._s.t_open
+
+    @property
+    def timings(self) -> tuple[Any, ...] | None:
+        return self._s.timings
 
     async def wait_accepted(self) -> None:
         """Wait for the admission acknowledgement (or an early end, whose terminal is kept)."""
@@ -813,7 +782,22 @@ class AsyncRequestHandle:
             if item is ACK:
                 return
             if self._take(item):
+                if len(self._msgs) == 1 and isinstance(self._msgs[0], OrchError):
+                    self.rejection = self._msgs[0]  # ended before anything else: refused at admission
                 return
+
+    async def batches(self) -> AsyncIterator[list[Message]]:
+        """The messages, one list per dispatcher batch, the terminal last; leaving early aborts."""
+        try:
+            while not self.finished:
+                while not self._msgs:
+                    self._take(await self._s.next_item())
+                batch = list(self._msgs)
+                self._msgs.clear()
+                self.finished = batch[-1].finished
+                yield batch
+        finally:
+            self.close()
 
     def _take(self, item: Any) -> bool:
         """Absorb one item; True once the request ended."""

@@ -8,6 +8,10 @@ comparison and chaos commands come from ``bench`` that way), naming a
 ``Command`` in a module that imports nothing heavy.  ``trio-orch --help``
 imports no command module; ``trio-orch NAME ...`` imports that one alone, so
 a broken or slow command never gets in the way of another.
+
+Exit codes, the same for every command: 0 done, 1 failed, 2 bad command
+line or config, :data:`EXIT_SIGNAL` (130) stopped by Ctrl-C -- and, for
+``generate`` and ``serve``, by SIGTERM too (``serve`` drains first).
 """
 
 from __future__ import annotations
@@ -16,8 +20,13 @@ import argparse
 import importlib
 import importlib.metadata
 import logging
+import signal
 import sys
+import threading
 from dataclasses import dataclass
+
+#: the exit code of a command stopped by SIGINT (or SIGTERM): 128 + SIGINT, the shell's Ctrl-C code
+EXIT_SIGNAL = 130
 
 __all__ = ["COMMANDS", "Command", "build_parser", "commands", "main"]
 
@@ -97,24 +106,40 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    available = commands()
-    chosen = next((a for a in argv if not a.startswith("-")), None)
-    parser = build_parser(available, configure=chosen if chosen in available else None)
-    args = parser.parse_args(argv)
-    if not args.command:
-        parser.print_help()
-        return 2
-    verbosity = args.verbose + getattr(args, "sub_verbose", 0)
-    level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(available[args.command].module)
+    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not with
+    # a bare kill.  Each command then handles SIGTERM its own way (serve drains).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
     try:
+        try:
+            argv = list(sys.argv[1:] if argv is None else argv)
+            available = commands()
+            chosen = next((a for a in argv if not a.startswith("-")), None)
+            parser = build_parser(available, configure=chosen if chosen in available else None)
+            args = parser.parse_args(argv)
+            if not args.command:
+                parser.print_help()
+                return 2
+            verbosity = args.verbose + getattr(args, "sub_verbose", 0)
+            level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+            logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            module = importlib.import_module(available[args.command].module)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
         return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_SIGNAL
+
+
+def _sigterm_as_ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m trio_orch.cli``: run the importable module's main, so that commands
+    # registered by other packages (which import trio_orch.cli.Command) are recognised.
+    from trio_orch import cli
+
+    sys.exit(cli.main())

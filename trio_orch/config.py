@@ -11,6 +11,8 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     [[stages]]
     kind = "thinker"          # echo | thinker | talker | code2wav, or "package.module:Class"
     replicas = 1
+    max_batch = 32            # most requests in one batched step of a worker
+    max_inflight = 32         # admission bound per replica (0: none; default max_batch when serving)
     [stages.model]            # model options: the model constructor's keyword arguments
     max_new_tokens = 48
 
@@ -44,13 +46,17 @@ class StageConfig:
 
     ``worker_args`` are extra ``python -m stages.worker`` flags (fault
     injection: ``["--crash-after-steps", "3"]``); ``replica_args`` maps a
-    replica index to flags for that replica only.
+    replica index to flags for that replica only.  ``max_inflight`` bounds,
+    per live replica, the admitted requests that still have to pass this
+    stage (0: no bound; None: ``max_batch`` when serving, none otherwise):
+    more would only queue inside the worker.
     """
 
     kind: str
     replicas: int = 1
     model: dict[str, Any] = field(default_factory=dict)
     max_batch: int = 32
+    max_inflight: int | None = None
     threads: int = 1
     worker_args: list[str] = field(default_factory=list)
     replica_args: dict[int, list[str]] = field(default_factory=dict)
@@ -94,6 +100,10 @@ class PipelineConfig:
                 raise ValueError(f"pipeline config: stage {k} needs replicas >= 1, got {st.replicas}")
             if st.max_batch < 1:
                 raise ValueError(f"pipeline config: stage {k} needs max_batch >= 1, got {st.max_batch}")
+            bound = st.max_inflight
+            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
+                raise ValueError(f"pipeline config: stage {k} needs max_inflight >= 0 (0: no bound), "
+                                 f"got {st.max_inflight!r}")
         if not self.final_stage_ids:
             raise ValueError("pipeline config: final_stages must name at least one stage")
         bad = [k for k in self.final_stage_ids if not 0 <= k < n]
@@ -102,6 +112,22 @@ class PipelineConfig:
         if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
         return self
+
+    def admission_bounds(self, *, serving: bool) -> list[int | None]:
+        """Each stage's ``max_inflight`` per live replica (None: no bound).
+
+        A stage that does not set it gets its ``max_batch`` when ``serving``
+        (what a worker computes at once: more would only wait inside it) and
+        no bound otherwise.
+        """
+        out: list[int | None] = []
+        for st in self.stages:
+            n = st.max_inflight
+            if n is None:
+                out.append(st.max_batch if serving else None)
+            else:
+                out.append(n or None)
+        return out
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
                        device: str | None = None) -> PipelineConfig:

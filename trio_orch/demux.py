@@ -23,13 +23,14 @@ import asyncio
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 import trio
 
-from trio_orch.metrics import Histogram
-from trio_orch.types import Message, OrchError
+from trio_orch.histogram import REQUEST_TIME_BUCKETS, Histogram
+from trio_orch.types import Message, OrchError, OrchOutput
 
 __all__ = ["ACK", "WITHDRAWN", "AsyncioStream", "Demux", "Stream", "SyncStream", "TrioStream"]
 
@@ -48,14 +49,19 @@ class Stream:
     drops its messages but keeps the id reserved until its terminal.
     ``withdrawn``: a sync caller gave up waiting for admission.
     ``resumable``: the request takes more input segments (``update_request``).
+    ``t_open`` (``perf_counter``) is when the caller asked; ``seen`` has bit k
+    set once stage k's first output went out (time to first output);
+    ``timings``, for a stream opened with ``want_timings``, is filled at its
+    terminal with each stage's :class:`~trio_orch.pool.StageTiming` (None
+    for a stage that did not run it or does not time requests).
     """
 
-    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling", "state",
-                 "timeout", "want_ack", "withdrawn")
+    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling", "seen",
+                 "state", "t_open", "timeout", "timings", "want_ack", "want_timings", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
                  timeout: float | None, want_ack: bool = False, sampling: Any = None,
-                 resumable: bool = False) -> None:
+                 resumable: bool = False, want_timings: bool = False) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.final_stage_id = final_stage_id
@@ -63,9 +69,13 @@ class Stream:
         self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted
         self.want_ack = want_ack
         self.resumable = resumable
+        self.want_timings = want_timings
+        self.timings: tuple[Any, ...] | None = None
         self.state = PENDING
         self.detached = False
         self.withdrawn = False
+        self.t_open = perf_counter()
+        self.seen = 0
 
     def put(self, item: Any) -> bool:
         """Hand ``item`` to the consumer; True when the caller must wake an asyncio loop."""
@@ -155,15 +165,44 @@ def wake(by_loop: dict[asyncio.AbstractEventLoop, list[AsyncioStream]]) -> None:
 
 
 class Demux:
-    """Routes each batch of orchestrator messages to the per-request streams."""
+    """Routes each batch of orchestrator messages to the per-request streams.
+
+    Also the engine's request-level measurements, taken where each message is
+    handed over: time to the first output of each stage, end-to-end duration
+    by terminal kind, and the admitted and shed counts.  ``timings_of(rid)``,
+    if set, gives the per-stage timings stored on a stream at its terminal.
+    """
 
     def __init__(self) -> None:
         self.streams: dict[str, Stream] = {}
         self.latency = Histogram()
+        self.first_output: dict[int, Histogram] = {}  # stage -> seconds from the request to its first output
+        self.duration: dict[str, Histogram] = {}  # terminal kind -> seconds from the request to it
         self.terminals_by_kind: dict[str, int] = {}
         self.errors_by_kind: dict[str, int] = {}
+        self.admitted = 0  # requests the orchestrator accepted (they get a terminal)
+        self.shed_by_reason: dict[str, int] = {}  # requests refused without being accepted
         self.unrouted = 0  # messages for ids no stream was registered for
+        self.timings_of: Callable[[str], tuple[Any, ...]] | None = None
         self._sweep_lock = threading.Lock()
+
+    def count_shed(self, reason: str) -> None:
+        self.shed_by_reason[reason] = self.shed_by_reason.get(reason, 0) + 1
+
+    def put(self, s: Stream, item: Any) -> None:
+        """Hand ``item`` to ``s``'s consumer, waking its event loop if it waits."""
+        if s.put(item):
+            wake({s.loop: [s]})  # type: ignore[attr-defined]
+
+    def _first_output(self, s: Stream, m: Message, now: float) -> None:
+        if type(m) is OrchOutput and m.data is not None:
+            bit = 1 << m.stage_id
+            if not s.seen & bit:
+                s.seen |= bit
+                h = self.first_output.get(m.stage_id)
+                if h is None:
+                    h = self.first_output[m.stage_id] = Histogram(REQUEST_TIME_BUCKETS)
+                h.observe(now - s.t_open)
 
     def register(self, stream: Stream) -> None:
         """Reserve the request id for ``stream``; ValueError if a live stream holds it."""
@@ -179,11 +218,18 @@ class Demux:
         self.unregister(s)
         kinds = self.terminals_by_kind
         if type(m) is OrchError:
-            kinds[m.kind] = kinds.get(m.kind, 0) + 1
+            kind = m.kind
             errs = self.errors_by_kind
-            errs[m.kind] = errs.get(m.kind, 0) + 1
+            errs[kind] = errs.get(kind, 0) + 1
         else:
-            kinds["finished"] = kinds.get("finished", 0) + 1
+            kind = "finished"
+        kinds[kind] = kinds.get(kind, 0) + 1
+        h = self.duration.get(kind)
+        if h is None:
+            h = self.duration[kind] = Histogram(REQUEST_TIME_BUCKETS)
+        h.observe(perf_counter() - s.t_open)
+        if s.want_timings and self.timings_of is not None:
+            s.timings = self.timings_of(s.request_id)
 
     def sink(self, msgs: list[Message]) -> None:
         """The orchestrator's ``output_sink``: called once per dispatcher batch."""
@@ -195,6 +241,7 @@ class Demux:
             if s is None:
                 self.unrouted += 1
                 return
+            self._first_output(s, m, now)
             if m.finished:
                 self._terminal(s, m)
             if not s.detached and s.put((now, msgs)):
@@ -206,6 +253,7 @@ class Demux:
             if s is None:
                 self.unrouted += 1
                 continue
+            self._first_output(s, m, now)
             if m.finished:
                 self._terminal(s, m)
             lst = groups.get(s)

@@ -17,11 +17,12 @@ from typing import Any
 
 from stages.sampling_params import StageParams, checker
 from trio_orch.demux import Demux
+from trio_orch.histogram import Histogram, HistogramSnapshot
 from trio_orch.orchestrator import Orchestrator, OrchestratorStatistics
 from trio_orch.types import StageClient
 
-__all__ = ["EngineClosed", "EngineStartupError", "EngineStatistics", "PipelineFactory", "PipelineSpec",
-           "as_spec", "collect_stats", "static_pipeline", "unwrap"]
+__all__ = ["EngineClosed", "EngineStartupError", "EngineStatistics", "Overloaded", "PipelineFactory",
+           "PipelineSpec", "as_spec", "collect_stats", "stage_timings", "static_pipeline", "unwrap"]
 
 
 class EngineClosed(RuntimeError):
@@ -30,6 +31,18 @@ class EngineClosed(RuntimeError):
 
 class EngineStartupError(RuntimeError):
     """The engine could not start; ``__cause__`` is the original failure."""
+
+
+class Overloaded(Exception):
+    """The request was shed: no room in the pipeline within the engine's admission bounds.
+
+    Nothing was registered (no terminal follows); try again after
+    ``retry_after`` seconds.  An HTTP front answers 429 with ``Retry-After``.
+    """
+
+    def __init__(self, message: str, *, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 @dataclass
@@ -106,6 +119,13 @@ class EngineStatistics:
     errors_by_kind: Mapping[str, int]  #: error terminals delivered to consumers, by kind
     orchestrator: OrchestratorStatistics | None
     inflight_by_replica: Mapping[tuple[int, str], int]  #: (stage, replica) -> requests bound there
+    admitted: int = 0  #: requests the orchestrator accepted (each gets a terminal)
+    shed_by_reason: Mapping[str, int] = field(default_factory=dict)  #: refused without being accepted
+    dispatch_latency: HistogramSnapshot | None = None  #: a stage output -> its consumer took it
+    first_output: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: stage -> time to it
+    duration: Mapping[str, HistogramSnapshot] = field(default_factory=dict)  #: terminal kind -> e2e time
+    stage_queue: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
+    stage_compute: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
 
     @property
     def queued_requests(self) -> int:
@@ -136,17 +156,49 @@ class EngineStatistics:
     def stage_deaths(self) -> Mapping[int, str]:
         return self.orchestrator.stage_deaths if self.orchestrator else MappingProxyType({})
 
+    @property
+    def replicas(self) -> tuple[tuple[int, int], ...]:
+        """(live, total) replicas per stage."""
+        if not self.orchestrator:
+            return ()
+        core = self.orchestrator.core
+        return tuple(zip(core.replicas_live, core.replicas_total, strict=True))
+
+    @property
+    def admitted_by_stage(self) -> tuple[int, ...]:
+        """Started requests that still have to pass each stage (what its bound counts)."""
+        return self.orchestrator.core.claims_by_stage if self.orchestrator else ()
+
+    @property
+    def stage_limits(self) -> tuple[int | None, ...]:
+        return self.orchestrator.core.stage_limits if self.orchestrator else ()
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: nothing new is accepted, requests in flight may still finish."""
+        return self.orchestrator is not None and self.orchestrator.state == "stopping"
+
 
 def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: int,
                   alive: bool) -> EngineStatistics:
-    """A snapshot for /health and /metrics; must run in the orchestrator's thread."""
+    """A snapshot for /health and /metrics; must run in the orchestrator's thread.
+
+    Stage clients that keep more (a :class:`~trio_orch.pool.ReplicaPool`:
+    requests per replica, worker-reported queue and compute times) add it.
+    """
     by_replica: dict[tuple[int, str], int] = {}
+    queue: dict[int, HistogramSnapshot] = {}
+    compute: dict[int, HistogramSnapshot] = {}
     if orch is not None:
         for k, stage in enumerate(orch.stages):
             fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
             if callable(fn):
                 for replica, n in enumerate(fn()):
                     by_replica[(k, str(replica))] = int(n)
+            for hist, into in ((getattr(stage, "queue_seconds", None), queue),
+                               (getattr(stage, "compute_seconds", None), compute)):
+                if isinstance(hist, Histogram):
+                    into[k] = hist.snapshot()
     return EngineStatistics(
         running=alive and orch is not None and orch.running,
         admission_waiting=admission_waiting,
@@ -155,4 +207,22 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
         errors_by_kind=MappingProxyType(dict(demux.errors_by_kind)),
         orchestrator=orch.statistics() if orch is not None else None,
         inflight_by_replica=MappingProxyType(by_replica),
+        admitted=demux.admitted,
+        shed_by_reason=MappingProxyType(dict(demux.shed_by_reason)),
+        dispatch_latency=demux.latency.snapshot(),
+        first_output=MappingProxyType({k: h.snapshot() for k, h in sorted(demux.first_output.items())}),
+        duration=MappingProxyType({k: h.snapshot() for k, h in sorted(demux.duration.items())}),
+        stage_queue=MappingProxyType(queue),
+        stage_compute=MappingProxyType(compute),
     )
+
+
+def stage_timings(orch: Orchestrator | None, request_id: str) -> tuple[Any, ...]:
+    """Each stage's timing of a recent request (stage clients with ``timing_of``; None elsewhere)."""
+    if orch is None:
+        return ()
+    out: list[Any] = []
+    for stage in orch.stages:
+        fn = getattr(stage, "timing_of", None)
+        out.append(fn(request_id) if callable(fn) else None)
+    return tuple(out)

@@ -11,12 +11,19 @@ as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
 ``--stage-param`` sets any stage's parameter explicitly.  With
 ``--stream-input`` the prompt comes from standard input, one input segment
 per line, into one resumable request (:mod:`trio_orch.generate_stream`).
+
+Everything that can be checked is checked before a worker starts (the
+prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
+SIGINT and SIGTERM stop it cleanly (workers stopped, ipc files removed)
+with exit code 130, like ``trio-orch serve``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
 import wave
@@ -27,11 +34,14 @@ import trio
 
 from stages.registry import as_audio, as_text, outputs_of, stage_params, text_stage
 from stages.sampling_params import VOICES
+from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PipelineConfig, default_config, load_config
 from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
+from trio_orch.openai_chat import BadRequest, check_max_tokens
 from trio_orch.openai_sampling import SamplingError, map_sampling
 from trio_orch.orchestrator import open_orchestrator
+from trio_orch.pool import StageTiming
 from trio_orch.types import OrchError
 
 __all__ = ["configure", "run", "write_wav"]
@@ -124,6 +134,31 @@ def _ms(t: float | None, t0: float) -> str:
     return f"{(t - t0) * 1000:9.1f}" if t is not None else "        -"
 
 
+def _dur(seconds: float | None) -> str:
+    return f"{seconds * 1000:9.1f}" if seconds is not None else "        -"
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """What can be wrong before any worker starts; ValueError saying what."""
+    if not args.text.strip():
+        raise ValueError("the prompt is empty: give some text, e.g. trio-orch generate \"Hello\"")
+    if args.max_tokens is not None:
+        try:
+            check_max_tokens(args.max_tokens, "--max-tokens")
+        except BadRequest as exc:
+            raise ValueError(str(exc).replace("'--max-tokens'", "--max-tokens")) from None
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    out = os.path.abspath(args.out)
+    folder = os.path.dirname(out)
+    if os.path.isdir(out):
+        raise ValueError(f"--out {args.out} is a directory: name the WAV file to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {args.out}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {args.out}: the directory {folder} is not writable")
+
+
 async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                     pipe: Pipeline) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
@@ -132,7 +167,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
     rid = "generate-1"
     pcm: list[np.ndarray] = []
     rate = 24000
-    t_text = t_audio = None
+    t_text = t_audio = t_last_audio = None
     async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
         t0 = time.perf_counter()
         await orch.add_request(rid, payload, sampling=args.sampling)
@@ -154,6 +189,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                 samples, rate = audio
                 if len(samples):
                     t_audio = t_audio or now
+                    t_last_audio = now
                     pcm.append(samples)
             elif data is not None:
                 t_text = t_text or now
@@ -163,25 +199,35 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
         t_end = time.perf_counter()
     print()
     mode = "async-chunk" if cfg.async_chunk else "normal (stage by stage)"
-    print(f"\ntimings, {mode} mode, ms after the request was added:")
-    print(f"  {'stage':<22} {'submitted':>9} {'first out':>9} {'finished':>9}")
+    print(f"\ntimings, {mode} mode, ms after the request was added (queued / in batch: as the "
+          "worker reports them):")
+    print(f"  {'stage':<22} {'submitted':>9} {'first out':>9} {'finished':>9} {'queued':>9} {'in batch':>9}")
     for k, pool in enumerate(pipe.stages):
-        tm = pool.timings.get(rid)
+        tm: StageTiming | None = pool.timing_of(rid)
         label = f"{k} {cfg.stages[k].label}"
         if tm is None:
             print(f"  {label:<22} (not run)")
             continue
-        print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)}")
+        print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)} "
+              f"{_dur(tm.queue_s)} {_dur(tm.compute_s)}")
     print(f"  time to first token: {_ms(t_text, t0).strip()} ms")
     if any(outputs[k] == "audio" for k in cfg.final_stage_ids):
         print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
     print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
+    seconds = sum(len(p) for p in pcm) / rate
+    if seconds and t_last_audio is not None:
+        print(f"  real-time factor:    {(t_last_audio - t0) / seconds:.2f} "
+              f"(seconds to the last audio per second of audio; < 1 is faster than real time)")
     if not cfg.async_chunk and len(cfg.stages) > 1:
         print("  (each stage starts when the previous one finished; --async-chunk streams chunks "
               "stage to stage, so audio starts while the text is still being generated)")
     if pcm:
         audio = np.concatenate(pcm)
-        write_wav(args.out, audio, rate)
+        try:
+            write_wav(args.out, audio, rate)
+        except OSError as exc:
+            print(f"error: cannot write {args.out}: {exc}", file=sys.stderr)
+            return 1, None
         print(f"wrote {args.out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
               f"{len(audio)} samples")
     return 0, (t_audio - t0) * 1000 if t_audio is not None else None
@@ -192,7 +238,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
     try:
-        async with open_pipeline(cfg) as pipe:
+        async with open_pipeline(cfg, handle_sigterm=False) as pipe:  # _main handles SIGTERM
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
             if args.stream_input:
                 rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
@@ -207,7 +253,28 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
 
 
 async def _main(args: argparse.Namespace) -> int:
+    """Run the job; SIGINT or SIGTERM cancels it (workers are stopped on the way out): exit 130."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        result: list[int] = []
+        async with trio.open_nursery() as nursery:
+            async def job() -> None:
+                result.append(await _job(args))
+                nursery.cancel_scope.cancel()
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    print(f"\n{signal.Signals(signum).name}: stopping ...", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(job)
+            nursery.start_soon(on_signal)
+    return result[0] if result else EXIT_SIGNAL
+
+
+async def _job(args: argparse.Namespace) -> int:
     try:
+        _check_args(args)
         cfg = _config(args)
         args.sampling = request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
@@ -235,7 +302,4 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.replicas is not None and args.replicas < 1:
-        print("error: --replicas must be >= 1", file=sys.stderr)
-        return 2
     return trio.run(_main, args)

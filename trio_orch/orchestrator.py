@@ -24,6 +24,7 @@ import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -42,7 +43,7 @@ from trio_orch.core import (
     stage_io_options,
 )
 from trio_orch.deadlines import DeadlineKeeper
-from trio_orch.types import Message, RpcResult, StageClient, StageDied, StageOutput
+from trio_orch.types import Message, ReplicatedStageClient, RpcResult, StageClient, StageDied, StageOutput
 
 __all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
 
@@ -132,7 +133,14 @@ class Orchestrator:
     no deadline); a request past its deadline gets ``OrchError(kind="timeout")``
     and is aborted on every stage it is open on.  ``check_sampling(stage_id,
     params)`` validates one stage's per-request sampling parameters at
-    acceptance (see :meth:`add_request`).
+    acceptance (see :meth:`add_request`).  ``max_inflight`` bounds, per stage
+    and per live replica, the started requests that still have to pass that
+    stage (None: no bound); an accepted request waits in the request channel
+    until the core says there is room on its whole path, so under load the
+    channel fills and :meth:`add_request` waits (backpressure).  Stage clients
+    that report their replicas (:class:`~trio_orch.types.ReplicatedStageClient`)
+    keep the core's availability and bounds in step with the replicas that are
+    ready.
     """
 
     def __init__(
@@ -149,13 +157,15 @@ class Orchestrator:
         request_timeout: float | None = None,
         check_sampling: Callable[[int, Any], Any] | None = None,
         rpc_timeout: float = 5.0,
+        max_inflight: Sequence[int | None] | None = None,
     ) -> None:
         if request_queue_size < 1:
             raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
         Router.check_timeout(request_timeout)
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
-                             forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling)
+                             forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling,
+                             max_inflight=max_inflight)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
@@ -169,6 +179,8 @@ class Orchestrator:
         self._waiters: set[trio.Event] = set()  # callers waiting on a command
         self._state = "new"  # new -> running -> stopping -> stopped
         self._drain_timeout: float | None = None
+        self._drain_scope: trio.CancelScope | None = None
+        self._room: trio.Event | None = None  # set when the request handler waits for room
         self._stop_requested = trio.Event()
         self._drained = trio.Event()
         self._stopped = trio.Event()
@@ -206,7 +218,8 @@ class Orchestrator:
 
     async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                           timeout: float | None = None, resumable: bool = False,
-                          sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
+                          sampling: Any = None, companions: Mapping[str, Any] | None = None,
+                          wait_start: bool = True) -> None:
         """Accept a request; return once it is registered and submitted.
 
         ``timeout`` (seconds, default ``request_timeout``) bounds the request's
@@ -223,7 +236,10 @@ class Orchestrator:
         duplicate active id or bad parameters and ``RuntimeError`` once the
         orchestrator stopped accepting; in both cases nothing is registered.
         If the caller is cancelled after the request was accepted, the request
-        is aborted (it still gets its terminal).
+        is aborted (it still gets its terminal).  ``wait_start=False`` returns
+        as soon as the request is in the request channel (accepted: it starts
+        when there is room and gets its terminal like any other), which lets a
+        front that admits many requests keep the channel full.
         """
         ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         done = trio.Event()
@@ -237,6 +253,8 @@ class Orchestrator:
             raise
         finally:
             self._sending.discard(ticket)
+        if not wait_start:
+            return
         try:
             await done.wait()
         except trio.Cancelled:
@@ -345,13 +363,18 @@ class Orchestrator:
         """Stop accepting and begin shutting down (synchronous, idempotent).
 
         ``timeout`` lets active requests finish for up to that many seconds;
-        ``None`` gives them their ``shutdown`` terminal at once.
+        ``None`` gives them their ``shutdown`` terminal at once -- also when a
+        drain asked for earlier is still running (a second Ctrl-C).
         """
         self.router.stop_accepting()
         if not self._stop_requested.is_set():
             self._drain_timeout = timeout
             self._stop_requested.set()
             self._check_drained()
+        elif timeout is None:
+            self._drain_timeout = None
+            if self._drain_scope is not None:
+                self._drain_scope.cancel()
         if self._state == "new":
             self._finish_sync()
             self._out_send.close()
@@ -381,13 +404,15 @@ class Orchestrator:
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
                 nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
                 nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
+                self._watch_replicas()
                 task_status.started(self)
                 await self._stop_requested.wait()
                 self._state = "stopping"
                 self.router.stop_accepting()
                 if self._drain_timeout:
-                    with trio.move_on_after(self._drain_timeout):
+                    with trio.move_on_after(self._drain_timeout) as self._drain_scope:
                         await self._drained.wait()
+                    self._drain_scope = None
                 nursery.cancel_scope.cancel()
         finally:
             self._nursery = None
@@ -450,6 +475,7 @@ class Orchestrator:
                         actions.extend(router.abort(rid) if item.kind == "abort" else router.expire(rid))
                 elif type(item) is StageDied:
                     actions.extend(self._on_stage_died(stage_id, item))
+            self._room_may_have_changed()  # stages finished, requests ended
             waiters = [c.done for c in commands if c.done is not None]
             try:
                 await self._perform(actions, waiters)
@@ -473,6 +499,9 @@ class Orchestrator:
                 continue
             ticket, done = item
             try:
+                while not self.router.can_start(ticket):  # admission bound: wait for room
+                    self._room = room = trio.Event()
+                    await room.wait()
                 await self._perform(self.router.start(ticket))
             finally:
                 if done is not None:
@@ -538,6 +567,24 @@ class Orchestrator:
         finally:
             call.answer(stage_id, answer or [(-1, None, "orchestrator shut down during the call")])
 
+    def _watch_replicas(self) -> None:
+        """Keep the core's view of each stage's ready replicas current (stage clients that report it)."""
+        for k, stage in enumerate(self.stages):
+            if isinstance(stage, ReplicatedStageClient):
+                self.router.replicas_changed(k, *stage.replica_counts())
+                stage.watch_replicas(partial(self._replicas_changed, k))
+
+    def _replicas_changed(self, stage_id: int, live: int, total: int) -> None:
+        if self._state in ("running", "stopping"):
+            self.router.replicas_changed(stage_id, live, total)
+            self._room_may_have_changed()
+
+    def _room_may_have_changed(self) -> None:
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
+
     def _on_stage_died(self, stage_id: int, death: StageDied) -> list[Action]:
         msg = death.describe(stage_id)
         log.warning("%s", msg)
@@ -556,6 +603,7 @@ class Orchestrator:
                 if m.finished:
                     deadlines.discard(m.request_id)
         self._sink(msgs)
+        self._room_may_have_changed()
         self._check_drained()
 
     def _deliver_now(self, actions: list[Action]) -> None:

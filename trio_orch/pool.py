@@ -35,6 +35,7 @@ from typing import Any
 
 import trio
 
+from trio_orch.histogram import STAGE_TIME_BUCKETS, Histogram
 from trio_orch.transport import Event, ZmqStageClient
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
@@ -45,12 +46,19 @@ log = logging.getLogger("trio_orch.pool")
 
 @dataclass(slots=True)
 class StageTiming:
-    """When (``time.perf_counter``) one request was submitted / first answered / finished here."""
+    """When (``time.perf_counter``) one request was submitted / first answered / finished here.
+
+    ``queue_s`` and ``compute_s`` are what the worker reported with the
+    request's finishing output: seconds it waited for a place in the worker's
+    batch, and seconds it then spent there (None: not reported).
+    """
 
     replica: int
     t_submit: float
     t_first: float | None = None
     t_done: float | None = None
+    queue_s: float | None = None
+    compute_s: float | None = None
 
 
 class ReplicaPool:
@@ -94,6 +102,12 @@ class ReplicaPool:
         # push fast path (``pump``): while set, the replicas' sink routes straight to the orchestrator
         self._deliver: Callable[[list[StageOutput]], None] | None = None
         self._pump_dead = trio.Event()
+        self._replica_watchers: list[Callable[[int, int], None]] = []
+        self._reported: tuple[int, int] | None = None
+        #: seconds requests waited in a worker before its batch took them, and spent in the batch
+        #: (reported by the workers with each request's finishing output)
+        self.queue_seconds = Histogram(STAGE_TIME_BUCKETS)
+        self.compute_seconds = Histogram(STAGE_TIME_BUCKETS)
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"
@@ -152,14 +166,34 @@ class ReplicaPool:
         client.replica = idx
         self.replicas[idx] = client
         self._evicted.discard(idx)
+        self._replicas_changed()
         self._wake()
 
     def cordon(self, idx: int) -> None:
         """Stop placing new requests on replica ``idx`` (it keeps its current ones)."""
         self.cordoned.add(idx)
+        self._replicas_changed()
 
     def uncordon(self, idx: int) -> None:
         self.cordoned.discard(idx)
+        self._replicas_changed()
+
+    def replica_counts(self) -> tuple[int, int]:
+        """(replicas that take new requests now, replica slots)."""
+        if self._closed:
+            return 0, len(self.replicas)
+        return sum(1 for i in self.live_replicas() if i not in self.cordoned), len(self.replicas)
+
+    def watch_replicas(self, callback: Callable[[int, int], None]) -> None:
+        """Call ``callback(live, total)`` whenever :meth:`replica_counts` changes."""
+        self._replica_watchers.append(callback)
+
+    def _replicas_changed(self) -> None:
+        counts = self.replica_counts()
+        if counts != self._reported:
+            self._reported = counts
+            for cb in self._replica_watchers:
+                cb(*counts)
 
     def stop_supervision(self) -> None:
         """No replica will come back: ``receive`` raises StageDied once none is live."""
@@ -178,6 +212,10 @@ class ReplicaPool:
 
     def live_replicas(self) -> list[int]:
         return [i for i, c in enumerate(self.replicas) if c.alive and i not in self._evicted]
+
+    def timing_of(self, request_id: str) -> StageTiming | None:
+        """This stage's :class:`StageTiming` of a recent request (None: not run here, or forgotten)."""
+        return self.timings.get(request_id)
 
     def replica_of(self, request_id: str) -> int | None:
         return self._bound.get(request_id, self._reserved.get(request_id))
@@ -357,6 +395,7 @@ class ReplicaPool:
     async def aclose(self) -> None:
         self._pump_dead.set()
         self._closed = True
+        self._replicas_changed()
         for c in self.replicas:
             await c.aclose()
         self._send.close()
@@ -379,6 +418,12 @@ class ReplicaPool:
                     tm.t_first = now
                 if o.finished or o.error is not None:
                     tm.t_done = now
+            if o.timing is not None:
+                tm_q, tm_c = o.timing
+                self.queue_seconds.observe(tm_q)
+                self.compute_seconds.observe(tm_c)
+                if tm is not None and tm.replica == idx:
+                    tm.queue_s, tm.compute_s = tm_q, tm_c
             if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
                 seg = self._segments.get(o.request_id)
                 if seg is not None and o.error is None:  # a resumable request finished a segment
@@ -410,6 +455,7 @@ class ReplicaPool:
             return
         self._evicted.add(idx)
         self.deaths.append(reason)
+        self._replicas_changed()
         for rid in [r for r, i in self._bound.items() if i == idx]:
             self._unbind(rid)
             outs.append(StageOutput(rid, None, True, error=f"{self.name}: {reason}",

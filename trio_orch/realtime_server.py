@@ -22,7 +22,7 @@ from typing import Any
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed
+from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed, Overloaded
 from trio_orch.realtime import Append, Cancel, RealtimeSession, Start
 
 __all__ = ["realtime_route", "run_session"]
@@ -76,7 +76,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                         handle = await engine.add_request_async(a.prompt, resumable=a.resumable,
                                                                 final_stage_id=a.final_stage_id,
                                                                 request_id=session.response_id)
-                    except (ValueError, EngineClosed) as exc:
+                    except (ValueError, EngineClosed, Overloaded) as exc:  # shed: the session says so
                         await send(session.request_failed(exc))
                         break
                     await send(session.request_started(engine.final_stage_ids))

@@ -1,280 +1,52 @@
-"""``trio-orch serve``: an OpenAI-style HTTP front (asyncio, Starlette + uvicorn) over the Trio engine.
+"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http_app`) under uvicorn, over the Trio engine.
 
 The HTTP server runs on an asyncio loop in the main thread; the orchestrator
 and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s Trio thread.
-Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with
-``"stream": true``; ``modalities`` ``["text"]`` or ``["text", "audio"]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), and
-the ``/v1/realtime`` WebSocket session (:mod:`trio_orch.realtime_server`).
-A client that goes away -- mid-stream or while waiting for a non-streamed
-answer -- aborts its request in the orchestrator.
+
+Drain: the first SIGTERM or SIGINT stops accepting work (``/health`` and new
+requests answer 503 ``draining``; the listening socket stays open so a load
+balancer sees it), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, gives the rest their ``shutdown`` terminal,
+stops the workers, then the HTTP server.  A second signal ends the drain at
+once; a third exits without waiting.  Exit codes: 0 normal end, 1 the engine
+failed (at startup or on its own while serving), 2 bad command line or
+config, 130 stopped by SIGINT or SIGTERM (the same for both, and the same
+as ``trio-orch generate``).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import logging
 import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
-from starlette.types import Receive, Scope, Send
-
 from stages.registry import outputs_of, text_stage
-from trio_orch.bridge import Engine, EngineClosed, EngineStartupError
-from trio_orch.metrics import render_prometheus
-from trio_orch.openai_chat import (
-    BadRequest,
-    ChatRequest,
-    ChatStream,
-    error_body,
-    map_chat_sampling,
-    orch_error_status,
-    parse_chat_request,
+from trio_orch.bridge import Engine, EngineStartupError
+from trio_orch.cli import EXIT_SIGNAL
+from trio_orch.http_app import create_app
+from trio_orch.http_limits import HTTPLimits
+from trio_orch.metrics import FrontMetrics
+from trio_orch.uvicorn_front import (
+    ConnectionLimiter,
+    DrainingServer,
+    default_max_connections,
+    quiet_floods,
+    signal_name,
+    uvicorn_config,
 )
-from trio_orch.realtime_server import realtime_route
-from trio_orch.types import OrchError
 
-__all__ = ["SSEResponse", "configure", "create_app", "run"]
+__all__ = ["EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
 
 log = logging.getLogger("trio_orch.server")
 
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        if (await receive())["type"] == "http.disconnect":
-            return
-
-
-class SSEResponse(StreamingResponse):
-    """Server-sent events that watch for the client leaving, whatever the ASGI spec version.
-
-    The body and a disconnect watcher race; if the client goes first, the
-    body task is cancelled, which cancels the ``engine.generate`` under it
-    (and so aborts the request in the orchestrator).
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], on_disconnect: Any = None) -> None:
-        super().__init__(events, 200, {"cache-control": "no-cache", "x-accel-buffering": "no"},
-                         self.media_type)
-        self.events = events
-        self.on_disconnect = on_disconnect
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        body = asyncio.ensure_future(pump())
-        watch = asyncio.ensure_future(_until_disconnect(receive))
-        client_left = False
-        try:
-            await asyncio.wait({body, watch}, return_when=asyncio.FIRST_COMPLETED)
-            client_left = watch.done() and not body.done()
-        finally:
-            for t in (body, watch):
-                t.cancel()
-            await asyncio.gather(body, watch, return_exceptions=True)
-            await self.events.aclose()  # type: ignore[attr-defined]
-        exc = None if body.cancelled() else body.exception()
-        if isinstance(exc, OSError):  # the client went away while we were writing
-            client_left = True
-        elif exc is not None:
-            raise exc
-        if client_left and self.on_disconnect is not None:
-            self.on_disconnect()
-
-
-class _Counters:
-    """HTTP-side counters; touched only on the event loop."""
-
-    def __init__(self) -> None:
-        self.requests: dict[tuple[tuple[str, str], ...], int] = {}
-        self.disconnects = 0
-
-    def count(self, route: str, status: int) -> None:
-        key = (("route", route), ("status", str(status)))
-        self.requests[key] = self.requests.get(key, 0) + 1
-
-
-def create_app(engine: Engine, *, model_name: str = "trio-orch",
-               extra_metrics: Callable[[], dict[str, Any]] | None = None,
-               outputs: Sequence[str] | None = None) -> Starlette:
-    """The ASGI app over a started :class:`Engine`.
-
-    ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's restarts),
-    in ``render_prometheus``'s ``extra_counters`` shape.  ``outputs``: each stage's output
-    modality (``stages.registry.outputs_of``); None judges outputs by their shape and
-    takes stage 0 for text.
-    """
-    counters = _Counters()
-
-    def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-              code: str | None = None) -> JSONResponse:
-        counters.count("/v1/chat/completions", status)
-        if status < 500:  # bad client input: say what was refused (counted by status on /metrics)
-            log.warning("refused a chat completion request (%d): %s", status, message)
-        return JSONResponse(error_body(message, kind, param, code), status_code=status)
-
-    def final_stage_for(req: ChatRequest) -> int | None:
-        finals = engine.final_stage_ids
-        if req.audio:
-            if outputs is not None and not any(outputs[k] in ("audio", "data") for k in finals):
-                raise BadRequest("this pipeline has no audio output: ask for modalities [\"text\"]",
-                                 "modalities")
-            return None
-        text = text_stage(finals, outputs)
-        if text is None:
-            raise BadRequest("this pipeline has no text-only output: "
-                             "ask for modalities [\"text\", \"audio\"]", "modalities")
-        return text  # text only: the request stops after the stage that gives text
-
-    def disconnected() -> None:
-        counters.disconnects += 1
-        log.info("a client disconnected before its answer; its request was aborted")
-
-    async def chat_completions(request: Request) -> Response:
-        raw = await request.body()
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error(400, f"malformed JSON in the request body: {exc}", code="invalid_json")
-        try:
-            req = parse_chat_request(body, model_name)
-            final = final_stage_for(req)
-            map_chat_sampling(body, req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
-                              outputs=outputs, final_stage_id=final)
-        except BadRequest as exc:
-            return error(exc.status, str(exc), param=exc.param)
-        if not engine.running:
-            why = engine.closed_reason or "it has not started"
-            return error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
-        if req.stream:
-            counters.count("/v1/chat/completions", 200)
-            return SSEResponse(_stream(req, final), on_disconnect=disconnected)
-        collector = asyncio.ensure_future(_collect(req, final))
-        watch = asyncio.ensure_future(_until_disconnect(request.receive))
-        try:
-            await asyncio.wait({collector, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (collector, watch):
-                t.cancel()
-            await asyncio.gather(collector, watch, return_exceptions=True)
-        if collector.cancelled():  # the client left first: cancelling the collector aborted the request
-            disconnected()
-            counters.count("/v1/chat/completions", 499)
-            return Response(status_code=499)
-        exc = collector.exception()
-        if isinstance(exc, EngineClosed):
-            return error(503, str(exc), "server_error", code="engine_closed")
-        if isinstance(exc, ValueError):
-            return error(400, str(exc))
-        if exc is not None:
-            raise exc
-        result = collector.result()
-        if isinstance(result, OrchError):
-            return error(orch_error_status(result), f"request failed: {result.kind}: {result.message}",
-                         "server_error", code=result.kind)
-        counters.count("/v1/chat/completions", 200)
-        return JSONResponse(result)
-
-    async def _collect(req: ChatRequest, final: int | None) -> dict[str, Any] | OrchError:
-        cs = ChatStream(req, outputs)
-        async for m in engine.generate(req.payload(), final_stage_id=final, sampling=req.sampling):
-            if isinstance(m, OrchError):
-                return m
-            cs.add(m)
-        return cs.completion()
-
-    async def _stream(req: ChatRequest, final: int | None) -> AsyncIterator[bytes]:
-        cs = ChatStream(req, outputs)
-        yield _sse(cs.first_chunk())
-        try:
-            gen = engine.generate_batches(req.payload(), final_stage_id=final, sampling=req.sampling)
-            try:
-                async for msgs in gen:  # one HTTP chunk per dispatcher batch
-                    out = []
-                    for m in msgs:
-                        if isinstance(m, OrchError):
-                            out.append(_sse(error_body(f"request failed: {m.kind}: {m.message}",
-                                                       "server_error", code=m.kind)))
-                            break
-                        chunk = cs.add(m)
-                        if chunk is not None:
-                            out.append(_sse(chunk))
-                        if m.finished:
-                            out.append(_sse(cs.last_chunk()))
-                            if req.include_usage:
-                                out.append(_sse(cs.usage_chunk()))
-                    if out:
-                        yield b"".join(out)
-            finally:
-                await gen.aclose()
-        except (EngineClosed, ValueError) as exc:
-            yield _sse(error_body(str(exc), "server_error", code="engine_closed"))
-        yield b"data: [DONE]\n\n"
-
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "trio-orch"}]})
-
-    async def health(request: Request) -> Response:
-        stats = await engine.stats_async()
-        available = list(stats.stage_available)
-        if not stats.running:
-            return JSONResponse({"status": "down", "reason": engine.closed_reason}, status_code=503)
-        status = "ok" if all(available) else "degraded"
-        return JSONResponse({"status": status, "stages_available": available,
-                             "active_requests": stats.active_requests},
-                            status_code=200 if status == "ok" else 503)
-
-    async def metrics(request: Request) -> Response:
-        stats = await engine.stats_async()
-        extra = {
-            "trio_orch_http_requests": ("chat completion requests by HTTP status", counters.requests),
-            "trio_orch_http_client_disconnects": ("clients that left before their answer (request aborted)",
-                                                  {(): counters.disconnects}),
-        }
-        if extra_metrics is not None:
-            extra.update(extra_metrics())
-        return Response(render_prometheus(stats, engine.latency, extra), media_type=PROMETHEUS_TEXT)
-
-    async def http_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
-
-    return Starlette(routes=[
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        realtime_route(engine, outputs),
-    ], exception_handlers={HTTPException: http_error})
-
-
-# ---------------------------------------------------------------------------- the command
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
@@ -282,7 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
         "streams out), GET /health, GET /metrics (Prometheus). The orchestrator runs "
         "in a Trio thread, the HTTP server (Starlette + uvicorn) on asyncio in the main thread. "
-        "Default pipeline: the stage-worker processes thinker -> talker -> code2wav.")
+        "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
+        "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
+        "a signal.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -295,59 +69,125 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--model-name", default="trio-orch", help="model id reported to clients")
-    parser.add_argument("--request-queue-size", type=int, default=256,
-                        help="bound of the orchestrator's request channel (backpressure; default 256)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
     parser.add_argument("--startup-timeout", type=float, default=120.0,
                         help="seconds to wait for the pipeline to become ready (default 120)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds in-flight requests may still take before they "
+                             "get their shutdown error (default 30)")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts of one worker replica within --restart-window before it is "
                              "given up (default 5; see docs/fault-tolerance.md)")
     parser.add_argument("--restart-window", type=float, default=60.0,
                         help="seconds of the restart-intensity window (default 60)")
+    a = parser.add_argument_group("admission control (see README: Operating it)")
+    a.add_argument("--max-inflight", type=int, default=None, metavar="N",
+                   help="admitted requests per live replica that may still have to pass a stage, for "
+                        "every stage (default: each stage's max_inflight, else its max_batch, 32; "
+                        "0: no bound)")
+    a.add_argument("--request-queue-size", type=int, default=32,
+                   help="admitted requests that may wait for room to start (default 32)")
+    a.add_argument("--admission-timeout", type=float, default=0.0,
+                   help="seconds a request may wait for a place in that queue before it is shed with "
+                        "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
+                        "pay for it in latency)")
+    h = parser.add_argument_group("HTTP limits")
+    d = HTTPLimits()
+    h.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body, else 413 (default {d.max_body_bytes})")
+    h.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help=f"longest prompt built from the messages, else 400 (default {d.max_prompt_chars})")
+    h.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
+    h.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds to send a request head (default {d.header_timeout:g})")
+    h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
+    h.add_argument("--max-connections", type=int, default=None,
+                   help="open connections; past it the longest-idle one is closed, or the new one "
+                        "refused with 503 if all are busy (default: the file-descriptor limit minus 1024)")
 
 
-def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str, list[str] | None]:
-    """(factory, description, each stage's output modality or None when judged by shape)."""
-    if args.in_process:
-        from trio_orch.toy_pipeline import toy_pipeline
-
-        return toy_pipeline(), "in-process toy pipeline (thinker -> talker -> vocoder, no workers)", None
-    from trio_orch.config import default_config, load_config
-    from trio_orch.supervisor import RestartPolicy, supervised_pipeline
-
-    cfg = load_config(args.config) if args.config else default_config()
-    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
-    kinds = " -> ".join(s.label for s in cfg.stages)
-    policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
-
-    @asynccontextmanager
-    async def factory() -> AsyncIterator[Any]:
-        async with supervised_pipeline(cfg, policy) as pipe:  # dead or hung workers are restarted
-            _supervisors[:] = [pipe.supervisor]
-            yield pipe
-
-    return (factory, f"worker pipeline {kinds} on {cfg.device} (supervised)",
-            outputs_of(s.kind for s in cfg.stages))
+def _check_args(args: argparse.Namespace) -> HTTPLimits:
+    """The HTTP limits from the command line; ValueError for any bad value."""
+    for name in ("request_queue_size",):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_inflight is not None and args.max_inflight < 0:
+        raise ValueError("--max-inflight must be >= 0 (0: no bound)")
+    for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                      body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
 
 
-_supervisors: list[Any] = []  # the running pipeline's supervisor, for /metrics
+class _Pipeline:
+    """What serve runs: the factory, its description and what the front needs to know of it."""
 
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.supervisor: Any = None
+        if args.in_process:
+            from trio_orch.toy_pipeline import toy_pipeline
 
-def _supervisor_metrics() -> dict[str, Any]:
-    return _supervisors[0].prometheus_counters() if _supervisors else {}
+            self.factory: Any = toy_pipeline()
+            self.what = "in-process toy pipeline (thinker -> talker -> vocoder, no workers)"
+            self.outputs: list[str] | None = None
+            self.names: list[str] | None = ["toy thinker", "toy talker", "toy vocoder"]
+            bound = 32 if args.max_inflight is None else args.max_inflight or None
+            self.max_inflight: list[int | None] = [bound] * 3
+            return
+        from trio_orch.config import default_config, load_config
+        from trio_orch.supervisor import RestartPolicy, supervised_pipeline
+
+        cfg = load_config(args.config) if args.config else default_config()
+        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+        policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
+        self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"
+        self.outputs = outputs_of(s.kind for s in cfg.stages)
+        self.names = [s.label for s in cfg.stages]
+        self.max_inflight = (cfg.admission_bounds(serving=True) if args.max_inflight is None
+                             else [args.max_inflight or None] * len(cfg.stages))
+
+        @asynccontextmanager
+        async def factory() -> AsyncIterator[Any]:
+            async with supervised_pipeline(cfg, policy) as pipe:  # dead or hung workers are restarted
+                self.supervisor = pipe.supervisor
+                yield pipe
+
+        self.factory = factory
+
+    def extra_metrics(self) -> dict[str, Any]:
+        return self.supervisor.prometheus_counters() if self.supervisor is not None else {}
+
+    def token_limit(self, engine: Engine) -> int | None:
+        """The text stage's own cap on generated tokens, from its workers' ready handshake."""
+        k = text_stage(engine.final_stage_ids, self.outputs)
+        if k is None:
+            return None
+        for client in getattr(engine.stages[k], "replicas", ()):
+            ready = getattr(client, "ready", None)
+            limit = ready.info.get("max_new_tokens") if ready is not None else None
+            if isinstance(limit, int):
+                return limit
+        return None
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # until serving: a SIGTERM is a Ctrl-C (exit 130)
     try:
-        factory, what, outputs = _pipeline_factory(args)
+        limits = _check_args(args)
+        pipeline = _Pipeline(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    max_connections = limits.max_connections or default_max_connections()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -356,50 +196,90 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    print(f"starting {what} ...", flush=True)
-    engine = Engine(factory, startup_timeout=args.startup_timeout,
-                    request_queue_size=args.request_queue_size, request_timeout=args.request_timeout or None)
+    print(f"starting {pipeline.what} ...", flush=True)
+    engine = Engine(pipeline.factory, startup_timeout=args.startup_timeout,
+                    request_queue_size=args.request_queue_size, request_timeout=args.request_timeout or None,
+                    admission_timeout=args.admission_timeout, max_waiting=args.request_queue_size,
+                    max_inflight=pipeline.max_inflight)
     try:
         engine.start()
     except EngineStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sock.close()
         return 1
+    except KeyboardInterrupt:
+        print("interrupted while starting: stopping the engine ...", file=sys.stderr, flush=True)
+        _close(engine)
+        sock.close()
+        return EXIT_SIGNAL
     host, port = sock.getsockname()[:2]
-    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, WS /v1/realtime, GET /health, "
-          "GET /metrics; "
-          "Ctrl-C stops)", flush=True)
-    app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics, outputs=outputs)
+    front = FrontMetrics()
+    limiter = ConnectionLimiter(max_connections, limits.header_timeout)
+    app = create_app(engine, model_name=args.model_name,
+                     extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
+                     outputs=pipeline.outputs, limits=limits, front=front,
+                     token_limit=pipeline.token_limit(engine), stage_names=pipeline.names)
     level = logging.getLogger().getEffectiveLevel()
-    config = uvicorn.Config(app, log_level="info" if level <= logging.INFO else "warning",
-                            lifespan="off", timeout_graceful_shutdown=5)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
-    # previous handlers restored: make those raise, so the engine (and its workers) always stop.
-    previous = {sig: signal.signal(sig, _stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
-    server = uvicorn.Server(config)
+    quiet_floods()
     stopping = threading.Event()
+    stopped_by: list[str] = []
     died: list[str] = []
+
+    def drain() -> None:
+        engine.close(drain=args.shutdown_timeout)
+        server.should_exit = True
+
+    def on_signal(signum: int, frame: Any = None) -> None:
+        # Runs in a signal handler: set flags, start a thread, return.
+        stopped_by.append(signal_name(signum))
+        if len(stopped_by) == 1:
+            stopping.set()
+            front.draining = True
+            print(f"{signal_name(signum)}: draining (up to {args.shutdown_timeout:g}s; again to stop "
+                  "at once) ...", flush=True)
+            threading.Thread(target=drain, name="trio-orch-drain", daemon=True).start()
+        elif len(stopped_by) == 2:
+            engine.end_drain()
+        else:  # the operator insists: uvicorn's own forced exit
+            server.should_exit = server.force_exit = True
+
+    server = DrainingServer(uvicorn_config(app, limits, limiter,
+                                           log_level="info" if level <= logging.INFO else "warning"),
+                            on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
+        signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
                      name="trio-orch-engine-watch").start()
+    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, WS /v1/realtime, GET /health, "
+          "GET /metrics; Ctrl-C or SIGTERM drains and stops)", flush=True)
     try:
         server.run(sockets=[sock])
-    except _StopServing:
-        pass
     finally:
         stopping.set()
-        for sig in previous:  # a second Ctrl-C must not abort the (bounded) cleanup: workers would leak
-            signal.signal(sig, signal.SIG_IGN)
         print("stopping the engine ...", flush=True)
-        engine.close()
+        _close(engine)
         sock.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
     if died:
         print(f"error: the engine stopped on its own ({died[0]}); the server stopped with it",
               file=sys.stderr)
         return 1
     print("stopped", flush=True)
-    return 0
+    return EXIT_SIGNAL if stopped_by else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _close(engine: Engine) -> None:
+    """Close the engine; meanwhile SIGINT/SIGTERM only cut a drain short: the bounded cleanup must finish."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: engine.end_drain())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        engine.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: list[str]) -> None:
@@ -411,11 +291,3 @@ def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: l
     if not stopping.is_set():
         died.append(engine.closed_reason or "its thread exited")
         server.should_exit = True
-
-
-class _StopServing(Exception):
-    pass
-
-
-def _stop_serving(signum: int, frame: Any) -> None:
-    raise _StopServing(signal.Signals(signum).name)

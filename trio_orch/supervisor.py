@@ -23,8 +23,7 @@ the stage become dead for good.
 
 Restarts, their causes and give-ups are logged (``trio_orch.supervisor``) and
 counted: :meth:`Supervisor.counters` / :meth:`Supervisor.prometheus_counters`
-(the format :func:`trio_orch.metrics.render_prometheus` takes as
-``extra_counters``).
+(in the :data:`trio_orch.metrics.ExtraCounters` shape, for ``/metrics``).
 
 Usage, nested inside the pipeline and around the orchestrator::
 
@@ -165,7 +164,7 @@ class Supervisor:
         return dict(out)
 
     def prometheus_counters(self) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
-        """Counters in the ``extra_counters`` shape of :func:`trio_orch.metrics.render_prometheus`."""
+        """Counters in the :data:`trio_orch.metrics.ExtraCounters` shape (for ``/metrics``)."""
         helps = {
             "deaths": "worker replica deaths seen by the supervisor, by stage and cause",
             "restarts": "worker replicas restarted and ready again, by stage and cause of the death",

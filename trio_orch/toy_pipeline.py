@@ -50,7 +50,7 @@ class ToyStage:
     (or one input segment of a resumable request); they are emitted one every
     ``delay`` seconds, the last one ``finished``.  Records ``submissions``,
     ``updates``, ``sampling`` (id, parameters) and ``aborts`` (ids) like
-    ScriptedStage.
+    ScriptedStage, and ``peak_active``: the most requests it held at once.
     """
 
     def __init__(self, stage_id: int, nursery: trio.Nursery,
@@ -65,6 +65,7 @@ class ToyStage:
         self.sampling: list[tuple[str, dict[str, Any]]] = []
         self.aborts: list[str] = []
         self._scopes: dict[str, trio.CancelScope] = {}
+        self.peak_active = 0
         self._segments: dict[str, trio.MemorySendChannel[Any]] = {}  # resumable requests' next inputs
         self._send, self._recv = trio.open_memory_channel[StageOutput](math.inf)
         self.closed = False
@@ -81,6 +82,7 @@ class ToyStage:
             self.sampling.append((request_id, sampling))
         scope = trio.CancelScope()
         self._scopes[request_id] = scope
+        self.peak_active = max(self.peak_active, len(self._scopes))
         send, recv = trio.open_memory_channel[Any](math.inf)
         send.send_nowait(payload)
         if resumable:
@@ -116,8 +118,9 @@ class ToyStage:
                     await trio.sleep(self.delay)
                     self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
                                                        t_produced=time.perf_counter()))
-        self._scopes.pop(request_id, None)
-        self._segments.pop(request_id, None)
+        if self._scopes.get(request_id) is scope:  # not a later request with the same id
+            del self._scopes[request_id]
+            self._segments.pop(request_id, None)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborts.extend(request_ids)

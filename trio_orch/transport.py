@@ -336,7 +336,7 @@ class ZmqStageClient:
             if t is Outputs:
                 for it in msg.items:
                     batch.append(StageOutput(it.request_id, it.data, it.finished, it.error,
-                                             t_produced=it.t_produced))
+                                             t_produced=it.t_produced, timing=it.timing))
             elif t is Heartbeat:
                 pass
             elif t is RequestError:

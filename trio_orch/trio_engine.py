@@ -11,6 +11,7 @@ A resumable request (``generate(..., resumable=True)``) takes more input with
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from time import perf_counter
@@ -20,7 +21,14 @@ import trio
 
 from stages.sampling_params import StageParams
 from trio_orch.demux import ADMITTED, DONE, PENDING, Demux, TrioStream
-from trio_orch.engine_base import EngineClosed, EngineStatistics, PipelineFactory, as_spec, collect_stats
+from trio_orch.engine_base import (
+    EngineClosed,
+    EngineStatistics,
+    Overloaded,
+    PipelineFactory,
+    as_spec,
+    collect_stats,
+)
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.types import Message, OrchError, StageClient
 
@@ -32,10 +40,12 @@ class TrioEngine:
     """The bridge's API for Trio code running in the orchestrator's own thread."""
 
     def __init__(self, orch: Orchestrator, demux: Demux,
-                 stage_params: Sequence[StageParams] | None = None) -> None:
+                 stage_params: Sequence[StageParams] | None = None,
+                 admission_timeout: float | None = None) -> None:
         self.orchestrator = orch
         #: each stage's name and sampling parameters, as the pipeline declared them (None: none)
         self.stage_params = stage_params
+        self.admission_timeout = admission_timeout
         self._demux = demux
         self._ids = itertools.count()
         self._closed: str | None = None
@@ -59,6 +69,9 @@ class TrioEngine:
         The request is registered when the iteration starts: a task that sends
         a resumable request's updates must start after that (e.g. from the
         iterating task, or once the first output came).
+
+        With an ``admission_timeout``, a request that found no room within it
+        is shed: :class:`~trio_orch.engine_base.Overloaded`, nothing registered.
         """
         orch = self.orchestrator
         if self._closed is not None or not orch.running:
@@ -67,14 +80,16 @@ class TrioEngine:
         s = TrioStream(rid, prompt, final_stage_id, request_timeout, resumable=resumable)
         self._demux.register(s)
         admitting = self._admitting[rid] = trio.Event()
+        wait = self.admission_timeout
         try:
-            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout,
-                                   sampling=sampling, resumable=resumable)
+            with trio.move_on_after(math.inf if wait is None else wait) as admission:
+                await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout,
+                                       sampling=sampling, resumable=resumable, wait_start=False)
         except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
             self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
         except BaseException:
-            if s.state != DONE and rid not in orch.router:
-                self._demux.unregister(s)  # never accepted (or ended while queued)
+            if s.state != DONE and not orch.router.is_live(rid):
+                self._demux.unregister(s)  # never accepted
             else:
                 s.detached = True  # accepted: its abort's terminal will free the id
             raise
@@ -82,8 +97,13 @@ class TrioEngine:
             admitting.set()
             if self._admitting.get(rid) is admitting:
                 del self._admitting[rid]
+        if admission.cancelled_caught:  # a cancelled send did not send: nothing was registered
+            self._demux.unregister(s)
+            self._demux.count_shed("overloaded")
+            raise Overloaded(f"overloaded: no room within {wait:g}s; retry later")
         if s.state == PENDING:
             s.state = ADMITTED
+            self._demux.admitted += 1
         observe = self._demux.latency.observe
         ended = False
         try:
@@ -128,18 +148,20 @@ class TrioEngine:
 
 @asynccontextmanager
 async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
-                           shutdown_grace: float = 2.0) -> AsyncIterator[TrioEngine]:
+                           shutdown_grace: float = 2.0, admission_timeout: float | None = None
+                           ) -> AsyncIterator[TrioEngine]:
     """``async with open_trio_engine(factory) as engine``: the Trio API, no thread.
 
     Leaving the block shuts the orchestrator down (no drain); every request
-    still open gets its ``shutdown`` terminal.
+    still open gets its ``shutdown`` terminal.  ``admission_timeout``: see
+    :meth:`TrioEngine.generate`.
     """
     demux = Demux()
     async with pipeline() as raw:
         spec = as_spec(raw)
         opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
         orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
-        engine = TrioEngine(orch, demux, spec.stage_params)
+        engine = TrioEngine(orch, demux, spec.stage_params, admission_timeout)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(orch.run)

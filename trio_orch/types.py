@@ -17,6 +17,7 @@ __all__ = [
     "OrchError",
     "OrchOutput",
     "PushStageClient",
+    "ReplicatedStageClient",
     "RpcResult",
     "StageClient",
     "StageDied",
@@ -44,6 +45,8 @@ class StageOutput:
     ``error`` set means the stage failed this request (terminal for it);
     ``error_kind`` lets a replica pool report ``"replica_died"`` per request.
     ``t_produced`` is an optional monotonic timestamp (benchmarks).
+    ``timing``, on a finishing output, is what the worker measured for the
+    request: (seconds queued before its batch took it, seconds in the batch).
     """
 
     request_id: str
@@ -52,6 +55,7 @@ class StageOutput:
     error: str | None = None
     error_kind: str = "stage_failed"
     t_produced: float = 0.0
+    timing: tuple[float, float] | None = None
 
 
 @dataclass(slots=True)
@@ -187,3 +191,19 @@ class PushStageClient(StageClient, Protocol):
     """
 
     async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None: ...
+
+
+@runtime_checkable
+class ReplicatedStageClient(StageClient, Protocol):
+    """Optional: a stage client over several replicas that says how many are ready.
+
+    ``replica_counts()`` is ``(live, total)``: replicas that can take new
+    requests now, and replica slots.  ``watch_replicas(callback)`` has
+    ``callback(live, total)`` called synchronously, in the orchestrator's
+    thread, the moment either changes (a replica died, became ready, left or
+    came back), so availability and admission bounds never lag behind.
+    """
+
+    def replica_counts(self) -> tuple[int, int]: ...
+
+    def watch_replicas(self, callback: Callable[[int, int], None]) -> None: ...

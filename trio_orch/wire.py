@@ -111,13 +111,18 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
 
 
 class OutItem(msgspec.Struct, array_like=True):
-    """One output of one request (``error`` set: the request failed)."""
+    """One output of one request (``error`` set: the request failed).
+
+    ``timing``, on the finishing output: ``(queue_s, compute_s)``, seconds the
+    request waited for a place in the worker's batch and seconds it spent there.
+    """
 
     request_id: str
     data: Any
     finished: bool = False
     error: str | None = None
     t_produced: float = 0.0
+    timing: tuple[float, float] | None = None
 
 
 class Outputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -221,8 +221,14 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
     cfg = build_config(opts, async_chunk=setup.async_chunk)
     if setup.config_hook is not None:
         setup.config_hook(cfg)
+    if opts.progress:  # workers take seconds to start: say so rather than sit silent
+        n = sum(st.replicas for st in cfg.stages)
+        print(f"  {name}: starting {n} workers ...", file=sys.stderr, flush=True)
     try:
         async with open_pipeline(cfg) as pipe, open_supervisor(pipe, POLICY, **setup.sup_kwargs) as sup:
+            if opts.progress:
+                print(f"  {name}: workers ready after {time.monotonic() - t_start:.1f} s", file=sys.stderr,
+                      flush=True)
             probe.saw(pipe.pids)
             probe.saw_dir(pipe.tmpdir)
             stages = setup.wrap_stages(list(pipe.stages)) if setup.wrap_stages else list(pipe.stages)

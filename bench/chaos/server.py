@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from bench.chaos.run import ChaosOptions, ChaosResult
+from trio_orch.server import EXIT_SIGNAL
 from trio_orch.testing import child_pids, fd_count, worker_alive
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ class ServerProcess:
         argv = [sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
                 "--replicas", str(self.replicas), "--request-timeout", str(self.opts.request_timeout),
                 "--device", self.opts.device]
+        if self.opts.progress:  # the workers take seconds to start: say so rather than sit silent
+            print("  starting trio-orch serve and its workers ...", file=sys.stderr, flush=True)
         self.proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                      stdin=subprocess.DEVNULL)
         assert self.proc.stdout is not None
@@ -224,7 +227,7 @@ class HttpFault:
         res.accepted = sum(outcomes.values()) - res.refused
         res.leaked_processes, res.leaked_ipc_files = server.leaks()
         res.leaked_fds = max(0, fd_count() - fds_before)
-        if res.notes.get("exit_code") != 0:
+        if res.notes.get("exit_code") != EXIT_SIGNAL:  # serve's documented code after a SIGINT drain
             res.error = res.error or f"server exit code {res.notes.get('exit_code')} (None: killed)"
         if res.error and opts.progress:
             tail = "".join(server.output)[-3000:]

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -84,22 +86,32 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{r['verdict']}: {r['headline']}"
 
 
-def terminal_table(result: dict[str, Any], width: int = 34) -> str:
-    """Scenarios down, implementations across; each cell ``verdict: key number``."""
+def terminal_table(result: dict[str, Any], columns: int | None = None) -> str:
+    """Scenarios down, implementations across; each cell ``verdict: key number``.
+
+    Fits ``columns`` (default: the terminal's width, 120 when unknown): cells
+    wrap onto more lines instead of being cut.
+    """
     impls = list(result["implementations"])
     head = ["#", "scenario", *impls]
     rows = []
     for sc in result["scenarios"]:
         rows.append([str(sc["number"]), sc["title"], *(_cell(sc["results"][i]) for i in impls)])
+    total = columns or shutil.get_terminal_size((120, 24)).columns
+    scenario_w = 24
+    cell_w = max(12, (total - 2 - scenario_w - 3 * (len(impls) + 1)) // max(1, len(impls)))
+    widths = [2, scenario_w] + [cell_w] * len(impls)
 
-    def clip(s: str, w: int) -> str:
-        return s if len(s) <= w else s[: w - 1] + "…"
+    def block(cells: list[str]) -> list[str]:
+        wrapped = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
+        height = max(len(w) for w in wrapped)
+        return [" | ".join((w[i] if i < len(w) else "").ljust(widths[j])
+                           for j, w in enumerate(wrapped)).rstrip() for i in range(height)]
 
-    widths = [2, 40] + [width] * len(impls)
-    lines = [" | ".join(clip(h, w).ljust(w) for h, w in zip(head, widths, strict=True))]
+    lines = block(head)
     lines.append("-+-".join("-" * w for w in widths))
     for row in rows:
-        lines.append(" | ".join(clip(c, w).ljust(w) for c, w in zip(row, widths, strict=True)))
+        lines.extend(block(row))
     return "\n".join(lines)
 
 

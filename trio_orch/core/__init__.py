@@ -1,10 +1,13 @@
 """The routing core: every per-request rule, as a state machine with no I/O.
 
 Events come in as method calls on :class:`Router` (accept, start, update,
-route, abort, expire, submit_failed, submitted, stage_died, shutdown); each
+route, abort, expire, submit_failed, submitted, stage_died, replicas_changed,
+shutdown); each
 returns the list of actions the caller must perform, in order: :class:`Emit`
 a message to the user, :class:`Submit` or :class:`Update` a payload to a
-stage, :class:`Abort` request ids on a stage.  Every decision and every state change happens
+stage, :class:`Abort` request ids on a stage.  Queries (``can_start``,
+``unavailable_stage``) tell a shell whether to start a queued request now or
+refuse a new one at once.  Every decision and every state change happens
 synchronously inside the call, before any I/O, so any concurrency shell --
 the Trio orchestrator or the asyncio references in ``bench/`` -- drives the
 same semantics and a comparison between shells measures the shell alone.

@@ -181,6 +181,9 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         req = RequestState(ticket, self.finals_for[final])
         req.submitted.update(targets)
         self.requests[rid] = req
+        claims = self.claims
+        for k in range(final + 1):  # released stage by stage as it finishes them, or when it ends
+            claims[k] += 1
         resumable = ticket.resumable
         sampling = ticket.sampling
         actions: list[Action] = [Submit(k, rid, payloads[k], resumable, sampling.get(k)) for k in targets]
@@ -207,6 +210,63 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         if not self.async_chunk or nxt >= self.num_stages or not self.available[nxt]:
             return NOTHING
         return [Abort(nxt, [req.request_id])]
+
+    def unavailable_stage(self, final_stage_id: int) -> int | None:
+        """The first stage of a request's path (0..final) with no live replica; None if none.
+
+        A front refuses such a request at once (it could not complete) rather
+        than let it queue; the core itself still accepts it and ends it with
+        ``stage_unavailable`` when it reaches that stage.
+        """
+        available = self.available
+        for k in range(final_stage_id + 1):
+            if not available[k]:
+                return k
+        return None
+
+    def stage_limit(self, stage_id: int) -> int | None:
+        """How many started requests may hold stage ``stage_id`` now (None: no bound).
+
+        ``max_inflight`` per live replica: a stage that lost replicas admits less.
+        """
+        per_replica = self.max_inflight[stage_id]
+        if per_replica is None:
+            return None
+        return per_replica * max(1, self.replicas_live[stage_id])
+
+    def has_room(self, final_stage_id: int) -> bool:
+        """May one more request with this path start now?
+
+        A started request holds room on every stage of its path (0..final)
+        until it finishes that stage or ends, so what a stage has admitted
+        includes work still upstream of it: nothing starts that a later stage
+        would have to queue beyond its bound.
+        """
+        claims = self.claims
+        for k in range(final_stage_id + 1):
+            limit = self.stage_limit(k)
+            if limit is not None and claims[k] >= limit:
+                return False
+        return True
+
+    def can_start(self, ticket: Ticket) -> bool:
+        """Should the shell call :meth:`start` for this queued ticket now rather than wait?
+
+        Yes when there is room on its path, and also when ``start`` would not
+        submit anything anyway (the ticket ended while queued, or a stage it
+        starts on has no live replica: it ends at once).  No while paused.
+        Otherwise the shell waits, and asks again after a request ended, a
+        stage finished one, a stage's replicas changed or a pause ended.
+        """
+        if self.queued.get(ticket.request_id) is not ticket:
+            return True
+        if self.paused is not None:
+            return False
+        final = ticket.final_stage_id
+        first = range(final + 1) if self.async_chunk else (0,)
+        if any(not self.available[k] for k in first):
+            return True
+        return self.has_room(final)
 
     def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None, *,
             timeout: float | None = None, resumable: bool = False, sampling: Any = None,

@@ -23,6 +23,10 @@ class RouterStatistics:
     inflight_by_stage: tuple[int, ...]  #: started requests open on each stage
     stage_available: tuple[bool, ...]
     accepting: bool
+    replicas_live: tuple[int, ...] = ()  #: ready replicas per stage
+    replicas_total: tuple[int, ...] = ()  #: replica slots per stage
+    claims_by_stage: tuple[int, ...] = ()  #: started requests that still have to pass each stage
+    stage_limits: tuple[int | None, ...] = ()  #: how many may (None: no bound), see ``has_room``
 
     @property
     def live(self) -> int:
@@ -55,4 +59,7 @@ class Router(RoutingRules):
             terminals_by_kind=MappingProxyType(dict(self.terminals_by_kind)),
             inflight_by_stage=tuple(inflight), stage_available=tuple(self.available),
             accepting=self.accepting,
+            replicas_live=tuple(self.replicas_live), replicas_total=tuple(self.replicas_total),
+            claims_by_stage=tuple(self.claims),
+            stage_limits=tuple(self.stage_limit(k) for k in range(self.num_stages)),
         )

@@ -37,7 +37,7 @@ class RoutingRules(AdmissionRules):
         if forwards and req.companions and stage_id == 0 and not self.companions_ready(req):
             forwards = False  # the last companion to finish stage 0 forwards (route_companion)
         if finished:
-            req.finished.add(stage_id)
+            self.stage_done(req, stage_id)
         if not self.async_chunk and stage_id < req.final_stage_id:
             req.outputs.setdefault(stage_id, []).append(out.data)
         actions: list[Action] = []
@@ -123,6 +123,7 @@ class RoutingRules(AdmissionRules):
     def stage_died(self, stage_id: int, message: str) -> list[Action]:
         """A stage client died: its open requests get ``replica_died``; stage marked unavailable."""
         self.available[stage_id] = False
+        self.replicas_live[stage_id] = 0
         actions: list[Action] = []
         victims = [r for r in self.requests.values()
                    if (stage_id in r.submitted and stage_id not in r.finished)
@@ -135,6 +136,19 @@ class RoutingRules(AdmissionRules):
     def set_available(self, stage_id: int, available: bool) -> None:
         """Mark a stage as (un)able to take new work (e.g. a replica came back)."""
         self.available[stage_id] = available
+
+    def replicas_changed(self, stage_id: int, live: int, total: int) -> None:
+        """A stage's ready replicas changed (one died, one became ready, one left or rejoined).
+
+        The stage is available while it has a live replica, and its admission
+        bound (``max_inflight`` per live replica) follows the live count, so a
+        stage that lost half its replicas admits half the work.  Nothing
+        already admitted is touched: requests bound to a dead replica end
+        through their own ``replica_died`` outputs.
+        """
+        self.replicas_live[stage_id] = live
+        self.replicas_total[stage_id] = total
+        self.available[stage_id] = live > 0
 
     def shutdown(self, message: str = "orchestrator shut down") -> list[Action]:
         """Stop accepting; every queued and started request gets its ``shutdown`` terminal.

@@ -10,7 +10,7 @@ terminal, and it is the last message" checkable in one read.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from trio_orch.core.actions import Abort, Action, Emit
@@ -145,6 +145,7 @@ class CoreState:
         forward_fn: ForwardFn | None = None,
         prewarm_fn: PrewarmFn | None = None,
         check_sampling: Callable[[int, Any], Any] | None = None,
+        max_inflight: Sequence[int | None] | None = None,
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"need at least one stage, got num_stages={num_stages}")
@@ -164,6 +165,13 @@ class CoreState:
         self.check_sampling = check_sampling
         self.default_final_stage_id = max(finals)
         self.available = [True] * num_stages
+        #: live (ready, placeable) and total replicas per stage; a plain stage client counts as one
+        self.replicas_live = [1] * num_stages
+        self.replicas_total = [1] * num_stages
+        #: admission bound per stage, per live replica (None: no bound); see ``has_room``
+        self.max_inflight: list[int | None] = self.check_max_inflight(max_inflight, num_stages)
+        #: per stage, the started requests that still have to pass it (submitted or not yet)
+        self.claims = [0] * num_stages
         self.accepting = True
         self.paused: str | None = None  # a pause mode while paused (see ControlRules)
         self.queued: dict[str, Ticket] = {}  # accepted, not started
@@ -177,10 +185,40 @@ class CoreState:
         self.outputs_routed = 0
         self.terminals_by_kind: dict[str, int] = {}
 
+    @staticmethod
+    def check_max_inflight(max_inflight: Sequence[int | None] | None, num_stages: int) -> list[int | None]:
+        """One bound per stage, each None or an int >= 1; raises ValueError naming the stage."""
+        if max_inflight is None:
+            return [None] * num_stages
+        limits = list(max_inflight)
+        if len(limits) != num_stages:
+            raise ValueError(f"max_inflight needs one entry per stage ({num_stages}), got {len(limits)}")
+        for k, n in enumerate(limits):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"max_inflight for stage {k} must be None or an int >= 1, got {n!r}")
+        return limits
+
     # ------------------------------------------------------------------ terminals
+    def release_claims(self, req: RequestState) -> None:
+        """A request ended: it no longer holds room on the stages of its path it did not finish.
+
+        A stage it finished released its claim then (see ``stage_done``).
+        """
+        claims = self.claims
+        finished = req.finished
+        for k in range(req.final_stage_id + 1):
+            if k not in finished:
+                claims[k] -= 1
+
+    def stage_done(self, req: RequestState, stage_id: int) -> None:
+        """Stage ``stage_id`` finished every input of ``req``: it joins D and frees its room there."""
+        req.finished.add(stage_id)
+        self.claims[stage_id] -= 1
+
     def complete(self, req: RequestState, msg: OrchOutput) -> list[Action]:
         """The request finished: its ``finished=True`` output is the terminal."""
         del self.requests[req.request_id]
+        self.release_claims(req)
         self.outputs_routed += 1
         self.count_terminal("finished")
         actions: list[Action] = [Emit(msg)]
@@ -194,6 +232,7 @@ class CoreState:
         ``skip`` is a stage that already dropped it (its own error, a failed submit).
         """
         del self.requests[req.request_id]
+        self.release_claims(req)
         self.count_terminal(err.kind)
         actions: list[Action] = [Emit(err)]
         for k in sorted(req.submitted - req.finished):

@@ -89,7 +89,7 @@ class StreamingRules(CoreState):
         if out.finished:
             req.closed[stage_id] = closed + 1
             if req.input_closed and closed + 1 == req.segments:
-                req.finished.add(stage_id)
+                self.stage_done(req, stage_id)
         actions: list[Action] = []
         if stage_id in req.finals:
             all_final = req.finals <= req.finished

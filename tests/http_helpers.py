@@ -1,0 +1,88 @@
+"""What the HTTP tests share: the app under a real uvicorn on loopback, and SSE/metrics parsing."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from trio_orch.bridge import Engine
+from trio_orch.http_app import create_app
+from trio_orch.http_limits import HTTPLimits
+from trio_orch.metrics import FrontMetrics
+from trio_orch.uvicorn_front import ConnectionLimiter, DrainingServer, uvicorn_config
+
+HANG = 10.0  # seconds before a wait is declared a hang (it asserts nothing about timing)
+
+
+def wait_until(pred: Callable[[], bool], what: str = "condition", hang: float = HANG) -> None:
+    end = time.monotonic() + hang
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class Served:
+    """An Engine + the app under uvicorn (the serve command's protocol and limits) in a thread."""
+
+    def __init__(self, engine: Engine, *, limits: HTTPLimits | None = None, max_connections: int = 1000,
+                 model_name: str = "toy", **app_kwargs: Any) -> None:
+        self.engine = engine
+        self.limits = limits or HTTPLimits()
+        self.front = FrontMetrics()
+        self.limiter = ConnectionLimiter(max_connections, self.limits.header_timeout)
+        more = app_kwargs.pop("extra_metrics", None)
+        app = create_app(engine, model_name=model_name, limits=self.limits, front=self.front,
+                         extra_metrics=lambda: {**(more() if more else {}), **self.limiter.counters()},
+                         **app_kwargs)
+        config = uvicorn_config(app, self.limits, self.limiter, log_level="warning")
+        config.host, config.port = "127.0.0.1", 0
+        self.server = DrainingServer(config, lambda signum: None)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until(lambda: self.server.started, "uvicorn started")
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(HANG)
+        self.engine.close()
+        assert not self.thread.is_alive()
+
+
+def chat(text: str, **kw: Any) -> dict[str, Any]:
+    return {"model": "toy", "messages": [{"role": "user", "content": text}], **kw}
+
+
+def sse_events(lines: Iterator[str]) -> list[Any]:
+    """Parse an SSE body into JSON objects, with the final ``[DONE]`` kept as the string."""
+    events: list[Any] = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def deltas(events: list[Any]) -> list[dict[str, Any]]:
+    return [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """``/metrics`` parsed by prometheus_client's own parser, as ``name{label=value,...}`` -> value."""
+    r = client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(r.text):  # raises on malformed exposition text
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out

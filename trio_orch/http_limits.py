@@ -1,0 +1,236 @@
+"""HTTP limits that any ASGI server can apply: body size and time, content type, errors as JSON.
+
+:class:`LimitsMiddleware` wraps the app (Starlette puts it inside its own
+error middleware, so it sees the route's exceptions first).  Before a POST
+reaches a route it checks the ``Content-Type`` (JSON only: a browser cannot
+send that cross-origin without a CORS preflight), refuses a declared body
+over ``max_body_bytes`` at once (413), reads the body within
+``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
+forever) and stops reading as soon as it passes the limit (413); the route
+then gets the buffered body.  While ``shedding()`` says the engine sheds,
+a POST to one of ``shed_paths`` is refused with 429 before its body is read
+(under a flood, parsing requests that would be shed anyway would starve the
+admitted ones of CPU).  A client that disconnects during its upload
+costs one log line.  An exception from a route becomes an OpenAI-shaped
+500, counted and logged once.  Every refusal has OpenAI's
+``{"error": {...}}`` body.
+
+Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
+Trio ASGI server.  Limits on connections (how many, how long an idle one
+or a slow header may hold a socket) belong to the server: see
+:mod:`trio_orch.uvicorn_front`.  :class:`RateLimitFilter` keeps floods of
+identical log lines (accept errors when out of file descriptors) to one
+line per interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from trio_orch.metrics import FrontMetrics
+from trio_orch.openai_chat import error_body
+
+__all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "json_response"]
+
+log = logging.getLogger("trio_orch.server")
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """Every limit of the HTTP front, with defaults for a small serving box.
+
+    ``header_timeout``, ``keep_alive_timeout`` and ``max_connections`` are
+    applied by the server (see :mod:`trio_orch.uvicorn_front`); the others by
+    :class:`LimitsMiddleware` and the request parser.  ``max_connections``
+    None: derived from the process's file-descriptor limit.
+    """
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_chars: int = 32_000
+    max_json_depth: int = 32
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> tuple[list[Any], bytes]:
+    """(raw ASGI headers, body bytes) of a JSON response."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    return raw, data
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+class LimitsMiddleware:
+    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
+                 shedding: Callable[[], bool] | None = None, shed_paths: frozenset[str] = frozenset(),
+                 retry_after: float = 1.0) -> None:
+        self.app = app
+        self.limits = limits
+        self.front = front
+        self.shedding = shedding
+        self.shed_paths = shed_paths
+        self.retry_after = retry_after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope.get("path", "")
+        if scope.get("method") == "POST":
+            if route in self.shed_paths and self.shedding is not None and self.shedding():
+                self.front.shed += 1
+                await self._refuse(send, route, 429, "overloaded: request not accepted (the server is "
+                                   "shedding load); retry later", "overloaded", "rate_limit_error",
+                                   {"retry-after": str(max(1, math.ceil(self.retry_after)))})
+                return
+            try:
+                body = await self._read_body(scope, receive)
+            except _Refused as exc:
+                await self._refuse(send, route, exc.status, str(exc), exc.code)
+                return
+            except _ClientLeft:
+                self.front.disconnects += 1
+                log.info("a client disconnected during its upload to %s", route)
+                return
+            receive = self._replay(body, receive)
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"), route,
+                      type(exc).__name__, exc, exc_info=exc)
+            if not started:
+                await self._refuse(send, route, 500, "internal server error: the error was logged",
+                                   "internal_error", "server_error")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if ctype != b"application/json":
+            shown = ctype.decode("latin-1")[:100] or "none"
+            raise _Refused(415, f"the request body must be JSON: send 'Content-Type: application/json' "
+                                f"(got {shown})", "unsupported_media_type")
+        limit = self.limits.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Refused(413, f"the request body is {int(declared)} bytes, over the limit of {limit} bytes",
+                           "request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.limits.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientLeft()
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refused(413, f"the request body is over the limit of {limit} bytes",
+                                       "request_too_large")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
+                           "request_timeout") from None
+
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
+        """The app's receive: the buffered body first, then the real one (to see a disconnect)."""
+        sent = False
+
+        async def replay() -> Message:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+    async def _refuse(self, send: Send, route: str, status: int, message: str, code: str,
+                      kind: str = "invalid_request_error", extra: dict[str, str] | None = None) -> None:
+        self.front.count(route, status)
+        if status < 500 and status != 429:  # shedding is counted, not logged line by line
+            log.warning("refused a request to %s (%d): %s", route, status, message)
+        headers, data = json_response(status, error_body(message, kind, None, code),
+                                      {"connection": "close"} if status in (408, 413) else extra)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class RateLimitFilter(logging.Filter):
+    """Let through at most one record per ``interval`` seconds for each message in ``floods``.
+
+    The next one that passes says how many were suppressed.  Other records
+    pass untouched.
+    """
+
+    def __init__(self, floods: tuple[str, ...], interval: float = 10.0) -> None:
+        super().__init__()
+        self.floods = floods
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        key = next((f for f in self.floods if f in text), None)
+        if key is None:
+            return True
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval) < self.interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        if n:
+            record.msg = f"{text} ({n} more like this in the last {self.interval:g}s were not logged)"
+            record.args = ()
+        return True
