@@ -4,7 +4,7 @@ A request is bound to one replica for its whole life (its KV cache lives
 there).  New requests go to the live replica with the fewest requests in
 flight (ties: lowest index).  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
-(DESIGN §3 replica death) while the other replicas keep serving; ``submit``
+(see docs/design.md, replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
 ``receive`` raises :class:`StageDied` only once every replica is dead and
 no supervisor will bring one back (``supervised``; see
@@ -15,7 +15,12 @@ the requests it has but gets no new ones (a replica leaving the pool).
 Async-chunk: a pool may have a ``downstream`` pool (the next stage).  When
 it submits a request it first *reserves* the downstream replica for it, so
 its worker knows where to stream that request's chunks; the downstream
-pool's later (prewarm) submit then uses the reserved replica.
+pool's later (prewarm) submit then uses the reserved replica.  A prefill
+stage hands its KV cache to the decode stage the same way (``handoff``:
+the reservation outlives the prefill's finish, the forward uses it).
+
+Companions (CFG): ``submit(..., companion_of=parent)`` places the companion
+on its parent's replica.
 """
 
 from __future__ import annotations
@@ -64,6 +69,9 @@ class ReplicaPool:
         self.replicas: list[ZmqStageClient] = []
         self.placements: list[int] = []
         self.downstream: ReplicaPool | None = None
+        #: the downstream stage gets its submit after a request finished here (a prefill stage
+        #: handing its KV cache to a decode stage): the reservation outlives the finish
+        self.handoff = False
         self.timings: OrderedDict[str, StageTiming] = OrderedDict()
         self.keep_timings = keep_timings
         self.deaths: list[str] = []
@@ -223,22 +231,31 @@ class ReplicaPool:
         return min(live, key=lambda i: (self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, companion_of: str | None = None) -> None:
+        """Bind ``request_id`` to a replica and submit it there.
+
+        ``companion_of``: the request is a companion (CFG) of that request and
+        runs on its replica.  A request whose replica was chosen before it
+        died (a companion's parent's, or one reserved by the upstream stage,
+        which already sends it data) gets a ``replica_died`` output.
+        """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
             raise ValueError(f"{self.name}: request {request_id!r} is already active here")
-        if self._doomed.pop(request_id, 0) is None:
-            raise StageUnavailable(f"{self.name}: the replica reserved for {request_id!r} died")
-        idx = self._reserved.pop(request_id, None)
-        self._reserved_at.pop(request_id, None)
-        if idx is not None:
-            self._load[idx] -= 1
-            if idx not in self.live_replicas():
-                # Upstream already streams this request's chunks to that replica.
-                raise StageUnavailable(f"{self.name}: replica {idx} reserved for {request_id!r} died")
+        if companion_of is not None:
+            idx = self._parent_replica(request_id, companion_of)
+        elif self._doomed.pop(request_id, 0) is None:
+            return self._lost(request_id, f"the replica reserved for {request_id!r} died")
         else:
-            idx = self._place()
+            idx = self._reserved.pop(request_id, None)
+            self._reserved_at.pop(request_id, None)
+            if idx is not None:
+                self._load[idx] -= 1
+            else:
+                idx = self._place()
+        if idx not in self.live_replicas():
+            return self._lost(request_id, f"replica {idx}, chosen for {request_id!r}, died")
         downstream = -1
         if self.downstream is not None:
             downstream = self.downstream.reserve(request_id)
@@ -251,6 +268,24 @@ class ReplicaPool:
         except BaseException:
             self._unbind(request_id)
             raise
+
+    def _parent_replica(self, request_id: str, parent: str) -> int:
+        """The replica a companion must run on: its parent's (bound now, or just finished there)."""
+        idx = self._bound.get(parent)
+        if idx is None:
+            ended = self._ended.get(parent)
+            if ended is None:
+                raise ValueError(f"{self.name}: companion {request_id!r} of {parent!r}, "
+                                 "which was never submitted here")
+            idx = ended[0]
+        return idx
+
+    def _lost(self, request_id: str, why: str) -> None:
+        """Answer a submit whose replica is gone with its ``replica_died`` output (not a raise:
+        the request was bound to that replica before it died, as if it had been submitted)."""
+        self._late.append(StageOutput(request_id, None, True, error=f"{self.name}: {why}",
+                                      error_kind="replica_died", t_produced=time.perf_counter()))
+        self._wake()
 
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -335,7 +370,7 @@ class ReplicaPool:
                 if o.finished or o.error is not None:
                     tm.t_done = now
             if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
-                self._unbind(o.request_id, finished=True)
+                self._unbind(o.request_id, finished=True, handed_off=o.error is None)
             outs.append(o)
 
     def _stray(self, idx: int, o: StageOutput) -> bool:
@@ -369,11 +404,11 @@ class ReplicaPool:
         while len(self._doomed) > 4096:
             self._doomed.popitem(last=False)
 
-    def _unbind(self, request_id: str, *, finished: bool = False) -> int | None:
+    def _unbind(self, request_id: str, *, finished: bool = False, handed_off: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
-            if self.downstream is not None:
+            if self.downstream is not None and not (handed_off and self.handoff):
                 # The orchestrator performs all of a request's async-chunk submits before any
                 # reply can be routed, so a reservation still open now is one no submit will use
                 # (a request that stops at this stage): free it, and tell that replica to drop

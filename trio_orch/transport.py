@@ -125,8 +125,13 @@ class ZmqStageClient:
         return self.dead_reason is None and not self.closed
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
-        """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed."""
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
+                     companion_of: str | None = None) -> None:
+        """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
+
+        ``companion_of`` is accepted for the stage-client protocol and needs
+        nothing here: one replica is always its companion's parent's.
+        """
         self._check_alive()
         self._queue(Submit(request_id, payload, downstream))
         await trio.lowlevel.checkpoint()
