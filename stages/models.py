@@ -89,9 +89,7 @@ class Thinker(SlotModel):
         for i, r in enumerate(reqs):
             m = r.model
             if m["pos"] is None:  # prefill the prompt, then sample the first token from it
-                ids = torch.tensor(m["prompt"], device=self.device)
-                hidden[i] = self.dec.prefill(self.emb(ids), self._slot(r))
-                m["pos"] = len(m["prompt"])
+                hidden[i] = self._prefill(r)
             else:
                 dec_idx.append(i)
         if dec_idx:
@@ -123,6 +121,18 @@ class Thinker(SlotModel):
             arr = np.array([tok], dtype=np.int32)
             results.append(StepResult({"text": chr(tok), "tokens": arr}, done, arr))
         return results
+
+    def _prefill(self, req: ReqState) -> torch.Tensor:
+        """Fill the request's cache slot with its prompt and set its position; the last hidden state.
+
+        The decode role of a split thinker (:mod:`stages.pd`) takes both from
+        the prefill role's KV cache instead.
+        """
+        m = req.model
+        ids = torch.tensor(m["prompt"], device=self.device)
+        hidden = self.dec.prefill(self.emb(ids), self._slot(req))
+        m["pos"] = len(m["prompt"])
+        return hidden
 
     def warmup(self) -> None:
         self._warm("warm up")

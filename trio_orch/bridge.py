@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -348,7 +348,7 @@ class Engine:
             if self._n_waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout)
+                                            timeout=s.timeout, companions=s.companions)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:
@@ -373,7 +373,7 @@ class Engine:
                     self._sending = (s, cs)
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout)
+                                               timeout=s.timeout, companions=s.companions)
                     except Exception as exc:
                         self._refused(s, exc)
                         continue
@@ -575,15 +575,17 @@ class Engine:
 
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
-                       final_stage_id: int | None = None,
-                       request_timeout: float | None = None) -> AsyncIterator[Message]:
+                       final_stage_id: int | None = None, request_timeout: float | None = None,
+                       companions: Mapping[str, Any] | None = None) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
         Never blocks the event loop.  Cancellation of the consuming task, or
         closing the generator before the terminal, aborts the request.
+        ``companions``: ``{id: stage-0 prompt}``, as for ``Orchestrator.add_request``.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
+                       companions=dict(companions) if companions else None)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False

@@ -1,11 +1,13 @@
-"""``trio-orch generate "text"``: run the speech pipeline once, end to end.
+"""``trio-orch generate "text"``: run a pipeline once, end to end.
 
 Starts the stage workers of the pipeline (default: thinker -> talker ->
 code2wav, one process per replica), sends one request through the Trio
 orchestrator, streams the thinker's text to the terminal as it is generated,
 writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 ``--async-chunk`` the stages stream to each other chunk by chunk, so the
-first audio comes long before the text is finished.
+first audio comes long before the text is finished.  A pipeline whose
+output is an image (``--pipeline text2image``) draws the denoising progress
+and writes a PNG instead (:mod:`trio_orch.text2image`).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from typing import Any
 import numpy as np
 import trio
 
-from stages.registry import as_audio, as_text, outputs_of
-from trio_orch.config import PipelineConfig, default_config, load_config
+from stages.registry import as_audio, as_text, spec_for, takes_companions
+from trio_orch import text2image
+from trio_orch.config import PIPELINES, PipelineConfig, builtin_config, load_config
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.orchestrator import open_orchestrator
 from trio_orch.types import OrchError
@@ -33,9 +36,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Generate text and speech for a prompt with the stage-worker pipeline "
         "(thinker -> talker -> code2wav by default; torch models with seeded dummy weights, "
         "so the text is gibberish but every stage really computes). Streams the text, "
-        "writes a WAV file, prints per-stage timings.")
+        "writes a WAV file, prints per-stage timings. With --pipeline text2image: an image "
+        "(encoder -> diffusion with classifier-free guidance), written as a PNG.")
     parser.add_argument("text", nargs="?", default="Hello", help="the prompt (default: Hello)")
-    parser.add_argument("--out", default="out.wav", help="WAV file to write (default: out.wav)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
+                             "prefill and decode stages), text2image")
+    parser.add_argument("--out", default=None,
+                        help="file to write: the WAV (default out.wav), or the PNG (default out.png)")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
@@ -48,6 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
+    text2image.add_arguments(parser)
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -61,8 +70,24 @@ def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    cfg = load_config(args.config) if args.config else default_config()
-    return cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    if args.config and args.pipeline:
+        raise ValueError("give --config or --pipeline, not both")
+    cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    if _makes_images(cfg):
+        if cfg.async_chunk or args.compare:
+            raise ValueError("an image pipeline runs whole requests stage by stage: "
+                             "--async-chunk and --compare are for streaming pipelines")
+        if not takes_companions(spec_for(cfg.stages[0].kind, cfg.stages[0].role)):
+            raise ValueError(f"stage 0 ({cfg.stages[0].label}) does not condition on companion requests: "
+                             "classifier-free guidance needs an encoder there")
+    elif args.negative is not None:
+        raise ValueError("--negative is for image pipelines (--pipeline text2image)")
+    return cfg
+
+
+def _makes_images(cfg: PipelineConfig) -> bool:
+    return any(cfg.outputs()[k] == "image" for k in cfg.final_stage_ids)
 
 
 def _ms(t: float | None, t0: float) -> str:
@@ -75,7 +100,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
     payload: Any = args.text  # what stage 0 takes: the prompt, with a token limit if asked
     if args.max_tokens is not None:
         payload = {"text": args.text, "max_new_tokens": args.max_tokens}
-    outputs = outputs_of(s.kind for s in cfg.stages)  # how each stage's outputs are shown
+    outputs = cfg.outputs()  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
     rate = 24000
@@ -128,8 +153,9 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
               "stage to stage, so audio starts while the text is still being generated)")
     if pcm:
         audio = np.concatenate(pcm)
-        write_wav(args.out, audio, rate)
-        print(f"wrote {args.out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
+        out = args.out or "out.wav"
+        write_wav(out, audio, rate)
+        print(f"wrote {out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
               f"{len(audio)} samples")
     return 0, (t_audio - t0) * 1000 if t_audio is not None else None
 
@@ -141,6 +167,10 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     try:
         async with open_pipeline(cfg) as pipe:
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            if _makes_images(cfg):
+                async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+                    rc = await text2image.generate_image(orch, args.image, args.out or "out.png")
+                return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -150,6 +180,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
 async def _main(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
+        args.image = text2image.request_from_args(args) if _makes_images(cfg) else None
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
