@@ -30,8 +30,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from stages.registry import outputs_of, text_stage
+from stages.registry import text_stage
 from trio_orch.bridge import Engine, EngineClosed, EngineStartupError
+from trio_orch.config import PIPELINES
 from trio_orch.metrics import render_prometheus
 from trio_orch.openai_chat import (
     BadRequest,
@@ -41,6 +42,7 @@ from trio_orch.openai_chat import (
     orch_error_status,
     parse_chat_request,
 )
+from trio_orch.openai_images import add_image_routes
 from trio_orch.types import OrchError
 
 __all__ = ["SSEResponse", "configure", "create_app", "run"]
@@ -280,6 +282,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
+                             "/v1/images/generations); one pipeline per server process")
     parser.add_argument("--in-process", action="store_true",
                         help="serve a toy in-process pipeline instead (no worker processes, no torch)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -308,10 +313,12 @@ def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str, list[str] | N
         from trio_orch.toy_pipeline import toy_pipeline
 
         return toy_pipeline(), "in-process toy pipeline (thinker -> talker -> vocoder, no workers)", None
-    from trio_orch.config import default_config, load_config
+    from trio_orch.config import builtin_config, load_config
     from trio_orch.supervisor import RestartPolicy, supervised_pipeline
 
-    cfg = load_config(args.config) if args.config else default_config()
+    if args.config and args.pipeline:
+        raise ValueError("give --config or --pipeline, not both")
+    cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
     cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
     kinds = " -> ".join(s.label for s in cfg.stages)
     policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
@@ -322,8 +329,7 @@ def _pipeline_factory(args: argparse.Namespace) -> tuple[Any, str, list[str] | N
             _supervisors[:] = [pipe.supervisor]
             yield pipe
 
-    return (factory, f"worker pipeline {kinds} on {cfg.device} (supervised)",
-            outputs_of(s.kind for s in cfg.stages))
+    return factory, f"worker pipeline {kinds} on {cfg.device} (supervised)", cfg.outputs()
 
 
 _supervisors: list[Any] = []  # the running pipeline's supervisor, for /metrics
@@ -362,6 +368,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
           "Ctrl-C stops)", flush=True)
     app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics, outputs=outputs)
+    add_image_routes(app, engine, model_name=args.model_name, outputs=outputs)
     level = logging.getLogger().getEffectiveLevel()
     config = uvicorn.Config(app, log_level="info" if level <= logging.INFO else "warning",
                             lifespan="off", timeout_graceful_shutdown=5)
