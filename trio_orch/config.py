@@ -131,8 +131,8 @@ class PipelineConfig:
                     raise ValueError(f"pipeline config: stage {k} (prefill) gives no output to show: "
                                      f"make its decode stage {k + 1} final instead")
             elif s.role == "decode" and (k == 0 or st[k - 1].role != "prefill"):
-                raise ValueError(f"pipeline config: stage {k} has role 'decode': stage {k - 1} must have "
-                                 "role 'prefill'")
+                raise ValueError(f"pipeline config: stage {k} has role 'decode': the stage before it must "
+                                 "have role 'prefill'")
 
     def kinds(self) -> list[str]:
         return [s.kind for s in self.stages]
