@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,6 +35,7 @@ from trio_orch.testing import LeakProbe
 from trio_orch.toy_pipeline import toy_pipeline
 
 HANG = 60.0
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 CONFIG = PipelineConfig([StageConfig("encoder", model=SMALL),
                          StageConfig("diffusion", model={**SMALL, "cond_dim": 32, "vae_dim": 8})],
@@ -156,3 +163,30 @@ def test_a_server_whose_pipeline_makes_no_images_says_so() -> None:
             assert c.get("/health").status_code == 200  # the rest of the server is fine
     finally:
         served.stop()
+
+
+@pytest.mark.slow
+def test_trio_orch_serve_text2image_answers_with_a_decodable_png(tmp_path: Path) -> None:
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's ipc sockets and logs go here
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--pipeline", "text2image",
+                             "--port", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    try:
+        assert proc.stdout is not None
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, "serve exited before it served"
+            m = re.search(r"serving on (http://\S+)", line)
+            url = m.group(1) if m else None
+        with httpx.Client(base_url=url, timeout=HANG) as c:
+            r = c.post("/v1/images/generations", json={"prompt": "a red square", "size": "64x32",
+                                                       "negative_prompt": "blurry", "num_inference_steps": 2})
+            assert png_of(r).size == (64, 32) and r.json()["trio_orch"]["guided_by"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert list(tmp_path.iterdir()) == []  # no ipc socket or log left behind
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
