@@ -9,7 +9,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     seed = 0
 
     [[stages]]
-    kind = "thinker"          # echo | thinker | talker | code2wav, or "package.module:Class"
+    kind = "thinker"          # a built-in kind (stages.registry.KINDS), or "package.module:Class"
     replicas = 1
     [stages.model]            # model options: the model constructor's keyword arguments
     max_new_tokens = 48
