@@ -86,9 +86,9 @@ class WorkerHandle:
         return "\n".join(tail) if tail else "(stderr was empty)"
 
 
-def forward_fn_for(kinds: list[str]) -> Callable[[int, Any, list[Any]], Any]:
-    """The normal-mode ``forward_fn`` of a pipeline of these kinds (see :mod:`stages.registry`)."""
-    return registry.forward_fn(kinds)
+def forward_fn_for(kinds: list[str], roles: list[str] | None = None) -> Callable[..., Any]:
+    """The normal-mode ``forward_fn`` of a pipeline of these kinds (and roles; see :mod:`stages.registry`)."""
+    return registry.forward_fn(kinds, roles)
 
 
 def forward_fn(k: int, prompt: Any, outputs: list[Any]) -> Any:
