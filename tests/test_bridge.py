@@ -200,7 +200,7 @@ def test_asyncio_generate_and_one_wake_per_batch(monkeypatch: pytest.MonkeyPatch
 
         rids = [f"r{i}" for i in range(8)]
         tasks = [asyncio.create_task(consume(r)) for r in rids]
-        streams = engine._demux.streams
+        streams = engine.demux.streams
         await await_until(lambda: all(r in streams and streams[r].waiter is not None for r in rids),
                           "every consumer waiting")
 
@@ -285,16 +285,16 @@ def test_asyncio_backpressure_waits_without_blocking_the_loop_and_cancel_withdra
         gens = {rid: engine.generate("p", request_id=rid) for rid in ("a", "b", "c", "d")}
         firsts = {rid: asyncio.ensure_future(g.__anext__()) for rid, g in gens.items()}
         # a: stuck in submit; b: in the channel; c and d: waiting in the bridge
-        await await_until(lambda: engine.stages and len(engine._demux.streams) == 4)
+        await await_until(lambda: engine.stages and len(engine.open_requests) == 4)
         stats = await engine.stats_async()
-        await await_until(lambda: engine._n_waiting == 2, "two waiting for room")
+        await await_until(lambda: engine.admission_waiting == 2, "two waiting for room")
         ticks = 0
         for _ in range(5):  # the loop keeps running while they wait
             await asyncio.sleep(0)
             ticks += 1
         assert ticks == 5 and stats.running
         firsts["c"].cancel()  # cancel one waiting for room: never submitted
-        await await_until(lambda: "c" not in engine._demux.streams, "c withdrawn")
+        await await_until(lambda: "c" not in engine.open_requests, "c withdrawn")
         engine.call_soon(stages[0].release_submits)
         await await_until(lambda: len(stages[0].submissions) == 3, "a, b, d submitted")
         assert [rid for rid, _ in stages[0].submissions] == ["a", "b", "d"]
@@ -318,7 +318,7 @@ def test_abort_while_waiting_for_room_gives_aborted_terminal() -> None:
         async def scenario() -> list[Any]:
             agen = engine.generate("p", request_id="c")
             first = asyncio.ensure_future(agen.__anext__())
-            await await_until(lambda: engine._n_waiting == 1, "c waiting")
+            await await_until(lambda: engine.admission_waiting == 1, "c waiting")
             engine.abort("c")
             return [await first]
 
@@ -359,7 +359,7 @@ def test_close_drains_every_waiter_then_every_call_raises() -> None:
         msgs = list(h)
         assert len(msgs) == 1 and isinstance(msgs[0], OrchError) and msgs[0].kind == "shutdown"
     assert len(loop_result) == 1 and loop_result[0].kind == "shutdown"
-    assert engine._demux.streams == {}
+    assert engine.open_requests == set()
     with pytest.raises(EngineClosed, match="closed"):
         engine.add_request("x")
     with pytest.raises(EngineClosed):
@@ -393,10 +393,10 @@ def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
         t.join(HANG)
         assert len(rest) == 1 and isinstance(rest[0], OrchError) and rest[0].kind == "shutdown"
         assert len(got) == 1 and isinstance(got[0], OrchError)
-        wait_until(lambda: not engine._thread.is_alive(), "engine thread exit")
+        wait_until(lambda: not engine.thread_alive, "engine thread exit")
         with pytest.raises(EngineClosed, match="crashed: Boom"):
             engine.add_request("later")
-        assert isinstance(engine._failure, Boom)
+        assert isinstance(engine.failure, Boom)
 
 
 def test_crash_drains_queued_and_backpressured_callers_too() -> None:
@@ -427,8 +427,8 @@ def test_crash_drains_queued_and_backpressured_callers_too() -> None:
         assert not t.is_alive()
     for msgs in (list(stuck), list(queued), results["sync"], results["async"]):
         assert len(msgs) == 1 and isinstance(msgs[0], OrchError) and msgs[0].kind == "shutdown"
-    engine._thread.join(HANG)
-    assert engine._demux.streams == {}
+    engine.join(HANG)
+    assert engine.open_requests == set()
     with pytest.raises(EngineClosed, match="crashed: Boom"):
         engine.add_request("later")
     engine.close()
@@ -441,7 +441,7 @@ def test_orchestrator_stopping_on_its_own_drains() -> None:
         engine.call_soon(engine.orchestrator.request_shutdown)
         msgs = list(h)
         assert [type(m) for m in msgs] == [OrchError] and msgs[0].kind == "shutdown"
-        wait_until(lambda: not engine._thread.is_alive(), "engine thread exit")
+        wait_until(lambda: not engine.thread_alive, "engine thread exit")
         with pytest.raises(EngineClosed, match="orchestrator stopped"):
             engine.add_request("later")
 
@@ -456,7 +456,7 @@ def test_startup_failure_is_reraised_with_its_cause() -> None:
     with pytest.raises(EngineStartupError, match="stage 1 exited") as info:
         engine.start()
     assert isinstance(info.value.__cause__, OSError)
-    assert not engine._thread.is_alive()
+    assert not engine.thread_alive
     with pytest.raises(EngineClosed):
         engine.add_request("x")
     engine.close()
@@ -471,7 +471,7 @@ def test_startup_timeout_stops_the_thread() -> None:
     engine = Engine(hangs, startup_timeout=0.2)
     with pytest.raises(EngineStartupError, match="did not become ready"):
         engine.start()
-    assert not engine._thread.is_alive()
+    assert not engine.thread_alive
     with pytest.raises(EngineClosed):
         engine.add_request("x")
 
@@ -491,14 +491,14 @@ def test_close_is_bounded_when_the_pipeline_will_not_stop() -> None:
     engine.start()
     h = engine.add_request("x", request_id="r1")
     engine.close()  # returns after close_timeout although the thread is stuck
-    assert engine._thread.is_alive()
+    assert engine.thread_alive
     msgs = list(h)
     assert msgs[-1].kind == "shutdown"
     with pytest.raises(EngineClosed):
         engine.add_request("y")
     release.set()
-    engine._thread.join(HANG)
-    assert not engine._thread.is_alive()
+    engine.join(HANG)
+    assert not engine.thread_alive
 
 
 def test_close_before_start_and_drain_on_close() -> None:
@@ -566,7 +566,7 @@ def test_worker_set_that_cannot_start_raises_startup_error_with_cause(
     with pytest.raises(EngineStartupError, match="no GPU here") as info:
         engine.start()
     assert isinstance(info.value.__cause__, WorkerStartupError)
-    assert not engine._thread.is_alive()
+    assert not engine.thread_alive
     assert list(tmp_path.iterdir()) == []  # no ipc socket or log left
     with pytest.raises(EngineClosed, match=r"failed|crashed"):
         engine.add_request("x")

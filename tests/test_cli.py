@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from trio_orch.cli import COMMANDS, main
+from trio_orch.cli import commands, main
 
 
 def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
@@ -15,7 +15,7 @@ def test_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) 
         main(["--help"])
     assert exc.value.code == 0
     text = capsys.readouterr().out
-    for name in COMMANDS:
+    for name in commands():
         assert name in text
     assert "Trio" in text
 
@@ -52,3 +52,32 @@ def test_public_api_is_lazy_and_a_worker_process_never_imports_trio() -> None:
             "import trio_orch as t; assert sorted(t.__all__) == sorted(set(dir(t)) & set(t.__all__))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_commands_load_lazily_and_bench_registers_its_own() -> None:
+    """--help imports no command module; running one imports that one; bench comes in by entry point."""
+    code = ("import sys\n"
+            "from trio_orch.cli import COMMANDS, commands, main\n"
+            "names = set(commands())\n"
+            "bench = {'bench', 'chaos', 'compare'}\n"
+            "assert bench <= names and not bench & set(COMMANDS)\n"
+            "try:\n"
+            "    main(['--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "loaded = [m for m in ('trio_orch.server', 'trio_orch.generate', 'bench.perf.cli', 'torch')"
+            " if m in sys.modules]\n"
+            "assert not loaded, loaded\n"
+            "try:\n"
+            "    main(['demo', '--help'])\n"
+            "except SystemExit:\n"
+            "    pass\n"
+            "assert 'trio_orch.demo' in sys.modules and 'bench.perf.cli' not in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("trio-orch 0.")

@@ -23,13 +23,13 @@ from trio_orch.core.routing import RoutingRules
 from trio_orch.core.state import CoreState
 from trio_orch.core.streaming import StreamingRules
 
-DESIGN = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
+DOC = pathlib.Path(__file__).parents[1] / "docs" / "design.md"
 CLASSES = {"AdmissionRules": AdmissionRules, "RoutingRules": RoutingRules, "CoreState": CoreState,
            "StreamingRules": StreamingRules, "CompanionRules": CompanionRules, "ControlRules": ControlRules}
 
 
 def rule_table() -> list[tuple[str, str, str]]:
-    text = DESIGN.read_text()
+    text = DOC.read_text()
     block = text.split("<!-- rules:begin -->")[1].split("<!-- rules:end -->")[0]
     return [(m[1].strip(), m[2], m[3]) for m in re.finditer(r"^\| (.+?) \| `(\w+)\.(\w+)` \|$", block, re.M)]
 

@@ -40,6 +40,7 @@ dim = 16
 """
 
 
+@pytest.mark.slow
 def test_generate_compare_runs_both_modes_writes_a_wav_and_prints_timings(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = tmp_path / "tiny.toml"

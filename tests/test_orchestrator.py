@@ -75,7 +75,7 @@ async def test_async_chunk_late_nonfinal_completion_worked_example() -> None:
         await stages[2].emit("r1", "wav:THERE", finished=True)
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(trio.WouldBlock):
-            orch._out_recv.receive_nowait()  # held by the terminal gate
+            orch.next_output_nowait()  # held by the terminal gate
         await stages[1].emit("r1", None, finished=True)
         assert await nxt(orch) == OrchOutput("r1", 2, "wav:THERE", True)
         await stages[2].emit("r1", "wav:EXTRA")
@@ -335,7 +335,7 @@ async def test_backpressure_on_a_full_request_channel(autojump_clock: trio.testi
                 nursery.start_soon(add, f"r{i}")
             await trio.sleep(60)
             # r0 is stuck in the handler's submit, two wait in the channel, one waits to enter it
-            assert orch.queued_requests == 3 and orch._req_send.statistics().tasks_waiting_send == 1
+            assert orch.queued_requests == 3 and orch.statistics().request_channel.tasks_waiting_send == 1
             assert accepted == [] and stages[0].submissions == []
             with pytest.raises(trio.WouldBlock):
                 orch.add_request_nowait("extra", "p")
@@ -406,7 +406,7 @@ async def test_per_request_deadline_on_a_stage_that_never_answers(
         # the finished request's deadline never fires later
         await trio.sleep(100)
         with pytest.raises(trio.WouldBlock):
-            orch._out_recv.receive_nowait()
+            orch.next_output_nowait()
 
 
 async def test_deadline_of_a_request_still_queued(autojump_clock: trio.testing.MockClock) -> None:

@@ -1,4 +1,4 @@
-"""The routing core driven directly: no event loop, no I/O (DESIGN §3)."""
+"""The routing core driven directly: no event loop, no I/O (the contract of docs/design.md)."""
 
 from __future__ import annotations
 

@@ -348,6 +348,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.slow
 def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's ipc sockets and logs go here
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0"], cwd=ROOT,

@@ -70,6 +70,7 @@ async def collect(orch: Orchestrator, n_terminals: int, timeout: float = 30) -> 
     return msgs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_chunk", [False, True], ids=["normal", "async_chunk"])
 async def test_one_request_end_to_end_through_torch_workers(async_chunk: bool) -> None:
     async with checked_pipeline(tiny_speech_config(async_chunk=async_chunk)) as pipe:

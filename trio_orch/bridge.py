@@ -70,7 +70,7 @@ log = logging.getLogger("trio_orch.bridge")
 
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
-    """Dispatch latency of each message the consumer just took (DESIGN §5).
+    """Dispatch latency of each message the consumer just took (see docs/design.md).
 
     From the stage's production timestamp (``OrchOutput.t_produced``, the
     system-wide monotonic clock, so a worker's stamp compares) when there is
@@ -270,6 +270,31 @@ class Engine:
     def final_stage_ids(self) -> frozenset[int]:
         """The pipeline's final-output stages (empty before start)."""
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
+
+    @property
+    def thread_alive(self) -> bool:
+        """The engine's Trio thread is running (False before start and once it exited)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """What ended the Trio thread, if it crashed or could not start (None otherwise)."""
+        return self._failure
+
+    @property
+    def demux(self) -> Demux:
+        """The per-request streams the orchestrator's batches are routed to (introspection)."""
+        return self._demux
+
+    @property
+    def open_requests(self) -> set[str]:
+        """Ids of the requests whose consumer has not had the terminal yet (a snapshot)."""
+        return set(self._demux.streams)
+
+    @property
+    def admission_waiting(self) -> int:
+        """Callers waiting for room in the request channel (an instantaneous read)."""
+        return self._n_waiting
 
     @property
     def closed_reason(self) -> str | None:

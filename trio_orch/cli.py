@@ -1,30 +1,70 @@
-"""The ``trio-orch`` command line: one subcommand per job, loaded lazily.
+"""The ``trio-orch`` command line: one subcommand per job, each loaded only when it runs.
 
-Each entry of :data:`COMMANDS` names a module that provides
-``configure(parser)`` (add its options) and ``run(args) -> int``.  Modules
-are imported only when their subcommand runs, so ``trio-orch --help`` stays
-fast and the orchestrator never imports torch unless a job needs it.
+A command is a :class:`Command`: the module that provides ``configure(parser)``
+(add its options) and ``run(args) -> int``, and a one-line help.  The
+product's own commands are listed in :data:`COMMANDS`; other packages add
+theirs through the ``trio_orch.commands`` entry-point group (the benchmark,
+comparison and chaos commands come from ``bench`` that way), naming a
+``Command`` in a module that imports nothing heavy.  ``trio-orch --help``
+imports no command module; ``trio-orch NAME ...`` imports that one alone, so
+a broken or slow command never gets in the way of another.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import logging
 import sys
+from dataclasses import dataclass
 
-#: subcommand -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("trio_orch.demo", "in-process 3-stage pipeline, no processes or torch: print routed outputs"),
-    "generate": ("trio_orch.generate", "text + speech (WAV) for a prompt through the ZMQ stage workers"),
-    "bench": ("bench.perf.cli", "dispatch latency and throughput of every implementation, side by side"),
-    "chaos": ("bench.chaos.cli", "fault matrix over real workers: kill -9, SIGSTOP, garbage, aborts, ..."),
-    "compare": ("bench.compare.cli", "cancellation semantics measured: Trio vs. the asyncio references"),
-    "serve": ("trio_orch.server", "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
+__all__ = ["COMMANDS", "Command", "build_parser", "commands", "main"]
+
+ENTRY_POINT_GROUP = "trio_orch.commands"
+
+log = logging.getLogger("trio_orch.cli")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand: the module that implements it and its one-line help."""
+
+    module: str
+    help: str
+
+
+#: the product's own subcommands
+COMMANDS: dict[str, Command] = {
+    "demo": Command("trio_orch.demo",
+                    "in-process 3-stage pipeline, no processes or torch: print routed outputs"),
+    "generate": Command("trio_orch.generate",
+                        "text + speech (WAV) for a prompt through the ZMQ stage workers"),
+    "serve": Command("trio_orch.server",
+                     "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def commands() -> dict[str, Command]:
+    """The product's commands, then those registered by installed packages (entry points)."""
+    found = dict(COMMANDS)
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if ep.name in found:
+            continue
+        try:
+            cmd = ep.load()
+        except Exception as exc:  # a broken plug-in must not break the other commands
+            log.warning("command %r (%s) could not be loaded: %r", ep.name, ep.value, exc)
+            continue
+        if isinstance(cmd, Command):
+            found[ep.name] = cmd
+        else:
+            log.warning("entry point %r (%s) is not a trio_orch.cli.Command", ep.name, ep.value)
+    return found
+
+
+def build_parser(available: dict[str, Command], configure: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``configure`` (a command name) gets its options, by importing its module."""
     parser = argparse.ArgumentParser(
         prog="trio-orch",
         description=(
@@ -36,18 +76,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0,
                         help="more log output (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        p.set_defaults(_module=module)
+    for name, cmd in available.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
         p.add_argument("-v", "--verbose", action="count", default=0, dest="sub_verbose",
                        help=argparse.SUPPRESS)
-        importlib.import_module(module).configure(p)
+        if name == configure:
+            importlib.import_module(cmd.module).configure(p)
     return parser
 
 
+def version() -> str:
+    try:
+        return importlib.metadata.version("trio-orch")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        from trio_orch import __version__
+
+        return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    available = commands()
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(available, configure=chosen if chosen in available else None)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
@@ -55,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     verbosity = args.verbose + getattr(args, "sub_verbose", 0)
     level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    module = importlib.import_module(args._module)
+    module = importlib.import_module(available[args.command].module)
     try:
         return int(module.run(args) or 0)
     except KeyboardInterrupt:

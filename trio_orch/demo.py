@@ -1,6 +1,6 @@
 """``trio-orch demo``: a 3-stage pipeline of in-process stages, no processes, no torch.
 
-Shows the routing of DESIGN §3 as it streams: a "thinker" stage emits words,
+Shows the routing contract (docs/design.md) as it streams: a "thinker" stage emits words,
 a "talker" turns them into codes, a "vocoder" turns codes into fake audio
 chunks; stages 0 and 2 are final-output stages.
 """

@@ -332,6 +332,10 @@ class Orchestrator:
         """The next message in delivery order; ``trio.EndOfChannel`` once all is delivered."""
         return await self._out_recv.receive()
 
+    def next_output_nowait(self) -> Message:
+        """The next message if one is ready; ``trio.WouldBlock`` if none, ``trio.EndOfChannel`` at the end."""
+        return self._out_recv.receive_nowait()
+
     async def outputs(self) -> AsyncIterator[Message]:
         """Iterate over messages until the orchestrator stopped and all were delivered."""
         async for msg in self._out_recv:

@@ -4,7 +4,7 @@ A request is bound to one replica for its whole life (its KV cache lives
 there).  New requests go to the live replica with the fewest requests in
 flight (ties: lowest index).  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
-(see docs/design.md, replica death) while the other replicas keep serving; ``submit``
+(the routing contract's replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
 ``receive`` raises :class:`StageDied` only once every replica is dead and
 no supervisor will bring one back (``supervised``; see

@@ -46,15 +46,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import trio
+from trio_util import AsyncValue
 
 from trio_orch.config import PipelineConfig
 from trio_orch.launcher import (
     Pipeline,
     WorkerHandle,
     WorkerStartupError,
-    _run_worker,
-    _worker_argv,
     open_pipeline,
+    run_worker,
+    worker_argv,
 )
 from trio_orch.transport import ZmqStageClient
 
@@ -150,7 +151,7 @@ class Supervisor:
         self.events: list[RestartEvent] = []
         self._counts: Counter[tuple[str, int, str]] = Counter()
         self._slots = {(w.stage_id, w.replica): _Slot(w.stage_id, w.replica) for w in pipeline.workers}
-        self._changed = trio.Event()
+        self._version = AsyncValue(0)  # bumped on every supervisor event; waiters re-check
         self._closing = False
         self._nursery: trio.Nursery | None = None
 
@@ -200,17 +201,14 @@ class Supervisor:
 
     async def wait_restarts(self, n: int) -> None:
         """Wait until at least ``n`` restarts completed (tests, chaos runs)."""
-        while self.restarts < n:
-            await self._changed.wait()
+        await self.wait_for(lambda: self.restarts >= n)
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Wait until ``predicate()`` holds; re-checked after every supervisor event."""
-        while not predicate():
-            await self._changed.wait()
+        await self._version.wait_value(lambda _: predicate())
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = trio.Event()
+        self._version.value += 1
 
     def _count(self, name: str, stage: int, cause: str) -> None:
         self._counts[(name, stage, cause)] += 1
@@ -364,12 +362,12 @@ class Supervisor:
                                 name=old.client.name, max_message_bytes=self.max_message_bytes)
         h = WorkerHandle(k, r, st.kind, client,
                          os.path.join(pipe.tmpdir, f"s{k}r{r}.g{slot.generation}.stderr"))
-        argv = _worker_argv(cfg, k, r, st, client.address, pipe.tmpdir)
+        argv = worker_argv(cfg, k, r, st, client.address, pipe.tmpdir)
         if self.extra_args is not None:
             argv += self.extra_args(k, r, attempt)
         await self._nursery.start(client.run)
         try:
-            await self._nursery.start(_run_worker, h, argv, cfg)
+            await self._nursery.start(run_worker, h, argv, cfg)
         except BaseException:
             with trio.CancelScope(shield=True):
                 await client.aclose()
