@@ -122,7 +122,9 @@ def test_importing_trio_orch_never_imports_torch() -> None:
         "    except ImportError as exc:\n"
         "        if 'torch' in str(exc):\n"
         "            raise\n"
-        "trio_orch.cli.build_parser()\n"
+        "cmds = trio_orch.cli.commands()\n"
+        "for name in cmds:\n"
+        "    trio_orch.cli.build_parser(cmds, configure=name)  # every command's options\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
     )
