@@ -103,7 +103,7 @@ def test_concurrent_requests_share_forward_passes_per_image_size(model: Diffusio
     cond, neg = encode(encoder, "a cat"), encode(encoder, "a much longer negative prompt")
     a = {"cond": cond, "seed": 1, "steps": 4}
     b = {"cond": cond, "uncond": neg, "companion": "b:neg", "seed": 2, "steps": 2, "guidance_scale": 3.0}
-    c = {"cond": cond, "seed": 3, "steps": 4, "width": 64}
+    c = {"cond": cond, "seed": 3, "steps": 4, "width": 48}
     alone = [run(model, p)[0][-1] for p in (a, b, c)]
     before, model.max_rows = model.forwards, 0
     together = run(model, a, b, c)
