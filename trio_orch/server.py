@@ -365,7 +365,8 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         return 1
     host, port = sock.getsockname()[:2]
-    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, GET /health, GET /metrics; "
+    route = "/v1/images/generations" if outputs and "image" in outputs else "/v1/chat/completions"
+    print(f"serving on http://{host}:{port}  (POST {route}, GET /health, GET /metrics; "
           "Ctrl-C stops)", flush=True)
     app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics, outputs=outputs)
     add_image_routes(app, engine, model_name=args.model_name, outputs=outputs)
