@@ -28,6 +28,9 @@ class ReqState:
     input_done: bool = True  # False while upstream chunks are still expected
     steps: int = 0
     model: Any = None  # model-private state
+    #: this stage's sampling parameters for the request, checked against the kind's
+    #: (``StageSpec.sampling``) and normalised: only the keys the client gave
+    sampling: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

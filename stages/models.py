@@ -3,13 +3,21 @@
 - ``thinker``: a small decoder-only transformer over a byte vocabulary with a
   KV cache; batched sampled (or greedy, ``temperature=0``) decoding, one token
   per request per step; sampling is restricted to printable ASCII (with a
-  letter-frequency bias) so its text decodes and reads like words.
+  letter-frequency bias) so its text decodes and reads like words.  A token is
+  one byte and its text is ``chr(token)``: one character per token, which is
+  how stop strings are matched and how held-back text maps back to tokens.
 - ``talker``: a causal transformer that turns thinker tokens into
   ``frames_per_token`` frames of ``codebooks`` speech codes each, emitted in
-  chunks of ``chunk_frames`` frames.
-- ``code2wav``: a vocoder: summed code embeddings through a conv upsampler
-  (``hop`` samples per frame) to float32 PCM at 24 kHz, ``chunk_frames`` frames
-  per step.
+  chunks of ``chunk_frames`` frames; a speaker embedding (the request's
+  ``voice``) is added to every input.
+- ``code2wav``: a vocoder: summed code embeddings plus the voice's speaker
+  embedding through a conv upsampler (``hop`` samples per frame) to float32
+  PCM at 24 kHz, ``chunk_frames`` frames per step, on a tone whose pitch is
+  set by the voice and follows the codes.
+
+Per-request sampling parameters (``ReqState.sampling``; what each kind takes
+is in :mod:`stages.sampling_params`) are resolved at admission; the sampling
+itself is :mod:`stages.sampling`.
 
 Every model batches: one :meth:`step` runs one forward pass over every
 runnable request.  Arrays handed back are numpy (CPU), so the wire never
@@ -30,6 +38,15 @@ import torch
 from torch import nn
 
 from stages.base import ReqState, StepResult
+from stages.sampling import RequestSampler, StopText, sample
+from stages.sampling_params import (
+    CODE2WAV_PARAMS,
+    TALKER_PARAMS,
+    THINKER_PARAMS,
+    VOICES,
+    voice_index,
+    with_defaults,
+)
 from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
 __all__ = ["Code2Wav", "Talker", "Thinker"]
@@ -44,8 +61,14 @@ _FREQ = {" ": 13.0, "e": 10.2, "t": 7.5, "a": 6.5, "o": 6.2, "i": 5.7, "n": 5.7,
 class Thinker(SlotModel):
     """Text LLM: prompt bytes -> one sampled byte token per step.
 
-    Payload: a string, or ``{"text": str, "max_new_tokens": int}``.
-    Output per step: ``{"text": str, "tokens": int32[1]}``; downstream chunk: the token.
+    Payload: a string, or ``{"text": str, "max_new_tokens": int}``.  Output per
+    step: ``{"text": str, "tokens": int32[n]}`` (n is 1, or 0 while text that may
+    begin a stop string is held back, or more when held text is released); the
+    last output also says ``"finish_reason"``: ``"stop"`` (end-of-text, a stop
+    string or stop token) or ``"length"``.  Downstream chunk: the released tokens.
+    The model options ``temperature``, ``max_new_tokens`` and ``min_new_tokens``
+    are the defaults of the request parameters ``temperature``, ``max_tokens``
+    (also its cap) and ``min_tokens``.
     """
 
     kind = "thinker"
@@ -78,9 +101,21 @@ class Thinker(SlotModel):
             text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
         if not isinstance(text, str) or not text:
             raise ValueError("thinker payload must be a non-empty string or {'text': str}")
-        ids = list(text.encode()[-self.max_prompt:])
-        req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0,
-                     "max_new": max(1, min(max_new, self.max_new)), "last": None}
+        self._start(req, list(text.encode()[-self.max_prompt:]), max_new)
+
+    def _start(self, req: ReqState, ids: list[int], max_new: int) -> None:
+        """Set up a request for its prompt token ``ids``: limits, stop conditions, its sampler.
+
+        The decode role of a split thinker (:mod:`stages.pd`) calls it when the
+        prompt's KV cache arrives, with the prompt the prefill role encoded.
+        """
+        sp = with_defaults(THINKER_PARAMS, req.sampling, temperature=self.temperature,
+                           max_tokens=self.max_new, min_tokens=self.min_new)
+        req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0, "last": None,
+                     "max_new": max(1, min(max_new, sp["max_tokens"], self.max_new)),
+                     "min_new": sp["min_tokens"], "stop_ids": frozenset(sp["stop_token_ids"]),
+                     "stop": StopText(sp["stop"]) if sp["stop"] else None, "held": [],
+                     "sampler": RequestSampler(sp, EOS + 1, seed_source=self.gen, prompt=ids)}
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -100,26 +135,19 @@ class Thinker(SlotModel):
             for j, i in enumerate(dec_idx):
                 hidden[i] = h[j]
                 reqs[i].model["pos"] += 1
-        logits = self.head(torch.stack(hidden)) + self.bias  # type: ignore[arg-type]
+        logits = (self.head(torch.stack(hidden)) + self.bias).float().cpu()  # type: ignore[arg-type]
         for i, r in enumerate(reqs):
-            if r.model["n"] < self.min_new:
+            if r.model["n"] < r.model["min_new"]:
                 logits[i, EOS] = -math.inf
-        if self.temperature > 0:
-            probs = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
-            toks = torch.multinomial(probs, 1, generator=self.gen)[:, 0].tolist()
-        else:
-            toks = logits.argmax(-1).tolist()
+        samplers = [r.model["sampler"] for r in reqs]
+        toks = sample(samplers, logits)
         results = []
-        for r, tok in zip(reqs, toks, strict=True):
+        for r, s, tok in zip(reqs, samplers, toks.tolist(), strict=True):
             m = r.model
             m["n"] += 1
             m["last"] = tok
-            done = tok == EOS or m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
-            if tok == EOS:
-                results.append(StepResult({"text": "", "tokens": np.zeros(0, np.int32)}, True, None))
-                continue
-            arr = np.array([tok], dtype=np.int32)
-            results.append(StepResult({"text": chr(tok), "tokens": arr}, done, arr))
+            s.observe(toks.new_tensor([tok]))
+            results.append(self._emit(m, tok))
         return results
 
     def _prefill(self, req: ReqState) -> torch.Tensor:
@@ -134,6 +162,28 @@ class Thinker(SlotModel):
         m["pos"] = len(m["prompt"])
         return hidden
 
+    def _emit(self, m: dict[str, Any], tok: int) -> StepResult:
+        """The step's output for one request: its released text and tokens, and whether it ended."""
+        ended = tok == EOS or tok in m["stop_ids"]
+        length = m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
+        held: list[int] = m["held"]
+        if not ended:
+            held.append(tok)
+        text, stopped = chr(tok) if not ended else "", False
+        if m["stop"] is not None:
+            text, stopped = m["stop"].push(text)
+            if (ended or length) and not stopped:
+                text += m["stop"].flush()
+        toks = np.array(held[: len(text)], dtype=np.int32)  # one character per token
+        del held[: len(text)]
+        done = ended or stopped or length
+        if not done and not len(toks):
+            return StepResult(None, False, None)  # held back: it may begin a stop string
+        data: dict[str, Any] = {"text": text, "tokens": toks}
+        if done:
+            data["finish_reason"] = "length" if length and not (ended or stopped) else "stop"
+        return StepResult(data, done, toks if len(toks) else None)
+
     def warmup(self) -> None:
         self._warm("warm up")
 
@@ -146,6 +196,8 @@ class Talker(SlotModel):
 
     Input: ``{"tokens": int[...]}`` (normal mode) or streamed token chunks.
     Output: ``{"codes": int32[frames, codebooks]}`` every ``chunk_frames`` frames.
+    Each frame's codes are sampled per codebook with the request's parameters
+    (default greedy); the request's ``voice`` picks the speaker embedding.
     """
 
     kind = "talker"
@@ -159,6 +211,7 @@ class Talker(SlotModel):
         self.emb = nn.Embedding(EOS + 1, d_model).to(self.device)
         self.dec = TinyDecoder(d_model, layers, heads, max_tokens, slots).to(self.device).eval()
         self.head = nn.Linear(d_model, frames_per_token * codebooks * codebook_size).to(self.device)
+        self.spk = nn.Embedding(len(VOICES), d_model).to(self.device)  # one speaker per voice
 
     def admit(self, req: ReqState) -> None:
         if not req.upstream:
@@ -167,7 +220,11 @@ class Talker(SlotModel):
             if toks is None:
                 raise ValueError("talker payload must be {'tokens': int array}")
             req.inputs.append(np.asarray(toks).reshape(-1))
-        req.model = {"slot": None, "queue": [], "pos": 0, "codes": []}
+        sp = with_defaults(TALKER_PARAMS, req.sampling)
+        req.model = {"slot": None, "queue": [], "pos": 0, "codes": [], "frames": 0, "limit": sp["max_tokens"],
+                     "voice": voice_index(sp["voice"]),
+                     "sampler": RequestSampler(sp, self.cbs, seed_source=self.gen, rows=self.fpt * self.cb,
+                                               groups=self.cb)}
 
     def runnable(self, req: ReqState) -> bool:
         return bool(req.inputs) or bool(req.model["queue"]) or req.input_done
@@ -179,18 +236,27 @@ class Talker(SlotModel):
             m = r.model
             while r.inputs:
                 m["queue"].extend(int(t) for t in np.asarray(r.inputs.pop(0)).reshape(-1))
+            if m["limit"] is not None and m["frames"] >= m["limit"]:
+                m["queue"].clear()  # max_tokens frames made: the rest of the input is skipped
             if m["queue"] and m["pos"] < self.dec.max_len:
                 active.append(r)
         if active:
             toks = torch.tensor([r.model["queue"].pop(0) for r in active], device=self.device)
             slots = torch.tensor([self._slot(r) for r in active], device=self.device)
             pos = torch.tensor([r.model["pos"] for r in active], device=self.device)
-            h = self.dec.step(self.emb(toks), slots, pos)
-            logits = self.head(h).view(len(active), self.fpt, self.cb, self.cbs)
-            codes = logits.argmax(-1).to(torch.int32).cpu().numpy()
-            for r, c in zip(active, codes, strict=True):
-                r.model["pos"] += 1
-                r.model["codes"].append(c)
+            voices = torch.tensor([r.model["voice"] for r in active], device=self.device)
+            h = self.dec.step(self.emb(toks) + self.spk(voices), slots, pos)
+            samplers = [r.model["sampler"] for r in active]
+            codes = sample(samplers, self.head(h).view(-1, self.cbs)).view(len(active), self.fpt, self.cb)
+            for r, s, c in zip(active, samplers, codes, strict=True):
+                m = r.model
+                s.observe(c)
+                frames = c.to(torch.int32).numpy()
+                if m["limit"] is not None:
+                    frames = frames[: m["limit"] - m["frames"]]
+                m["pos"] += 1
+                m["frames"] += len(frames)
+                m["codes"].append(frames)
         results = []
         for r in reqs:
             m = r.model
@@ -198,7 +264,7 @@ class Talker(SlotModel):
             done = r.input_done and not r.inputs and exhausted
             if m["pos"] >= self.dec.max_len:
                 m["queue"].clear()
-            have = len(m["codes"]) * self.fpt
+            have = sum(len(c) for c in m["codes"])
             if m["codes"] and (have >= self.chunk or done):
                 arr = np.concatenate(m["codes"], axis=0)
                 m["codes"] = []
@@ -221,7 +287,9 @@ class Code2Wav(SlotModel):
     """Vocoder: codes -> float32 PCM at 24 kHz, ``chunk_frames`` frames per step.
 
     Input: ``{"codes": int[frames, codebooks]}`` or streamed code chunks.
-    Output: ``{"pcm": float32[samples], "sample_rate": 24000}``.
+    Output: ``{"pcm": float32[samples], "sample_rate": 24000}``.  The request's
+    ``voice`` picks the speaker embedding that conditions the upsampler and the
+    base pitch of the tone.
     """
 
     kind = "code2wav"
@@ -234,6 +302,7 @@ class Code2Wav(SlotModel):
         self.cb, self.chunk, self.gain = codebooks, chunk_frames, gain
         self.hop = int(np.prod(upsample))
         self.net = Upsampler(codebooks, codebook_size, dim, list(upsample)).to(self.device).eval()
+        self.spk = nn.Embedding(len(VOICES), dim).to(self.device)  # one speaker per voice
 
     def admit(self, req: ReqState) -> None:
         if not req.upstream:
@@ -242,7 +311,8 @@ class Code2Wav(SlotModel):
             if codes is None:
                 raise ValueError("code2wav payload must be {'codes': int array [frames, codebooks]}")
             req.inputs.append(np.asarray(codes))
-        req.model = {"queue": np.zeros((0, self.cb), np.int32), "phase": 0.0}
+        voice = voice_index(with_defaults(CODE2WAV_PARAMS, req.sampling)["voice"])
+        req.model = {"queue": np.zeros((0, self.cb), np.int32), "phase": 0.0, "voice": voice}
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -255,20 +325,25 @@ class Code2Wav(SlotModel):
             n = min(self.chunk, len(m["queue"]))
             take.append(m["queue"][:n])
             m["queue"] = m["queue"][n:]
-        T = max(len(t) for t in take)
-        pcm = None
-        if T:
-            batch = np.zeros((len(reqs), T, self.cb), np.int32)
-            for i, t in enumerate(take):
-                batch[i, : len(t)] = t
-            pcm = (self.net(torch.from_numpy(batch).to(self.device)) * self.gain).float().cpu().numpy()
+        pcm: list[np.ndarray | None] = [None] * len(reqs)
+        # One forward pass per chunk length (usually one: full chunks).  Padding a shorter chunk
+        # would let the padding's embeddings leak into its last frames through the convolutions,
+        # making a request's audio depend on its batch-mates.
+        for n in {len(t) for t in take} - {0}:
+            idx = [i for i, t in enumerate(take) if len(t) == n]
+            batch = torch.from_numpy(np.stack([take[i] for i in idx])).to(self.device)
+            voices = torch.tensor([reqs[i].model["voice"] for i in idx], device=self.device)
+            out = (self.net(batch, self.spk(voices)) * self.gain).float().cpu().numpy()
+            for j, i in enumerate(idx):
+                pcm[i] = out[j]
         results = []
         for i, r in enumerate(reqs):
             done = r.input_done and not r.inputs and not len(r.model["queue"])
             n = len(take[i])
             if n:
-                assert pcm is not None
-                audio = self._voice(r, take[i], pcm[i, : n * self.hop])
+                texture = pcm[i]
+                assert texture is not None
+                audio = self._voice(r, take[i], texture[: n * self.hop])
                 results.append(StepResult({"pcm": audio, "sample_rate": SAMPLE_RATE}, done, None))
             elif done:
                 results.append(StepResult({"pcm": np.zeros(0, np.float32), "sample_rate": SAMPLE_RATE},
@@ -278,12 +353,12 @@ class Code2Wav(SlotModel):
         return results
 
     def _voice(self, req: ReqState, codes: np.ndarray, texture: np.ndarray) -> np.ndarray:
-        """A phase-continuous tone whose pitch follows codebook 0, plus the conv texture.
+        """A phase-continuous tone, pitched by the voice and following codebook 0, plus the conv texture.
 
         Random conv weights alone give a near-silent DC offset; this makes the
         dummy audio audible and code-dependent.
         """
-        f0 = np.repeat(110.0 + (codes[:, 0] % 24) * 15.0, self.hop)
+        f0 = np.repeat(80.0 + 9.0 * req.model["voice"] + (codes[:, 0] % 24) * 15.0, self.hop)
         phase = req.model["phase"] + np.cumsum(2 * np.pi * f0 / SAMPLE_RATE)
         req.model["phase"] = float(phase[-1] % (2 * np.pi))
         tex = texture - texture.mean()

@@ -26,7 +26,7 @@ from stages.models import Thinker
 
 __all__ = ["DecodeThinker", "PrefillThinker"]
 
-_KV_KEYS = ("k", "v", "hidden", "prompt_len", "max_new")
+_KV_KEYS = ("k", "v", "hidden", "prompt_ids", "max_new")
 
 
 class PrefillThinker(Thinker):
@@ -46,7 +46,7 @@ class PrefillThinker(Thinker):
         results = []
         for r in reqs:
             kv = self._handoff(r)
-            receipt = {"prefilled": kv["prompt_len"], "kv_bytes": kv["k"].nbytes + kv["v"].nbytes}
+            receipt = {"prefilled": len(kv["prompt_ids"]), "kv_bytes": kv["k"].nbytes + kv["v"].nbytes}
             results.append(StepResult(receipt, True, kv))
         return results
 
@@ -56,7 +56,8 @@ class PrefillThinker(Thinker):
         slot, n = m["slot"], m["pos"]
         return {"k": self.dec.k_cache[:, slot, :, :n].contiguous().cpu().numpy(),
                 "v": self.dec.v_cache[:, slot, :, :n].contiguous().cpu().numpy(),
-                "hidden": hidden.float().cpu().numpy(), "prompt_len": n, "max_new": m["max_new"]}
+                "hidden": hidden.float().cpu().numpy(), "prompt_ids": np.asarray(m["prompt"], np.int32),
+                "max_new": m["max_new"]}
 
     def warmup(self) -> None:
         req = ReqState("__warmup__", "warm up")
@@ -74,14 +75,16 @@ class DecodeThinker(Thinker):
             raise ValueError("a decode replica takes KV caches from a prefill stage: put a stage with "
                              "role 'prefill' right before this one")
         req.input_done = False
-        req.model = {"slot": None, "prompt": [], "pos": None, "n": 0, "max_new": self.max_new, "last": None,
-                     "kv": None}
+        req.model = {"slot": None, "pos": None, "kv": None}  # the rest comes with the KV cache
 
     def feed(self, req: ReqState, data: Any, end: bool) -> None:
-        """The KV cache arrived (one chunk); a malformed one is refused (ValueError: that request fails)."""
+        """The KV cache arrived (one chunk): set the request up for its prompt, as the unsplit
+        thinker's admission does (limits, stop conditions, sampler).  A malformed cache is
+        refused (ValueError: that request fails)."""
         if data is not None:
-            req.model["kv"] = self._checked(data)
-            req.model["max_new"] = max(1, min(int(data["max_new"]), self.max_new))
+            kv = self._checked(data)
+            self._start(req, [int(t) for t in kv["prompt_ids"]], int(kv["max_new"]))
+            req.model["kv"] = kv
         if end:
             req.input_done = True
 
@@ -91,7 +94,7 @@ class DecodeThinker(Thinker):
     def _checked(self, kv: Any) -> dict[str, Any]:
         if not isinstance(kv, dict) or any(k not in kv for k in _KV_KEYS):
             raise ValueError(f"a KV handoff needs {', '.join(_KV_KEYS)}")
-        n = int(kv["prompt_len"])
+        n = len(kv["prompt_ids"])
         c = self.dec.k_cache
         want = (c.shape[0], c.shape[2], n, c.shape[4])
         for key in ("k", "v"):
@@ -99,7 +102,7 @@ class DecodeThinker(Thinker):
                 raise ValueError(f"KV handoff: {key} has shape {np.shape(kv[key])}, this thinker needs "
                                  f"{want} (prefill and decode must have the same model options)")
         if not 1 <= n < self.dec.max_len:
-            raise ValueError(f"KV handoff: prompt_len {n} out of range")
+            raise ValueError(f"KV handoff: a prompt of {n} tokens is out of range")
         return kv
 
     def _prefill(self, req: ReqState) -> torch.Tensor:
@@ -107,7 +110,7 @@ class DecodeThinker(Thinker):
         if kv is None:  # warm-up: no prefill stage behind it
             return super()._prefill(req)
         req.model["kv"] = None
-        slot, n = self._slot(req), int(kv["prompt_len"])
+        slot, n = self._slot(req), len(kv["prompt_ids"])
         with warnings.catch_warnings():  # the arrays view read-only ZMQ frames; copied into the cache
             warnings.simplefilter("ignore", UserWarning)
             self.dec.k_cache[:, slot, :, :n] = torch.as_tensor(kv["k"]).to(self.device)
@@ -120,7 +123,7 @@ class DecodeThinker(Thinker):
         """The unsplit thinker's warm-up (a local prefill, then decode steps): same work, same sampling."""
         req = ReqState("__warmup__", "warm up")
         Thinker.admit(self, req)
-        req.model["kv"] = None
+        req.model["kv"] = None  # no prefill stage behind it: _prefill runs locally
         for _ in range(3):
             if any(r.finished for r in self.step([req])):
                 break

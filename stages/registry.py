@@ -13,7 +13,10 @@ differs between kinds is read from here, and nowhere else:
   :func:`prewarm_fn`), from each row's ``next_input`` (with the request's
   companions where the kind conditions on them) and ``prewarm_input``;
 - ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
-  :func:`as_text`, :func:`as_audio`, :func:`text_stage`).
+  :func:`as_text`, :func:`as_audio`, :func:`text_stage`);
+- per-request sampling parameters: what each kind takes, checked when a request
+  is accepted and again in the worker (``sampling``, :func:`stage_params`,
+  :func:`check_sampling`; the parameters themselves are in :mod:`stages.sampling_params`).
 
 A kind may also be split into *roles* (:data:`ROLES`): the thinker into a
 ``prefill`` and a ``decode`` stage (prefill/decode disaggregation).  A role
@@ -37,7 +40,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -52,11 +55,21 @@ from stages.forwarding import (
     placeholder_input,
     tokens_input,
 )
+from stages.sampling_params import (
+    CODE2WAV_PARAMS,
+    NO_PARAMS,
+    TALKER_PARAMS,
+    THINKER_PARAMS,
+    Param,
+    SamplingSchema,
+    StageParams,
+    checker,
+)
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_stage", "forward_fn", "image_of", "last_output", "model_class",
-           "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root", "spec_for",
-           "takes_companions", "text_of", "text_stage"]
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "last_output",
+           "model_class", "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root",
+           "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -95,7 +108,9 @@ class StageSpec:
     this stage).  ``prewarm_input(stage_id, prompt)``: async-chunk
     mode, what this stage is submitted when it is stage >= 1 (its real input
     streams in as chunks).  Both run in the orchestrator process, never in a
-    worker, and must not raise for well-formed outputs.  ``model`` is the
+    worker, and must not raise for well-formed outputs.  ``sampling``: the
+    per-request sampling parameters the kind takes (name -> :class:`Param`;
+    default: none, so any parameter sent to it is refused).  ``model`` is the
     ``"module:Class"`` path, imported only when needed; ``kind`` the name;
     ``role`` the role of a split kind (:data:`ROLES`), else empty.
     """
@@ -103,6 +118,7 @@ class StageSpec:
     output: str = "data"
     next_input: ForwardInput = last_output
     prewarm_input: PrewarmInput = placeholder_input
+    sampling: SamplingSchema = field(default_factory=lambda: NO_PARAMS)
     model: str = ""
     kind: str = ""
     role: str = ""
@@ -111,9 +127,9 @@ class StageSpec:
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, model="stages.models:Thinker"),
-    "talker": StageSpec("codes", codes_input, model="stages.models:Talker"),
-    "code2wav": StageSpec("audio", model="stages.models:Code2Wav"),
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker"),
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker"),
+    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
     "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
     "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
 }.items()}
@@ -121,11 +137,13 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
 #: prefill stage computes a request's KV cache and hands it, worker to worker, to the decode
 #: replica the pool chose for it; the decode stage generates from it.  A role takes the
-#: options of its kind (the same model, split).
+#: options and sampling parameters of its kind (the same model, split).
 ROLES: dict[tuple[str, str], StageSpec] = {(kind, role): replace(spec, kind=kind, role=role)
                                            for (kind, role), spec in {
-    ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, model="stages.pd:PrefillThinker"),
-    ("thinker", "decode"): StageSpec("text", tokens_input, model="stages.pd:DecodeThinker"),
+    ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, sampling=THINKER_PARAMS,
+                                      model="stages.pd:PrefillThinker"),
+    ("thinker", "decode"): StageSpec("text", tokens_input, sampling=THINKER_PARAMS,
+                                     model="stages.pd:DecodeThinker"),
 }.items()}
 
 
@@ -189,6 +207,11 @@ def _plugin_spec(path: str) -> StageSpec:
     for name in ("next_input", "prewarm_input"):
         if not callable(getattr(declared, name)):
             raise KindError(f"{path}.stage_spec: {name} must be a function")
+    sampling = declared.sampling
+    if not isinstance(sampling, Mapping) or not all(
+            isinstance(k, str) and isinstance(p, Param) for k, p in sampling.items()):
+        raise KindError(f"{path}.stage_spec: sampling must map parameter names to "
+                        "stages.sampling_params.Param")
     return replace(declared, model=path, kind=path)
 
 
@@ -381,6 +404,16 @@ def prewarm_fn(kinds: Iterable[str], roles: Sequence[str] | None = None) -> Call
         return specs[k].prewarm_input(k, prompt)
 
     return prewarm
+
+
+def stage_params(kinds: Iterable[str]) -> list[StageParams]:
+    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto)."""
+    return [StageParams(spec.kind, spec.sampling) for spec in map(spec_for, kinds)]
+
+
+def check_sampling(kinds: Iterable[str]) -> Callable[[int, Any], dict[str, Any]]:
+    """The pipeline's ``check_sampling(stage_id, params)``: stage k's parameters against its kind's."""
+    return checker(stage_params(kinds))
 
 
 def outputs_of(kinds: Iterable[str], roles: Sequence[str] | None = None) -> list[str]:

@@ -130,7 +130,11 @@ class Upsampler(nn.Module):
         self.ups = nn.Sequential(*ups)
         self.post = nn.Conv1d(ch, 1, 7, padding=3)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:  # [B, T, C] -> [B, T * hop]
-        x = self.emb(codes.long() + self.offsets).sum(2).transpose(1, 2)
+    def forward(self, codes: torch.Tensor, cond: torch.Tensor | None = None) -> torch.Tensor:
+        """``codes`` [B, T, C] (and a conditioning vector [B, dim] per sequence) -> [B, T * hop]."""
+        x = self.emb(codes.long() + self.offsets).sum(2)
+        if cond is not None:
+            x = x + cond[:, None, :]
+        x = x.transpose(1, 2)
         x = self.ups(F.gelu(self.pre(x)))
         return torch.tanh(self.post(x))[:, 0]

@@ -31,7 +31,8 @@ import zmq
 
 from stages.base import ReqState, StageModel, StepResult
 from stages.connector import ChunkInbox, ChunkOutbox
-from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class
+from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
+from stages.sampling_params import check_params
 from trio_orch.wire import (
     Abort,
     Dying,
@@ -73,6 +74,7 @@ class Worker:
         self.out_codec = WireCodec(OutboundMsg)
         self.inbox = ChunkInbox(ctx, args.inbox) if args.inbox else None
         self.outbox = ChunkOutbox(ctx, args.downstream) if args.downstream else None
+        self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
@@ -161,6 +163,8 @@ class Worker:
                 raise ValueError(f"injected failure (payload contains {fail!r})")
             if req.downstream >= 0 and self.outbox is None:
                 raise ValueError("submit names a downstream replica but this worker has no --downstream")
+            if msg.sampling:
+                req.sampling = check_params(self.spec.kind, self.spec.sampling, msg.sampling)
             self.model.admit(req)
         except Exception as exc:
             self.stats["errors"] += 1

@@ -106,3 +106,42 @@ def test_echo_config_defaults() -> None:
     cfg = echo_config(3, replicas=2)
     assert [s.kind for s in cfg.stages] == ["echo"] * 3 and cfg.final_stage_ids == [2]
     assert all(s.replicas == 2 for s in cfg.stages)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--temperature", "3"], "error: --temperature: 'temperature' must be in [0, 2], got 3.0"),
+    (["--top-p", "0"], "error: --top-p: 'top_p' must be in (0, 1]"),
+    (["--stage-param", "talker.temprature=1"],
+     "error: --stage-param: stage_sampling.talker: talker takes no sampling parameter 'temprature'"),
+    (["--stage-param", "talker=1"], "expected STAGE.KEY=VALUE"),
+    (["--stage-param", "vocoder.voice=nova"],
+     "no stage 'vocoder' (stages: 0 (thinker), 1 (talker), 2 (code2wav))"),
+])
+def test_generate_refuses_bad_sampling_flags_before_starting_workers(
+        flags: list[str], message: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cli.main(["generate", "Hi", *flags]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "starting workers" not in captured.err
+    assert not os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_generate_with_a_seed_is_reproducible_and_voices_differ(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+
+    def generate(name: str, *flags: str) -> tuple[str, bytes]:
+        out = tmp_path / f"{name}.wav"
+        assert cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), *flags]) == 0
+        text = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("text: "))
+        return text, out.read_bytes()
+
+    hot = ("--seed", "7", "--temperature", "1.0", "--stage-param", "talker.temperature=0.8")
+    first = generate("a", *hot)
+    assert generate("b", *hot) == first
+    assert generate("c", *hot, "--async-chunk") == first  # the same in either mode
+    nova = generate("d", *hot, "--voice", "nova")
+    assert nova[0] == first[0] and nova[1] != first[1]

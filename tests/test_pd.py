@@ -27,8 +27,8 @@ SMALL = {"d_model": 32, "layers": 1, "heads": 2, "max_new_tokens": 16, "min_new_
 PROMPTS = ["Hello there", "The quick brown fox jumps"]
 
 
-def whole(model: Thinker, prompt: str) -> str:
-    req = ReqState("r", prompt)
+def whole(model: Thinker, prompt: str, **sampling: Any) -> str:
+    req = ReqState("r", prompt, sampling=sampling)
     model.admit(req)
     text = ""
     while True:
@@ -39,7 +39,7 @@ def whole(model: Thinker, prompt: str) -> str:
             return text
 
 
-def split(prefill: PrefillThinker, decode: DecodeThinker, prompt: str) -> str:
+def split(prefill: PrefillThinker, decode: DecodeThinker, prompt: str, **sampling: Any) -> str:
     req = ReqState("r", prompt, downstream=0)
     prefill.admit(req)
     [res] = prefill.step([req])
@@ -47,9 +47,9 @@ def split(prefill: PrefillThinker, decode: DecodeThinker, prompt: str) -> str:
     assert res.finished and res.data["prefilled"] == len(prompt.encode())
     codec = WireCodec(Chunk)  # the cache crosses the wire: arrays as their own frames, no pickling
     frames = codec.encode(Chunk("r", res.chunk, True))
-    assert len(frames) == 4 and sum(memoryview(f).nbytes for f in frames[1:3]) == res.data["kv_bytes"]
+    assert len(frames) == 5 and sum(memoryview(f).nbytes for f in frames[1:3]) == res.data["kv_bytes"]
     chunk = codec.decode([bytes(f) for f in frames])
-    dec = ReqState("r", {"kv_handoff": res.data}, upstream=True)
+    dec = ReqState("r", {"kv_handoff": res.data}, upstream=True, sampling=sampling)  # the text's stage
     decode.admit(dec)
     assert not decode.runnable(dec)  # waits for its cache
     decode.feed(dec, chunk.data, chunk.end)
@@ -74,6 +74,16 @@ def test_decode_from_a_handed_over_cache_gives_the_unsplit_thinkers_text(tempera
     other = DecodeThinker(**{**opts, "seed": 4})  # other weights: the cache no longer fits what it computes
     other.warmup()
     assert split(prefill, other, PROMPTS[1]) != texts[1][0]
+
+
+def test_a_seeded_request_decodes_the_same_text_whatever_the_decode_replica_did_before() -> None:
+    opts = {**SMALL, "seed": 3}
+    thinker, prefill, decode = Thinker(**opts), PrefillThinker(**opts), DecodeThinker(**opts)
+    sampling = {"seed": 11, "temperature": 1.2, "top_k": 30}
+    want = whole(thinker, PROMPTS[0], **sampling)
+    split(prefill, decode, PROMPTS[1])  # the decode replica's own sampler moves on; the request's does not
+    assert split(prefill, decode, PROMPTS[0], **sampling) == want
+    assert split(prefill, decode, PROMPTS[0], **{**sampling, "seed": 12}) != want
 
 
 def test_roles_refuse_what_they_cannot_serve() -> None:

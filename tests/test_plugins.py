@@ -56,6 +56,10 @@ class SpecNotASpec(Good):
     stage_spec = {"output": "text"}
 
 
+class BadSampling(Good):
+    stage_spec = StageSpec(output="text", sampling={"temperature": 0.7})
+
+
 def function():
     return None
 '''
@@ -120,6 +124,8 @@ CASES = {
     "bad output": ("{mod}:BadOutput", {"size": 1}, "stage_spec: output 'video' is not one of text, audio"),
     "spec of the wrong type": ("{mod}:SpecNotASpec", {"size": 1},
                                "stage_spec must be a stages.registry.StageSpec"),
+    "sampling not of Params": ("{mod}:BadSampling", {"size": 1},
+                               "stage_spec: sampling must map parameter names to .*Param"),
     "option typo": ("{mod}:Good", {"size": 1, "flavor": "x"},
                     "unknown model option 'flavor'.*did you mean 'flavour'"),
     "option missing": ("{mod}:Good", {}, "needs model option 'size' in \\[stages.model\\]"),
@@ -227,10 +233,11 @@ def test_workers_import_a_plug_in_from_where_the_parent_found_it(
     out = tmp_path / "one.wav"
     cfg = load_config(EXAMPLE / "morse.toml")
     assert registry.source_root(cfg.stages[0].kind) == str(EXAMPLE)
+    # the plug-ins declare sampling parameters: Shout a word limit, Morse a per-request pitch
     rc = cli.main(["generate", "hello plug-ins", "--config", str(EXAMPLE / "morse.toml"), "--out", str(out),
-                   "--max-tokens", "1"])  # stage 0 gets {"text", "max_new_tokens"}: one word
+                   "--max-tokens", "1", "--stage-param", "1.tone_hz=500"])
     assert rc == 0
     assert "text: HELLO! \n" in capsys.readouterr().out
     rate, samples = _wav(out)
-    assert rate == 8000 and np.array_equal(samples, _expected_morse(["HELLO"], tone_hz=700.0, unit_ms=40.0))
+    assert rate == 8000 and np.array_equal(samples, _expected_morse(["HELLO"], tone_hz=500.0, unit_ms=40.0))
     assert not os.listdir(scratch) and not _leftover_processes(str(scratch))

@@ -30,12 +30,13 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from time import monotonic, perf_counter
 from typing import Any
 
 import trio
 
+from stages.sampling_params import StageParams
 from trio_orch.demux import (
     ACK,
     ADMITTED,
@@ -189,6 +190,7 @@ class Engine:
         self._token: trio.lowlevel.TrioToken | None = None
         self._main_scope: trio.CancelScope | None = None
         self._orch: Orchestrator | None = None
+        self._stage_params: Sequence[StageParams] | None = None
         self._failure: BaseException | None = None
         self._stop_flag = False
         self._drain: float | None = None
@@ -267,6 +269,11 @@ class Engine:
         return list(self._orch.stages) if self._orch is not None else []
 
     @property
+    def stage_params(self) -> Sequence[StageParams] | None:
+        """Each stage's name and sampling parameters, as the pipeline declared them (None: none)."""
+        return self._stage_params
+
+    @property
     def final_stage_ids(self) -> frozenset[int]:
         """The pipeline's final-output stages (empty before start)."""
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
@@ -343,6 +350,7 @@ class Engine:
                 return
             async with self._pipeline() as raw:
                 spec = as_spec(raw)
+                self._stage_params = spec.stage_params
                 orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=self._demux.sink,
                                     **{**self._orch_options, **spec.options})
                 async with trio.open_nursery() as nursery:
@@ -373,7 +381,7 @@ class Engine:
             if self._n_waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout, companions=s.companions)
+                                            timeout=s.timeout, sampling=s.sampling, companions=s.companions)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:
@@ -398,7 +406,8 @@ class Engine:
                     self._sending = (s, cs)
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                               timeout=s.timeout, companions=s.companions)
+                                               timeout=s.timeout, sampling=s.sampling,
+                                               companions=s.companions)
                     except Exception as exc:
                         self._refused(s, exc)
                         continue
@@ -502,17 +511,21 @@ class Engine:
 
     # ------------------------------------------------------------------ sync API
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
-                    timeout: float | None = None, request_timeout: float | None = None) -> RequestHandle:
+                    timeout: float | None = None, request_timeout: float | None = None,
+                    sampling: Any = None) -> RequestHandle:
         """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
 
         Blocks while the request channel is full, for at most ``timeout``
         seconds (then ``TimeoutError``; nothing was registered).
         ``request_timeout`` bounds the request's life in the orchestrator.
+        ``sampling``: per-stage sampling parameters (a list indexed by stage,
+        or a mapping stage -> parameters), checked against each stage's.
         Raises ``ValueError`` for bad parameters or a duplicate active id and
         :class:`EngineClosed` once the engine is closed.  Do not call it on an
         asyncio loop's thread (it blocks): use :meth:`generate` there.
         """
-        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, want_ack=True)
+        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, want_ack=True,
+                       sampling=sampling)
         assert isinstance(s, SyncStream)
         h = RequestHandle(self, s)
         deadline = None if timeout is None else monotonic() + timeout
@@ -601,16 +614,18 @@ class Engine:
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None, request_timeout: float | None = None,
+                       sampling: Any = None,
                        companions: Mapping[str, Any] | None = None) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
         Never blocks the event loop.  Cancellation of the consuming task, or
         closing the generator before the terminal, aborts the request.
+        ``sampling`` as for :meth:`add_request` (bad parameters: ValueError).
         ``companions``: ``{id: stage-0 prompt}``, as for ``Orchestrator.add_request``.
         """
         loop = asyncio.get_running_loop()
         s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
-                       companions=dict(companions) if companions else None)
+                       sampling=sampling, companions=dict(companions) if companions else None)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -633,15 +648,16 @@ class Engine:
                 self._client_gone(s)
 
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
-                               final_stage_id: int | None = None,
-                               request_timeout: float | None = None) -> AsyncIterator[list[Message]]:
+                               final_stage_id: int | None = None, request_timeout: float | None = None,
+                               sampling: Any = None) -> AsyncIterator[list[Message]]:
         """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
 
         For consumers that write in bulk (one HTTP chunk per batch) or count
         every microsecond; the terminal is the last message of the last list.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
+                       sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False

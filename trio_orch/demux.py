@@ -49,16 +49,18 @@ class Stream:
     ``withdrawn``: a sync caller gave up waiting for admission.
     """
 
-    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "state", "timeout",
-                 "want_ack", "withdrawn")
+    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "sampling", "state",
+                 "timeout", "want_ack", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
-                 timeout: float | None, want_ack: bool = False, companions: Any = None) -> None:
+                 timeout: float | None, want_ack: bool = False, sampling: Any = None,
+                 companions: Any = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.companions = companions  # {id: stage-0 prompt} of its companion requests (CFG), or None
         self.final_stage_id = final_stage_id
         self.timeout = timeout
+        self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted
         self.want_ack = want_ack
         self.state = PENDING
         self.detached = False

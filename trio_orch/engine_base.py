@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from stages.sampling_params import StageParams, checker
 from trio_orch.demux import Demux
 from trio_orch.orchestrator import Orchestrator, OrchestratorStatistics
 from trio_orch.types import StageClient
@@ -33,11 +34,17 @@ class EngineStartupError(RuntimeError):
 
 @dataclass
 class PipelineSpec:
-    """What a pipeline factory yields: stage clients plus Orchestrator options."""
+    """What a pipeline factory yields: stage clients plus Orchestrator options.
+
+    ``stage_params``: each stage's name and the sampling parameters it takes
+    (None: the pipeline declares none, and requests cannot carry any); unless
+    ``options`` has its own ``check_sampling``, requests are checked against it.
+    """
 
     stages: Sequence[StageClient]
     final_stage_ids: Iterable[int]
     options: dict[str, Any] = field(default_factory=dict)  # async_chunk, forward_fn, prewarm_fn, ...
+    stage_params: Sequence[StageParams] | None = None
 
 
 #: A zero-argument callable, called *inside the Trio thread*, returning an async
@@ -61,16 +68,21 @@ def static_pipeline(stages: Sequence[StageClient], final_stage_ids: Iterable[int
 
 def as_spec(obj: Any) -> PipelineSpec:
     if isinstance(obj, PipelineSpec):
-        return obj
-    stages = getattr(obj, "stages", None)
-    finals = getattr(obj, "final_stage_ids", None)
-    if stages is None or finals is None:
-        raise TypeError(f"a pipeline factory must yield a PipelineSpec or an object with .stages and "
-                        f".final_stage_ids, got {type(obj).__name__}")
-    opts = getattr(obj, "orchestrator_kwargs", None) or getattr(obj, "orchestrator_options", None)
-    opts = dict(opts() if callable(opts) else opts or {})
-    opts.pop("final_stage_ids", None)
-    return PipelineSpec(stages, finals, opts)
+        spec = obj
+    else:
+        stages = getattr(obj, "stages", None)
+        finals = getattr(obj, "final_stage_ids", None)
+        if stages is None or finals is None:
+            raise TypeError(f"a pipeline factory must yield a PipelineSpec or an object with .stages and "
+                            f".final_stage_ids, got {type(obj).__name__}")
+        opts = getattr(obj, "orchestrator_kwargs", None) or getattr(obj, "orchestrator_options", None)
+        opts = dict(opts() if callable(opts) else opts or {})
+        opts.pop("final_stage_ids", None)
+        spec = PipelineSpec(stages, finals, opts, getattr(obj, "stage_params", None))
+    if spec.stage_params is not None and "check_sampling" not in spec.options:
+        spec = PipelineSpec(spec.stages, spec.final_stage_ids,
+                            {**spec.options, "check_sampling": checker(spec.stage_params)}, spec.stage_params)
+    return spec
 
 
 def unwrap(exc: BaseException) -> BaseException:

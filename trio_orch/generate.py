@@ -5,14 +5,19 @@ code2wav, one process per replica), sends one request through the Trio
 orchestrator, streams the thinker's text to the terminal as it is generated,
 writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 ``--async-chunk`` the stages stream to each other chunk by chunk, so the
-first audio comes long before the text is finished.  A pipeline whose
+first audio comes long before the text is finished.  Sampling flags
+(``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
+as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
+``--stage-param`` sets any stage's parameter explicitly.  A pipeline whose
 output is an image (``--pipeline text2image``) draws the denoising progress
-and writes a PNG instead (:mod:`trio_orch.text2image`).
+and writes a PNG instead (:mod:`trio_orch.text2image`; ``--seed`` is then the
+image's seed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 import wave
@@ -21,10 +26,12 @@ from typing import Any
 import numpy as np
 import trio
 
-from stages.registry import as_audio, as_text, spec_for, takes_companions
+from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
+from stages.sampling_params import VOICES
 from trio_orch import text2image
 from trio_orch.config import PIPELINES, PipelineConfig, builtin_config, load_config
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
+from trio_orch.openai_sampling import SamplingError, map_sampling
 from trio_orch.orchestrator import open_orchestrator
 from trio_orch.types import OrchError
 
@@ -51,8 +58,23 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch device of the workers (default: cpu, or the config's)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="most text tokens the thinker generates (default: its config, 48)")
+    s = parser.add_argument_group(
+        "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
+                    "text, --seed and --voice to every stage that takes them (see the README)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="most text tokens the thinker generates (default and cap: its config, 48)")
+    s.add_argument("--temperature", type=float, default=None, help="text temperature (0: greedy)")
+    s.add_argument("--top-p", type=float, default=None, help="text nucleus sampling mass (0, 1]")
+    s.add_argument("--top-k", type=int, default=None, help="sample the text from the k most likely tokens")
+    s.add_argument("--seed", type=int, default=None,
+                   help="per-request seed: the same seed and parameters give the same text and audio")
+    s.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end the text before this string (repeatable)")
+    s.add_argument("--voice", default=None, choices=VOICES, metavar="VOICE",
+                   help=f"speaker of the talker and vocoder: {', '.join(VOICES)} (default alloy)")
+    s.add_argument("--stage-param", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="one parameter of one stage, the stage by kind or index, the value as JSON "
+                        "(e.g. talker.temperature=0.7, 1.seed=3, thinker.stop='[\"x\"]'; repeatable)")
     parser.add_argument("--compare", action="store_true",
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
@@ -90,6 +112,33 @@ def _makes_images(cfg: PipelineConfig) -> bool:
     return any(cfg.outputs()[k] == "image" for k in cfg.final_stage_ids)
 
 
+def request_sampling(args: argparse.Namespace, cfg: PipelineConfig) -> dict[int, dict[str, Any]]:
+    """The per-stage sampling parameters asked for on the command line (ValueError if one does not fit)."""
+    fields: dict[str, Any] = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                              "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop,
+                              "voice": args.voice}
+    explicit: dict[str, dict[str, Any]] = {}
+    for item in args.stage_param:
+        where, eq, raw = item.partition("=")
+        stage, dot, key = where.rpartition(".")  # a plug-in's kind may have dots, a key has none
+        if not (eq and dot and stage and key):
+            raise ValueError(f"--stage-param {item!r}: expected STAGE.KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word: a string (voice=nova)
+        explicit.setdefault(stage, {})[key] = value
+    fields["stage_sampling"] = explicit or None
+    kinds = [st.kind for st in cfg.stages]
+    try:
+        return map_sampling(fields, stage_params(kinds), text_stage=text_stage(cfg.final_stage_ids,
+                            cfg.outputs()), last_stage=max(cfg.final_stage_ids))
+    except SamplingError as exc:
+        flag = ("--stage-param" if exc.param.startswith("stage_sampling") else "--voice"
+                if exc.param == "audio.voice" else "--" + exc.param.replace("_", "-"))
+        raise ValueError(f"{flag}: {exc}") from None
+
+
 def _ms(t: float | None, t0: float) -> str:
     return f"{(t - t0) * 1000:9.1f}" if t is not None else "        -"
 
@@ -97,9 +146,7 @@ def _ms(t: float | None, t0: float) -> str:
 async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                     pipe: Pipeline) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
-    payload: Any = args.text  # what stage 0 takes: the prompt, with a token limit if asked
-    if args.max_tokens is not None:
-        payload = {"text": args.text, "max_new_tokens": args.max_tokens}
+    payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
     outputs = cfg.outputs()  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
@@ -107,7 +154,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
     t_text = t_audio = None
     async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
         t0 = time.perf_counter()
-        await orch.add_request(rid, payload)
+        await orch.add_request(rid, payload, sampling=args.sampling)
         print("text: ", end="", flush=True)
         while True:
             msg = await orch.next_output()
@@ -180,7 +227,10 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
 async def _main(args: argparse.Namespace) -> int:
     try:
         cfg = _config(args)
-        args.image = text2image.request_from_args(args) if _makes_images(cfg) else None
+        if _makes_images(cfg):
+            args.image, args.sampling = text2image.request_from_args(args), None
+        else:
+            args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

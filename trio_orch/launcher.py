@@ -122,6 +122,9 @@ class Pipeline:
         self.tmpdir = tmpdir
         self.forward_fn = registry.forward_fn(config.kinds(), config.roles())
         self.prewarm_fn = registry.prewarm_fn(config.kinds(), config.roles())
+        #: each stage's name and sampling parameters (what requests are checked and mapped against)
+        self.stage_params = registry.stage_params(config.kinds())
+        self.check_sampling = registry.check_sampling(config.kinds())
 
     @property
     def final_stage_ids(self) -> list[int]:
@@ -132,9 +135,10 @@ class Pipeline:
         return [w.pid for w in self.workers if w.pid is not None]
 
     def orchestrator_kwargs(self) -> dict[str, Any]:
-        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn`` for Orchestrator."""
+        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn``, ``check_sampling``."""
         return {"final_stage_ids": self.final_stage_ids, "async_chunk": self.config.async_chunk,
-                "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn}
+                "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn,
+                "check_sampling": self.check_sampling}
 
     async def stats(self, timeout: float = 2.0) -> list[dict[str, Any]]:
         """Every worker's ``stats`` RPC, in parallel; a dead or silent one gets ``{"error": ...}``."""

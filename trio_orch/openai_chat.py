@@ -27,12 +27,14 @@ from typing import Any
 import numpy as np
 
 from stages.registry import as_audio, as_text
+from stages.sampling_params import StageParams
+from trio_orch import openai_sampling
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["BadRequest", "ChatRequest", "ChatStream", "error_body", "parse_chat_request"]
+__all__ = ["BadRequest", "ChatRequest", "ChatStream", "error_body", "map_chat_sampling", "parse_chat_request"]
 
 _FIELDS = {"model", "messages", "stream", "stream_options", "modalities", "audio", "max_tokens",
-           "max_completion_tokens", "temperature", "top_p", "seed", "user", "n"}
+           "max_completion_tokens", "temperature", "top_p", "seed", "user", "n"} | openai_sampling.FIELDS
 _ROLES = {"system", "developer", "user", "assistant"}
 _AUDIO_FORMATS = {"wav", "pcm16"}
 _VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse"}
@@ -62,12 +64,11 @@ class ChatRequest:
     voice: str = "alloy"
     max_tokens: int | None = None
     include_usage: bool = False
+    sampling: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its parameters
 
     def payload(self) -> Any:
-        """What stage 0 takes: the prompt string, or ``{text, max_new_tokens}`` with a token limit."""
-        if self.max_tokens is None:
-            return self.prompt
-        return {"text": self.prompt, "max_new_tokens": self.max_tokens}
+        """What stage 0 takes: the prompt (limits and the like travel in ``sampling``)."""
+        return self.prompt
 
 
 def _type_name(v: Any) -> str:
@@ -177,6 +178,21 @@ def parse_chat_request(body: Any, default_model: str) -> ChatRequest:
     return ChatRequest(model, prompt, stream, want_audio, fmt, voice, max_tokens, include_usage)
 
 
+def map_chat_sampling(body: dict[str, Any], req: ChatRequest, stages: Sequence[StageParams] | None, *,
+                      final_stage_ids: Sequence[int] | frozenset[int], outputs: Sequence[str] | None,
+                      final_stage_id: int | None) -> None:
+    """Set ``req.sampling`` from the body's sampling fields (:mod:`trio_orch.openai_sampling`).
+
+    BadRequest when a field cannot be honoured by the stages this request runs.
+    """
+    try:
+        req.sampling = openai_sampling.chat_sampling(
+            body, audio=req.audio, stages=stages, final_stage_ids=final_stage_ids, outputs=outputs,
+            final_stage_id=final_stage_id)
+    except openai_sampling.SamplingError as exc:
+        raise BadRequest(str(exc), exc.param) from None
+
+
 def pcm16(pcm: np.ndarray) -> bytes:
     return (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
@@ -207,6 +223,7 @@ class ChatStream:
     audio: list[bytes] = field(default_factory=list)
     sample_rate: int = 24000
     text_outputs: int = 0
+    reason: str | None = None  # the finish reason the text stage reported, if it did
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
@@ -222,6 +239,8 @@ class ChatStream:
         text = as_text(modality, m.data)
         if text is not None:
             self.text_outputs += 1
+            if isinstance(m.data, dict) and isinstance(m.data.get("finish_reason"), str):
+                self.reason = m.data["finish_reason"]
             if text:
                 self.text.append(text)
                 return self._chunk({"content": text})
@@ -240,6 +259,8 @@ class ChatStream:
         return None
 
     def finish_reason(self) -> str:
+        if self.reason is not None:
+            return self.reason
         mt = self.req.max_tokens
         return "length" if mt is not None and self.text_outputs >= mt else "stop"
 

@@ -231,13 +231,16 @@ class ReplicaPool:
         return min(live, key=lambda i: (self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any, *, companion_of: str | None = None) -> None:
-        """Bind ``request_id`` to a replica and submit it there.
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
+                     companion_of: str | None = None) -> None:
+        """Bind ``request_id`` to a replica (its reserved one, else the least loaded) and submit it there.
 
-        ``companion_of``: the request is a companion (CFG) of that request and
-        runs on its replica.  A request whose replica was chosen before it
-        died (a companion's parent's, or one reserved by the upstream stage,
-        which already sends it data) gets a ``replica_died`` output.
+        ``sampling``: this stage's parameters for the request, passed to the
+        replica as they are.  ``companion_of``: the request is a companion
+        (CFG) of that request and runs on its replica.  A request whose
+        replica was chosen before it died (a companion's parent's, or one
+        reserved by the upstream stage, which already sends it data) gets a
+        ``replica_died`` output.
         """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
@@ -264,7 +267,10 @@ class ReplicaPool:
         self.placements[idx] += 1
         self._remember(request_id, StageTiming(idx, time.perf_counter()))
         try:
-            await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+            if sampling is None:
+                await self.replicas[idx].submit(request_id, payload, downstream=downstream)
+            else:
+                await self.replicas[idx].submit(request_id, payload, downstream=downstream, sampling=sampling)
         except BaseException:
             self._unbind(request_id)
             raise

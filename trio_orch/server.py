@@ -39,6 +39,7 @@ from trio_orch.openai_chat import (
     ChatRequest,
     ChatStream,
     error_body,
+    map_chat_sampling,
     orch_error_status,
     parse_chat_request,
 )
@@ -163,6 +164,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         try:
             req = parse_chat_request(body, model_name)
             final = final_stage_for(req)
+            map_chat_sampling(body, req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
+                              outputs=outputs, final_stage_id=final)
         except BadRequest as exc:
             return error(exc.status, str(exc), param=exc.param)
         if not engine.running:
@@ -199,7 +202,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
 
     async def _collect(req: ChatRequest, final: int | None) -> dict[str, Any] | OrchError:
         cs = ChatStream(req, outputs)
-        async for m in engine.generate(req.payload(), final_stage_id=final):
+        async for m in engine.generate(req.payload(), final_stage_id=final, sampling=req.sampling):
             if isinstance(m, OrchError):
                 return m
             cs.add(m)
@@ -209,7 +212,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         cs = ChatStream(req, outputs)
         yield _sse(cs.first_chunk())
         try:
-            gen = engine.generate_batches(req.payload(), final_stage_id=final)
+            gen = engine.generate_batches(req.payload(), final_stage_id=final, sampling=req.sampling)
             try:
                 async for msgs in gen:  # one HTTP chunk per dispatcher batch
                     out = []

@@ -118,13 +118,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--steps", type=int, default=8, help="denoising steps (default 8)")
     g.add_argument("--guidance-scale", type=float, default=4.0,
                    help="classifier-free guidance scale (default 4; 1 turns guidance off)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the initial latent (default 0)")
+
+
+#: ``generate`` flags that concern text and speech stages: refused for an image pipeline
+_NOT_FOR_IMAGES = ("max_tokens", "temperature", "top_p", "top_k", "stop", "voice", "stage_param")
 
 
 def request_from_args(args: argparse.Namespace) -> ImageRequest:
+    """The image request ``generate``'s arguments ask for (``--seed``: the initial latent's, default 0)."""
+    for name in _NOT_FOR_IMAGES:
+        if getattr(args, name, None):
+            raise ValueError(f"--{name.replace('_', '-')} is for text and speech pipelines, not images")
     width, height = parse_size(args.size, "--size")
+    seed = 0 if args.seed is None else args.seed
     return ImageRequest(args.text, args.negative, width, height, args.steps, args.guidance_scale,
-                        args.seed).checked()
+                        seed).checked()
 
 
 def _bar(step: int, steps: int, width: int = 24) -> str:

@@ -7,6 +7,8 @@ thinker "answers" by echoing the prompt's last line one word at a time, the
 talker turns each word into a code, the vocoder each code into a short tone.
 Used by ``trio-orch serve --in-process`` and by the HTTP tests, which need
 stages that are slow enough to be interrupted and that record their aborts.
+Its stages take few sampling parameters (:data:`TOY_STAGE_PARAMS`): the
+thinker a word limit, the vocoder a voice (its pitch).
 """
 
 from __future__ import annotations
@@ -20,32 +22,43 @@ from typing import Any
 import numpy as np
 import trio
 
+from stages.sampling_params import VOICES, Param, StageParams, voice_index
 from trio_orch.engine_base import PipelineSpec
 from trio_orch.types import StageOutput, StageUnavailable
 
-__all__ = ["SAMPLE_RATE", "ToyStage", "open_toy_pipeline", "toy_pipeline"]
+__all__ = ["SAMPLE_RATE", "TOY_STAGE_PARAMS", "ToyStage", "open_toy_pipeline", "toy_pipeline"]
 
 SAMPLE_RATE = 24000
 CHUNK_SECONDS = 0.08
 _ROLES = {"system", "developer", "user", "assistant"}
 
+#: What each toy stage takes per request (requests are checked against it).
+TOY_STAGE_PARAMS = (
+    StageParams("toy thinker", {"max_tokens": Param("int", None, "most words (default: all)", lo=1)}),
+    StageParams("toy talker", {}),
+    StageParams("toy vocoder", {"voice": Param("choice", "alloy", "speaker: the pitch of the tones",
+                                               choices=VOICES)}),
+)
+
 
 class ToyStage:
     """A stage client that computes its outputs in tasks of the pipeline's nursery.
 
-    ``produce(payload)`` returns the list of outputs for one request; they
-    are emitted one every ``delay`` seconds, the last one ``finished``.
-    Records ``submissions`` and ``aborts`` (ids) like ScriptedStage.
+    ``produce(payload, sampling)`` returns the list of outputs for one request;
+    they are emitted one every ``delay`` seconds, the last one ``finished``.
+    Records ``submissions``, ``sampling`` (id, parameters) and ``aborts`` (ids)
+    like ScriptedStage.
     """
 
-    def __init__(self, stage_id: int, nursery: trio.Nursery, produce: Callable[[Any], list[Any]],
-                 delay: float, name: str) -> None:
+    def __init__(self, stage_id: int, nursery: trio.Nursery,
+                 produce: Callable[[Any, dict[str, Any]], list[Any]], delay: float, name: str) -> None:
         self.stage_id = stage_id
         self.name = name
         self._nursery = nursery
         self._produce = produce
         self.delay = delay
         self.submissions: list[tuple[str, Any]] = []
+        self.sampling: list[tuple[str, dict[str, Any]]] = []
         self.aborts: list[str] = []
         self._scopes: dict[str, trio.CancelScope] = {}
         self._send, self._recv = trio.open_memory_channel[StageOutput](math.inf)
@@ -54,19 +67,22 @@ class ToyStage:
     def __repr__(self) -> str:
         return f"<ToyStage {self.name}>"
 
-    async def submit(self, request_id: str, payload: Any) -> None:
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None) -> None:
         if self.closed:
             raise StageUnavailable(f"{self.name} is closed")
         self.submissions.append((request_id, payload))
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
         scope = trio.CancelScope()
         self._scopes[request_id] = scope
-        self._nursery.start_soon(self._run, request_id, payload, scope)
+        self._nursery.start_soon(self._run, request_id, payload, sampling or {}, scope)
         await trio.lowlevel.checkpoint()
 
-    async def _run(self, request_id: str, payload: Any, scope: trio.CancelScope) -> None:
+    async def _run(self, request_id: str, payload: Any, sampling: dict[str, Any],
+                   scope: trio.CancelScope) -> None:
         with scope:
             try:
-                items = self._produce(payload)
+                items = self._produce(payload, sampling)
             except Exception as exc:  # a bad payload fails this request, not the stage
                 self._send.send_nowait(StageOutput(request_id, None, True, error=f"{self.name}: {exc}"))
                 return
@@ -103,10 +119,11 @@ class ToyStage:
         await trio.lowlevel.checkpoint()
 
 
-def _think(payload: Any) -> list[dict[str, Any]]:
-    text, limit = (payload, None) if isinstance(payload, str) else (None, None)
-    if isinstance(payload, dict):
-        text, limit = payload.get("text"), payload.get("max_new_tokens")
+def _think(payload: Any, sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    text = payload.get("text") if isinstance(payload, dict) else payload
+    limits = [n for n in (payload.get("max_new_tokens") if isinstance(payload, dict) else None,
+                          sampling.get("max_tokens")) if n]
+    limit = min(limits) if limits else None
     if not isinstance(text, str) or not text.strip():
         raise ValueError("thinker payload must be a non-empty string or {'text': str}")
     # a chat prompt ends with "assistant:": answer the last line that says something
@@ -119,15 +136,16 @@ def _think(payload: Any) -> list[dict[str, Any]]:
     return [{"text": p} for p in pieces[: limit or None]]
 
 
-def _talk(words: list[str]) -> list[dict[str, Any]]:
+def _talk(words: list[str], sampling: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"codes": np.array([sum(map(ord, w)) % 24], np.int32)} for w in words] or [{"codes": None}]
 
 
-def _vocode(codes: list[int]) -> list[dict[str, Any]]:
+def _vocode(codes: list[int], sampling: dict[str, Any]) -> list[dict[str, Any]]:
+    base = 220.0 + 15.0 * voice_index(sampling.get("voice", "alloy"))
     n = int(SAMPLE_RATE * CHUNK_SECONDS)
     t = np.arange(n, dtype=np.float32) / SAMPLE_RATE
     envelope = np.sin(np.pi * np.arange(n) / n).astype(np.float32)
-    return [{"pcm": (0.3 * envelope * np.sin(2 * np.pi * (220.0 + 20.0 * c) * t)).astype(np.float32),
+    return [{"pcm": (0.3 * envelope * np.sin(2 * np.pi * (base + 20.0 * c) * t)).astype(np.float32),
              "sample_rate": SAMPLE_RATE} for c in codes]
 
 
@@ -146,7 +164,7 @@ async def open_toy_pipeline(token_delay: float = 0.02,
                   ToyStage(1, nursery, _talk, audio_delay, "toy talker"),
                   ToyStage(2, nursery, _vocode, audio_delay, "toy vocoder")]
         try:
-            yield PipelineSpec(stages, [0, 2], {"forward_fn": _forward})
+            yield PipelineSpec(stages, [0, 2], {"forward_fn": _forward}, TOY_STAGE_PARAMS)
         finally:
             nursery.cancel_scope.cancel()
 

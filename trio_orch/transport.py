@@ -126,14 +126,14 @@ class ZmqStageClient:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
-                     companion_of: str | None = None) -> None:
+                     sampling: dict[str, Any] | None = None, companion_of: str | None = None) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
 
         ``companion_of`` is accepted for the stage-client protocol and needs
         nothing here: one replica is always its companion's parent's.
         """
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream))
+        self._queue(Submit(request_id, payload, downstream, sampling))
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:

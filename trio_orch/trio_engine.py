@@ -9,13 +9,14 @@ full, and leaving the iteration early or being cancelled aborts the request.
 from __future__ import annotations
 
 import itertools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from time import perf_counter
 from typing import Any
 
 import trio
 
+from stages.sampling_params import StageParams
 from trio_orch.demux import ADMITTED, DONE, PENDING, Demux, TrioStream
 from trio_orch.engine_base import EngineClosed, EngineStatistics, PipelineFactory, as_spec, collect_stats
 from trio_orch.orchestrator import Orchestrator
@@ -28,8 +29,11 @@ __all__ = ["TrioEngine", "open_trio_engine"]
 class TrioEngine:
     """The bridge's API for Trio code running in the orchestrator's own thread."""
 
-    def __init__(self, orch: Orchestrator, demux: Demux) -> None:
+    def __init__(self, orch: Orchestrator, demux: Demux,
+                 stage_params: Sequence[StageParams] | None = None) -> None:
         self.orchestrator = orch
+        #: each stage's name and sampling parameters, as the pipeline declared them (None: none)
+        self.stage_params = stage_params
         self._demux = demux
         self._ids = itertools.count()
         self._closed: str | None = None
@@ -43,9 +47,13 @@ class TrioEngine:
         return self._demux.latency
 
     async def generate(self, prompt: Any, *, request_id: str | None = None,
-                       final_stage_id: int | None = None,
-                       request_timeout: float | None = None) -> AsyncIterator[Message]:
-        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full."""
+                       final_stage_id: int | None = None, request_timeout: float | None = None,
+                       sampling: Any = None) -> AsyncIterator[Message]:
+        """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full.
+
+        ``sampling``: per-stage sampling parameters (a list indexed by stage, or a
+        mapping stage -> parameters); a bad one raises ValueError, nothing submitted.
+        """
         orch = self.orchestrator
         if self._closed is not None or not orch.running:
             raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
@@ -53,7 +61,8 @@ class TrioEngine:
         s = TrioStream(rid, prompt, final_stage_id, request_timeout)
         self._demux.register(s)
         try:
-            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout)
+            await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout,
+                                   sampling=sampling)
         except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
             self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
         except BaseException:
@@ -101,7 +110,7 @@ async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int
         spec = as_spec(raw)
         opts = {"request_queue_size": request_queue_size, "shutdown_grace": shutdown_grace, **spec.options}
         orch = Orchestrator(spec.stages, spec.final_stage_ids, output_sink=demux.sink, **opts)
-        engine = TrioEngine(orch, demux)
+        engine = TrioEngine(orch, demux, spec.stage_params)
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(orch.run)

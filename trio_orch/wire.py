@@ -50,11 +50,15 @@ class WireError(ValueError):
 # --------------------------------------------------------------------- inbound (orchestrator -> worker)
 class Submit(msgspec.Struct, tag="submit", array_like=True):
     """Start ``request_id`` with ``payload``; ``downstream`` = replica index of the
-    next stage that receives this request's chunks (async-chunk), or -1."""
+    next stage that receives this request's chunks (async-chunk), or -1;
+    ``sampling`` = this stage's sampling parameters for the request (None: its
+    defaults).  Fields only ever get appended with a default, so a peer one
+    version behind still decodes the message (it ignores what it does not know)."""
 
     request_id: str
     payload: Any
     downstream: int = -1
+    sampling: dict[str, Any] | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):

@@ -79,11 +79,12 @@ class AsyncZmqStageClient:
             self._died.set()
 
     # ------------------------------------------------------------------ stage-client protocol
-    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
+    async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
+                     sampling: dict[str, Any] | None = None) -> None:
         if not self.alive:
             raise StageUnavailable(f"{self.name} is not running: {self.dead_reason or 'closed'}")
-        await self.sock.send_multipart(self.out_codec.encode(Submit(request_id, payload, downstream)),
-                                       copy=False)
+        msg = Submit(request_id, payload, downstream, sampling)
+        await self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.alive:

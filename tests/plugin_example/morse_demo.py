@@ -18,6 +18,7 @@ import numpy as np
 
 from stages.base import ReqState, StageModel, StepResult
 from stages.registry import StageSpec
+from stages.sampling_params import Param
 
 __all__ = ["Morse", "Shout", "morse_pcm", "words_input"]
 
@@ -53,11 +54,13 @@ class Shout(StageModel):
     """Text stage: the prompt's words, one per step, upper-cased, each followed by ``suffix``.
 
     Payload: the prompt, or ``{"text": str, "max_new_tokens": int}`` (at most that many words).
+    Sampling parameter ``max_tokens``: at most that many words, too.
     Output per step: ``{"text": "WORD! ", "word": "WORD"}``; async-chunk: the word goes downstream.
     """
 
     kind = "shout"
-    stage_spec = StageSpec(output="text", next_input=words_input)
+    stage_spec = StageSpec(output="text", next_input=words_input,
+                           sampling={"max_tokens": Param("int", None, "most words (default: all)", lo=1)})
 
     def __init__(self, suffix: str = "!") -> None:
         self.suffix = suffix
@@ -69,6 +72,7 @@ class Shout(StageModel):
         text, limit = (p.get("text"), p.get("max_new_tokens")) if isinstance(p, dict) else (p, None)
         if not isinstance(text, str) or not text.split():
             raise ValueError("shout: the payload must be a non-empty string or {'text': str}")
+        limit = req.sampling.get("max_tokens", limit)  # checked against stage_spec.sampling already
         req.model = [w.upper() for w in text.split()][: limit or None]
 
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -87,10 +91,12 @@ class Morse(StageModel):
 
     Input: ``{"words": [str, ...]}`` (normal mode) or the words streamed one by one
     (async-chunk).  Output: ``{"pcm": float32[samples], "sample_rate": int}``.
+    Sampling parameter ``tone_hz``: this request's beep pitch (default: the model's).
     """
 
     kind = "morse"
-    stage_spec = StageSpec(output="audio")
+    stage_spec = StageSpec(output="audio", sampling={
+        "tone_hz": Param("float", None, "beep pitch in Hz (default: the model option)", lo=100.0, hi=2000.0)})
 
     def __init__(self, tone_hz: float = 600.0, unit_ms: float = 60.0, sample_rate: int = 8000) -> None:
         if tone_hz <= 0 or unit_ms <= 0 or sample_rate <= 0:
@@ -108,7 +114,8 @@ class Morse(StageModel):
         results = []
         for r in reqs:
             word = r.inputs.pop(0) if r.inputs else None
-            pcm = (morse_pcm(str(word), sample_rate=self.rate, tone_hz=self.tone_hz, unit_ms=self.unit_ms)
+            tone = r.sampling.get("tone_hz", self.tone_hz)
+            pcm = (morse_pcm(str(word), sample_rate=self.rate, tone_hz=tone, unit_ms=self.unit_ms)
                    if word else np.zeros(0, np.float32))
             results.append(StepResult({"pcm": pcm, "sample_rate": self.rate}, r.input_done and not r.inputs))
         return results
