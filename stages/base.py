@@ -5,7 +5,9 @@ admits new requests (``admit``), runs ONE batched ``step`` over every active
 request that is ``runnable``, emits what each produced and retires the
 finished ones.  Inputs arrive either whole with the submit (normal mode) or
 piece by piece through ``feed`` (async-chunk mode: chunks of the previous
-stage, streamed over the connector).
+stage, streamed over the connector).  A resumable request takes more input
+segments while it runs: ``extend`` starts each one on the request's existing
+model state (see :mod:`stages.segments`).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class StageModel:
     before it reports ready; then per request ``admit`` (once), ``feed`` (each
     upstream chunk, async-chunk mode), ``runnable`` (before every step), ``step``
     (batched, one result per request, in order) and ``release`` (once, when the
-    request leaves: finished, aborted or failed); ``info`` for the ready handshake
+    request leaves: finished, aborted or failed); ``extend`` (a resumable
+    request's next input segment, after its previous one finished); ``info`` for the ready handshake
     and the ``stats`` RPC.  The constructor's keyword parameters are the model
     options of the pipeline config (``[stages.model]``); ``device``, ``seed`` and
     ``slots`` are filled in by the worker when the constructor declares them.
@@ -81,6 +84,20 @@ class StageModel:
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
         raise NotImplementedError
 
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """Start the next input segment of a resumable request whose previous segment finished.
+
+        Continue from the state the request has (a KV cache, a phase), not from
+        scratch; the step that finishes the segment reports ``finished`` again.
+        In async-chunk mode (``req.upstream``) the segment's input streams in
+        through ``feed``, so by default only ``input_done`` is reset; a model
+        that takes whole payloads must override this (ValueError refuses the
+        segment and fails the request).
+        """
+        if not req.upstream:
+            raise ValueError(f"the {self.kind} model takes no more input for a running request")
+        req.input_done = False
+
     def warmup(self) -> None:
         """Called once before the ready handshake (torch models run a dummy step)."""
 
@@ -105,6 +122,14 @@ class EchoModel(StageModel):
         if outputs < 1:
             raise ValueError(f"echo: outputs must be >= 1, got {outputs}")
         self.outputs = outputs
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next segment: echo the new payload ``outputs`` times (or its upstream chunks)."""
+        if req.upstream:
+            req.input_done = False
+            return
+        req.payload = payload
+        req.steps = 0
 
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
         results = []

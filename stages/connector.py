@@ -6,7 +6,11 @@ sends a request's chunks to the replica the orchestrator's pool bound that
 request to (the ``downstream`` index carried by ``Submit``).  Chunks are
 keyed by request id; they may arrive before the request's prewarm submit,
 so the inbox buffers them (:class:`ChunkInbox`) until the worker claims them,
-and forgets orphans after ``orphan_ttl`` seconds.  The orchestrator sees only
+and forgets orphans after ``orphan_ttl`` seconds.  A resumable request's
+chunks carry the input segment they belong to (``Chunk.segment``): one
+request's chunks travel over one PUSH -> PULL pair, so they arrive in the
+order they were produced, and the receiving worker starts a segment only
+after the one before it finished there (see :mod:`stages.segments`).  The orchestrator sees only
 the control outputs; it never touches the chunks.
 """
 
@@ -38,7 +42,7 @@ class ChunkInbox:
         self.codec = WireCodec(Chunk)
         self.garbage = 0
         self.received = 0
-        self._pending: OrderedDict[str, tuple[float, list[tuple[Any, bool]]]] = OrderedDict()
+        self._pending: OrderedDict[str, tuple[float, list[tuple[Any, bool, int]]]] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()  # recently ended ids: late chunks dropped
 
     def drain(self) -> list[Chunk]:
@@ -63,10 +67,13 @@ class ChunkInbox:
         entry = self._pending.get(chunk.request_id)
         if entry is None:
             entry = self._pending[chunk.request_id] = (time.monotonic(), [])
-        entry[1].append((chunk.data, chunk.end))
+        entry[1].append((chunk.data, chunk.end, chunk.segment))
 
-    def claim(self, request_id: str) -> list[tuple[Any, bool]]:
-        """The buffered chunks of a request that just arrived, in order (a reused id is live again)."""
+    def claim(self, request_id: str) -> list[tuple[Any, bool, int]]:
+        """The buffered ``(data, end, segment)`` of a request that just arrived, in order.
+
+        A reused id is live again.
+        """
         self._gone.pop(request_id, None)
         entry = self._pending.pop(request_id, None)
         return entry[1] if entry else []
@@ -113,7 +120,7 @@ class ChunkOutbox:
             self.socks.append(s)
         self.sent = 0
 
-    def send(self, replica: int, request_id: str, data: Any, end: bool) -> None:
+    def send(self, replica: int, request_id: str, data: Any, end: bool, segment: int = 0) -> None:
         """Queue one chunk; raise ``zmq.Again`` rather than block when the replica's queue is full.
 
         Never blocking matters: a dead downstream replica must not hang this
@@ -121,7 +128,7 @@ class ChunkOutbox:
         """
         if not 0 <= replica < len(self.socks):
             raise ValueError(f"no downstream replica {replica} (have {len(self.socks)})")
-        frames = self.codec.encode(Chunk(request_id, data, end))
+        frames = self.codec.encode(Chunk(request_id, data, end, segment))
         self.socks[replica].send_multipart(frames, zmq.NOBLOCK, copy=False)
         self.sent += 1
 

@@ -34,13 +34,15 @@ def placeholder_input(stage_id: int, prompt: Any) -> Any:
 
 
 def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
-    """thinker -> next stage: every generated token, in order."""
-    return {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in outputs])}
+    """thinker -> next stage: every generated token, in order (None: an empty input segment)."""
+    toks = [np.asarray(o["tokens"]).reshape(-1) for o in outputs if o is not None]
+    return {"tokens": np.concatenate(toks)} if toks else None
 
 
 def codes_input(prompt: Any, outputs: list[Any]) -> Any:
-    """talker -> next stage: every code frame, in order."""
-    return {"codes": np.concatenate([np.asarray(o["codes"]) for o in outputs], axis=0)}
+    """talker -> next stage: every code frame, in order (None: an empty input segment)."""
+    codes = [np.asarray(o["codes"]) for o in outputs if o is not None]
+    return {"codes": np.concatenate(codes, axis=0)} if codes else None
 
 
 def kv_handoff_input(prompt: Any, outputs: list[Any]) -> Any:

@@ -20,7 +20,10 @@ is in :mod:`stages.sampling_params`) are resolved at admission; the sampling
 itself is :mod:`stages.sampling`.
 
 Every model batches: one :meth:`step` runs one forward pass over every
-runnable request.  Arrays handed back are numpy (CPU), so the wire never
+runnable request.  Every model takes more input for a resumable request
+(:meth:`extend`, one input segment at a time): the thinker appends the new
+text to the KV cache it has and keeps generating from there; the talker keeps
+its speech context; the vocoder its phase.  Arrays handed back are numpy (CPU), so the wire never
 sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`;
 what each kind means to the orchestrator (its output modality, how its outputs
 become the next stage's input) is its row in :mod:`stages.registry`, which also
@@ -115,7 +118,45 @@ class Thinker(SlotModel):
                      "max_new": max(1, min(max_new, sp["max_tokens"], self.max_new)),
                      "min_new": sp["min_tokens"], "stop_ids": frozenset(sp["stop_token_ids"]),
                      "stop": StopText(sp["stop"]) if sp["stop"] else None, "held": [],
-                     "sampler": RequestSampler(sp, EOS + 1, seed_source=self.gen, prompt=ids)}
+                     "sampler": RequestSampler(sp, EOS + 1, seed_source=self.gen, prompt=ids),
+                     "cap": min(sp["max_tokens"], self.max_new), "params": sp, "ctx": ids, "out": []}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next input segment: its text joins the context in the KV cache; generation goes on.
+
+        The cache keeps the conversation so far (prompt, answers, earlier
+        segments); only the new tokens are run through the decoder.  The last
+        sampled token (EOS after a full answer) goes in first, as the turn's
+        separator.  When the conversation no longer leaves room for a whole
+        answer, its most recent ``max_prompt`` tokens are re-encoded from
+        position 0 instead (a context shift).
+        """
+        p = payload
+        text, max_new = (p, self.max_new) if isinstance(p, str) else (None, self.max_new)
+        if isinstance(p, dict):
+            text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
+        if not isinstance(text, str) or not text:
+            raise ValueError("thinker segment must be a non-empty string or {'text': str}")
+        m = req.model
+        new = list(text.encode())
+        m["n"], m["max_new"] = 0, max(1, min(max_new, m["cap"]))
+        sp = m["params"]
+        m["stop"] = StopText(sp["stop"]) if sp["stop"] else None  # stop strings apply per segment
+        if m["pos"] is None:  # not prefilled yet: the segment joins the prompt
+            m["prompt"] = m["ctx"] = (m["prompt"] + new)[-self.max_prompt:]
+            return
+        talk = m["ctx"] + m["out"] + new  # the whole conversation; its last token is not cached yet
+        m["out"] = []
+        if m["pos"] + len(new) + m["max_new"] > self.dec.max_len - 1:
+            m["prompt"] = m["ctx"] = talk[-self.max_prompt:]
+            m["pos"] = None  # the next step prefills it into the slot
+            return
+        seq = talk[-len(new) - 1:]  # the last sampled token, then the new text
+        with torch.inference_mode():
+            self.dec.extend(self.emb(torch.tensor(seq[:-1], device=self.device)), self._slot(req), m["pos"])
+        m["pos"] += len(new)
+        m["last"] = seq[-1]
+        m["ctx"] = talk
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -146,6 +187,7 @@ class Thinker(SlotModel):
             m = r.model
             m["n"] += 1
             m["last"] = tok
+            m["out"].append(tok)
             s.observe(toks.new_tensor([tok]))
             results.append(self._emit(m, tok))
         return results
@@ -225,6 +267,18 @@ class Talker(SlotModel):
                      "voice": voice_index(sp["voice"]),
                      "sampler": RequestSampler(sp, self.cbs, seed_source=self.gen, rows=self.fpt * self.cb,
                                                groups=self.cb)}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next segment's tokens continue the speech context (a fresh one once 3/4 of it is used)."""
+        if req.model["pos"] > self.dec.max_len * 3 // 4:
+            req.model["pos"] = 0
+        if req.upstream:
+            req.input_done = False
+            return
+        toks = payload.get("tokens") if isinstance(payload, dict) else None
+        if toks is None:
+            raise ValueError("talker segment must be {'tokens': int array}")
+        req.inputs.append(np.asarray(toks).reshape(-1))
 
     def runnable(self, req: ReqState) -> bool:
         return bool(req.inputs) or bool(req.model["queue"]) or req.input_done
@@ -313,6 +367,16 @@ class Code2Wav(SlotModel):
             req.inputs.append(np.asarray(codes))
         voice = voice_index(with_defaults(CODE2WAV_PARAMS, req.sampling)["voice"])
         req.model = {"queue": np.zeros((0, self.cb), np.int32), "phase": 0.0, "voice": voice}
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """The next segment's codes; the voice's phase carries on, so segments join without a click."""
+        if req.upstream:
+            req.input_done = False
+            return
+        codes = payload.get("codes") if isinstance(payload, dict) else None
+        if codes is None:
+            raise ValueError("code2wav segment must be {'codes': int array [frames, codebooks]}")
+        req.inputs.append(np.asarray(codes))
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:

@@ -83,6 +83,29 @@ class TinyDecoder(nn.Module):
             x = x + self.mlp[i](self.ln2[i](x))
         return x
 
+    def extend(self, x: torch.Tensor, slot: int, start: int) -> None:
+        """Append ``x`` [T, d] to one slot's cache at positions ``start .. start+T-1``.
+
+        The new positions attend to everything the slot holds before them
+        (the conversation so far) and causally to each other: the cached
+        context is reused, not recomputed.
+        """
+        T = x.shape[0]
+        if start + T > self.max_len:
+            raise ValueError(f"{start + T} positions do not fit a cache of {self.max_len}")
+        pos = torch.arange(start, start + T, device=x.device)
+        x = x + self.pos(pos)
+        mask = torch.arange(start + T, device=x.device)[None, :] <= pos[:, None]  # [T, start+T]
+        for i in range(len(self.qkv)):
+            q, k, v = self.qkv[i](self.ln1[i](x)).view(T, 3, self.h, self.dh).permute(1, 2, 0, 3)
+            self.k_cache[i, slot, :, start:start + T] = k
+            self.v_cache[i, slot, :, start:start + T] = v
+            K = self.k_cache[i, slot, :, :start + T]
+            V = self.v_cache[i, slot, :, :start + T]
+            a = F.scaled_dot_product_attention(q[None], K[None], V[None], attn_mask=mask)[0]
+            x = x + self.proj[i](a.permute(1, 0, 2).reshape(T, -1))
+            x = x + self.mlp[i](self.ln2[i](x))
+
 
 class SlotModel(StageModel):
     """Shared slot bookkeeping for the torch models."""

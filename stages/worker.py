@@ -5,7 +5,10 @@ loads its model, sends ``Ready``, then loops: drain the control socket (and
 the async-chunk inbox) to EAGAIN, admit new requests, run ONE batched model
 step over every runnable request, send everything that step produced as one
 ``Outputs`` message, stream chunks downstream, retire finished requests,
-heartbeat.  An ``Abort`` takes effect before the next step.  On SIGTERM, a
+heartbeat.  An ``Abort`` takes effect before the next step.  A request
+submitted ``resumable`` stays after each input segment it finishes, until
+its final one (``Update`` messages bring the others; see
+:mod:`stages.segments`).  On SIGTERM, a
 ``Shutdown`` message or a fatal error it sends the ``Dying`` sentinel and
 exits; it also exits when its parent process disappears (no orphans).
 
@@ -33,6 +36,7 @@ from stages.base import ReqState, StageModel, StepResult
 from stages.connector import ChunkInbox, ChunkOutbox
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
+from stages.segments import SegmentTracker
 from trio_orch.wire import (
     Abort,
     Dying,
@@ -47,6 +51,7 @@ from trio_orch.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Update,
     WireCodec,
     WireError,
 )
@@ -77,8 +82,10 @@ class Worker:
         self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
+        self.segments = SegmentTracker(model)
         self.stats = {"submits": 0, "aborts": 0, "steps": 0, "outputs": 0, "errors": 0,
-                      "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0}
+                      "garbage_in": 0, "max_batch_seen": 0, "chunks_in": 0, "chunks_out": 0,
+                      "updates": 0, "segments_finished": 0}
         self.t_start = time.monotonic()
         self.parent: int = args.parent_pid
 
@@ -115,13 +122,19 @@ class Worker:
                 self.stats["chunks_in"] += 1
                 if self.args.crash_on_chunk:
                     os._exit(17)  # like kill -9 while the upstream's data arrives
-                req = self.active.get(chunk.request_id)
+                req = self.find(chunk.request_id)
                 if req is None:
-                    req = next((r for r in self.waiting if r.request_id == chunk.request_id), None)
-                if req is not None:
-                    self.feed(req, chunk.data, chunk.end)
-                else:
                     self.inbox.hold(chunk)
+                elif not self.segments.resumable(req.request_id) or self.segments.route_chunk(
+                        req, chunk.data, chunk.end, chunk.segment):
+                    self.feed(req, chunk.data, chunk.end)
+
+    def find(self, rid: str) -> ReqState | None:
+        """The active or waiting request ``rid`` (None: not on this worker)."""
+        req = self.active.get(rid)
+        if req is None:
+            req = next((r for r in self.waiting if r.request_id == rid), None)
+        return req
 
     def feed(self, req: ReqState, data: Any, end: bool) -> bool:
         """Hand a chunk to the model; a chunk it refuses fails that request alone (False)."""
@@ -139,6 +152,9 @@ class Worker:
         if type(msg) is Submit:
             self.stats["submits"] += 1
             self.submit(msg)
+        elif type(msg) is Update:
+            self.stats["updates"] += 1
+            self.update(msg)
         elif type(msg) is Abort:
             self.stats["aborts"] += len(msg.request_ids)
             for rid in msg.request_ids:
@@ -150,7 +166,7 @@ class Worker:
 
     def submit(self, msg: Submit) -> None:
         rid = msg.request_id
-        if rid in self.active or any(r.request_id == rid for r in self.waiting):
+        if self.find(rid) is not None:
             self.send(RequestError(rid, f"request {rid!r} is already active on this worker"))
             return
         req = ReqState(rid, msg.payload, msg.downstream)
@@ -170,11 +186,35 @@ class Worker:
             self.stats["errors"] += 1
             self.send(RequestError(rid, f"stage {self.args.stage_id} refused the request: {exc}"))
             return
+        if msg.resumable:
+            self.segments.open(req)
         if self.inbox is not None:
-            for data, end in self.inbox.claim(rid):  # chunks that came before the submit
-                if not self.feed(req, data, end):
+            for data, end, segment in self.inbox.claim(rid):  # chunks that came before the submit
+                if (not msg.resumable or self.segments.route_chunk(req, data, end, segment)) \
+                        and not self.feed(req, data, end):
                     return
         self.waiting.append(req)
+
+    def update(self, msg: Update) -> None:
+        """The next input segment of a resumable request (it starts once the current one finished)."""
+        rid = msg.request_id
+        req = self.find(rid)
+        if req is None:  # raced with its end here (abort, failure): the pool counts the error as late
+            self.send(RequestError(rid, f"stage {self.args.stage_id}: update for a request this "
+                                        "worker does not hold"))
+            return
+        try:
+            if not self.segments.resumable(rid):
+                raise ValueError("the request was not submitted as resumable")
+            self.segments.update(req, msg.payload, msg.final)
+        except Exception as exc:
+            self.fail(req, f"stage {self.args.stage_id} refused the update: {exc}")
+
+    def fail(self, req: ReqState, message: str) -> None:
+        """End one request here with an error (the orchestrator gets it as its terminal output)."""
+        self.stats["errors"] += 1
+        self.retire(req.request_id)
+        self.send(RequestError(req.request_id, message))
 
     def retire(self, rid: str) -> None:
         req = self.active.pop(rid, None)
@@ -186,16 +226,18 @@ class Worker:
                     break
         if req is not None:
             self.model.release(req)
+        self.segments.forget(rid)
         if self.inbox is not None:
             self.inbox.forget(rid)
 
     def rpc(self, method: str) -> dict[str, Any]:
         if method == "health":
             return {"ok": True, "active": len(self.active), "waiting": len(self.waiting),
-                    "uptime": time.monotonic() - self.t_start}
+                    "sessions": len(self.segments.sessions), "uptime": time.monotonic() - self.t_start}
         if method == "stats":
             s: dict[str, Any] = dict(self.stats)
             s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
+                     sessions=len(self.segments.sessions), late_chunks=self.segments.late_chunks,
                      stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
             if self.inbox is not None:
                 s["inbox_pending"] = self.inbox.pending
@@ -208,18 +250,32 @@ class Worker:
         while self.waiting and len(self.active) < self.args.max_batch:
             req = self.waiting.popleft()
             self.active[req.request_id] = req
-        batch = [r for r in self.active.values() if self.model.runnable(r)]
-        if not batch:
+        batch: list[ReqState] = []
+        empty: list[ReqState] = []  # on an empty input segment: closed without a model step
+        segments = self.segments
+        for r in self.active.values():
+            if not segments.resumable(r.request_id):
+                if self.model.runnable(r):
+                    batch.append(r)
+            elif segments.empty(r.request_id):
+                empty.append(r)
+            elif not segments.parked(r.request_id) and self.model.runnable(r):
+                batch.append(r)
+        if not batch and not empty:
             return False
-        if self.args.step_delay_ms:
-            time.sleep(self.args.step_delay_ms / 1000)
-        self.stats["steps"] += 1
-        self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
-        try:
-            results = self.model.step(batch)
-        except Exception as exc:  # the step failed: fail its requests, keep serving
-            log.exception("stage %d: model step failed", self.args.stage_id)
-            results = [exc] * len(batch)  # type: ignore[list-item]
+        results: list[Any] = []
+        if batch:
+            if self.args.step_delay_ms:
+                time.sleep(self.args.step_delay_ms / 1000)
+            self.stats["steps"] += 1
+            self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
+            try:
+                results = self.model.step(batch)
+            except Exception as exc:  # the step failed: fail its requests, keep serving
+                log.exception("stage %d: model step failed", self.args.stage_id)
+                results = [exc] * len(batch)
+        batch += empty
+        results += [StepResult(None, True, None)] * len(empty)
         now = time.perf_counter()
         items: list[OutItem] = []
         faulty: list[tuple[ReqState, OutItem]] = []  # finishes a per-request fault flag applies to
@@ -233,7 +289,8 @@ class Worker:
             assert isinstance(res, StepResult)
             if req.downstream >= 0 and self.outbox is not None and (res.chunk is not None or res.finished):
                 try:
-                    self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished)
+                    self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished,
+                                     self.segments.segment(req.request_id))
                 except zmq.Again:  # downstream dead or far behind: fail the request, never block
                     self.stats["errors"] += 1
                     items.append(OutItem(req.request_id, None, True, f"downstream replica {req.downstream} "
@@ -243,6 +300,8 @@ class Worker:
                 self.stats["chunks_out"] += 1
             if res.finished:
                 item = OutItem(req.request_id, None if control_only else res.data, True, None, now)
+                if self.segments.resumable(req.request_id) and not self._last_segment(req, item, items):
+                    continue
                 if self._request_faults(req):
                     faulty.append((req, item))
                 else:
@@ -258,6 +317,23 @@ class Worker:
             self._finish_with_faults(req, item)
         self._faults_after_step()
         return True
+
+    def _last_segment(self, req: ReqState, item: OutItem, items: list[OutItem]) -> bool:
+        """A resumable request finished a segment: True if it was its last (retire it as usual).
+
+        Otherwise its segment-finished output joins ``items``; the request
+        stays (parked, or on its next segment if that already arrived).
+        """
+        self.stats["segments_finished"] += 1
+        try:
+            if self.segments.segment_finished(req):
+                return True
+        except Exception as exc:  # the model refused the next segment: fail the request
+            self.stats["errors"] += 1
+            item.data, item.error = None, f"stage {self.args.stage_id} refused the next segment: {exc}"
+            self.retire(req.request_id)
+        items.append(item)
+        return False
 
     def _request_faults(self, req: ReqState) -> bool:
         """Does a per-request fault flag (``--fault-*``) apply to this request?"""

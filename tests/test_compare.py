@@ -27,7 +27,7 @@ def trio_run(n: int) -> dict:
     return out.metrics
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12, 13, 14])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12, 14, 15])
 def test_trio_shutdown_and_faults_leave_nothing(n: int) -> None:
     """No hang, no task left, every request exactly one terminal and nothing after it."""
     m = trio_run(n)
@@ -98,6 +98,22 @@ def test_trio_stage_death_ends_every_request_before_shutdown() -> None:
     assert m["without_terminal_before_shutdown"] == 0
     kinds = m["kinds"]
     assert kinds["a1"] == ["replica_died"] and kinds["a0"] == ["stage_unavailable"]
+
+
+def test_trio_refuses_late_input_updates_and_starts_nothing() -> None:
+    m = trio_run(13)
+    assert "unknown or ended" in m["update_after_abort_error"]
+    assert "unknown or ended" in m["unknown_update_error"]
+    assert m["requests_started_by_updates"] == 0 and m["after_terminal"] == m["messages_for_unknown_id"] == 0
+    assert m["aborted_terminal_seen"] and m["updates_delivered"] == 1
+
+
+def test_the_omni_references_reproduce_the_sources_update_fallback_and_taskgroup_stays_strict() -> None:
+    omni = run_scenario(by_number(13), "omni-event")
+    assert omni.verdict == "zombie", omni.reason
+    assert omni.metrics["requests_started_by_updates"] == 2 and omni.metrics["fallback_warnings"] == 2
+    assert omni.metrics["update_after_abort_error"] is None  # the caller never learns
+    assert run_scenario(by_number(13), "asyncio-taskgroup").verdict == "ok"
 
 
 def test_verdicts_are_derived_from_measurements() -> None:
@@ -195,14 +211,14 @@ def test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv() -> None:
 
 
 def test_trio_a_companion_outliving_its_parent_reaches_nobody() -> None:
-    m = trio_run(13)
+    m = trio_run(14)
     assert m["terminal_kind"] == "aborted" and m["duplicate_terminals"] == 0 and m["after_terminal"] == 0
     assert m["companion_aborted"] and m["late_output_counted"]
     assert m["forwards"] == 0 and m["companion_messages"] == 0
 
 
 def test_trio_the_forward_waits_for_the_companion_in_every_order() -> None:
-    m = trio_run(14)
+    m = trio_run(15)
     assert m["orders"] == {o: {"forwards": 1, "early": 0, "with_companion": 1}
                            for o in ("parent-first", "companion-first", "one-batch", "one-batch-reversed")}
     assert m["without_terminal"] == 0 and m["hung"] is False
@@ -211,5 +227,5 @@ def test_trio_the_forward_waits_for_the_companion_in_every_order() -> None:
 def test_forwarding_before_the_companions_is_judged_degraded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The seed's way (forward as soon as the parent finished) turns the cell: the verdict is measured."""
     monkeypatch.setattr(CompanionRules, "companions_ready", lambda self, req: True)
-    out = run_scenario(by_number(14), "trio")
+    out = run_scenario(by_number(15), "trio")
     assert out.verdict == "degraded" and out.metrics["early_forwards"] >= 1

@@ -145,3 +145,35 @@ def test_generate_with_a_seed_is_reproducible_and_voices_differ(
     assert generate("c", *hot, "--async-chunk") == first  # the same in either mode
     nova = generate("d", *hot, "--voice", "nova")
     assert nova[0] == first[0] and nova[1] != first[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_chunk", [False, True], ids=["normal", "async_chunk"])
+def test_generate_stream_input_answers_each_line_of_stdin_in_one_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        async_chunk: bool) -> None:
+    import io
+    import sys
+
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text(TINY_TOML)
+    out = tmp_path / "talk.wav"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hello\n\nHow are you?\nBye\n"))  # a blank line is skipped
+    argv = ["generate", "--stream-input", "--out", str(out), "--config", str(cfg)]
+    rc = cli.main(argv + (["--async-chunk"] if async_chunk else []))
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    lines = captured.out.splitlines()
+    assert len(lines) == 3 and all(len(line) == 10 for line in lines)  # one answer line per segment
+    with wave.open(str(out)) as w:
+        assert w.getnframes() == 3 * 10 * 2 * 480  # three answers' audio in one file
+    assert list(scratch.iterdir()) == []
+
+
+def test_generate_stream_input_refuses_compare(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["generate", "--stream-input", "--compare"]) == 2
+    assert "do not go together" in capsys.readouterr().err

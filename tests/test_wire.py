@@ -124,7 +124,7 @@ def test_importing_trio_orch_never_imports_torch() -> None:
         "            raise\n"
         "cmds = trio_orch.cli.commands()\n"
         "for name in cmds:\n"
-        "    trio_orch.cli.build_parser(cmds, configure=name)  # every command's options\n"
+        "    trio_orch.cli.build_parser(cmds, configure=name)\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
     )

@@ -14,6 +14,13 @@ that cannot start), every registered request -- queued, waiting for
 admission or in flight -- gets a terminal ``OrchError(kind="shutdown")`` and
 every later call raises :class:`EngineClosed` at once.
 
+Resumable requests (``resumable=True``) take more input while they run:
+``update_request`` (sync) and ``update_request_async`` post each segment to
+the Trio thread, where :class:`~trio_orch.engine_updates.UpdateForwarder`
+applies them in call order, after the request's own admission.
+:meth:`Engine.add_request_async` returns once the request was accepted, so
+its updates can follow at once.
+
 :func:`open_trio_engine` (:mod:`trio_orch.trio_engine`) is the same API for
 Trio code, without a thread; :mod:`trio_orch.engine_base` holds the errors,
 the pipeline factory contract and the metrics snapshot they share.
@@ -31,6 +38,7 @@ import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from time import monotonic, perf_counter
 from typing import Any
 
@@ -47,6 +55,7 @@ from trio_orch.demux import (
     Demux,
     Stream,
     SyncStream,
+    wake,
 )
 from trio_orch.engine_base import (
     EngineClosed,
@@ -59,13 +68,14 @@ from trio_orch.engine_base import (
     static_pipeline,
     unwrap,
 )
+from trio_orch.engine_updates import UpdateForwarder
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.trio_engine import TrioEngine, open_trio_engine
 from trio_orch.types import Message, OrchError, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
-__all__ = ["Engine", "EngineClosed", "EngineStartupError", "PipelineFactory", "PipelineSpec", "RequestHandle",
-           "TrioEngine", "open_trio_engine", "static_pipeline"]
+__all__ = ["AsyncRequestHandle", "Engine", "EngineClosed", "EngineStartupError", "PipelineFactory",
+           "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine", "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
 
@@ -148,6 +158,10 @@ class RequestHandle:
         """Abort the request; iterating on yields its ``aborted`` terminal."""
         self._engine.abort(self.request_id)
 
+    def update(self, segment: Any, *, final: bool = False, timeout: float | None = None) -> None:
+        """More input for this resumable request: :meth:`Engine.update_request`."""
+        self._engine.update_request(self.request_id, segment, final=final, timeout=timeout)
+
     def close(self) -> None:
         """Stop listening; aborts the request if it has not ended."""
         if not self._ended:
@@ -200,6 +214,7 @@ class Engine:
         self._adm_send, self._adm_recv = trio.open_memory_channel[Stream](math.inf)
         self._n_waiting = 0
         self._sending: tuple[Stream, trio.CancelScope] | None = None
+        self._updates = UpdateForwarder()  # update_request's Trio side
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> Engine:
@@ -340,6 +355,7 @@ class Engine:
         finally:
             self._mark_dead(reason or ("the engine was closed" if self._stop_flag
                                        else "its orchestrator stopped"))
+            self._updates.close(self._dead or "its orchestrator stopped")  # the Trio thread is gone
             self._ready.set()
 
     async def _trio_main(self) -> None:
@@ -356,6 +372,7 @@ class Engine:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(orch.run)
                     nursery.start_soon(self._admitter, orch, name="trio_orch.bridge.admitter")
+                    nursery.start_soon(self._updates.run, orch, name="trio_orch.bridge.updates")
                     self._orch = orch
                     self._ready.set()
                     if self._stop_flag:
@@ -381,7 +398,8 @@ class Engine:
             if self._n_waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout, sampling=s.sampling, companions=s.companions)
+                                            timeout=s.timeout, sampling=s.sampling,
+                                            resumable=s.resumable, companions=s.companions)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:
@@ -407,7 +425,7 @@ class Engine:
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
                                                timeout=s.timeout, sampling=s.sampling,
-                                               companions=s.companions)
+                                               resumable=s.resumable, companions=s.companions)
                     except Exception as exc:
                         self._refused(s, exc)
                         continue
@@ -424,6 +442,7 @@ class Engine:
                 self._n_waiting -= 1
 
     def _refused(self, s: Stream, exc: Exception) -> None:
+        self._updates.dropped(s.request_id, f"it was refused: {exc}")
         if isinstance(exc, RuntimeError):  # the orchestrator stopped accepting: a terminal, not a raise
             self._demux.end(s, OrchError(s.request_id, None, "shutdown", str(exc)))
         else:
@@ -432,10 +451,12 @@ class Engine:
     def _admitted(self, s: Stream) -> None:
         if s.state == PENDING:
             s.state = ADMITTED
-            if s.want_ack:
-                s.put(ACK)
+            self._updates.admitted(s.request_id)
+            if s.want_ack and s.put(ACK):
+                wake({s.loop: [s]})  # type: ignore[attr-defined]
 
     def _ended_unadmitted(self, s: Stream) -> None:
+        self._updates.dropped(s.request_id, "it ended before it was admitted")
         if s.withdrawn:
             self._demux.unregister(s)
             s.put(WITHDRAWN)
@@ -484,14 +505,14 @@ class Engine:
         return f"the engine is closed: {self._dead or self._closing}"
 
     def _open(self, cls: type[Stream], prompt: Any, request_id: str | None, final_stage_id: int | None,
-              request_timeout: float | None, **kw: Any) -> Stream:
+              request_timeout: float | None, resumable: bool = False, **kw: Any) -> Stream:
         if self._closing is not None or self._dead is not None or self._orch is None:
             raise EngineClosed(self._closed_message())
         rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
         self._orch.router.resolve_final_stage(rid, final_stage_id)  # immutable config: thread-safe
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
-        s = cls(rid, prompt, final_stage_id, request_timeout, **kw)
+        s = cls(rid, prompt, final_stage_id, request_timeout, resumable=bool(resumable), **kw)
         self._demux.register(s)
         if self._dead is not None or self._closing is not None:  # raced with the fatal drain
             self._demux.unregister(s)
@@ -512,7 +533,7 @@ class Engine:
     # ------------------------------------------------------------------ sync API
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
                     timeout: float | None = None, request_timeout: float | None = None,
-                    sampling: Any = None) -> RequestHandle:
+                    sampling: Any = None, resumable: bool = False) -> RequestHandle:
         """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
 
         Blocks while the request channel is full, for at most ``timeout``
@@ -520,12 +541,13 @@ class Engine:
         ``request_timeout`` bounds the request's life in the orchestrator.
         ``sampling``: per-stage sampling parameters (a list indexed by stage,
         or a mapping stage -> parameters), checked against each stage's.
+        ``resumable``: it takes more input (:meth:`update_request`) until a ``final`` one.
         Raises ``ValueError`` for bad parameters or a duplicate active id and
         :class:`EngineClosed` once the engine is closed.  Do not call it on an
         asyncio loop's thread (it blocks): use :meth:`generate` there.
         """
-        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, want_ack=True,
-                       sampling=sampling)
+        s = self._open(SyncStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       want_ack=True, sampling=sampling)
         assert isinstance(s, SyncStream)
         h = RequestHandle(self, s)
         deadline = None if timeout is None else monotonic() + timeout
@@ -574,6 +596,47 @@ class Engine:
         if s is not None:
             self._post_quiet(self._abort_cb, s)
 
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float | None = None) -> None:
+        """One more input segment for a live resumable request (plain threads; ``final``: the last one).
+
+        Returns once the segment was handed to the stages.  Raises
+        ``ValueError`` (nothing changes) for an unknown or ended id, a request
+        not added with ``resumable=True`` or after its final segment;
+        :class:`EngineClosed` once the engine stopped; ``TimeoutError`` after
+        ``timeout`` seconds if the update was not taken up by then (it is then
+        withdrawn).  Updates of one request apply in the order of the calls.
+        """
+        fut = self._post_update(request_id, segment, final)
+        try:
+            fut.result(timeout)
+        except TimeoutError:
+            if fut.cancel():
+                raise TimeoutError(f"update of {request_id!r} not taken up within {timeout}s; "
+                                   "withdrawn") from None
+            fut.result()
+
+    async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None:
+        """:meth:`update_request` for asyncio code: awaited, never blocks the loop.
+
+        Cancelled before the update was taken up, it is withdrawn; after, it still applies.
+        """
+        await asyncio.wrap_future(self._post_update(request_id, segment, final))
+
+    def _post_update(self, request_id: str, segment: Any, final: bool) -> Future[None]:
+        fut: Future[None] = Future()
+        self._post(self._update_cb, request_id, segment, bool(final), fut)
+        return fut
+
+    def _update_cb(self, request_id: str, segment: Any, final: bool, fut: Future[None]) -> None:
+        """Trio thread: hand the update to the forwarder (it answers ``fut``)."""
+        try:
+            self._updates.post(self._demux.streams.get(request_id), request_id, segment, final, fut)
+        except BaseException as exc:  # never let a callback kill the Trio run
+            log.exception("update of %r failed", request_id)
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(exc)
+
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` in the Trio thread soon (any thread; never blocks).  Must not raise."""
         self._post(fn, *args)
@@ -614,7 +677,7 @@ class Engine:
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None, request_timeout: float | None = None,
-                       sampling: Any = None,
+                       sampling: Any = None, resumable: bool = False,
                        companions: Mapping[str, Any] | None = None) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
@@ -622,10 +685,12 @@ class Engine:
         closing the generator before the terminal, aborts the request.
         ``sampling`` as for :meth:`add_request` (bad parameters: ValueError).
         ``companions``: ``{id: stage-0 prompt}``, as for ``Orchestrator.add_request``.
+        The request is registered when the iteration starts; to send a
+        resumable request's updates right away, use :meth:`add_request_async`.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
-                       sampling=sampling, companions=dict(companions) if companions else None)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, sampling=sampling, companions=dict(companions) if companions else None)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -649,15 +714,15 @@ class Engine:
 
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                                final_stage_id: int | None = None, request_timeout: float | None = None,
-                               sampling: Any = None) -> AsyncIterator[list[Message]]:
+                               sampling: Any = None, resumable: bool = False) -> AsyncIterator[list[Message]]:
         """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
 
         For consumers that write in bulk (one HTTP chunk per batch) or count
         every microsecond; the terminal is the last message of the last list.
         """
         loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, loop=loop,
-                       sampling=sampling)
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, sampling=sampling)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False
@@ -674,6 +739,28 @@ class Engine:
         finally:
             if not ended:
                 self._client_gone(s)
+
+    async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
+                                final_stage_id: int | None = None, request_timeout: float | None = None,
+                                resumable: bool = False) -> AsyncRequestHandle:
+        """Submit a request from asyncio code; return its :class:`AsyncRequestHandle` once accepted.
+
+        Waits (without blocking the loop) while the request channel is full.
+        Once it returns the orchestrator knows the request, so updates of a
+        resumable one may follow at once.  Raises as :meth:`add_request`;
+        cancelled while waiting, the request is aborted (or never registered).
+        """
+        loop = asyncio.get_running_loop()
+        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                       loop=loop, want_ack=True)
+        assert isinstance(s, AsyncioStream)
+        handle = AsyncRequestHandle(self, s)
+        try:
+            await handle.wait_accepted()
+        except BaseException:
+            handle.close()
+            raise
+        return handle
 
     async def stats_async(self, timeout: float = 5.0) -> EngineStatistics:
         """A metrics snapshot, awaited on an asyncio loop without blocking it."""
@@ -699,3 +786,80 @@ class Engine:
             return await asyncio.wait_for(fut, timeout)
         except (EngineClosed, TimeoutError):
             return collect_stats(None, self._demux, 0, False)
+
+
+class AsyncRequestHandle:
+    """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
+
+    ``async for m in handle``: its messages, terminal last.  ``await
+    handle.update(segment)`` sends more input to a resumable request.
+    Leaving an ``async with handle`` block (or :meth:`close`) before the
+    terminal aborts the request.
+    """
+
+    def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
+        self._engine = engine
+        self._s = stream
+        self._msgs: deque[Message] = deque()
+        self._ended = False  # the terminal (or an exception) reached the handle
+        self.finished = False  # the caller has taken the terminal
+
+    @property
+    def request_id(self) -> str:
+        return self._s.request_id
+
+    async def wait_accepted(self) -> None:
+        """Wait for the admission acknowledgement (or an early end, whose terminal is kept)."""
+        while True:
+            item = await self._s.next_item()
+            if item is ACK:
+                return
+            if self._take(item):
+                return
+
+    def _take(self, item: Any) -> bool:
+        """Absorb one item; True once the request ended."""
+        if item is ACK or item is WITHDRAWN:
+            return self._ended
+        if isinstance(item, BaseException):
+            self._ended = self.finished = True
+            raise item
+        t, msgs = item
+        observe_latency(self._engine._demux.latency.observe, t, msgs)
+        self._msgs.extend(msgs)
+        if msgs[-1].finished:
+            self._ended = True
+        return self._ended
+
+    def __aiter__(self) -> AsyncRequestHandle:
+        return self
+
+    async def __anext__(self) -> Message:
+        if self.finished:
+            raise StopAsyncIteration
+        while not self._msgs:
+            self._take(await self._s.next_item())
+        m = self._msgs.popleft()
+        if m.finished:
+            self.finished = True
+        return m
+
+    async def update(self, segment: Any, *, final: bool = False) -> None:
+        """More input for this resumable request: :meth:`Engine.update_request_async`."""
+        await self._engine.update_request_async(self.request_id, segment, final=final)
+
+    def abort(self) -> None:
+        """Abort the request; iterating on yields its ``aborted`` terminal."""
+        self._engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not ended."""
+        if not self._ended:
+            self._ended = self.finished = True
+            self._engine._client_gone(self._s)
+
+    async def __aenter__(self) -> AsyncRequestHandle:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()

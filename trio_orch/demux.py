@@ -47,14 +47,16 @@ class Stream:
     ``detached``: the consumer is gone (cancelled, closed early); the sink
     drops its messages but keeps the id reserved until its terminal.
     ``withdrawn``: a sync caller gave up waiting for admission.
+    ``resumable``: the request takes more input segments (``update_request``).
     """
 
-    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "sampling", "state",
+    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling",
+                 "state",
                  "timeout", "want_ack", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
                  timeout: float | None, want_ack: bool = False, sampling: Any = None,
-                 companions: Any = None) -> None:
+                 resumable: bool = False, companions: Any = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.companions = companions  # {id: stage-0 prompt} of its companion requests (CFG), or None
@@ -62,6 +64,7 @@ class Stream:
         self.timeout = timeout
         self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted
         self.want_ack = want_ack
+        self.resumable = resumable
         self.state = PENDING
         self.detached = False
         self.withdrawn = False

@@ -8,10 +8,12 @@ writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 first audio comes long before the text is finished.  Sampling flags
 (``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
 as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
-``--stage-param`` sets any stage's parameter explicitly.  A pipeline whose
-output is an image (``--pipeline text2image``) draws the denoising progress
-and writes a PNG instead (:mod:`trio_orch.text2image`; ``--seed`` is then the
-image's seed).
+``--stage-param`` sets any stage's parameter explicitly.  With
+``--stream-input`` the prompt comes from standard input, one input segment
+per line, into one resumable request (:mod:`trio_orch.generate_stream`).  A
+pipeline whose output is an image (``--pipeline text2image``) draws the
+denoising progress and writes a PNG instead (:mod:`trio_orch.text2image`;
+``--seed`` is then the image's seed).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from stages.registry import as_audio, as_text, spec_for, stage_params, takes_com
 from stages.sampling_params import VOICES
 from trio_orch import text2image
 from trio_orch.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.openai_sampling import SamplingError, map_sampling
 from trio_orch.orchestrator import open_orchestrator
@@ -58,6 +61,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch device of the workers (default: cpu, or the config's)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    parser.add_argument("--stream-input", action="store_true",
+                        help="read the prompt from standard input, one segment per line, into one "
+                             "request that takes more input while it answers (end of input ends it); "
+                             "each segment's answer streams as it comes")
     s = parser.add_argument_group(
         "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
                     "text, --seed and --voice to every stage that takes them (see the README)")
@@ -97,9 +104,9 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
     cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
     if _makes_images(cfg):
-        if cfg.async_chunk or args.compare:
-            raise ValueError("an image pipeline runs whole requests stage by stage: "
-                             "--async-chunk and --compare are for streaming pipelines")
+        if cfg.async_chunk or args.compare or args.stream_input:
+            raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "
+                             "--compare and --stream-input are for streaming pipelines")
         if not takes_companions(spec_for(cfg.stages[0].kind, cfg.stages[0].role)):
             raise ValueError(f"stage 0 ({cfg.stages[0].label}) does not condition on companion requests: "
                              "classifier-free guidance needs an encoder there")
@@ -218,6 +225,13 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                 async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
                     rc = await text2image.generate_image(orch, args.image, args.out or "out.png")
                 return rc, None
+            if args.stream_input:
+                out = args.out or "out.wav"
+                rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
+                if pcm is not None:
+                    write_wav(out, pcm, rate)
+                    print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -233,6 +247,9 @@ async def _main(args: argparse.Namespace) -> int:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stream_input and args.compare:
+        print("error: --stream-input and --compare do not go together", file=sys.stderr)
         return 2
     if not args.compare:
         return (await _run_once(args, cfg))[0]

@@ -19,6 +19,11 @@ pool's later (prewarm) submit then uses the reserved replica.  A prefill
 stage hands its KV cache to the decode stage the same way (``handoff``:
 the reservation outlives the prefill's finish, the forward uses it).
 
+Resumable requests: ``update`` sends a request's next input segment to the
+replica it is bound to (where its model state lives).  Such a request stays
+bound while it finishes segments; it is unbound when it finishes the segment
+its final update opened (or fails).
+
 Companions (CFG): ``submit(..., companion_of=parent)`` places the companion
 on its parent's replica.
 """
@@ -92,6 +97,8 @@ class ReplicaPool:
         #: given to it), "duplicate_finish" (it already finished it), "late" (after an abort; benign)
         self.stray_outputs: dict[str, int] = {"unknown": 0, "duplicate_finish": 0, "late": 0}
         self._ended: OrderedDict[str, tuple[int, bool]] = OrderedDict()  # rid -> (replica, finished)
+        #: resumable requests bound here -> [segments sent and not finished, final segment sent]
+        self._segments: dict[str, list[Any]] = {}
         # push fast path (``pump``): while set, the replicas' sink routes straight to the orchestrator
         self._deliver: Callable[[list[StageOutput]], None] | None = None
         self._pump_dead = trio.Event()
@@ -232,15 +239,16 @@ class ReplicaPool:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
-                     companion_of: str | None = None) -> None:
+                     resumable: bool = False, companion_of: str | None = None) -> None:
         """Bind ``request_id`` to a replica (its reserved one, else the least loaded) and submit it there.
 
         ``sampling``: this stage's parameters for the request, passed to the
-        replica as they are.  ``companion_of``: the request is a companion
-        (CFG) of that request and runs on its replica.  A request whose
-        replica was chosen before it died (a companion's parent's, or one
-        reserved by the upstream stage, which already sends it data) gets a
-        ``replica_died`` output.
+        replica as they are.  ``resumable``: more input segments follow
+        (:meth:`update`); the request stays bound.  ``companion_of``: the
+        request is a companion (CFG) of that request and runs on its replica.
+        A request whose replica was chosen before it died (a companion's
+        parent's, or one reserved by the upstream stage, which already sends
+        it data) gets a ``replica_died`` output.
         """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
@@ -266,14 +274,41 @@ class ReplicaPool:
         self._load[idx] += 1
         self.placements[idx] += 1
         self._remember(request_id, StageTiming(idx, time.perf_counter()))
+        if resumable:
+            self._segments[request_id] = [1, False]
         try:
-            if sampling is None:
-                await self.replicas[idx].submit(request_id, payload, downstream=downstream)
-            else:
-                await self.replicas[idx].submit(request_id, payload, downstream=downstream, sampling=sampling)
+            opts: dict[str, Any] = {}
+            if sampling is not None:
+                opts["sampling"] = sampling
+            if resumable:
+                opts["resumable"] = True
+            await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
         except BaseException:
             self._unbind(request_id)
             raise
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """The next input segment of a resumable request, to the replica it is bound to.
+
+        Raises ``ValueError`` for a request not submitted here as resumable
+        (or after its final segment) and :class:`StageUnavailable` when it is
+        no longer bound here (its replica died, or it ended).
+        """
+        if self._closed:
+            raise StageUnavailable(f"{self.name} is closed")
+        idx = self._bound.get(request_id)
+        if idx is None:
+            raise StageUnavailable(f"{self.name}: request {request_id!r} is not active here "
+                                   "(it ended, or its replica died)")
+        seg = self._segments.get(request_id)
+        if seg is None:
+            raise ValueError(f"{self.name}: request {request_id!r} was not submitted as resumable")
+        if seg[1]:
+            raise ValueError(f"{self.name}: request {request_id!r} already had its final segment")
+        seg[0] += 1
+        seg[1] = final
+        await self.replicas[idx].update(request_id, payload, final=final)
 
     def _parent_replica(self, request_id: str, parent: str) -> int:
         """The replica a companion must run on: its parent's (bound now, or just finished there)."""
@@ -376,6 +411,12 @@ class ReplicaPool:
                 if o.finished or o.error is not None:
                     tm.t_done = now
             if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
+                seg = self._segments.get(o.request_id)
+                if seg is not None and o.error is None:  # a resumable request finished a segment
+                    seg[0] -= 1
+                    if seg[0] > 0 or not seg[1]:
+                        outs.append(o)
+                        continue
                 self._unbind(o.request_id, finished=True, handed_off=o.error is None)
             outs.append(o)
 
@@ -412,6 +453,7 @@ class ReplicaPool:
 
     def _unbind(self, request_id: str, *, finished: bool = False, handed_off: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
+        self._segments.pop(request_id, None)
         if idx is not None:
             self._load[idx] -= 1
             if self.downstream is not None and not (handed_off and self.handoff):

@@ -4,7 +4,8 @@ The HTTP server runs on an asyncio loop in the main thread; the orchestrator
 and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s Trio thread.
 Routes: ``POST /v1/chat/completions`` (non-streaming, or SSE with
 ``"stream": true``; ``modalities`` ``["text"]`` or ``["text", "audio"]``),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text), and
+the ``/v1/realtime`` WebSocket session (:mod:`trio_orch.realtime_server`).
 A client that goes away -- mid-stream or while waiting for a non-streamed
 answer -- aborts its request in the orchestrator.
 """
@@ -44,6 +45,7 @@ from trio_orch.openai_chat import (
     parse_chat_request,
 )
 from trio_orch.openai_images import add_image_routes
+from trio_orch.realtime_server import realtime_route
 from trio_orch.types import OrchError
 
 __all__ = ["SSEResponse", "configure", "create_app", "run"]
@@ -270,6 +272,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        realtime_route(engine, outputs),
     ], exception_handlers={HTTPException: http_error})
 
 
@@ -278,7 +281,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
-        "base64 16-bit PCM at 24 kHz), GET /health, GET /metrics (Prometheus). The orchestrator runs "
+        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
+        "streams out), GET /health, GET /metrics (Prometheus). The orchestrator runs "
         "in a Trio thread, the HTTP server (Starlette + uvicorn) on asyncio in the main thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav.")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -369,7 +373,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     route = "/v1/images/generations" if outputs and "image" in outputs else "/v1/chat/completions"
-    print(f"serving on http://{host}:{port}  (POST {route}, GET /health, GET /metrics; "
+    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
+          "GET /metrics; "
           "Ctrl-C stops)", flush=True)
     app = create_app(engine, model_name=args.model_name, extra_metrics=_supervisor_metrics, outputs=outputs)
     add_image_routes(app, engine, model_name=args.model_name, outputs=outputs)

@@ -8,7 +8,9 @@ talker turns each word into a code, the vocoder each code into a short tone.
 Used by ``trio-orch serve --in-process`` and by the HTTP tests, which need
 stages that are slow enough to be interrupted and that record their aborts.
 Its stages take few sampling parameters (:data:`TOY_STAGE_PARAMS`): the
-thinker a word limit, the vocoder a voice (its pitch).
+thinker a word limit, the vocoder a voice (its pitch).  Resumable requests
+work as with the workers: each input segment is answered after the one
+before it, and a None segment is empty (one finished output with no data).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ TOY_STAGE_PARAMS = (
 class ToyStage:
     """A stage client that computes its outputs in tasks of the pipeline's nursery.
 
-    ``produce(payload, sampling)`` returns the list of outputs for one request;
-    they are emitted one every ``delay`` seconds, the last one ``finished``.
-    Records ``submissions``, ``sampling`` (id, parameters) and ``aborts`` (ids)
-    like ScriptedStage.
+    ``produce(payload, sampling)`` returns the list of outputs for one request
+    (or one input segment of a resumable request); they are emitted one every
+    ``delay`` seconds, the last one ``finished``.  Records ``submissions``,
+    ``updates``, ``sampling`` (id, parameters) and ``aborts`` (ids) like
+    ScriptedStage.
     """
 
     def __init__(self, stage_id: int, nursery: trio.Nursery,
@@ -58,16 +61,19 @@ class ToyStage:
         self._produce = produce
         self.delay = delay
         self.submissions: list[tuple[str, Any]] = []
+        self.updates: list[tuple[str, Any]] = []
         self.sampling: list[tuple[str, dict[str, Any]]] = []
         self.aborts: list[str] = []
         self._scopes: dict[str, trio.CancelScope] = {}
+        self._segments: dict[str, trio.MemorySendChannel[Any]] = {}  # resumable requests' next inputs
         self._send, self._recv = trio.open_memory_channel[StageOutput](math.inf)
         self.closed = False
 
     def __repr__(self) -> str:
         return f"<ToyStage {self.name}>"
 
-    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None) -> None:
+    async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
+                     resumable: bool = False) -> None:
         if self.closed:
             raise StageUnavailable(f"{self.name} is closed")
         self.submissions.append((request_id, payload))
@@ -75,26 +81,48 @@ class ToyStage:
             self.sampling.append((request_id, sampling))
         scope = trio.CancelScope()
         self._scopes[request_id] = scope
-        self._nursery.start_soon(self._run, request_id, payload, sampling or {}, scope)
+        send, recv = trio.open_memory_channel[Any](math.inf)
+        send.send_nowait(payload)
+        if resumable:
+            self._segments[request_id] = send
+        else:
+            send.close()
+        self._nursery.start_soon(self._run, request_id, recv, sampling or {}, scope)
         await trio.lowlevel.checkpoint()
 
-    async def _run(self, request_id: str, payload: Any, sampling: dict[str, Any],
-                   scope: trio.CancelScope) -> None:
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """The next input segment of a resumable request: answered once the current one is."""
+        send = self._segments.get(request_id)
+        if send is None:
+            raise StageUnavailable(f"{self.name}: request {request_id!r} is not running here")
+        self.updates.append((request_id, payload))
+        send.send_nowait(payload)
+        if final:
+            send.close()
+            del self._segments[request_id]
+        await trio.lowlevel.checkpoint()
+
+    async def _run(self, request_id: str, segments: trio.MemoryReceiveChannel[Any],
+                   sampling: dict[str, Any], scope: trio.CancelScope) -> None:
         with scope:
-            try:
-                items = self._produce(payload, sampling)
-            except Exception as exc:  # a bad payload fails this request, not the stage
-                self._send.send_nowait(StageOutput(request_id, None, True, error=f"{self.name}: {exc}"))
-                return
-            for i, item in enumerate(items):
-                await trio.sleep(self.delay)
-                self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
-                                                   t_produced=time.perf_counter()))
+            async for payload in segments:
+                try:
+                    items = [None] if payload is None else self._produce(payload, sampling)
+                except Exception as exc:  # a bad payload fails this request, not the stage
+                    self._send.send_nowait(StageOutput(request_id, None, True, error=f"{self.name}: {exc}"))
+                    break
+                for i, item in enumerate(items):
+                    await trio.sleep(self.delay)
+                    self._send.send_nowait(StageOutput(request_id, item, i == len(items) - 1,
+                                                       t_produced=time.perf_counter()))
         self._scopes.pop(request_id, None)
+        self._segments.pop(request_id, None)
 
     async def abort(self, request_ids: list[str]) -> None:
         self.aborts.extend(request_ids)
         for rid in request_ids:
+            self._segments.pop(rid, None)
             scope = self._scopes.pop(rid, None)
             if scope is not None:
                 scope.cancel()
@@ -150,6 +178,8 @@ def _vocode(codes: list[int], sampling: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _forward(k: int, prompt: Any, outputs: list[Any]) -> Any:
+    if not any(outputs):
+        return None  # an empty input segment stays empty
     if k == 0:
         return [o["text"].strip() for o in outputs if o and o.get("text", "").strip()]
     return [int(o["codes"][0]) for o in outputs if o and o.get("codes") is not None]

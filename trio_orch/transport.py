@@ -48,6 +48,7 @@ from trio_orch.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Update,
     WireCodec,
     WireError,
 )
@@ -126,14 +127,28 @@ class ZmqStageClient:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
-                     sampling: dict[str, Any] | None = None, companion_of: str | None = None) -> None:
+                     sampling: dict[str, Any] | None = None, resumable: bool = False,
+                     companion_of: str | None = None) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
 
+        ``resumable``: more input segments follow through :meth:`update`.
         ``companion_of`` is accepted for the stage-client protocol and needs
         nothing here: one replica is always its companion's parent's.
         """
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream, sampling))
+        self._queue(Submit(request_id, payload, downstream, sampling, resumable))
+        await trio.lowlevel.checkpoint()
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """Queue the next input segment of a resumable request (``final``: its last one).
+
+        ``sampling`` is accepted for the stage-client protocol and not sent:
+        the worker keeps the parameters the request was submitted with.
+        Raises :class:`StageUnavailable` if the replica is dead or closed.
+        """
+        self._check_alive()
+        self._queue(Update(request_id, payload, final))
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:

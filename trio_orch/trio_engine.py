@@ -4,6 +4,8 @@
 orchestrator in the caller's Trio run; ``async for out in
 engine.generate(prompt)`` waits (as a Trio task) while the request channel is
 full, and leaving the iteration early or being cancelled aborts the request.
+A resumable request (``generate(..., resumable=True)``) takes more input with
+``await engine.update_request(request_id, segment, final=...)``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class TrioEngine:
         self._demux = demux
         self._ids = itertools.count()
         self._closed: str | None = None
+        self._admitting: dict[str, trio.Event] = {}  # ids whose generate waits for admission
 
     @property
     def stages(self) -> list[StageClient]:
@@ -48,21 +51,25 @@ class TrioEngine:
 
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None, request_timeout: float | None = None,
-                       sampling: Any = None) -> AsyncIterator[Message]:
+                       sampling: Any = None, resumable: bool = False) -> AsyncIterator[Message]:
         """Like :meth:`Engine.generate`; waits (as a Trio task) while the request channel is full.
 
         ``sampling``: per-stage sampling parameters (a list indexed by stage, or a
         mapping stage -> parameters); a bad one raises ValueError, nothing submitted.
+        The request is registered when the iteration starts: a task that sends
+        a resumable request's updates must start after that (e.g. from the
+        iterating task, or once the first output came).
         """
         orch = self.orchestrator
         if self._closed is not None or not orch.running:
             raise EngineClosed(f"the engine is closed: {self._closed or 'its orchestrator stopped'}")
         rid = request_id if request_id is not None else f"req-trio-{next(self._ids)}"
-        s = TrioStream(rid, prompt, final_stage_id, request_timeout)
+        s = TrioStream(rid, prompt, final_stage_id, request_timeout, resumable=resumable)
         self._demux.register(s)
+        admitting = self._admitting[rid] = trio.Event()
         try:
             await orch.add_request(rid, prompt, final_stage_id=final_stage_id, timeout=request_timeout,
-                                   sampling=sampling)
+                                   sampling=sampling, resumable=resumable)
         except RuntimeError as exc:  # it stopped while we waited for room: a terminal, like the others
             self._demux.end(s, OrchError(rid, None, "shutdown", str(exc)))
         except BaseException:
@@ -71,6 +78,10 @@ class TrioEngine:
             else:
                 s.detached = True  # accepted: its abort's terminal will free the id
             raise
+        finally:
+            admitting.set()
+            if self._admitting.get(rid) is admitting:
+                del self._admitting[rid]
         if s.state == PENDING:
             s.state = ADMITTED
         observe = self._demux.latency.observe
@@ -89,6 +100,24 @@ class TrioEngine:
             if not ended:
                 s.detached = True
                 orch.abort_nowait(rid)
+
+    async def update_request(self, request_id: str, segment: Any, *, final: bool = False) -> None:
+        """One more input segment for a live resumable request (``final``: the last one).
+
+        Waits while the request itself still waits for admission; then as
+        :meth:`Orchestrator.update_request` (``ValueError`` for an unknown or
+        ended id, a request not added with ``resumable=True``, or after its
+        final segment; :class:`EngineClosed` once the engine is closed).
+        """
+        if self._closed is not None:
+            raise EngineClosed(f"the engine is closed: {self._closed}")
+        admitting = self._admitting.get(request_id)
+        if admitting is not None:
+            await admitting.wait()
+        try:
+            await self.orchestrator.update_request(request_id, segment, final=final)
+        except RuntimeError as exc:
+            raise EngineClosed(f"the engine is closed: {exc}") from None
 
     async def abort(self, request_id: str) -> None:
         await self.orchestrator.abort(request_id)

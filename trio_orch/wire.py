@@ -35,6 +35,7 @@ __all__ = [
     "RpcReply",
     "Shutdown",
     "Submit",
+    "Update",
     "WireCodec",
     "WireError",
 ]
@@ -52,13 +53,28 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     """Start ``request_id`` with ``payload``; ``downstream`` = replica index of the
     next stage that receives this request's chunks (async-chunk), or -1;
     ``sampling`` = this stage's sampling parameters for the request (None: its
-    defaults).  Fields only ever get appended with a default, so a peer one
-    version behind still decodes the message (it ignores what it does not know)."""
+    defaults); ``resumable``: more input segments follow as :class:`Update`
+    messages, so the worker keeps the request (and its model state) after a
+    segment finishes.  Fields only ever get appended with a default, so a peer
+    one version behind still decodes the message (it ignores what it does not know)."""
 
     request_id: str
     payload: Any
     downstream: int = -1
     sampling: dict[str, Any] | None = None
+    resumable: bool = False
+
+
+class Update(msgspec.Struct, tag="update", array_like=True):
+    """The next input segment of a resumable request (``final``: its last one).
+
+    The worker starts it once the segment before it finished there, on the
+    same model state (the thinker continues from its KV cache).
+    """
+
+    request_id: str
+    payload: Any
+    final: bool = False
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
@@ -80,7 +96,7 @@ class Rpc(msgspec.Struct, tag="rpc", array_like=True):
     method: str
 
 
-InboundMsg = Submit | Abort | Shutdown | Rpc
+InboundMsg = Submit | Update | Abort | Shutdown | Rpc
 
 
 # --------------------------------------------------------------------- outbound (worker -> orchestrator)
@@ -140,11 +156,16 @@ OutboundMsg = Ready | Outputs | RequestError | Heartbeat | Dying | RpcReply
 
 # ------------------------------------------------- worker -> worker (async-chunk connector)
 class Chunk(msgspec.Struct, tag="chunk", array_like=True):
-    """A piece of stage k's output streamed straight to stage k+1 (``end``: last one)."""
+    """A piece of stage k's output streamed straight to stage k+1 (``end``: last one).
+
+    ``segment``: the input segment of a resumable request it belongs to (0 for
+    any other request); ``end`` then closes that segment's input.
+    """
 
     request_id: str
     data: Any
     end: bool = False
+    segment: int = 0
 
 
 class WireCodec:

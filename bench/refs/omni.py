@@ -17,7 +17,11 @@ return.
   1 ms wait (``asyncio.wait_for(stage.receive(), 0.001)``), 1 ms sleep when a
   whole round found nothing.
 
-Both drive :class:`trio_orch.core.Router` through :class:`AsyncioOrchestrator`.
+Both drive :class:`trio_orch.core.Router` through :class:`AsyncioOrchestrator`,
+with one deliberate difference, reproduced so the comparison can measure it:
+an input update for an id the orchestrator does not hold (never added, or
+already ended) becomes a brand-new request, as in the source
+(:meth:`_OmniBase.handle_update`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import asyncio
 import logging
 from typing import Any
 
-from bench.refs.orchestrator import AsyncioOrchestrator
+from bench.refs.orchestrator import AsyncioOrchestrator, UpdateMsg
 from trio_orch.types import StageClient, StageDied
 
 __all__ = ["OmniEventDriven", "OmniPolling"]
@@ -69,6 +73,30 @@ class _OmniBase(AsyncioOrchestrator):
                 t.cancel()
             if pending:
                 await asyncio.gather(*pending, return_exceptions=True)
+
+    async def handle_update(self, msg: UpdateMsg) -> None:
+        """The source's ``streaming_update``: an unknown id falls back to ``add_request``.
+
+        An update for an id that is neither queued nor running -- never added,
+        or just aborted, timed out or finished -- is started as a new,
+        non-resumable request whose prompt is the segment; the caller gets no
+        error (the source logs a warning).  Updates for live requests go
+        through the core as in every reference.
+        """
+        rid = msg.request_id
+        if rid in self.router or self.router.is_queued(rid):
+            await super().handle_update(msg)
+            return
+        log.warning("[Orchestrator] streaming_update for unknown req=%s, falling back to add_request", rid)
+        try:
+            with self.lock:
+                actions = self.router.start(self.router.accept(rid, msg.segment))
+            await self.perform(actions)
+        except (ValueError, RuntimeError) as exc:  # not accepting any more: the source logs and moves on
+            log.warning("[Orchestrator] fallback add_request for req=%s failed: %s", rid, exc)
+        finally:
+            if msg.done is not None:
+                msg.done.set()
 
     async def _output_handler(self) -> None:
         try:

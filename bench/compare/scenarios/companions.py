@@ -1,4 +1,4 @@
-"""Scenarios about companion requests (classifier-free guidance): 13 and 14 of the comparison.
+"""Scenarios about companion requests (classifier-free guidance): 14 and 15 of the comparison.
 
 A companion (the negative prompt's encoding) runs stage 0 next to its
 parent, and the parent's forward to stage 1 needs both.  The seed forwards
@@ -43,7 +43,7 @@ def _until_terminal(h: Driver, rid: str) -> None:
             return
 
 
-# ---------------------------------------------------------------- 13
+# ---------------------------------------------------------------- 14
 def measure_companion_after_abort(impl: str) -> dict[str, Any]:
     """The parent is aborted while its companion still runs stage 0; then the companion finishes."""
     with LogCapture():
@@ -90,8 +90,8 @@ def judge_companion_after_abort(m: dict[str, Any]) -> tuple[str, str]:
                   "and counted")
 
 
-S13 = Scenario(
-    13, "companion-after-abort", "a companion finishes after its parent was aborted",
+S14 = Scenario(
+    14, "companion-after-abort", "a companion finishes after its parent was aborted",
     "r1 has a companion (its negative prompt); r1 finishes stage 0 and is aborted while the companion "
     "still runs there; then the companion finishes anyway. Does anything reach the user or stage 1?",
     "hang if shutdown hangs; forwarded if stage 1 got r1; visible if the user saw the companion; lost if "
@@ -163,8 +163,8 @@ def judge_forward_race(m: dict[str, Any]) -> tuple[str, str]:
     return "ok", "in every order, exactly one forward, after both finished, with the companion's encoding"
 
 
-S14 = Scenario(
-    14, "forward-races-companion", "the parent's forward races its companion",
+S15 = Scenario(
+    15, "forward-races-companion", "the parent's forward races its companion",
     "A parent and its companion finish stage 0 in four orders: parent first (companion late), companion "
     "first, both in one batched step (either way round). Does the forward to stage 1 wait for the "
     "companion and carry its encoding, once? (The seed forwards at once and logs that guidance may "

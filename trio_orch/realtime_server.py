@@ -1,0 +1,99 @@
+"""``/v1/realtime``: the realtime session protocol (:mod:`trio_orch.realtime`) over a Starlette WebSocket.
+
+One task reads client frames and performs the actions the protocol returns
+(add the request, send it more input, cancel it); once the request exists a
+second task streams its messages back as events.  Sends are serialised by
+one lock.  Whatever ends the socket -- the client closing it, a network
+error, the server stopping -- the request is aborted on every stage if it
+has not ended (the engine's handle is closed), so a session leaves nothing
+behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.routing import WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed
+from trio_orch.realtime import Append, Cancel, RealtimeSession, Start
+
+__all__ = ["realtime_route", "run_session"]
+
+log = logging.getLogger("trio_orch.realtime")
+
+_ids = itertools.count()
+
+
+def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/v1/realtime",
+                   **limits: int) -> WebSocketRoute:
+    """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's)."""
+
+    async def endpoint(ws: WebSocket) -> None:
+        await run_session(ws, engine, outputs, **limits)
+
+    return WebSocketRoute(path, endpoint)
+
+
+async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, **limits: int) -> None:
+    """Serve one session on an accepted-to-be WebSocket until the client closes it."""
+    await ws.accept()
+    session = RealtimeSession(f"sess_{os.getpid():x}_{next(_ids)}", final_stage_ids=engine.final_stage_ids,
+                              outputs=list(outputs) if outputs is not None else None, **limits)
+    lock = asyncio.Lock()
+
+    async def send(events: list[dict[str, Any]]) -> None:
+        async with lock:
+            for e in events:
+                await ws.send_text(json.dumps(e, separators=(",", ":")))
+
+    handle: AsyncRequestHandle | None = None
+    pump: asyncio.Task[None] | None = None
+
+    async def stream(h: AsyncRequestHandle) -> None:
+        async for m in h:
+            await send(session.output(m))
+
+    try:
+        await send(session.opened())
+        while True:
+            msg = await ws.receive()
+            if msg["type"] == "websocket.disconnect":
+                break
+            frame = msg.get("text")
+            events, actions = session.receive(frame if frame is not None else msg.get("bytes") or b"")
+            await send(events)
+            for a in actions:
+                if type(a) is Start:
+                    try:
+                        handle = await engine.add_request_async(a.prompt, resumable=a.resumable,
+                                                                final_stage_id=a.final_stage_id,
+                                                                request_id=session.response_id)
+                    except (ValueError, EngineClosed) as exc:
+                        await send(session.request_failed(exc))
+                        break
+                    await send(session.request_started(engine.final_stage_ids))
+                    pump = asyncio.ensure_future(stream(handle))
+                elif type(a) is Append and handle is not None:
+                    try:
+                        await handle.update(a.segment, final=a.final)
+                    except (ValueError, EngineClosed) as exc:
+                        await send(session.update_failed(exc))
+                elif type(a) is Cancel and handle is not None:
+                    handle.abort()
+    except WebSocketDisconnect:
+        pass
+    finally:
+        if pump is not None:
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+        if handle is not None and not handle.finished:
+            handle.close()  # the client left before the end: abort the request on every stage
+            log.info("realtime session %s closed mid-response; its request was aborted", session.session_id)
