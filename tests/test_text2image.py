@@ -57,7 +57,7 @@ def test_guidance_adds_a_negative_prompt_companion_and_scale_one_does_not() -> N
 
 @pytest.mark.parametrize("argv, message", [
     (["--pipeline", "text2image", "x", "--size", "65x64"], "--size: width and height must be multiples"),
-    (["--pipeline", "text2image", "x", "--async-chunk"], "--async-chunk and --compare are for streaming"),
+    (["--pipeline", "text2image", "x", "--async-chunk"], "--compare and --stream-input are for streaming"),
     (["--pipeline", "speech", "x", "--negative", "blurry"], "--negative is for image pipelines"),
     (["--pipeline", "text2image", "x", "--steps", "0"], "num_inference_steps must be an integer from 1"),
     (["--pipeline", "text2image", "--config", "x.toml", "x"], "give --config or --pipeline, not both"),
