@@ -104,7 +104,14 @@ class Thinker(SlotModel):
             text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
         if not isinstance(text, str) or not text:
             raise ValueError("thinker payload must be a non-empty string or {'text': str}")
-        ids = list(text.encode()[-self.max_prompt:])
+        self._start(req, list(text.encode()[-self.max_prompt:]), max_new)
+
+    def _start(self, req: ReqState, ids: list[int], max_new: int) -> None:
+        """Set up a request for its prompt token ``ids``: limits, stop conditions, its sampler.
+
+        The decode role of a split thinker (:mod:`stages.pd`) calls it when the
+        prompt's KV cache arrives, with the prompt the prefill role encoded.
+        """
         sp = with_defaults(THINKER_PARAMS, req.sampling, temperature=self.temperature,
                            max_tokens=self.max_new, min_tokens=self.min_new)
         req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0, "last": None,
@@ -158,9 +165,7 @@ class Thinker(SlotModel):
         for i, r in enumerate(reqs):
             m = r.model
             if m["pos"] is None:  # prefill the prompt, then sample the first token from it
-                ids = torch.tensor(m["prompt"], device=self.device)
-                hidden[i] = self.dec.prefill(self.emb(ids), self._slot(r))
-                m["pos"] = len(m["prompt"])
+                hidden[i] = self._prefill(r)
             else:
                 dec_idx.append(i)
         if dec_idx:
@@ -186,6 +191,18 @@ class Thinker(SlotModel):
             s.observe(toks.new_tensor([tok]))
             results.append(self._emit(m, tok))
         return results
+
+    def _prefill(self, req: ReqState) -> torch.Tensor:
+        """Fill the request's cache slot with its prompt and set its position; the last hidden state.
+
+        The decode role of a split thinker (:mod:`stages.pd`) takes both from
+        the prefill role's KV cache instead.
+        """
+        m = req.model
+        ids = torch.tensor(m["prompt"], device=self.device)
+        hidden = self.dec.prefill(self.emb(ids), self._slot(req))
+        m["pos"] = len(m["prompt"])
+        return hidden
 
     def _emit(self, m: dict[str, Any], tok: int) -> StepResult:
         """The step's output for one request: its released text and tokens, and whether it ended."""

@@ -6,15 +6,21 @@ whose class declares its own row (a ``stage_spec`` class attribute).  Whatever
 differs between kinds is read from here, and nowhere else:
 
 - config validation: is the kind known, do its ``[stages.model]`` options fit
-  the model's constructor (:func:`check_stage`, before any worker starts);
+  the model's constructor, does it have the stage's role (:func:`check_stage`,
+  before any worker starts);
 - the worker: ``--kind`` and building the model (:func:`build_model`);
 - the orchestrator: ``forward_fn`` and ``prewarm_fn`` (:func:`forward_fn`,
-  :func:`prewarm_fn`), from each row's ``next_input`` and ``prewarm_input``;
+  :func:`prewarm_fn`), from each row's ``next_input`` (with the request's
+  companions where the kind conditions on them) and ``prewarm_input``;
 - ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
   :func:`as_text`, :func:`as_audio`, :func:`text_stage`);
 - per-request sampling parameters: what each kind takes, checked when a request
   is accepted and again in the worker (``sampling``, :func:`stage_params`,
   :func:`check_sampling`; the parameters themselves are in :mod:`stages.sampling_params`).
+
+A kind may also be split into *roles* (:data:`ROLES`): the thinker into a
+``prefill`` and a ``decode`` stage (prefill/decode disaggregation).  A role
+has its own row (model class, output, forward) and takes its kind's options.
 
 This module imports neither torch nor trio: a model class is imported when it
 is built (in the worker) or, for a plug-in, when it is checked.  A built-in
@@ -41,6 +47,14 @@ from typing import Any
 import numpy as np
 
 from stages.base import StageModel
+from stages.forwarding import (
+    codes_input,
+    encoding_input,
+    kv_handoff_input,
+    last_output,
+    placeholder_input,
+    tokens_input,
+)
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
     NO_PARAMS,
@@ -52,20 +66,25 @@ from stages.sampling_params import (
     checker,
 )
 
-__all__ = ["KINDS", "MODALITIES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "last_output", "model_class",
-           "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root", "spec_for",
-           "stage_params", "text_of", "text_stage"]
+__all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "last_output",
+           "model_class", "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root",
+           "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
     "text": "{'text': str, ...} or a str: streamed to the user as text",
     "audio": "{'pcm': float32[samples], 'sample_rate': int}: written to the WAV, sent as audio",
     "codes": "intermediate codes or tokens for the next stage: never shown to the user",
+    "embedding": "conditioning vectors for the next stage (a text encoder's): never shown to the user",
+    "image": "{'png': bytes, 'width': int, 'height': int, ...} when finished, {'progress': {'step': int, "
+             "'steps': int}} before: written as a PNG, progress shown",
     "data": "not declared: shown by its shape (text if it looks like text, audio if like audio)",
 }
 
-ForwardInput = Callable[[Any, list[Any]], Any]
+#: ``next_input(prompt, outputs)``, or ``next_input(prompt, outputs, *, companions)`` for a kind
+#: that conditions on companion requests (see :func:`takes_companions`)
+ForwardInput = Callable[..., Any]
 PrewarmInput = Callable[[int, Any], Any]
 
 _FILLED = ("device", "seed", "slots")  # passed by the worker when the constructor declares them
@@ -75,17 +94,7 @@ _PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 class KindError(ValueError):
-    """A stage kind that cannot be used: unknown, a bad import path, or options that do not fit."""
-
-
-def last_output(prompt: Any, outputs: list[Any]) -> Any:
-    """Default ``next_input``: the next stage gets this stage's last output."""
-    return outputs[-1] if outputs else None
-
-
-def placeholder_input(stage_id: int, prompt: Any) -> Any:
-    """Default ``prewarm_input``: a placeholder, as the real input streams from the previous stage."""
-    return {"prewarm": stage_id, "prompt_chars": len(str(prompt))}
+    """A stage kind that cannot be used: unknown, a bad import path, options that do not fit, no such role."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +103,16 @@ class StageSpec:
 
     ``output``: a key of :data:`MODALITIES`.  ``next_input(prompt, outputs)``:
     normal mode, this stage's outputs for a request (every ``data``, in order)
-    -> the next stage's input.  ``prewarm_input(stage_id, prompt)``: async-chunk
+    -> the next stage's input; declaring a ``companions`` keyword makes the
+    kind condition on companion requests (``{id: [data values]}`` of each, at
+    this stage).  ``prewarm_input(stage_id, prompt)``: async-chunk
     mode, what this stage is submitted when it is stage >= 1 (its real input
     streams in as chunks).  Both run in the orchestrator process, never in a
     worker, and must not raise for well-formed outputs.  ``sampling``: the
     per-request sampling parameters the kind takes (name -> :class:`Param`;
     default: none, so any parameter sent to it is refused).  ``model`` is the
-    ``"module:Class"`` path, imported only when needed; ``kind`` the name.
+    ``"module:Class"`` path, imported only when needed; ``kind`` the name;
+    ``role`` the role of a split kind (:data:`ROLES`), else empty.
     """
 
     output: str = "data"
@@ -109,18 +121,7 @@ class StageSpec:
     sampling: SamplingSchema = field(default_factory=lambda: NO_PARAMS)
     model: str = ""
     kind: str = ""
-
-
-def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
-    """thinker -> next stage: every generated token, in order (None: an empty input segment)."""
-    toks = [np.asarray(o["tokens"]).reshape(-1) for o in outputs if o is not None]
-    return {"tokens": np.concatenate(toks)} if toks else None
-
-
-def codes_input(prompt: Any, outputs: list[Any]) -> Any:
-    """talker -> next stage: every code frame, in order (None: an empty input segment)."""
-    codes = [np.asarray(o["codes"]) for o in outputs if o is not None]
-    return {"codes": np.concatenate(codes, axis=0)} if codes else None
+    role: str = ""
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
@@ -129,6 +130,20 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
     "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker"),
     "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker"),
     "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
+    "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
+    "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
+}.items()}
+
+#: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
+#: prefill stage computes a request's KV cache and hands it, worker to worker, to the decode
+#: replica the pool chose for it; the decode stage generates from it.  A role takes the
+#: options and sampling parameters of its kind (the same model, split).
+ROLES: dict[tuple[str, str], StageSpec] = {(kind, role): replace(spec, kind=kind, role=role)
+                                           for (kind, role), spec in {
+    ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, sampling=THINKER_PARAMS,
+                                      model="stages.pd:PrefillThinker"),
+    ("thinker", "decode"): StageSpec("text", tokens_input, sampling=THINKER_PARAMS,
+                                     model="stages.pd:DecodeThinker"),
 }.items()}
 
 
@@ -150,10 +165,25 @@ def check_kind_name(kind: str) -> str:
     return kind
 
 
-def spec_for(kind: str) -> StageSpec:
-    """The row of ``kind``; a plug-in's module is imported and its class checked (KindError)."""
+def spec_for(kind: str, role: str = "") -> StageSpec:
+    """The row of ``kind`` (in ``role``); a plug-in's module is imported and its class checked (KindError)."""
     check_kind_name(kind)
+    if role:
+        spec = ROLES.get((kind, role))
+        if spec is None:
+            roles = sorted(r for k, r in ROLES if k == kind)
+            raise KindError(f"kind {kind!r} has no role {role!r}"
+                            + (f" (its roles: {', '.join(roles)})" if roles else " (it cannot be split)"))
+        return spec
     return KINDS[kind] if kind in KINDS else _plugin_spec(kind)
+
+
+def takes_companions(spec: StageSpec) -> bool:
+    """Does this kind's ``next_input`` condition on companion requests (a ``companions`` keyword)?"""
+    try:
+        return "companions" in inspect.signature(spec.next_input).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 @cache
@@ -312,22 +342,22 @@ def check_options(spec: StageSpec, options: Any) -> None:
         raise KindError(f"model options must be numbers, strings, booleans, lists or tables: {exc}") from None
 
 
-def check_stage(kind: str, options: Any) -> StageSpec:
-    """Everything that can be checked before a worker starts: the kind, then its options."""
-    spec = spec_for(kind)
-    check_options(spec, options)
+def check_stage(kind: str, options: Any, role: str = "") -> StageSpec:
+    """Everything that can be checked before a worker starts: the kind and role, then its options."""
+    spec = spec_for(kind, role)
+    check_options(spec_for(kind) if role else spec, options)  # a role takes its kind's options
     return spec
 
 
 def build_model(kind: str, options: dict[str, Any], *, device: str = "cpu", seed: int = 0,
-                slots: int = 32) -> StageModel:
-    """Build the model of ``kind`` (imports it: torch for the torch kinds).
+                slots: int = 32, role: str = "") -> StageModel:
+    """Build the model of ``kind`` in ``role`` (imports it: torch for the torch kinds).
 
     ``device``, ``seed`` and ``slots`` are passed when the constructor declares them
-    (``slots`` may also come from the options).  Raises KindError for a bad kind or
-    options, and whatever the constructor raises for bad values.
+    (``slots`` may also come from the options).  Raises KindError for a bad kind,
+    role or options, and whatever the constructor raises for bad values.
     """
-    spec = check_stage(kind, options)
+    spec = check_stage(kind, options, role)
     cls = model_class(spec.model)
     params = _signature_params(cls)
     kwargs = dict(options)
@@ -338,19 +368,37 @@ def build_model(kind: str, options: dict[str, Any], *, device: str = "cpu", seed
 
 
 # ---------------------------------------------------------------------------- the orchestrator's view
-def forward_fn(kinds: Sequence[str]) -> Callable[[int, Any, list[Any]], Any]:
-    """The pipeline's ``forward_fn``: stage k's outputs -> stage k+1's input, by stage k's kind."""
-    specs = [spec_for(k) for k in kinds]
+def _specs(kinds: Iterable[str], roles: Sequence[str] | None) -> list[StageSpec]:
+    kinds = list(kinds)
+    roles = list(roles) if roles is not None else [""] * len(kinds)
+    return [spec_for(k, r) for k, r in zip(kinds, roles, strict=True)]
 
-    def forward(k: int, prompt: Any, outputs: list[Any]) -> Any:
-        return specs[k].next_input(prompt, outputs)
+
+def forward_fn(kinds: Iterable[str], roles: Sequence[str] | None = None) -> Callable[..., Any]:
+    """The pipeline's ``forward_fn``: stage k's outputs -> stage k+1's input, by stage k's kind.
+
+    ``forward(k, prompt, outputs, companions=None)``: a request's companions go
+    to a kind that conditions on them (:func:`takes_companions`); for any other
+    kind they are an error (that request ends ``forward_failed``).
+    """
+    specs = _specs(kinds, roles)
+    conditioned = [takes_companions(s) for s in specs]
+
+    def forward(k: int, prompt: Any, outputs: list[Any],
+                companions: Mapping[str, list[Any]] | None = None) -> Any:
+        if companions is None:
+            return specs[k].next_input(prompt, outputs)
+        if not conditioned[k]:
+            raise ValueError(f"stage {k} ({specs[k].kind}) takes no companions: its next_input "
+                             "does not condition on them")
+        return specs[k].next_input(prompt, outputs, companions=companions)
 
     return forward
 
 
-def prewarm_fn(kinds: Sequence[str]) -> Callable[[int, Any], Any]:
+def prewarm_fn(kinds: Iterable[str], roles: Sequence[str] | None = None) -> Callable[[int, Any], Any]:
     """The pipeline's ``prewarm_fn``: the async-chunk placeholder input of stage k, by its kind."""
-    specs = [spec_for(k) for k in kinds]
+    specs = _specs(kinds, roles)
 
     def prewarm(k: int, prompt: Any) -> Any:
         return specs[k].prewarm_input(k, prompt)
@@ -368,9 +416,9 @@ def check_sampling(kinds: Iterable[str]) -> Callable[[int, Any], dict[str, Any]]
     return checker(stage_params(kinds))
 
 
-def outputs_of(kinds: Iterable[str]) -> list[str]:
+def outputs_of(kinds: Iterable[str], roles: Sequence[str] | None = None) -> list[str]:
     """The output modality of each stage."""
-    return [spec_for(k).output for k in kinds]
+    return [s.output for s in _specs(kinds, roles)]
 
 
 def text_stage(final_stage_ids: Iterable[int], outputs: Sequence[str] | None) -> int | None:
@@ -410,3 +458,10 @@ def as_text(output: str, data: Any) -> str | None:
 def as_audio(output: str, data: Any) -> tuple[np.ndarray, int] | None:
     """The audio to play for ``data`` from a stage whose modality is ``output`` (None: not audio)."""
     return pcm_of(data) if output in ("audio", "data") else None
+
+
+def image_of(data: Any) -> bytes | None:
+    """The PNG bytes of an output shaped like a finished image."""
+    if isinstance(data, dict) and isinstance(data.get("png"), bytes | bytearray | memoryview):
+        return bytes(data["png"])
+    return None

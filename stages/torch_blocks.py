@@ -64,16 +64,24 @@ class TinyDecoder(nn.Module):
 
     def prefill(self, x: torch.Tensor, slot: int) -> torch.Tensor:
         """Fill one slot with a whole prompt ``x`` [T, d]; return the last hidden state [d]."""
+        return self.ln_f(self._causal(x, slot)[-1])
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Every hidden state [T, d] of a whole sequence ``x`` [T, d], the cache untouched (an encoder)."""
+        return self.ln_f(self._causal(x, None))
+
+    def _causal(self, x: torch.Tensor, slot: int | None) -> torch.Tensor:
         T = x.shape[0]
         x = x + self.pos(torch.arange(T, device=x.device))
         for i in range(len(self.qkv)):
             q, k, v = self.qkv[i](self.ln1[i](x)).view(T, 3, self.h, self.dh).permute(1, 2, 0, 3)
-            self.k_cache[i, slot, :, :T] = k
-            self.v_cache[i, slot, :, :T] = v
+            if slot is not None:
+                self.k_cache[i, slot, :, :T] = k
+                self.v_cache[i, slot, :, :T] = v
             a = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True)[0]
             x = x + self.proj[i](a.permute(1, 0, 2).reshape(T, -1))
             x = x + self.mlp[i](self.ln2[i](x))
-        return self.ln_f(x[-1])
+        return x
 
     def extend(self, x: torch.Tensor, slot: int, start: int) -> None:
         """Append ``x`` [T, d] to one slot's cache at positions ``start .. start+T-1``.

@@ -123,12 +123,14 @@ class Worker:
         if self.inbox is not None:
             for chunk in self.inbox.drain():
                 self.stats["chunks_in"] += 1
+                if self.args.crash_on_chunk:
+                    os._exit(17)  # like kill -9 while the upstream's data arrives
                 req = self.find(chunk.request_id)
                 if req is None:
                     self.inbox.hold(chunk)
                 elif not self.segments.resumable(req.request_id) or self.segments.route_chunk(
                         req, chunk.data, chunk.end, chunk.segment):
-                    self.model.feed(req, chunk.data, chunk.end)
+                    self.feed(req, chunk.data, chunk.end)
 
     def find(self, rid: str) -> ReqState | None:
         """The active or waiting request ``rid`` (None: not on this worker)."""
@@ -136,6 +138,18 @@ class Worker:
         if req is None:
             req = next((r for r in self.waiting if r.request_id == rid), None)
         return req
+
+    def feed(self, req: ReqState, data: Any, end: bool) -> bool:
+        """Hand a chunk to the model; a chunk it refuses fails that request alone (False)."""
+        try:
+            self.model.feed(req, data, end)
+            return True
+        except Exception as exc:
+            self.stats["errors"] += 1
+            self.send(RequestError(req.request_id, f"stage {self.args.stage_id} refused an upstream "
+                                                   f"chunk: {type(exc).__name__}: {exc}"))
+            self.retire(req.request_id)
+            return False
 
     def handle(self, msg: Any) -> None:
         if type(msg) is Submit:
@@ -179,8 +193,9 @@ class Worker:
             self.segments.open(req)
         if self.inbox is not None:
             for data, end, segment in self.inbox.claim(rid):  # chunks that came before the submit
-                if not msg.resumable or self.segments.route_chunk(req, data, end, segment):
-                    self.model.feed(req, data, end)
+                if (not msg.resumable or self.segments.route_chunk(req, data, end, segment)) \
+                        and not self.feed(req, data, end):
+                    return
         self.t_arrived[rid] = time.perf_counter()
         self.waiting.append(req)
 
@@ -434,6 +449,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", default="echo", type=_kind_arg, metavar="KIND",
                    help=f"model kind: {', '.join(KINDS)} (default echo), or a plug-in model "
                         "class as 'package.module:Class' (see stages/registry.py)")
+    p.add_argument("--role", default="", choices=["", "prefill", "decode"],
+                   help="run one role of a kind split over two stages (prefill/decode "
+                        "disaggregation): prefill sends each request's KV cache to its --downstream "
+                        "decode replica, decode takes them in its --inbox")
     p.add_argument("--model-json", default="{}",
                    help="model options as a JSON object: the model constructor's keyword arguments")
     p.add_argument("--python-path", action="append", default=[], metavar="DIR",
@@ -470,6 +489,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after step N, exit at once (code 17) without the Dying sentinel, like kill -9")
     f.add_argument("--die-after-steps", type=int, default=0, metavar="N",
                    help="after step N, fail with a fatal error (sends Dying, exits 1)")
+    f.add_argument("--crash-on-chunk", action="store_true",
+                   help="exit at once (code 17, like kill -9) when the first upstream chunk arrives "
+                        "(a replica dying mid-transfer)")
     f.add_argument("--hang-after-steps", type=int, default=0, metavar="N",
                    help="after step N, stop responding (no heartbeats) until killed")
     f.add_argument("--fail-requests-containing", default=None, metavar="STR",
@@ -528,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"available to torch {torch.__version__} on this machine; use --device cpu",
                       file=sys.stderr, flush=True)
                 return 3
-        model = build_model(args.kind, options, device=args.device, seed=args.seed, slots=args.max_batch)
+        model = build_model(args.kind, options, device=args.device, seed=args.seed, slots=args.max_batch,
+                            role=args.role)
         model.warmup()
         worker = Worker(args, model, ctx)
         worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, model.info()))

@@ -18,6 +18,7 @@ from bench.compare.scenarios.shutdown import judge_no_hang_no_leak
 from bench.refs.omni import OmniEventDriven
 from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.cli import main
+from trio_orch.core.companions import CompanionRules
 
 
 def trio_run(n: int) -> dict:
@@ -26,7 +27,7 @@ def trio_run(n: int) -> dict:
     return out.metrics
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 12, 14, 15])
 def test_trio_shutdown_and_faults_leave_nothing(n: int) -> None:
     """No hang, no task left, every request exactly one terminal and nothing after it."""
     m = trio_run(n)
@@ -223,3 +224,24 @@ def test_the_terminal_table_fits_the_terminal_and_cuts_no_cell() -> None:
         flat = " ".join(" ".join(table.split()).split(" | "))
         for word in long.split():
             assert word in flat  # wrapped, never cut
+
+
+def test_trio_a_companion_outliving_its_parent_reaches_nobody() -> None:
+    m = trio_run(14)
+    assert m["terminal_kind"] == "aborted" and m["duplicate_terminals"] == 0 and m["after_terminal"] == 0
+    assert m["companion_aborted"] and m["late_output_counted"]
+    assert m["forwards"] == 0 and m["companion_messages"] == 0
+
+
+def test_trio_the_forward_waits_for_the_companion_in_every_order() -> None:
+    m = trio_run(15)
+    assert m["orders"] == {o: {"forwards": 1, "early": 0, "with_companion": 1}
+                           for o in ("parent-first", "companion-first", "one-batch", "one-batch-reversed")}
+    assert m["without_terminal"] == 0 and m["hung"] is False
+
+
+def test_forwarding_before_the_companions_is_judged_degraded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The seed's way (forward as soon as the parent finished) turns the cell: the verdict is measured."""
+    monkeypatch.setattr(CompanionRules, "companions_ready", lambda self, req: True)
+    out = run_scenario(by_number(15), "trio")
+    assert out.verdict == "degraded" and out.metrics["early_forwards"] >= 1

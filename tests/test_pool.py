@@ -107,19 +107,60 @@ async def test_downstream_reservation_routes_chunks_and_the_prewarm_submit() -> 
     assert d1.submits == [("r1", {"prewarm": 1}, -1)] and d0.submits[-1][0] == "busy"
 
 
-async def test_submit_fails_when_the_reserved_replica_died() -> None:
+async def test_a_submit_whose_reserved_replica_died_gets_replica_died() -> None:
     up, down = ReplicaPool(0), ReplicaPool(1)
     up.downstream = down
     FakeReplica(up)
-    d0, _ = FakeReplica(down), FakeReplica(down)
+    d0, d1 = FakeReplica(down), FakeReplica(down)
     await up.submit("r1", "prompt")
     assert down.replica_of("r1") == 0
     d0.die()
     with trio.move_on_after(0.05):  # the death is processed (no request was bound: no output)
         await down.receive()
     assert down.live_replicas() == [1]
-    with pytest.raises(StageUnavailable, match="reserved"):
-        await down.submit("r1", {"prewarm": 1})  # its chunks went to the dead replica
+    await down.submit("r1", {"prewarm": 1})  # its chunks went to the dead replica: not to d1
+    [o] = await down.receive()
+    assert (o.request_id, o.error_kind, o.finished) == ("r1", "replica_died", True) and "reserved" in o.error
+    assert d1.submits == [] and down.in_flight() == [0, 0]
+
+
+async def test_a_companion_runs_on_its_parents_replica() -> None:
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    await pool.submit("other", None)  # a is busier: b gets the parent
+    await pool.submit("r1", "a cat")
+    await pool.submit("r1:neg", "blurry", companion_of="r1")
+    assert [s[0] for s in b.submits] == ["r1", "r1:neg"] and [s[0] for s in a.submits] == ["other"]
+    b.emit("r2", None)  # noise: never given, dropped as stray
+    b.emit("r1", "e", finished=True)
+    await pool.receive()
+    await pool.submit("r1:neg2", "ugly", companion_of="r1")  # the parent already finished there
+    assert b.submits[-1][0] == "r1:neg2"
+    with pytest.raises(ValueError, match="never submitted"):
+        await pool.submit("x:neg", "n", companion_of="x")
+    b.die()
+    await pool.receive()
+    await pool.submit("r1:neg3", "late", companion_of="r1")  # its parent's replica is gone
+    [o] = await pool.receive()
+    assert o.request_id == "r1:neg3" and o.error_kind == "replica_died" and a.submits[-1][0] == "other"
+
+
+async def test_a_handoff_reservation_outlives_the_upstream_finish_but_not_its_failure() -> None:
+    up, down = ReplicaPool(0), ReplicaPool(1)
+    up.downstream = down
+    u = FakeReplica(up)
+    d0, d1 = FakeReplica(down), FakeReplica(down)
+    await down.submit("busy", None)
+    await up.submit("r1", "prompt")
+    await up.submit("r2", "prompt")
+    assert [s[2] for s in u.submits] == [1, 0]  # each prefill knows its decode replica
+    u.emit("r1", {"prefilled": 6}, finished=True)
+    up.sink(u, [StageOutput("r2", None, True, error="out of memory")])  # type: ignore[arg-type]
+    await up.receive()
+    assert down.replica_of("r1") == 1 and down.replica_of("r2") is None
+    assert d0.aborts == ["r2"] and d1.aborts == []  # r2's KV will never be used: dropped there
+    await down.submit("r1", {"kv": "handed off"})  # the forward, after the prefill finished
+    assert d1.submits == [("r1", {"kv": "handed off"}, -1)]
 
 
 async def test_a_request_that_stops_upstream_frees_its_downstream_reservation() -> None:

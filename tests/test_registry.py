@@ -23,12 +23,15 @@ from trio_orch.toy_pipeline import toy_pipeline
 
 
 def test_every_built_in_kind_names_an_importable_path_and_a_known_modality() -> None:
-    assert list(KINDS) == ["echo", "thinker", "talker", "code2wav"]
+    assert list(KINDS) == ["echo", "thinker", "talker", "code2wav", "encoder", "diffusion"]
     for kind, spec in KINDS.items():
         assert spec.kind == kind and spec.output in registry.MODALITIES
         module, _, cls = spec.model.partition(":")
         assert module.startswith("stages.") and cls
-    assert registry.outputs_of(KINDS) == ["data", "text", "codes", "audio"]
+    assert registry.outputs_of(KINDS) == ["data", "text", "codes", "audio", "embedding", "image"]
+    for (kind, role), spec in registry.ROLES.items():
+        assert (spec.kind, spec.role) == (kind, role) and kind in KINDS and spec.output in registry.MODALITIES
+    assert registry.outputs_of(["thinker", "thinker"], ["prefill", "decode"]) == ["codes", "text"]
 
 
 def test_forward_fn_joins_a_stage_s_outputs_by_its_kind() -> None:
@@ -154,3 +157,14 @@ def test_server_routes_and_shows_outputs_by_the_declared_modalities() -> None:
         message = r.json()["choices"][0]["message"]
         assert r.status_code == 200 and message["content"] == ""  # stage 0's text is not shown
         assert len(message["audio"]["data"]) > 0
+
+
+def test_companions_reach_only_a_kind_whose_forward_conditions_on_them() -> None:
+    assert registry.takes_companions(KINDS["encoder"]) and not registry.takes_companions(KINDS["thinker"])
+    fwd = registry.forward_fn(["encoder", "diffusion"])
+    enc = [{"embedding": np.ones((2, 4), np.float32)}]
+    neg = {"r:neg": [{"embedding": np.zeros((1, 4), np.float32)}]}
+    assert fwd(0, {"text": "a cat", "steps": 3}, enc, companions=neg)["companion"] == "r:neg"
+    assert "uncond" not in fwd(0, "a cat", enc)  # no companions: the prompt alone
+    with pytest.raises(ValueError, match=r"stage 0 \(thinker\) takes no companions"):
+        registry.forward_fn(["thinker", "talker"])(0, "p", [{"tokens": np.array([1])}], companions=neg)

@@ -96,3 +96,14 @@ def test_companion_ids_share_the_namespace_while_queued_and_are_freed_by_withdra
     r.accept("c1", "p")
     with pytest.raises(ValueError, match="normal mode"):
         Router(2, {1}, async_chunk=True).accept("r", "p", companions={"c": "n"})
+
+
+def test_a_companion_whose_submit_failed_ends_its_parent_naming_it() -> None:
+    r = Router(2, {1}, forward_fn=cfg_forward)
+    r.add("r1", "p", companions={"c1": "n", "c2": "m"})
+    acts = r.submit_failed(0, "c2", "submit to stage 0 failed: the parent's replica is gone")
+    [err] = emitted(acts)
+    assert err.request_id == "r1" and err.kind == "stage_unavailable" and "companion 'c2'" in err.message
+    assert [a for a in acts if isinstance(a, Abort)] == [Abort(0, ["r1"]), Abort(0, ["c1"])]
+    assert not r.requests and not r.companion_of
+    assert r.submit_failed(0, "c1", "late") == []  # the parent already ended

@@ -91,7 +91,7 @@ class Admitter:
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
                                                timeout=s.timeout, sampling=s.sampling, resumable=s.resumable,
-                                               wait_start=False)
+                                               companions=s.companions, wait_start=False)
                     except Exception as exc:
                         self.refused(s, exc)
                         continue
@@ -124,7 +124,8 @@ class Admitter:
             if self.waiting == 0:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
-                                            timeout=s.timeout, sampling=s.sampling, resumable=s.resumable)
+                                            timeout=s.timeout, sampling=s.sampling, resumable=s.resumable,
+                                            companions=s.companions)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:

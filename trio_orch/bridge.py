@@ -36,7 +36,7 @@ import os
 import queue
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from time import monotonic, perf_counter
 from typing import Any
@@ -627,18 +627,20 @@ class Engine:
     # ------------------------------------------------------------------ asyncio API
     async def generate(self, prompt: Any, *, request_id: str | None = None,
                        final_stage_id: int | None = None, request_timeout: float | None = None,
-                       sampling: Any = None, resumable: bool = False) -> AsyncIterator[Message]:
+                       sampling: Any = None, resumable: bool = False,
+                       companions: Mapping[str, Any] | None = None) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: the request's messages, terminal last.
 
         Never blocks the event loop.  Cancellation of the consuming task, or
         closing the generator before the terminal, aborts the request.
         ``sampling`` as for :meth:`add_request` (bad parameters: ValueError).
+        ``companions``: ``{id: stage-0 prompt}``, as for ``Orchestrator.add_request``.
         The request is registered when the iteration starts; to send a
         resumable request's updates right away, use :meth:`add_request_async`.
         """
         loop = asyncio.get_running_loop()
         s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop, sampling=sampling)
+                       loop=loop, sampling=sampling, companions=dict(companions) if companions else None)
         assert isinstance(s, AsyncioStream)
         observe = self._demux.latency.observe
         ended = False

@@ -9,7 +9,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     seed = 0
 
     [[stages]]
-    kind = "thinker"          # echo | thinker | talker | code2wav, or "package.module:Class"
+    kind = "thinker"          # a built-in kind (stages.registry.KINDS), or "package.module:Class"
     replicas = 1
     max_batch = 32            # most requests in one batched step of a worker
     max_inflight = 32         # admission bound per replica (0: none; default max_batch when serving)
@@ -20,7 +20,16 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     kind = "talker"
     ...
 
-:func:`default_config` is the thinker -> talker -> code2wav pipeline;
+A kind that can be split runs over two stages with ``role = "prefill"`` and
+``role = "decode"`` (prefill/decode disaggregation: the thinker's KV cache
+goes from the prefill replica to the decode replica chosen for the request);
+the two stages are adjacent, have the same kind and model options, and may
+have different replica counts.
+
+:data:`PIPELINES` are the built-in pipelines by name (``--pipeline``):
+``speech`` (:func:`default_config`, thinker -> talker -> code2wav),
+``speech-pd`` (the same with the thinker split into prefill and decode) and
+``text2image`` (:func:`text2image_config`, encoder -> diffusion);
 :func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
 Kinds are the rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate`
 checks each stage's kind and model options there, so a typo is a ``ValueError``
@@ -35,10 +44,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from stages.registry import KindError, check_stage
+from stages.registry import KindError, check_stage, outputs_of
 
-__all__ = ["PipelineConfig", "StageConfig", "default_config", "echo_config",
-           "from_dict", "load_config"]
+__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
+           "from_dict", "load_config", "pd_config", "text2image_config"]
 
 @dataclass
 class StageConfig:
@@ -49,7 +58,8 @@ class StageConfig:
     replica index to flags for that replica only.  ``max_inflight`` bounds,
     per live replica, the admitted requests that still have to pass this
     stage (0: no bound; None: ``max_batch`` when serving, none otherwise):
-    more would only queue inside the worker.
+    more would only queue inside the worker.  ``role``: ``"prefill"`` or
+    ``"decode"`` for the two stages of a split kind, else empty.
     """
 
     kind: str
@@ -61,10 +71,11 @@ class StageConfig:
     worker_args: list[str] = field(default_factory=list)
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
+    role: str = ""
 
     @property
     def label(self) -> str:
-        return self.name or self.kind
+        return self.name or (f"{self.kind} {self.role}" if self.role else self.kind)
 
 
 @dataclass
@@ -93,7 +104,7 @@ class PipelineConfig:
         n = len(self.stages)
         for k, st in enumerate(self.stages):
             try:
-                check_stage(st.kind, st.model)
+                check_stage(st.kind, st.model, st.role)
             except KindError as exc:
                 raise ValueError(f"pipeline config: stage {k}: {exc}") from None
             if st.replicas < 1:
@@ -111,6 +122,7 @@ class PipelineConfig:
             raise ValueError(f"pipeline config: final_stages {bad} out of range for {n} stages")
         if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
+        self._check_roles()
         return self
 
     def admission_bounds(self, *, serving: bool) -> list[int | None]:
@@ -128,6 +140,45 @@ class PipelineConfig:
             else:
                 out.append(n or None)
         return out
+
+    def _check_roles(self) -> None:
+        """A prefill stage is followed by its decode stage: same kind, same options; never a final stage."""
+        st = self.stages
+        for k, s in enumerate(st):
+            nxt = st[k + 1] if k + 1 < len(st) else None
+            if s.role == "prefill":
+                if nxt is None or nxt.role != "decode":
+                    raise ValueError(f"pipeline config: stage {k} has role 'prefill': stage {k + 1} must "
+                                     "have role 'decode' (it continues from the prefill's KV cache)")
+                if (nxt.kind, nxt.model) != (s.kind, s.model):
+                    raise ValueError(f"pipeline config: stages {k} (prefill) and {k + 1} (decode) must have "
+                                     "the same kind and model options: they are one model, split")
+                if k in self.final_stage_ids:
+                    raise ValueError(f"pipeline config: stage {k} (prefill) gives no output to show: "
+                                     f"make its decode stage {k + 1} final instead")
+            elif s.role == "decode" and (k == 0 or st[k - 1].role != "prefill"):
+                raise ValueError(f"pipeline config: stage {k} has role 'decode': the stage before it must "
+                                 "have role 'prefill'")
+
+    def kinds(self) -> list[str]:
+        return [s.kind for s in self.stages]
+
+    def roles(self) -> list[str]:
+        return [s.role for s in self.stages]
+
+    def outputs(self) -> list[str]:
+        """Each stage's output modality (``stages.registry.MODALITIES``)."""
+        return outputs_of(self.kinds(), self.roles())
+
+    def hands_off(self, k: int) -> bool:
+        """Does stage ``k`` send its requests' data straight to stage k+1's replicas?"""
+        if k + 1 >= len(self.stages):
+            return False
+        return self.async_chunk or self.stages[k].role == "prefill"
+
+    def shared_seed(self, k: int) -> bool:
+        """Are stage ``k``'s replicas built from one seed (the two halves of a split model)?"""
+        return bool(self.stages[k].role)
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
                        device: str | None = None) -> PipelineConfig:
@@ -147,6 +198,33 @@ def default_config(**pipeline: Any) -> PipelineConfig:
     """thinker -> talker -> code2wav, final-output stages 0 (text) and 2 (audio)."""
     stages = [StageConfig("thinker"), StageConfig("talker"), StageConfig("code2wav")]
     return PipelineConfig(stages, final_stage_ids=[0, 2], **pipeline).validate()
+
+
+def pd_config(*, decode_replicas: int = 2, **pipeline: Any) -> PipelineConfig:
+    """The speech pipeline with the thinker split: prefill -> decode (x ``decode_replicas``) -> talker
+    -> code2wav; text from stage 1, audio from stage 3."""
+    stages = [StageConfig("thinker", role="prefill"),
+              StageConfig("thinker", role="decode", replicas=decode_replicas),
+              StageConfig("talker"), StageConfig("code2wav")]
+    return PipelineConfig(stages, final_stage_ids=[1, 3], **pipeline).validate()
+
+
+def text2image_config(**pipeline: Any) -> PipelineConfig:
+    """encoder (the thinker as a text encoder) -> diffusion; stage 1's image is the output."""
+    stages = [StageConfig("encoder"), StageConfig("diffusion")]
+    return PipelineConfig(stages, final_stage_ids=[1], **pipeline).validate()
+
+
+#: The built-in pipelines, by the name ``--pipeline`` takes.
+PIPELINES = {"speech": default_config, "speech-pd": pd_config, "text2image": text2image_config}
+
+
+def builtin_config(name: str) -> PipelineConfig:
+    """A built-in pipeline by name (ValueError naming the choices)."""
+    make = PIPELINES.get(name)
+    if make is None:
+        raise ValueError(f"unknown pipeline {name!r} (built-in: {', '.join(PIPELINES)})")
+    return make()
 
 
 def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None, replicas: int = 1,

@@ -56,14 +56,15 @@ class Stream:
     for a stage that did not run it or does not time requests).
     """
 
-    __slots__ = ("detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling", "seen",
-                 "state", "t_open", "timeout", "timings", "want_ack", "want_timings", "withdrawn")
+    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling",
+                 "seen", "state", "t_open", "timeout", "timings", "want_ack", "want_timings", "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
                  timeout: float | None, want_ack: bool = False, sampling: Any = None,
-                 resumable: bool = False, want_timings: bool = False) -> None:
+                 resumable: bool = False, want_timings: bool = False, companions: Any = None) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        self.companions = companions  # {id: stage-0 prompt} of its companion requests (CFG), or None
         self.final_stage_id = final_stage_id
         self.timeout = timeout
         self.sampling = sampling  # per-stage sampling parameters, checked when the request is accepted

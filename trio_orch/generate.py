@@ -1,4 +1,4 @@
-"""``trio-orch generate "text"``: run the speech pipeline once, end to end.
+"""``trio-orch generate "text"``: run a pipeline once, end to end.
 
 Starts the stage workers of the pipeline (default: thinker -> talker ->
 code2wav, one process per replica), sends one request through the Trio
@@ -10,7 +10,10 @@ first audio comes long before the text is finished.  Sampling flags
 as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
 ``--stage-param`` sets any stage's parameter explicitly.  With
 ``--stream-input`` the prompt comes from standard input, one input segment
-per line, into one resumable request (:mod:`trio_orch.generate_stream`).
+per line, into one resumable request (:mod:`trio_orch.generate_stream`).  A
+pipeline whose output is an image (``--pipeline text2image``) draws the
+denoising progress and writes a PNG instead (:mod:`trio_orch.text2image`;
+``--seed`` is then the image's seed).
 
 Everything that can be checked is checked before a worker starts (the
 prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
@@ -32,10 +35,11 @@ from typing import Any
 import numpy as np
 import trio
 
-from stages.registry import as_audio, as_text, outputs_of, stage_params, text_stage
+from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
 from stages.sampling_params import VOICES
+from trio_orch import text2image
 from trio_orch.cli import EXIT_SIGNAL
-from trio_orch.config import PipelineConfig, default_config, load_config
+from trio_orch.config import PIPELINES, PipelineConfig, builtin_config, load_config
 from trio_orch.generate_stream import stream_input
 from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
 from trio_orch.openai_chat import BadRequest, check_max_tokens
@@ -52,9 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Generate text and speech for a prompt with the stage-worker pipeline "
         "(thinker -> talker -> code2wav by default; torch models with seeded dummy weights, "
         "so the text is gibberish but every stage really computes). Streams the text, "
-        "writes a WAV file, prints per-stage timings.")
+        "writes a WAV file, prints per-stage timings. With --pipeline text2image: an image "
+        "(encoder -> diffusion with classifier-free guidance), written as a PNG.")
     parser.add_argument("text", nargs="?", default="Hello", help="the prompt (default: Hello)")
-    parser.add_argument("--out", default="out.wav", help="WAV file to write (default: out.wav)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
+                             "prefill and decode stages), text2image")
+    parser.add_argument("--out", default=None,
+                        help="file to write: the WAV (default out.wav), or the PNG (default out.png)")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
@@ -86,6 +95,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
+    text2image.add_arguments(parser)
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -99,8 +109,24 @@ def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    cfg = load_config(args.config) if args.config else default_config()
-    return cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    if args.config and args.pipeline:
+        raise ValueError("give --config or --pipeline, not both")
+    cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    if _makes_images(cfg):
+        if cfg.async_chunk or args.compare or args.stream_input:
+            raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "
+                             "--compare and --stream-input are for streaming pipelines")
+        if not takes_companions(spec_for(cfg.stages[0].kind, cfg.stages[0].role)):
+            raise ValueError(f"stage 0 ({cfg.stages[0].label}) does not condition on companion requests: "
+                             "classifier-free guidance needs an encoder there")
+    elif args.negative is not None:
+        raise ValueError("--negative is for image pipelines (--pipeline text2image)")
+    return cfg
+
+
+def _makes_images(cfg: PipelineConfig) -> bool:
+    return any(cfg.outputs()[k] == "image" for k in cfg.final_stage_ids)
 
 
 def request_sampling(args: argparse.Namespace, cfg: PipelineConfig) -> dict[int, dict[str, Any]]:
@@ -123,7 +149,7 @@ def request_sampling(args: argparse.Namespace, cfg: PipelineConfig) -> dict[int,
     kinds = [st.kind for st in cfg.stages]
     try:
         return map_sampling(fields, stage_params(kinds), text_stage=text_stage(cfg.final_stage_ids,
-                            outputs_of(kinds)), last_stage=max(cfg.final_stage_ids))
+                            cfg.outputs()), last_stage=max(cfg.final_stage_ids))
     except SamplingError as exc:
         flag = ("--stage-param" if exc.param.startswith("stage_sampling") else "--voice"
                 if exc.param == "audio.voice" else "--" + exc.param.replace("_", "-"))
@@ -149,10 +175,10 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(str(exc).replace("'--max-tokens'", "--max-tokens")) from None
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
-    out = os.path.abspath(args.out)
+    out = os.path.abspath(args.out or "out.wav")  # the default lands in the current directory
     folder = os.path.dirname(out)
     if os.path.isdir(out):
-        raise ValueError(f"--out {args.out} is a directory: name the WAV file to write")
+        raise ValueError(f"--out {args.out} is a directory: name the file to write")
     if not os.path.isdir(folder):
         raise ValueError(f"--out {args.out}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK):
@@ -163,7 +189,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
                     pipe: Pipeline) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
     payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
-    outputs = outputs_of(s.kind for s in cfg.stages)  # how each stage's outputs are shown
+    outputs = cfg.outputs()  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
     rate = 24000
@@ -223,12 +249,13 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
               "stage to stage, so audio starts while the text is still being generated)")
     if pcm:
         audio = np.concatenate(pcm)
+        out = args.out or "out.wav"
         try:
-            write_wav(args.out, audio, rate)
+            write_wav(out, audio, rate)
         except OSError as exc:
-            print(f"error: cannot write {args.out}: {exc}", file=sys.stderr)
+            print(f"error: cannot write {out}: {exc}", file=sys.stderr)
             return 1, None
-        print(f"wrote {args.out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
+        print(f"wrote {out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
               f"{len(audio)} samples")
     return 0, (t_audio - t0) * 1000 if t_audio is not None else None
 
@@ -240,11 +267,16 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
     try:
         async with open_pipeline(cfg, handle_sigterm=False) as pipe:  # _main handles SIGTERM
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            if _makes_images(cfg):
+                async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+                    rc = await text2image.generate_image(orch, args.image, args.out or "out.png")
+                return rc, None
             if args.stream_input:
+                out = args.out or "out.wav"
                 rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
                 if pcm is not None:
-                    write_wav(args.out, pcm, rate)
-                    print(f"wrote {args.out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                    write_wav(out, pcm, rate)
+                    print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
             return await _generate(args, cfg, pipe)
     except WorkerStartupError as exc:
@@ -276,7 +308,10 @@ async def _job(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         cfg = _config(args)
-        args.sampling = request_sampling(args, cfg)  # checked before any worker starts
+        if _makes_images(cfg):
+            args.image, args.sampling = text2image.request_from_args(args), None
+        else:
+            args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -86,9 +86,9 @@ class WorkerHandle:
         return "\n".join(tail) if tail else "(stderr was empty)"
 
 
-def forward_fn_for(kinds: list[str]) -> Callable[[int, Any, list[Any]], Any]:
-    """The normal-mode ``forward_fn`` of a pipeline of these kinds (see :mod:`stages.registry`)."""
-    return registry.forward_fn(kinds)
+def forward_fn_for(kinds: list[str], roles: list[str] | None = None) -> Callable[..., Any]:
+    """The normal-mode ``forward_fn`` of a pipeline of these kinds (and roles; see :mod:`stages.registry`)."""
+    return registry.forward_fn(kinds, roles)
 
 
 def forward_fn(k: int, prompt: Any, outputs: list[Any]) -> Any:
@@ -120,12 +120,11 @@ class Pipeline:
         self.stages = stages
         self.workers = workers
         self.tmpdir = tmpdir
-        kinds = [s.kind for s in config.stages]
-        self.forward_fn = registry.forward_fn(kinds)
-        self.prewarm_fn = registry.prewarm_fn(kinds)
+        self.forward_fn = registry.forward_fn(config.kinds(), config.roles())
+        self.prewarm_fn = registry.prewarm_fn(config.kinds(), config.roles())
         #: each stage's name and sampling parameters (what requests are checked and mapped against)
-        self.stage_params = registry.stage_params(kinds)
-        self.check_sampling = registry.check_sampling(kinds)
+        self.stage_params = registry.stage_params(config.kinds())
+        self.check_sampling = registry.check_sampling(config.kinds())
 
     @property
     def final_stage_ids(self) -> list[int]:
@@ -171,23 +170,33 @@ class Pipeline:
         raise KeyError((stage_id, replica))
 
 
+def _seed(cfg: PipelineConfig, k: int, r: int) -> int:
+    """A replica's seed (its dummy weights and sampling).  The two halves of a split model share
+    their prefill stage's first seed: a decode replica continues KV caches made with those weights."""
+    if cfg.shared_seed(k):
+        first = k - 1 if cfg.stages[k].role == "decode" else k
+        return cfg.seed + 1000 * first
+    return cfg.seed + 1000 * k + r
+
+
 def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str) -> list[str]:
     argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
             "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
-            "--device", cfg.device, "--seed", str(cfg.seed + 1000 * k + r), "--threads", str(st.threads),
+            "--device", cfg.device, "--seed", str(_seed(cfg, k, r)), "--threads", str(st.threads),
             "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval),
             "--cleanup-dir", tmpdir]
+    if st.role:
+        argv += ["--role", st.role]
     root = registry.source_root(st.kind)  # a plug-in: import it from where this process found it
     if root is not None:
         argv += ["--python-path", root]
-    if cfg.async_chunk:
-        if k > 0:
-            argv += ["--inbox", _inbox(tmpdir, k, r)]
-        if k + 1 < len(cfg.stages):
-            for r2 in range(cfg.stages[k + 1].replicas):
-                argv += ["--downstream", _inbox(tmpdir, k + 1, r2)]
-        if k not in cfg.final_stage_ids:
-            argv.append("--control-only")
+    if k > 0 and cfg.hands_off(k - 1):  # data from stage k-1's workers: an inbox
+        argv += ["--inbox", _inbox(tmpdir, k, r)]
+    if cfg.hands_off(k):  # data to stage k+1's workers: one address per replica
+        for r2 in range(cfg.stages[k + 1].replicas):
+            argv += ["--downstream", _inbox(tmpdir, k + 1, r2)]
+    if cfg.async_chunk and k not in cfg.final_stage_ids:
+        argv.append("--control-only")
     return argv + list(st.worker_args) + list(st.replica_args.get(r, []))
 
 
@@ -358,9 +367,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
                     h = WorkerHandle(k, r, st.kind, client, os.path.join(tmpdir, f"s{k}r{r}.stderr"))
                     workers.append(h)
                     plans.append((h, _worker_argv(config, k, r, st, addr, tmpdir)))
-            if config.async_chunk:
-                for k in range(len(pools) - 1):
-                    pools[k].downstream = pools[k + 1]
+            for k in range(len(pools) - 1):
+                if config.hands_off(k):
+                    pools[k].downstream = pools[k + 1]  # async-chunk, or a KV handoff (PD)
             async with trio.open_nursery() as starters:  # start all workers at once
                 for h, argv in plans:
                     starters.start_soon(nursery.start, _run_worker, h, argv, config)

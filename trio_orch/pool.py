@@ -15,12 +15,17 @@ the requests it has but gets no new ones (a replica leaving the pool).
 Async-chunk: a pool may have a ``downstream`` pool (the next stage).  When
 it submits a request it first *reserves* the downstream replica for it, so
 its worker knows where to stream that request's chunks; the downstream
-pool's later (prewarm) submit then uses the reserved replica.
+pool's later (prewarm) submit then uses the reserved replica.  A prefill
+stage hands its KV cache to the decode stage the same way (the reservation
+outlives the prefill's finish; the forward uses it).
 
 Resumable requests: ``update`` sends a request's next input segment to the
 replica it is bound to (where its model state lives).  Such a request stays
 bound while it finishes segments; it is unbound when it finishes the segment
 its final update opened (or fails).
+
+Companions (CFG): ``submit(..., companion_of=parent)`` places the companion
+on its parent's replica.
 """
 
 from __future__ import annotations
@@ -77,6 +82,8 @@ class ReplicaPool:
         self.replicas: list[ZmqStageClient] = []
         self.placements: list[int] = []
         self.downstream: ReplicaPool | None = None
+        #: the downstream stage gets its submit after a request finished here (a prefill stage
+        #: handing its KV cache to a decode stage): the reservation outlives the finish
         self.timings: OrderedDict[str, StageTiming] = OrderedDict()
         self.keep_timings = keep_timings
         self.deaths: list[str] = []
@@ -269,27 +276,34 @@ class ReplicaPool:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
-                     resumable: bool = False) -> None:
-        """Place the request on a replica (its reserved one, else the least loaded) and submit it there.
+                     resumable: bool = False, companion_of: str | None = None) -> None:
+        """Bind ``request_id`` to a replica (its reserved one, else the least loaded) and submit it there.
 
-        ``sampling``: this stage's parameters for the request, passed to the replica as they are.
-        ``resumable``: more input segments follow (:meth:`update`); the request stays bound.
+        ``sampling``: this stage's parameters for the request, passed to the
+        replica as they are.  ``resumable``: more input segments follow
+        (:meth:`update`); the request stays bound.  ``companion_of``: the
+        request is a companion (CFG) of that request and runs on its replica.
+        A request whose replica was chosen before it died (a companion's
+        parent's, or one reserved by the upstream stage, which already sends
+        it data) gets a ``replica_died`` output.
         """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
             raise ValueError(f"{self.name}: request {request_id!r} is already active here")
-        if self._doomed.pop(request_id, 0) is None:
-            raise StageUnavailable(f"{self.name}: the replica reserved for {request_id!r} died")
-        idx = self._reserved.pop(request_id, None)
-        self._reserved_at.pop(request_id, None)
-        if idx is not None:
-            self._load[idx] -= 1
-            if idx not in self.live_replicas():
-                # Upstream already streams this request's chunks to that replica.
-                raise StageUnavailable(f"{self.name}: replica {idx} reserved for {request_id!r} died")
+        if companion_of is not None:
+            idx = self._parent_replica(request_id, companion_of)
+        elif self._doomed.pop(request_id, 0) is None:
+            return self._lost(request_id, f"the replica reserved for {request_id!r} died")
         else:
-            idx = self._place()
+            idx = self._reserved.pop(request_id, None)
+            self._reserved_at.pop(request_id, None)
+            if idx is not None:
+                self._load[idx] -= 1
+            else:
+                idx = self._place()
+        if idx not in self.live_replicas():
+            return self._lost(request_id, f"replica {idx}, chosen for {request_id!r}, died")
         downstream = -1
         if self.downstream is not None:
             downstream = self.downstream.reserve(request_id)
@@ -332,6 +346,24 @@ class ReplicaPool:
         seg[0] += 1
         seg[1] = final
         await self.replicas[idx].update(request_id, payload, final=final)
+
+    def _parent_replica(self, request_id: str, parent: str) -> int:
+        """The replica a companion must run on: its parent's (bound now, or just finished there)."""
+        idx = self._bound.get(parent)
+        if idx is None:
+            ended = self._ended.get(parent)
+            if ended is None:
+                raise ValueError(f"{self.name}: companion {request_id!r} of {parent!r}, "
+                                 "which was never submitted here")
+            idx = ended[0]
+        return idx
+
+    def _lost(self, request_id: str, why: str) -> None:
+        """Answer a submit whose replica is gone with its ``replica_died`` output (not a raise:
+        the request was bound to that replica before it died, as if it had been submitted)."""
+        self._late.append(StageOutput(request_id, None, True, error=f"{self.name}: {why}",
+                                      error_kind="replica_died", t_produced=time.perf_counter()))
+        self._wake()
 
     async def abort(self, request_ids: list[str]) -> None:
         by_replica: dict[int, list[str]] = {}

@@ -29,9 +29,11 @@ from typing import Any
 from stages.registry import outputs_of, text_stage
 from trio_orch.bridge import Engine, EngineStartupError
 from trio_orch.cli import EXIT_SIGNAL
+from trio_orch.config import PIPELINES
 from trio_orch.http_app import create_app
 from trio_orch.http_limits import HTTPLimits
 from trio_orch.metrics import FrontMetrics
+from trio_orch.openai_images import add_image_routes
 from trio_orch.uvicorn_front import (
     ConnectionLimiter,
     DrainingServer,
@@ -61,6 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
+                             "/v1/images/generations); one pipeline per server process")
     parser.add_argument("--in-process", action="store_true",
                         help="serve a toy in-process pipeline instead (no worker processes, no torch)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -142,10 +147,12 @@ class _Pipeline:
             bound = 32 if args.max_inflight is None else args.max_inflight or None
             self.max_inflight: list[int | None] = [bound] * 3
             return
-        from trio_orch.config import default_config, load_config
+        from trio_orch.config import builtin_config, load_config
         from trio_orch.supervisor import RestartPolicy, supervised_pipeline
 
-        cfg = load_config(args.config) if args.config else default_config()
+        if args.config and args.pipeline:
+            raise ValueError("give --config or --pipeline, not both")
+        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
         cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"
@@ -219,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
                      extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
                      outputs=pipeline.outputs, limits=limits, front=front,
                      token_limit=pipeline.token_limit(engine), stage_names=pipeline.names)
+    add_image_routes(app, engine, model_name=args.model_name, outputs=pipeline.outputs)
     level = logging.getLogger().getEffectiveLevel()
     quiet_floods()
     stopping = threading.Event()
@@ -250,7 +258,9 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
                      name="trio-orch-engine-watch").start()
-    print(f"serving on http://{host}:{port}  (POST /v1/chat/completions, WS /v1/realtime, GET /health, "
+    images = pipeline.outputs is not None and "image" in pipeline.outputs
+    route = "/v1/images/generations" if images else "/v1/chat/completions"
+    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
           "GET /metrics; Ctrl-C or SIGTERM drains and stops)", flush=True)
     try:
         server.run(sockets=[sock])

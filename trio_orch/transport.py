@@ -127,10 +127,13 @@ class ZmqStageClient:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
-                     sampling: dict[str, Any] | None = None, resumable: bool = False) -> None:
+                     sampling: dict[str, Any] | None = None, resumable: bool = False,
+                     companion_of: str | None = None) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
 
         ``resumable``: more input segments follow through :meth:`update`.
+        ``companion_of`` is accepted for the stage-client protocol and needs
+        nothing here: one replica is always its companion's parent's.
         """
         self._check_alive()
         self._queue(Submit(request_id, payload, downstream, sampling, resumable))

@@ -115,7 +115,7 @@ class Driver:
 
             num_stages, final_stage_ids = len(workers.stages), workers.final_stage_ids
             async_chunk = workers.async_chunk
-            forward_fn = forward_fn or launcher.forward_fn_for([st.kind for st in workers.stages])
+            forward_fn = forward_fn or launcher.forward_fn_for(workers.kinds(), workers.roles())
             prewarm_fn = prewarm_fn or launcher.prewarm_fn
         self.name = name
         self.workers = workers

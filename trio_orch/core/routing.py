@@ -103,7 +103,20 @@ class RoutingRules(AdmissionRules):
 
     def submit_failed(self, stage_id: int, request_id: str, message: str,
                       kind: str = "stage_unavailable") -> list[Action]:
-        """The shell could not deliver a Submit: terminal for that request."""
+        """The shell could not deliver a Submit: terminal for that request.
+
+        A companion's failed submit ends its parent (whose forward would wait
+        for it forever), with a message naming the companion.
+        """
+        parent_id = self.companion_of.get(request_id)
+        if parent_id is not None:
+            parent = self.requests.get(parent_id)
+            comp = parent.companions.get(request_id) if parent is not None else None
+            if parent is None or comp is None:
+                return NOTHING
+            comp.finished = True  # never reached its stage: nothing to abort there
+            return self.end(parent, OrchError(parent_id, stage_id, kind,
+                                              f"companion {request_id!r}: {message}"))
         req = self.requests.get(request_id)
         if req is None:
             return NOTHING
