@@ -181,6 +181,7 @@ class Orchestrator:
         self._drain_timeout: float | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._room: trio.Event | None = None  # set when the request handler waits for room
+        self._pause_waiter: trio.Event | None = None  # set once a pause asked for is complete
         self._stop_requested = trio.Event()
         self._drained = trio.Event()
         self._stopped = trio.Event()
@@ -328,6 +329,55 @@ class Orchestrator:
             nursery.start_soon(self._rpc_stage, call, k, name=f"trio_orch.rpc[{k}].{method}")
         await call.done.wait()
         return call.results()
+
+    @property
+    def paused(self) -> str | None:
+        """The pause mode in effect (``"wait"``, ``"abort"`` or ``"keep"``), None when not paused."""
+        return self.router.paused
+
+    async def pause(self, mode: str = "wait") -> None:
+        """Start no request from the call on; return once the pause is complete.
+
+        ``"wait"``: requests already started finish; returns once none is left.
+        ``"abort"``: they are aborted now (terminal ``aborted``); returns once
+        each got its terminal.  ``"keep"``: they stay where they are and every
+        stage is asked to stop stepping (RPC ``pause``); returns at once.
+        Meanwhile ``add_request`` accepts and queues but starts nothing (its
+        caller waits: backpressure, not an error) until :meth:`resume`;
+        ``shutdown()`` still gives every request its terminal.  Raises
+        ``ValueError`` for an unknown mode.
+        """
+        if self._state in ("stopping", "stopped"):
+            raise RuntimeError("orchestrator is not running: it cannot pause")
+        actions = self.router.pause(mode)
+        if self._pause_waiter is not None:  # a pause already waiting: it completes on the new terms
+            self._pause_waiter.set()
+            self._pause_waiter = None
+        await self._perform(actions)
+        if mode == "keep":
+            await self._tell_stages("pause")
+        if not self.router.pause_complete():
+            self._pause_waiter = waiter = trio.Event()
+            await waiter.wait()
+
+    async def resume(self) -> None:
+        """Start requests again (after ``pause("keep")`` the stages are asked to step again)."""
+        mode = self.router.paused
+        self.router.resume()
+        if self._pause_waiter is not None:
+            self._pause_waiter.set()
+            self._pause_waiter = None
+        if mode == "keep":
+            await self._tell_stages("resume")
+        self._room_may_have_changed()
+
+    async def _tell_stages(self, method: str) -> None:
+        """Best effort: ``method`` on every stage that takes RPC calls; failures are logged."""
+        if self._nursery is None:
+            return
+        for r in await self.collective_rpc(method):
+            if r.error is not None:
+                log.info("stage %d replica %d did not %s: %s", r.stage_id, r.replica, method, r.error)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; it gets ``OrchError(kind="aborted")``.  Unknown id: no-op.
@@ -605,12 +655,19 @@ class Orchestrator:
         self._sink(msgs)
         self._room_may_have_changed()
         self._check_drained()
+        self._check_paused()
 
     def _deliver_now(self, actions: list[Action]) -> None:
         """Deliver the messages of actions that need no stage I/O (a queued request's terminal)."""
         msgs = [a.message for a in actions if type(a) is Emit]
         if msgs:
             self._deliver(msgs)
+
+    def _check_paused(self) -> None:
+        waiter = self._pause_waiter
+        if waiter is not None and self.router.pause_complete():
+            self._pause_waiter = None
+            waiter.set()
 
     def _check_drained(self) -> None:
         if not self.router.live_count and self._stop_requested.is_set():
