@@ -62,7 +62,9 @@ from trio_orch.wire import (
 
 log = logging.getLogger("stages.worker")
 
-class _Stop(Exception):
+class StopServing(Exception):
+    """Ends the serve loop; ``reason`` goes into the ``Dying`` sentinel."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -83,6 +85,7 @@ class Worker:
         self.sock.sndtimeo = 1000
         if security is not None:
             security.client(self.sock, args.connect)
+        self.configure_control(self.sock)
         self.sock.connect(args.connect)
         self.in_codec = WireCodec(InboundMsg)
         self.out_codec = WireCodec(OutboundMsg)
@@ -106,6 +109,9 @@ class Worker:
         self.t_start = time.monotonic()
         self.parent: int = args.parent_pid
 
+    def configure_control(self, sock: zmq.Socket) -> None:
+        """Hook: socket options of the control link, set before it connects."""
+
     # ------------------------------------------------------------------ sending
     def send(self, msg: Any) -> None:
         """Send to the orchestrator; blocks while its queue is full (backpressure), but
@@ -117,7 +123,7 @@ class Worker:
                 return
             except zmq.Again:  # SNDTIMEO expired: the orchestrator is not reading
                 if os.getppid() != self.parent:
-                    raise _Stop("parent process exited") from None
+                    raise StopServing("parent process exited") from None
 
     # ------------------------------------------------------------------ inbound
     def drain(self) -> None:
@@ -183,7 +189,7 @@ class Worker:
         elif type(msg) is Cordoned:
             self.cordoned = True
         elif type(msg) is Shutdown:
-            raise _Stop(f"shutdown requested: {msg.reason}" if msg.reason else "shutdown requested")
+            raise StopServing(f"shutdown requested: {msg.reason}" if msg.reason else "shutdown requested")
 
     def set_peers(self, msg: Peers) -> None:
         """Membership changed: stream to the next stage's replicas as they are now; allow the
@@ -207,9 +213,9 @@ class Worker:
         if self.leave_deadline is not None:
             held = len(self.active) + len(self.waiting)
             if held == 0 and self.cordoned:
-                raise _Stop("left the pool")
+                raise StopServing("left the pool")
             if now >= self.leave_deadline:
-                raise _Stop(f"left the pool; {held} requests were still held when the grace period ended")
+                raise StopServing(f"left the pool; {held} requests were still held when the grace period ended")
 
     def submit(self, msg: Submit) -> None:
         rid = msg.request_id
@@ -441,7 +447,7 @@ class Worker:
         if a.hang_after_steps and n >= a.hang_after_steps:
             while os.getppid() == self.parent:  # silent: no heartbeats; the launcher must kill us
                 time.sleep(0.2)
-            raise _Stop("parent process exited")
+            raise StopServing("parent process exited")
 
     # ------------------------------------------------------------------ main loop
     def serve(self) -> str:
@@ -465,7 +471,7 @@ class Worker:
                 if a.heartbeat_interval > 0:
                     self.send(Heartbeat(time.perf_counter(), len(self.active) + len(self.waiting)))
                 if os.getppid() != self.parent:
-                    raise _Stop("parent process exited")
+                    raise StopServing("parent process exited")
             self.tick(now)
             if self.inbox is not None and now >= next_purge:
                 next_purge = now + 5.0
@@ -575,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
-        raise _Stop(f"signal {signal.Signals(signum).name}")
+        raise StopServing(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_term)
     # No PR_SET_PDEATHSIG: it fires when the *thread* that forked us exits, and trio's open_process
@@ -619,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(args, model, ctx, security, auth)
         worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, worker.ready_info()))
         reason = worker.serve()
-    except _Stop as stop:
+    except StopServing as stop:
         reason = stop.reason
     except Exception as exc:
         log.exception("fatal error")

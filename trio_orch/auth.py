@@ -257,8 +257,9 @@ class Authenticator:
         self._command(b"watch " + addr.encode())
 
     def _command(self, cmd: bytes) -> None:
-        s = self.ctx.socket(zmq.PAIR)
+        s = self.ctx.socket(zmq.PUSH)  # PUSH/PULL: any number of short-lived senders
         s.linger = 1000
+        s.sndtimeo = 5000
         try:
             s.connect(self._stop_addr)
             s.send(cmd)
@@ -296,7 +297,7 @@ class Authenticator:
             zap = self.ctx.socket(zmq.REP)
             zap.linger = 0
             zap.bind(ZAP_ADDRESS)
-            stop = self.ctx.socket(zmq.PAIR)
+            stop = self.ctx.socket(zmq.PULL)
             stop.linger = 0
             stop.bind(self._stop_addr)
         except zmq.ZMQError as exc:

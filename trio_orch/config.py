@@ -107,8 +107,9 @@ class PipelineConfig:
                 check_stage(st.kind, st.model, st.role)
             except KindError as exc:
                 raise ValueError(f"pipeline config: stage {k}: {exc}") from None
-            if st.replicas < 1:
-                raise ValueError(f"pipeline config: stage {k} needs replicas >= 1, got {st.replicas}")
+            if st.replicas < 0:
+                raise ValueError(f"pipeline config: stage {k} needs replicas >= 0, got {st.replicas} "
+                                 "(0: only replicas that join at runtime serve it)")
             if st.max_batch < 1:
                 raise ValueError(f"pipeline config: stage {k} needs max_batch >= 1, got {st.max_batch}")
             bound = st.max_inflight

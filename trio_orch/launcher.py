@@ -50,7 +50,8 @@ from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied, ZmqStageClient
 from trio_orch.types import StageUnavailable
 
-__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "open_pipeline",
+__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "inbox_address",
+           "open_pipeline",
            "prewarm_fn", "run_worker", "worker_argv"]
 
 log = logging.getLogger("trio_orch.launcher")
@@ -126,6 +127,7 @@ class Pipeline:
         self.authenticator = authenticator
         #: where local inboxes also listen on TCP (distributed mode), else None
         self.inbox_host = inbox_host
+        self.ctx: zmq.Context | None = None  #: the ZMQ context of every socket of this pipeline
         self.stages = stages
         self.workers = workers
         self.tmpdir = tmpdir
@@ -221,6 +223,11 @@ def worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str,
 
 def _inbox(tmpdir: str, k: int, r: int) -> str:
     return f"ipc://{tmpdir}/in-s{k}r{r}"
+
+
+def inbox_address(tmpdir: str, k: int, r: int) -> str:
+    """The ipc async-chunk inbox of local replica ``r`` of stage ``k``."""
+    return _inbox(tmpdir, k, r)
 
 
 async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
@@ -404,7 +411,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
                 for h, argv in plans:
                     starters.start_soon(nursery.start, _run_worker, h, argv, config)
             try:
-                yield Pipeline(config, pools, workers, tmpdir, security, authenticator, inbox_host)
+                pipe = Pipeline(config, pools, workers, tmpdir, security, authenticator, inbox_host)
+                pipe.ctx = ctx
+                yield pipe
             finally:
                 for h in workers:
                     h.stopping = True

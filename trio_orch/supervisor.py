@@ -389,10 +389,10 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
 
 
 @asynccontextmanager
-async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None,
-                              **kwargs: Any) -> AsyncIterator[Pipeline]:
+async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None, *,
+                              inbox_host: str | None = None, **kwargs: Any) -> AsyncIterator[Pipeline]:
     """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
-    async with open_pipeline(config) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
+    async with open_pipeline(config, inbox_host=inbox_host) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
         pipe.supervisor = sup  # type: ignore[attr-defined]
         yield pipe
 

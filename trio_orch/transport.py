@@ -108,6 +108,10 @@ class ZmqStageClient:
         #: called with this client when the worker announces it leaves (stops taking new requests)
         self.on_leaving: Callable[[ZmqStageClient], None] | None = None
         self.leaving = False
+        #: if set, :meth:`aclose` first asks the worker to exit with this reason (a remote replica has
+        #: no launcher that stops it), and lets the message go out for up to ``close_linger_ms``
+        self.farewell: str | None = None
+        self.close_linger_ms = 0
         self.in_codec = WireCodec(OutboundMsg)
         self.out_codec = WireCodec(InboundMsg)
         self.ready: Ready | None = None
@@ -197,6 +201,8 @@ class ZmqStageClient:
         """Close the socket (via the owner if it runs); idempotent."""
         if self.closed:
             return
+        if self.farewell is not None and self.dead_reason is None:
+            self._out_send.send_nowait(self.out_codec.encode(Shutdown(self.farewell)))
         self.closed = True
         if self._owner_running:
             self._poke()
@@ -307,7 +313,7 @@ class ZmqStageClient:
             self._owner_done.set()
 
     def _close_socket(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close(linger=self.close_linger_ms)
         if self.address.startswith("ipc://"):  # libzmq may leave the file behind
             with contextlib.suppress(OSError):
                 os.unlink(self.address[len("ipc://"):])
