@@ -36,8 +36,6 @@ heartbeat_interval = 0.2
 heartbeat_timeout = 1.5
 [[stages]]
 kind = "echo"
-[stages.model]
-outputs = {outputs}
 [[stages]]
 kind = "echo"
 [stages.model]
@@ -58,8 +56,11 @@ def config_file(tmp_path: Path, outputs: int = 3) -> Path:
 
 
 @asynccontextmanager
-async def head(keys: Path, outputs: int = 3, **cfg: Any) -> AsyncIterator[tuple[Pipeline, Registrar, Any]]:
-    config = echo_config(2, outputs=outputs, heartbeat_interval=0.2, heartbeat_timeout=1.5, **cfg)
+async def head(keys: Path, outputs: int = 3, delay_ms: int = 0) -> AsyncIterator[tuple[Pipeline, Registrar, Any]]:
+    """Stage 0 echoes once; stage 1 ``outputs`` times, each step taking ``delay_ms`` (local replica)."""
+    config = echo_config(2, heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    config.stages[1].model = {"outputs": outputs}
+    config.stages[1].worker_args = ["--step-delay-ms", str(delay_ms)]
     async with open_pipeline(config, inbox_host="127.0.0.1") as pipe, \
             open_registrar(pipe, "tcp://127.0.0.1:0", HeadKeys.load(keys)) as reg, \
             open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
@@ -100,11 +101,11 @@ async def run_requests(orch: Any, ids: list[str]) -> dict[str, Any]:
 
 
 async def test_a_remote_replica_joins_and_takes_new_requests(keys: Path, tmp_path: Path) -> None:
-    async with head(keys) as (pipe, reg, orch):
+    async with head(keys, outputs=10, delay_ms=10) as (pipe, reg, orch):
         pool = pipe.stages[1]
         before = await run_requests(orch, [f"a{i}" for i in range(4)])
         assert all(isinstance(m, OrchOutput) for m in before.values())
-        proc = await start_worker(reg, keys, config_file(tmp_path))
+        proc = await start_worker(reg, keys, config_file(tmp_path, 10), "--step-delay-ms", "10")
         try:
             await wait_for(lambda: reg.counters["joined"] == 1)
             assert pool.replica_counts() == (2, 2)
@@ -119,7 +120,7 @@ async def test_a_remote_replica_joins_and_takes_new_requests(keys: Path, tmp_pat
 
 
 async def test_graceful_leave_under_load_loses_no_request(keys: Path, tmp_path: Path) -> None:
-    async with head(keys, outputs=30) as (pipe, reg, orch):
+    async with head(keys, outputs=30, delay_ms=5) as (pipe, reg, orch):
         pool = pipe.stages[1]
         proc = await start_worker(reg, keys, config_file(tmp_path, outputs=30), "--step-delay-ms", "20")
         try:
@@ -149,7 +150,7 @@ async def test_graceful_leave_under_load_loses_no_request(keys: Path, tmp_path: 
 
 
 async def test_kill_9_of_a_remote_worker_fails_exactly_its_requests(keys: Path, tmp_path: Path) -> None:
-    async with head(keys, outputs=200) as (pipe, reg, orch):
+    async with head(keys, outputs=200, delay_ms=50) as (pipe, reg, orch):
         pool = pipe.stages[1]
         proc = await start_worker(reg, keys, config_file(tmp_path, outputs=200), "--step-delay-ms", "50")
         try:
