@@ -97,24 +97,57 @@ def build_parser() -> argparse.ArgumentParser:
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", type=int, required=True, metavar="K", help="the stage this replica serves")
     p.add_argument("--head", required=True, metavar="tcp://HOST:PORT", help="the head's --listen address")
-    p.add_argument("--keys", default=None, metavar="DIR",
-                   help="key directory made by 'trio-orch keys' (head.key and workers/NAME.key_secret)")
-    p.add_argument("--key", default=None, metavar="NAME",
-                   help="which worker key pair in DIR/workers (default: the first one)")
-    p.add_argument("--config", "--model-config", dest="config", default=None, metavar="FILE",
-                   help="pipeline config TOML (the head's): stage K's kind, model options, batch size "
-                        "(default: the built-in speech pipeline)")
+    p.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="key directory made by 'trio-orch keys' (head.key and workers/NAME.key_secret)",
+    )
+    p.add_argument(
+        "--key",
+        default=None,
+        metavar="NAME",
+        help="which worker key pair in DIR/workers (default: the first one)",
+    )
+    p.add_argument(
+        "--config",
+        "--model-config",
+        dest="config",
+        default=None,
+        metavar="FILE",
+        help="pipeline config TOML (the head's): stage K's kind, model options, batch size "
+        "(default: the built-in speech pipeline)",
+    )
     p.add_argument("--device", default=None, help="torch device: cpu or cuda[:N] (default: the config's)")
-    p.add_argument("--advertise", default=None, metavar="HOST",
-                   help="address other hosts reach this worker's inbox at (default: the local address "
-                        "that routes to the head)")
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST",
+        help="address other hosts reach this worker's inbox at (default: the local address "
+        "that routes to the head)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the config's)")
-    p.add_argument("--leave-grace", type=float, default=30.0, metavar="S",
-                   help="on SIGTERM/Ctrl-C, seconds to finish held requests before leaving (default 30)")
-    p.add_argument("--register-timeout", type=float, default=60.0, metavar="S",
-                   help="give up if the head does not answer the registration within S seconds")
-    p.add_argument("--head-timeout", type=float, default=5.0, metavar="S",
-                   help="connection to the head down this long: register again with a new identity")
+    p.add_argument(
+        "--leave-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGTERM/Ctrl-C, seconds to finish held requests before leaving (default 30)",
+    )
+    p.add_argument(
+        "--register-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="give up if the head does not answer the registration within S seconds",
+    )
+    p.add_argument(
+        "--head-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="connection to the head down this long: register again with a new identity",
+    )
     p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)  # tests: a chosen (stale) identity
     p.add_argument("--step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow stage
 
@@ -150,7 +183,7 @@ def load_keypair_public(path: Path) -> bytes:
 
 
 def _advertise(head: str) -> str:
-    host = head[len("tcp://"):].rpartition(":")[0].strip("[]")
+    host = head[len("tcp://") :].rpartition(":")[0].strip("[]")
     s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
     try:
         s.connect((host, 9))
@@ -161,14 +194,18 @@ def _advertise(head: str) -> str:
         s.close()
 
 
-def register(ctx: zmq.Context, security: Security, head: str, reg: mw.Register,
-             timeout: float) -> mw.Accepted | mw.Refused | str:
+def register(
+    ctx: zmq.Context, security: Security, head: str, reg: mw.Register, timeout: float
+) -> mw.Accepted | mw.Refused | str:
     """Send ``reg``; the head's answer, or a string saying why there is none."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     security.client(sock, head)
-    mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+    mon = sock.get_monitor_socket(
+        zmq.EVENT_HANDSHAKE_FAILED_AUTH
+        | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    )
     try:
         sock.connect(head)
         sock.send(mw.encode(reg))
@@ -182,8 +219,10 @@ def register(ctx: zmq.Context, security: Security, head: str, reg: mw.Register,
                 ev = zmq_monitor.recv_monitor_message(mon)
                 if ev["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                     return "the head refused this worker's key (it is not in the head's allow-list)"
-                return ("the security handshake with the head failed: it does not hold the key in the "
-                        "head.key this worker was given, or it is not a trio-orch head")
+                return (
+                    "the security handshake with the head failed: it does not hold the key in the "
+                    "head.key this worker was given, or it is not a trio-orch head"
+                )
             if sock in events:
                 try:
                     msg = mw.decode(sock.recv())
@@ -242,8 +281,11 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 print(f"error: cannot join {args.head}: {answer}", file=sys.stderr, flush=True)
                 return 1
             if type(answer) is mw.Refused:
-                print(f"error: the head refused this worker ({answer.reason}): {answer.message}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"error: the head refused this worker ({answer.reason}): {answer.message}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
             assert type(answer) is mw.Accepted
             log.info("accepted as stage %d replica %d (%s)", args.stage, answer.replica, member_id[:8])
@@ -253,19 +295,36 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                     import torch
 
                     torch.set_num_threads(max(1, args.threads or st.threads))
-                model = build_model(st.kind, st.model, device=device, seed=answer.seed, slots=st.max_batch,
-                                    role=st.role)
+                model = build_model(
+                    st.kind, st.model, device=device, seed=answer.seed, slots=st.max_batch, role=st.role
+                )
                 model.warmup()
                 model_seed = answer.seed
             ns = argparse.Namespace(
-                connect=answer.control, stage_id=args.stage, replica=answer.replica, kind=st.kind,
-                inbox=None, inbox_tcp=f"tcp://{advertise}:0" if answer.inbox else None, downstream=[],
-                control_only=answer.control_only, heartbeat_interval=answer.heartbeat_interval,
-                max_batch=st.max_batch, parent_pid=os.getppid(), step_delay_ms=args.step_delay_ms,
-                fail_requests_containing=None, crash_on_chunk=False, fault_unknown_rid=None,
-                fault_duplicate_finish=None, fault_oversized=None, fault_garbage=None,
-                garbage_after_steps=0, unknown_rid_after_steps=0, crash_after_steps=0, die_after_steps=0,
-                hang_after_steps=0)
+                connect=answer.control,
+                stage_id=args.stage,
+                replica=answer.replica,
+                kind=st.kind,
+                inbox=None,
+                inbox_tcp=f"tcp://{advertise}:0" if answer.inbox else None,
+                downstream=[],
+                control_only=answer.control_only,
+                heartbeat_interval=answer.heartbeat_interval,
+                max_batch=st.max_batch,
+                parent_pid=os.getppid(),
+                step_delay_ms=args.step_delay_ms,
+                fail_requests_containing=None,
+                crash_on_chunk=False,
+                fault_unknown_rid=None,
+                fault_duplicate_finish=None,
+                fault_oversized=None,
+                fault_garbage=None,
+                garbage_after_steps=0,
+                unknown_rid_after_steps=0,
+                crash_after_steps=0,
+                die_after_steps=0,
+                hang_after_steps=0,
+            )
             HeadlessWorker.head_timeout = args.head_timeout
             worker = HeadlessWorker(ns, model, ctx, security, auth)
             worker.set_peers(Peers(answer.downstream, answer.upstream_keys))

@@ -90,8 +90,8 @@ class Worker:
         self.in_codec = WireCodec(InboundMsg)
         self.out_codec = WireCodec(OutboundMsg)
         inbox_tcp = getattr(args, "inbox_tcp", None)
-        self.inbox = (ChunkInbox(ctx, args.inbox, security=security, authenticator=authenticator, tcp=inbox_tcp)
-                      if args.inbox or inbox_tcp else None)
+        self.inbox = (ChunkInbox(ctx, args.inbox, security=security, authenticator=authenticator,
+                                 tcp=inbox_tcp) if args.inbox or inbox_tcp else None)
         self.outbox = ChunkOutbox(ctx, args.downstream, security=security) if args.downstream else None
         #: graceful leave: when the grace period ends (monotonic), once ``begin_leave`` was called
         self.leave_deadline: float | None = None
@@ -215,7 +215,8 @@ class Worker:
             if held == 0 and self.cordoned:
                 raise StopServing("left the pool")
             if now >= self.leave_deadline:
-                raise StopServing(f"left the pool; {held} requests were still held when the grace period ended")
+                raise StopServing(f"left the pool; {held} requests were still held when the grace "
+                                  "period ended")
 
     def submit(self, msg: Submit) -> None:
         rid = msg.request_id

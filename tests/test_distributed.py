@@ -7,7 +7,6 @@ keys made by :func:`trio_orch.auth.generate_keys`.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ from trio_orch.auth import generate_keys
 from trio_orch.config import echo_config
 from trio_orch.launcher import Pipeline, open_pipeline
 from trio_orch.membership import HeadKeys, Registrar, open_registrar
-from trio_orch.wire import Dying, Heartbeat, OutboundMsg, Outputs, OutItem, WireCodec
+from trio_orch.wire import Dying, Heartbeat, OutboundMsg, OutItem, Outputs, WireCodec
 
 pytestmark = pytest.mark.slow
 
@@ -56,22 +55,44 @@ def config_file(tmp_path: Path, outputs: int = 3) -> Path:
 
 
 @asynccontextmanager
-async def head(keys: Path, outputs: int = 3, delay_ms: int = 0) -> AsyncIterator[tuple[Pipeline, Registrar, Any]]:
+async def head(
+    keys: Path, outputs: int = 3, delay_ms: int = 0
+) -> AsyncIterator[tuple[Pipeline, Registrar, Any]]:
     """Stage 0 echoes once; stage 1 ``outputs`` times, each step taking ``delay_ms`` (local replica)."""
     config = echo_config(2, heartbeat_interval=0.2, heartbeat_timeout=1.5)
     config.stages[1].model = {"outputs": outputs}
     config.stages[1].worker_args = ["--step-delay-ms", str(delay_ms)]
-    async with open_pipeline(config, inbox_host="127.0.0.1") as pipe, \
-            open_registrar(pipe, "tcp://127.0.0.1:0", HeadKeys.load(keys)) as reg, \
-            open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+    async with (
+        open_pipeline(config, inbox_host="127.0.0.1") as pipe,
+        open_registrar(pipe, "tcp://127.0.0.1:0", HeadKeys.load(keys)) as reg,
+        open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch,
+    ):
         yield pipe, reg, orch
 
 
-async def start_worker(reg: Registrar, keys: Path, cfg: Path, *extra: str, stage: int = 1,
-                       key: str = "worker-1") -> trio.Process:
-    argv = [sys.executable, "-m", "stages.headless", "--stage", str(stage), "--head", reg.address,
-            "--keys", str(keys), "--key", key, "--config", str(cfg), "--advertise", "127.0.0.1",
-            "--head-timeout", "2", *extra]
+async def start_worker(
+    reg: Registrar, keys: Path, cfg: Path, *extra: str, stage: int = 1, key: str = "worker-1"
+) -> trio.Process:
+    argv = [
+        sys.executable,
+        "-m",
+        "stages.headless",
+        "--stage",
+        str(stage),
+        "--head",
+        reg.address,
+        "--keys",
+        str(keys),
+        "--key",
+        key,
+        "--config",
+        str(cfg),
+        "--advertise",
+        "127.0.0.1",
+        "--head-timeout",
+        "2",
+        *extra,
+    ]
     return await trio.lowlevel.open_process(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -139,8 +160,9 @@ async def test_graceful_leave_under_load_loses_no_request(keys: Path, tmp_path: 
                     msg = await orch.next_output()
                     if msg.finished:
                         ends[msg.request_id] = msg
-            assert all(isinstance(m, OrchOutput) for m in ends.values()), \
-                {r: m for r, m in ends.items() if isinstance(m, OrchError)}
+            assert all(isinstance(m, OrchOutput) for m in ends.values()), {
+                r: m for r, m in ends.items() if isinstance(m, OrchError)
+            }
             with trio.fail_after(30):
                 assert await proc.wait() == 0
             await wait_for(lambda: reg.counters["left"] == 1)
@@ -180,7 +202,7 @@ async def test_a_worker_with_an_unknown_key_is_refused(keys: Path, tmp_path: Pat
     other = tmp_path / "other"
     generate_keys(other, workers=1)
     (other / "head.key").write_text((keys / "head.key").read_text())  # it knows the right head
-    async with head(keys) as (pipe, reg, orch):
+    async with head(keys) as (pipe, reg, _orch):
         proc = await start_worker(reg, other, config_file(tmp_path), "--register-timeout", "20")
         with trio.fail_after(40):
             code = await proc.wait()
@@ -196,8 +218,10 @@ async def test_a_worker_with_an_unknown_key_is_refused(keys: Path, tmp_path: Pat
 async def test_a_worker_refuses_a_head_whose_key_it_was_not_given(keys: Path, tmp_path: Path) -> None:
     other = tmp_path / "other"
     generate_keys(other, workers=1)
-    (other / "workers" / "worker-1.key_secret").write_text((keys / "workers" / "worker-1.key_secret").read_text())
-    async with head(keys) as (pipe, reg, orch):
+    (other / "workers" / "worker-1.key_secret").write_text(
+        (keys / "workers" / "worker-1.key_secret").read_text()
+    )
+    async with head(keys) as (_pipe, reg, _orch):
         proc = await start_worker(reg, other, config_file(tmp_path), "--register-timeout", "20")
         with trio.fail_after(40):
             assert await proc.wait() == 1
@@ -243,8 +267,9 @@ async def test_a_process_without_the_pipeline_secret_cannot_forge_or_steal(keys:
                 s.connect(client.address)
                 for msg in (Outputs([OutItem("x1", "forged", True)]), Heartbeat(0.0, 0), Dying("forged")):
                     s.send_multipart(codec.encode(msg), zmq.NOBLOCK)
-            await wait_for(lambda: reg.auth.refused["handshake:ipc"] >= 1
-                           and reg.auth.refused["plain:pipeline"] >= 1, 10)
+            await wait_for(
+                lambda: reg.auth.refused["handshake:ipc"] >= 1 and reg.auth.refused["plain:pipeline"] >= 1, 10
+            )
             ends = await run_requests(orch, [f"f{i}" for i in range(6)])  # none of them is stolen
             assert all(isinstance(m, OrchOutput) for m in ends.values())
             assert client.alive and client.garbage_frames == 0

@@ -44,8 +44,17 @@ import zmq.auth
 import zmq.utils.monitor as zmq_monitor
 import zmq.utils.z85
 
-__all__ = ["ENV", "Authenticator", "Keypair", "KeysError", "Security", "generate_keys", "load_keypair",
-           "load_public_keys", "worker_key_names"]
+__all__ = [
+    "ENV",
+    "Authenticator",
+    "Keypair",
+    "KeysError",
+    "Security",
+    "generate_keys",
+    "load_keypair",
+    "load_public_keys",
+    "worker_key_names",
+]
 
 log = logging.getLogger("trio_orch.auth")
 
@@ -139,7 +148,9 @@ class Security:
     head this process talks to (a worker's control link).
     """
 
-    def __init__(self, secret: bytes, keypair: Keypair | None = None, *, server_key: bytes | None = None) -> None:
+    def __init__(
+        self, secret: bytes, keypair: Keypair | None = None, *, server_key: bytes | None = None
+    ) -> None:
         self.secret = secret
         self.keypair = keypair
         self.server_key = server_key
@@ -152,8 +163,13 @@ class Security:
     def to_env(self) -> str:
         """The value of :data:`ENV` for a local worker (secret and pipeline key pair)."""
         assert self.keypair is not None
-        return json.dumps({"secret": self.secret.decode(), "public": self.keypair.public.decode(),
-                           "secret_key": self.keypair.secret.decode()})
+        return json.dumps(
+            {
+                "secret": self.secret.decode(),
+                "public": self.keypair.public.decode(),
+                "secret_key": self.keypair.secret.decode(),
+            }
+        )
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Security | None:
@@ -163,8 +179,11 @@ class Security:
             return None
         try:
             d = json.loads(raw)
-            return cls(d["secret"].encode(), Keypair(d["public"].encode(), d["secret_key"].encode()),
-                       server_key=d["public"].encode())
+            return cls(
+                d["secret"].encode(),
+                Keypair(d["public"].encode(), d["secret_key"].encode()),
+                server_key=d["public"].encode(),
+            )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KeysError(f"malformed {ENV}: {exc}") from None
 
@@ -345,9 +364,12 @@ class Authenticator:
             reason = f"handshake:{endpoint.split(':', 1)[0]}"
             n = self.refused[reason] = self.refused[reason] + 1
             if n <= 5 or n % 100 == 0:
-                log.warning("refused a connection on %s: its security handshake failed (%s; %d such so far)",
-                            endpoint, zmq.Event(event["value"]).name if event["value"] in
-                            zmq.Event._value2member_map_ else event["value"], n)
+                log.warning(
+                    "refused a connection on %s: its security handshake failed (code %s; %d such so far)",
+                    endpoint,
+                    event["value"],
+                    n,
+                )
         return False
 
     def _answer(self, msg: list[bytes]) -> list[bytes]:
@@ -375,7 +397,12 @@ class Authenticator:
         reason = f"{mechanism.decode(errors='replace').lower()}:{parts[1] if len(parts) > 1 else 'pipeline'}"
         n = self.refused[reason] = self.refused[reason] + 1
         if n <= 5 or n % 100 == 0:
-            log.warning("refused a %s connection on %s from %s: %s (%d refused so far)",
-                        mechanism.decode(errors="replace"), domain, address.decode(errors="replace") or "?",
-                        why, n)
+            log.warning(
+                "refused a %s connection on %s from %s: %s (%d refused so far)",
+                mechanism.decode(errors="replace"),
+                domain,
+                address.decode(errors="replace") or "?",
+                why,
+                n,
+            )
         return [version, request_id, b"400", why.encode(), b"", b""]

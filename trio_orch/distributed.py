@@ -23,17 +23,33 @@ __all__ = ["HeadOptions", "add_arguments", "head_options", "open_head_pipeline"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("replicas on other hosts (see docs/distributed.md)")
-    g.add_argument("--listen", default=None, metavar="tcp://HOST:PORT",
-                   help="accept stage replicas that join over TCP here (trio-orch worker --head ...); "
-                        "HOST is the address workers reach this host at")
-    g.add_argument("--keys", default=None, metavar="DIR",
-                   help="key directory made by 'trio-orch keys' (needed with --listen): the head's key "
-                        "pair and the allow-list of worker keys")
-    g.add_argument("--worker-backend", choices=["local", "ray"], default="local",
-                   help="local: worker processes on this host (default); ray: every configured replica "
-                        "runs as a Ray actor that joins over TCP")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="the Ray cluster to use (default: RAY_ADDRESS or a running local one)")
+    g.add_argument(
+        "--listen",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="accept stage replicas that join over TCP here (trio-orch worker --head ...); "
+        "HOST is the address workers reach this host at",
+    )
+    g.add_argument(
+        "--keys",
+        default=None,
+        metavar="DIR",
+        help="key directory made by 'trio-orch keys' (needed with --listen): the head's key "
+        "pair and the allow-list of worker keys",
+    )
+    g.add_argument(
+        "--worker-backend",
+        choices=["local", "ray"],
+        default="local",
+        help="local: worker processes on this host (default); ray: every configured replica "
+        "runs as a Ray actor that joins over TCP",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="the Ray cluster to use (default: RAY_ADDRESS or a running local one)",
+    )
 
 
 @dataclass(frozen=True)
@@ -51,8 +67,12 @@ def head_options(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[HeadOpt
     """
     from trio_orch.membership import parse_listen
 
-    opts = HeadOptions(getattr(args, "listen", None), getattr(args, "keys", None),
-                       getattr(args, "worker_backend", "local") or "local", getattr(args, "ray_address", None))
+    opts = HeadOptions(
+        getattr(args, "listen", None),
+        getattr(args, "keys", None),
+        getattr(args, "worker_backend", "local") or "local",
+        getattr(args, "ray_address", None),
+    )
     if opts.backend == "ray" and opts.listen is None:
         opts = replace(opts, listen="tcp://127.0.0.1:0")
     if opts.listen is not None:
@@ -73,9 +93,15 @@ def head_options(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[HeadOpt
 
 
 @asynccontextmanager
-async def open_head_pipeline(cfg: PipelineConfig, opts: HeadOptions, *, full_config: PipelineConfig | None = None,
-                             policy: Any = None, supervised: bool = True,
-                             handle_sigterm: bool = True) -> AsyncIterator[Any]:
+async def open_head_pipeline(
+    cfg: PipelineConfig,
+    opts: HeadOptions,
+    *,
+    full_config: PipelineConfig | None = None,
+    policy: Any = None,
+    supervised: bool = True,
+    handle_sigterm: bool = True,
+) -> AsyncIterator[Any]:
     """The pipeline, its registrar (``pipe.registrar``, or None) and supervisor (``pipe.supervisor``)."""
     from trio_orch.launcher import open_pipeline
     from trio_orch.membership import HeadKeys, open_registrar, parse_listen
@@ -83,8 +109,12 @@ async def open_head_pipeline(cfg: PipelineConfig, opts: HeadOptions, *, full_con
 
     host = parse_listen(opts.listen)[0] if opts.listen else None
     async with AsyncExitStack() as stack:
-        pipe = await stack.enter_async_context(open_pipeline(cfg, handle_sigterm=handle_sigterm, inbox_host=host))
-        pipe.supervisor = await stack.enter_async_context(open_supervisor(pipe, policy)) if supervised else None
+        pipe = await stack.enter_async_context(
+            open_pipeline(cfg, handle_sigterm=handle_sigterm, inbox_host=host)
+        )
+        pipe.supervisor = (
+            await stack.enter_async_context(open_supervisor(pipe, policy)) if supervised else None
+        )
         pipe.registrar = None
         if opts.listen is not None:
             keys = None
@@ -104,6 +134,7 @@ async def open_head_pipeline(cfg: PipelineConfig, opts: HeadOptions, *, full_con
             if ray_keys is not None:
                 from trio_orch.ray_backend import open_ray_replicas
 
-                await stack.enter_async_context(open_ray_replicas(
-                    full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address))
+                await stack.enter_async_context(
+                    open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address)
+                )
         yield pipe

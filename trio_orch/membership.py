@@ -60,12 +60,14 @@ def parse_listen(listen: str) -> tuple[str, int]:
     """``tcp://HOST:PORT`` -> (host, port); ValueError with a clear message otherwise."""
     if not listen.startswith("tcp://"):
         raise ValueError(f"--listen must be tcp://HOST:PORT, got {listen!r}")
-    host, sep, port = listen[len("tcp://"):].rpartition(":")
+    host, sep, port = listen[len("tcp://") :].rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--listen must be tcp://HOST:PORT, got {listen!r}")
     if host in ("*", "0.0.0.0"):
-        raise ValueError("--listen needs the address workers reach the head at (not a wildcard): it is "
-                         "also where each joined replica's control port and the local inboxes listen")
+        raise ValueError(
+            "--listen needs the address workers reach the head at (not a wildcard): it is "
+            "also where each joined replica's control port and the local inboxes listen"
+        )
     return host.strip("[]"), int(port)
 
 
@@ -110,7 +112,9 @@ class Registrar:
     authenticator (``pipe.authenticator.refused``).
     """
 
-    def __init__(self, pipe: Pipeline, listen: str, keys: HeadKeys, *, orchestrator_wait: float = 30.0) -> None:
+    def __init__(
+        self, pipe: Pipeline, listen: str, keys: HeadKeys, *, orchestrator_wait: float = 30.0
+    ) -> None:
         assert pipe.security is not None and pipe.authenticator is not None and pipe.ctx is not None
         self.pipe = pipe
         self.host, self.port = parse_listen(listen)
@@ -202,11 +206,18 @@ class Registrar:
         if not (0 <= k < len(cfg.stages)):
             return self._refuse(ident, reg, "bad_stage", f"no stage {k}: stages are 0..{len(cfg.stages) - 1}")
         if reg.public_key != key:
-            return self._refuse(ident, reg, "key_mismatch", "registered a key other than the one it authenticated with")
+            return self._refuse(
+                ident, reg, "key_mismatch", "registered a key other than the one it authenticated with"
+            )
         st = cfg.stages[k]
         if (reg.kind, reg.role) != (st.kind, st.role):
-            return self._refuse(ident, reg, "kind_mismatch", f"stage {k} runs {st.label!r}, the worker runs "
-                                                             f"{reg.kind + (' ' + reg.role if reg.role else '')!r}")
+            return self._refuse(
+                ident,
+                reg,
+                "kind_mismatch",
+                f"stage {k} runs {st.label!r}, the worker runs "
+                f"{reg.kind + (' ' + reg.role if reg.role else '')!r}",
+            )
         pool = self.pipe.stages[k]
         with trio.move_on_after(self.orchestrator_wait):
             while pool.join_gate is None:  # the orchestrator is not routing through the pool yet
@@ -214,10 +225,16 @@ class Registrar:
         if pool.join_gate is None:
             return self._refuse(ident, reg, "no_orchestrator", "no orchestrator routes through this pipeline")
         client = ZmqStageClient(
-            self.pipe.ctx, f"tcp://{self.host}:0", stage_id=k, sink=pool.sink,
+            self.pipe.ctx,
+            f"tcp://{self.host}:0",
+            stage_id=k,
+            sink=pool.sink,
             heartbeat_timeout=cfg.heartbeat_timeout if cfg.heartbeat_interval > 0 else None,
-            name=f"stage {k} ({st.label}) member {reg.member_id[:8]}", max_message_bytes=256 << 20,
-            security=self.security, authenticator=self.auth)
+            name=f"stage {k} ({st.label}) member {reg.member_id[:8]}",
+            max_message_bytes=256 << 20,
+            security=self.security,
+            authenticator=self.auth,
+        )
         domain = client.zap_domain(client.address)
         self.auth.set_allowed([key.encode()], domain)
         client.farewell = "the orchestrator shut down"
@@ -225,14 +242,19 @@ class Registrar:
         assert self._nursery is not None
         await self._nursery.start(client.run)
         try:
-            idx = await pool.join_gate.join(k, reg.member_id, partial(self._handshake, ident, reg, client, pool))
+            idx = await pool.join_gate.join(
+                k, reg.member_id, partial(self._handshake, ident, reg, client, pool)
+            )
         except JoinRefused as exc:
             self._refuse(ident, reg, exc.reason, str(exc))
             await self._discard(client, domain, "join refused")
             return
         except (trio.TooSlowError, ReplicaDied) as exc:
-            why = (f"not ready within {cfg.startup_timeout:g}s" if isinstance(exc, trio.TooSlowError)
-                   else f"died before it was ready: {client.dead_reason}")
+            why = (
+                f"not ready within {cfg.startup_timeout:g}s"
+                if isinstance(exc, trio.TooSlowError)
+                else f"died before it was ready: {client.dead_reason}"
+            )
             self._refuse(ident, reg, "not_ready", why)
             await self._discard(client, domain, why)
             return
@@ -242,21 +264,38 @@ class Registrar:
         self.refresh_peers()  # upstream replicas learn its inbox before anything is placed on it
         pool.uncordon(idx)
         self.counters["joined"] += 1
-        log.warning("stage %d: worker %s joined as replica %d (%s)", k, reg.member_id[:8], idx,
-                    reg.capabilities.get("host", "?"))
+        log.warning(
+            "stage %d: worker %s joined as replica %d (%s)",
+            k,
+            reg.member_id[:8],
+            idx,
+            reg.capabilities.get("host", "?"),
+        )
         self._nursery.start_soon(self._watch_member, m, domain, name=f"member[{reg.member_id[:8]}]")
 
-    async def _handshake(self, ident: bytes, reg: mw.Register, client: ZmqStageClient, pool: ReplicaPool) -> int:
+    async def _handshake(
+        self, ident: bytes, reg: mw.Register, client: ZmqStageClient, pool: ReplicaPool
+    ) -> int:
         """Claim a cordoned slot, send Accepted, wait for Ready; the slot index."""
         cfg = self.pipe.config
         k = reg.stage_id
         idx = self._claim_slot(pool, client)
         down, up = self._peers(k, local=False)
         try:
-            self._reply(ident, mw.Accepted(
-                reg.member_id, idx, client.address, cfg.heartbeat_interval, seed=cfg.seed + 1000 * k + idx,
-                inbox=k > 0 and cfg.hands_off(k - 1), control_only=cfg.async_chunk and k not in cfg.final_stage_ids,
-                downstream=down, upstream_keys=up))
+            self._reply(
+                ident,
+                mw.Accepted(
+                    reg.member_id,
+                    idx,
+                    client.address,
+                    cfg.heartbeat_interval,
+                    seed=cfg.seed + 1000 * k + idx,
+                    inbox=k > 0 and cfg.hands_off(k - 1),
+                    control_only=cfg.async_chunk and k not in cfg.final_stage_ids,
+                    downstream=down,
+                    upstream_keys=up,
+                ),
+            )
             with trio.fail_after(cfg.startup_timeout):
                 await client.wait_ready()
         except BaseException:
@@ -286,8 +325,12 @@ class Registrar:
         pool = self.pipe.stages[m.stage_id]
         pool.cordon(m.replica)
         client.confirm_cordoned()
-        log.warning("stage %d: worker %s (replica %d) is leaving; no new requests go to it",
-                    m.stage_id, m.member_id[:8], m.replica)
+        log.warning(
+            "stage %d: worker %s (replica %d) is leaving; no new requests go to it",
+            m.stage_id,
+            m.member_id[:8],
+            m.replica,
+        )
 
     async def _watch_member(self, m: Member, domain: str) -> None:
         await m.client.dead_event.wait()
@@ -297,8 +340,14 @@ class Registrar:
         gate = self.pipe.stages[m.stage_id].join_gate
         if gate is not None:
             gate.left(m.member_id)
-        log.warning("stage %d: worker %s (replica %d) %s: %s", m.stage_id, m.member_id[:8], m.replica,
-                    "left" if left else "was lost", m.gone.splitlines()[0])
+        log.warning(
+            "stage %d: worker %s (replica %d) %s: %s",
+            m.stage_id,
+            m.member_id[:8],
+            m.replica,
+            "left" if left else "was lost",
+            m.gone.splitlines()[0],
+        )
         m.client.farewell = None
         await m.client.aclose()
         self.auth.forget(domain)
@@ -362,15 +411,19 @@ def prometheus_counters(reg: Registrar) -> dict[str, tuple[str, dict[tuple[tuple
     return {
         "trio_orch_membership_events": (
             "replicas that registered, joined, left, were lost, or were refused (by reason)",
-            {(("event", name),): n for name, n in sorted(counts.items())}),
+            {(("event", name),): n for name, n in sorted(counts.items())},
+        ),
         "trio_orch_auth_refused": (
             "connections refused by the security handshake, by mechanism and socket",
-            {(("reason", name),): n for name, n in sorted(refused.items())}),
+            {(("reason", name),): n for name, n in sorted(refused.items())},
+        ),
     }
 
 
 @asynccontextmanager
-async def open_registrar(pipe: Pipeline, listen: str, keys: HeadKeys, **kwargs: Any) -> AsyncIterator[Registrar]:
+async def open_registrar(
+    pipe: Pipeline, listen: str, keys: HeadKeys, **kwargs: Any
+) -> AsyncIterator[Registrar]:
     """Accept joining replicas for the duration of the block (nest it inside ``open_pipeline``)."""
     reg = Registrar(pipe, listen, keys, **kwargs)
     async with trio.open_nursery() as nursery:
@@ -379,4 +432,3 @@ async def open_registrar(pipe: Pipeline, listen: str, keys: HeadKeys, **kwargs: 
             yield reg
         finally:
             nursery.cancel_scope.cancel()
-

@@ -392,7 +392,8 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
 async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None, *,
                               inbox_host: str | None = None, **kwargs: Any) -> AsyncIterator[Pipeline]:
     """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
-    async with open_pipeline(config, inbox_host=inbox_host) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
+    async with open_pipeline(config, inbox_host=inbox_host) as pipe, \
+            open_supervisor(pipe, policy, **kwargs) as sup:
         pipe.supervisor = sup  # type: ignore[attr-defined]
         yield pipe
 

@@ -64,6 +64,13 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             self.stopping.set()
             await self.finish()
 
+    async def stop_joins(self) -> None:
+        """Structured: the core's rule, every handshake in progress is cancelled at once."""
+        tasks = list(self.join_tasks.values())
+        self.cancel_joins()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def _dispatcher(self, ready_q: asyncio.Queue[tuple[int, Any]]) -> None:
         while True:
             stage_id, item = await ready_q.get()

@@ -20,5 +20,5 @@ from trio_orch.core.membership import JoinRefused
 from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
-__all__ = ["Abort", "Action", "Emit", "JoinRefused", "RequestState", "Router", "RouterStatistics", "Submit", "Ticket",
-           "Update", "stage_io_options"]
+__all__ = ["Abort", "Action", "Emit", "JoinRefused", "RequestState", "Router", "RouterStatistics", "Submit",
+           "Ticket", "Update", "stage_io_options"]

@@ -40,7 +40,7 @@ class MembershipRules(CoreState):
     """Who may join, when a join completes, what a departure and a shutdown do to membership."""
 
     def join(self, stage_id: int, member_id: str) -> None:
-        """A replica begins to join stage ``stage_id`` as ``member_id``; raise :class:`JoinRefused` if it may not.
+        """A replica begins to join ``stage_id`` as ``member_id``; :class:`JoinRefused` if it may not.
 
         Refused: while stopping (no handshake starts once shutdown began), for
         a stage that does not exist, for an identity already joining or a
@@ -50,13 +50,19 @@ class MembershipRules(CoreState):
         if not self.accepting:
             raise JoinRefused("stopping", f"{member_id}: the orchestrator is shutting down")
         if not (isinstance(stage_id, int) and 0 <= stage_id < self.num_stages):
-            raise JoinRefused("bad_stage", f"{member_id}: no stage {stage_id!r} "
-                                           f"(stages are 0..{self.num_stages - 1})")
+            raise JoinRefused(
+                "bad_stage", f"{member_id}: no stage {stage_id!r} (stages are 0..{self.num_stages - 1})"
+            )
         if member_id in self.joining or member_id in self.members:
-            raise JoinRefused("duplicate", f"{member_id} is already {'joining' if member_id in self.joining else 'a member'}")
+            raise JoinRefused(
+                "duplicate",
+                f"{member_id} is already {'joining' if member_id in self.joining else 'a member'}",
+            )
         if member_id in self.spent_members:
-            raise JoinRefused("stale", f"{member_id} is a spent identity (it left or was evicted): "
-                                       "register again with a new one")
+            raise JoinRefused(
+                "stale",
+                f"{member_id} is a spent identity (it left or was evicted): register again with a new one",
+            )
         self.joining[member_id] = stage_id
 
     def joined(self, member_id: str) -> bool:
