@@ -52,6 +52,8 @@ log = logging.getLogger("stages.headless")
 
 #: where the Ray backend puts a worker's key pair and the head's public key (JSON)
 KEYS_ENV = "TRIO_ORCH_WORKER_KEYS"
+#: where the Ray backend puts the pipeline config (JSON of the TOML layout)
+CONFIG_ENV = "TRIO_ORCH_WORKER_CONFIG"
 
 _LINK_EVENTS = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
@@ -239,11 +241,16 @@ def register(
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else build_parser().parse_args(argv)
-    from trio_orch.config import builtin_config, load_config
+    from trio_orch.config import builtin_config, from_dict, load_config
 
     try:
         keypair, head_key = _keys(args)
-        cfg = load_config(args.config) if args.config else builtin_config("speech")
+        if args.config:
+            cfg = load_config(args.config)
+        elif os.environ.get(CONFIG_ENV):  # the Ray backend hands the head's config over
+            cfg = from_dict(json.loads(os.environ[CONFIG_ENV]))
+        else:
+            cfg = builtin_config("speech")
         if not 0 <= args.stage < len(cfg.stages):
             raise ValueError(f"--stage {args.stage}: the pipeline has stages 0..{len(cfg.stages) - 1}")
     except (KeysError, ValueError, OSError) as exc:
