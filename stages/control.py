@@ -31,6 +31,7 @@ import os
 import sys
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 from stages.base import StageModel
@@ -84,8 +85,7 @@ class WorkerControl:
         self._profiler: Any = None
         self._profile_dir = ""
         self._own_scratch: str | None = None
-        self.methods: dict[str, Callable[..., Any]] = {
-            name: (lambda fn: lambda *a, **kw: fn(self, *a, **kw))(fn) for name, fn in METHODS.items()}
+        self.methods: dict[str, Callable[..., Any]] = {n: partial(fn, self) for n, fn in METHODS.items()}
         for attr in dir(type(worker.model)):
             name = getattr(getattr(type(worker.model), attr, None), RPC_NAME, None)
             if name is None:
@@ -109,7 +109,8 @@ class WorkerControl:
         self.calls += 1
         fn = self.methods.get(method)
         if fn is None:
-            return None, f"unknown rpc method {method!r}; this worker answers: {', '.join(sorted(self.methods))}"
+            known = ", ".join(sorted(self.methods))
+            return None, f"unknown rpc method {method!r}; this worker answers: {known}"
         try:
             return fn(*args, **kwargs), None
         except Exception as exc:
@@ -174,7 +175,7 @@ class WorkerControl:
         sleeper.weights_file = os.path.abspath(path)
         return {"path": path, "tensors": len(state), "bytes": copied}
 
-    def start_profile(self, dir: str) -> dict[str, Any]:  # noqa: A002 - the method's documented name
+    def start_profile(self, dir: str) -> dict[str, Any]:
         if self._profiler is not None:
             raise ValueError(f"a profile is already running (into {self._profile_dir}): stop_profile first")
         if not isinstance(dir, str) or not dir:

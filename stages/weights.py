@@ -133,7 +133,8 @@ class Sleeper:
     def sleep(self, level: int) -> int:
         """Free every tensor of the model's modules; return the bytes freed."""
         if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (keep a copy off the device) or 2 (discard), got {level!r}")
+            raise ValueError(f"sleep level must be 1 (keep a copy off the device) or 2 (discard), "
+                             f"got {level!r}")
         if self.asleep:
             raise ValueError(f"already asleep (level {self.level}): wake_up first")
         tensors = dict(_tensors(self.model))

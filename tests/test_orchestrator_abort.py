@@ -1,4 +1,4 @@
-"""Acknowledged aborts and the partial output an error terminal carries (scripted stages, autojump clock)."""
+"""Acknowledged aborts and the partial output an error terminal carries (scripted stages)."""
 
 from __future__ import annotations
 
@@ -76,6 +76,6 @@ def test_the_core_keeps_partial_output_only_until_the_request_ends() -> None:
     assert last.message == OrchOutput("a", 1, "y", True)  # finished: no partial on an output
     r.start(r.accept("b", "p"))
     r.route(0, StageOutput("b", "x"))
-    [emit, *aborts] = r.expire("b")
+    [emit, *_] = r.expire("b")
     assert emit.message.kind == "timeout" and emit.message.partial == {0: ["x"]}
     assert OrchError("b", None, "timeout", "request deadline exceeded") == emit.message  # not compared

@@ -392,8 +392,8 @@ class ReplicaPool:
             idx = self._unbind(rid)
             if idx is not None:
                 by_replica.setdefault(idx, []).append(rid)
-        return await self._each(sorted(by_replica), lambda c, idx: c.abort_confirmed(by_replica[idx], timeout),
-                                timeout)
+        return await self._each(sorted(by_replica),
+                                lambda c, idx: c.abort_confirmed(by_replica[idx], timeout), timeout)
 
     async def rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                   timeout: float = 5.0) -> list[tuple[int, Any, str | None]]:

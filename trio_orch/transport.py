@@ -212,7 +212,7 @@ class ZmqStageClient:
         hung or stopped process), :class:`ReplicaDied` when it dies first and
         :class:`StageUnavailable` when it is already dead.
         """
-        reply = await self._call(lambda call_id: Rpc(call_id, method, list(args), dict(kwargs or {})), timeout)
+        reply = await self._call(lambda cid: Rpc(cid, method, list(args), dict(kwargs or {})), timeout)
         if reply.error is not None:
             raise RpcError(reply.error)
         return reply.result
