@@ -168,9 +168,9 @@ class TrioControl:
         """The pause mode in effect (None: not paused)."""
         return self.orchestrator.paused
 
-    async def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                             stage_ids: StageIds = None, timeout: Seconds = None
-                             ) -> list[RpcResult]:
+    async def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                             kwargs: Mapping[str, Any] | None = None, stage_ids: StageIds = None,
+                             timeout: Seconds = None) -> list[RpcResult]:
         """:meth:`Orchestrator.collective_rpc`: every replica's answer, errors included."""
         return await _rpc(self.orchestrator, method, args, kwargs, stage_ids, timeout)
 
