@@ -167,7 +167,7 @@ async def test_rpc_to_a_stopped_replica_times_out_alone_while_admission_goes_on(
                 answers: list[list[RpcResult]] = []
 
                 async def call() -> None:
-                    answers.append(await orch.collective_rpc("health", timeout=8))
+                    answers.append(await orch.collective_rpc("health", timeout=5))
 
                 nursery.start_soon(call)
                 await orch.add_request("text-only", "hi", final_stage_id=0)  # admitted meanwhile ...
