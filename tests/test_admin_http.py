@@ -51,7 +51,8 @@ def test_without_a_token_there_is_no_admin_route() -> None:
 
 @pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": TOKEN}, auth(TOKEN + "x")],
                          ids=["missing", "wrong", "not-bearer", "longer"])
-def test_a_missing_or_wrong_token_gets_401_and_changes_nothing(admin: Served, headers: dict[str, str]) -> None:
+def test_a_missing_or_wrong_token_gets_401_and_changes_nothing(admin: Served,
+                                                               headers: dict[str, str]) -> None:
     with httpx.Client(base_url=admin.url, timeout=HANG) as c:
         r = c.post("/admin/pause", headers=headers, json={"mode": "wait"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"

@@ -29,7 +29,8 @@ THINKER = {"d_model": 128, "layers": 2, "heads": 4, "max_new_tokens": 12, "min_n
 
 
 def thinker_config(**model: Any) -> PipelineConfig:
-    return PipelineConfig([StageConfig("thinker", model={**THINKER, **model})], final_stage_ids=[0]).validate()
+    stage = StageConfig("thinker", model={**THINKER, **model})
+    return PipelineConfig([stage], final_stage_ids=[0]).validate()
 
 
 def rss(pid: int) -> int:
@@ -98,7 +99,8 @@ async def test_reload_refuses_a_file_that_does_not_fit_and_keeps_the_old_weights
                 assert orch.paused is None  # resumed
             assert await text_of(orch, "b") == before  # the old weights stayed
             [loaded] = await update_weights(orch, good)
-            assert loaded.error is None and loaded.value["tensors"] == len(state_of(build_model("thinker", THINKER)))
+            assert loaded.error is None
+            assert loaded.value["tensors"] == len(state_of(build_model("thinker", THINKER)))
             after = await text_of(orch, "c")
             assert after != before
             [direct] = await orch.collective_rpc("reload_weights", [wrong_shape])  # no recipe: still refused
@@ -257,7 +259,8 @@ class Counter(StageModel):
 '''
 
 
-async def test_a_plugin_model_adds_its_own_rpc_method(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_plugin_model_adds_its_own_rpc_method(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "ctl_plugin.py").write_text(textwrap.dedent(PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = PipelineConfig([StageConfig("ctl_plugin:Counter")], final_stage_ids=[0]).validate()

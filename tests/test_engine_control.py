@@ -81,7 +81,7 @@ async def test_a_refused_file_changes_no_replica_and_the_engine_resumes() -> Non
     recording(stages[0], log)
     recording(stages[1], log, refuse="bad")
     async with open_trio_engine(static_pipeline(stages, {1})) as engine:
-        with pytest.raises(ControlError, match="nothing changed.*stage 1 replica 0.*does not fit") as info:
+        with pytest.raises(ControlError, match=r"nothing changed.*stage 1 replica 0.*does not fit") as info:
             await engine.update_weights("/bad.pt")
         assert [r.error is None for r in info.value.results] == [True, False]
         assert sorted(log) == ["check0:/bad.pt", "check1:/bad.pt"]  # concurrent checks; nobody loaded it
