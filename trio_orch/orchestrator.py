@@ -764,16 +764,23 @@ class Orchestrator:
 
     async def _abort_all(self, aborts: list[Abort], waiters: list[_AbortWait]) -> None:
         try:
-            if waiters:  # a caller waits: the stages confirm, concurrently, each in its own time
+            if waiters:  # a caller waits: the stages confirm concurrently, each in decision order
+                by_stage: dict[int, list[Abort]] = {}
+                for a in aborts:
+                    by_stage.setdefault(a.stage_id, []).append(a)
                 async with trio.open_nursery() as nursery:
-                    for a in aborts:
-                        nursery.start_soon(self._confirm_on, a, waiters)
+                    for stage_aborts in by_stage.values():
+                        nursery.start_soon(self._confirm_all, stage_aborts, waiters)
             else:
                 for a in aborts:
                     await self._abort_on(a.stage_id, a.request_ids)
         finally:
             for ev in waiters:
                 ev.set()
+
+    async def _confirm_all(self, aborts: list[Abort], waiters: list[_AbortWait]) -> None:
+        for a in aborts:
+            await self._confirm_on(a, waiters)
 
     async def _confirm_on(self, a: Abort, waiters: list[_AbortWait]) -> None:
         """Abort on one stage and collect each replica's confirmation for the callers it concerns."""
