@@ -131,12 +131,12 @@ class Sleeper:
         return self.level > 0
 
     def sleep(self, level: int) -> int:
-        """Free every tensor of the model's modules; return the bytes freed."""
+        """Free every tensor of the model's modules; return the bytes freed (0: already asleep)."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (keep a copy off the device) or 2 (discard), "
                              f"got {level!r}")
         if self.asleep:
-            raise ValueError(f"already asleep (level {self.level}): wake_up first")
+            return 0
         tensors = dict(_tensors(self.model))
         self._shapes = {k: (t.shape, t.dtype, t.device) for k, t in tensors.items()}
         freed = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -155,9 +155,9 @@ class Sleeper:
         return freed
 
     def wake_up(self) -> int:
-        """Put the tensors back (level 1: the copy; level 2: rebuilt); return the bytes restored."""
+        """Put the tensors back (level 1: the copy; level 2: rebuilt); the bytes restored (0: awake)."""
         if not self.asleep:
-            raise ValueError("not asleep")
+            return 0
         if self._host is not None:
             saved = self._host
         elif self._file is not None:

@@ -74,6 +74,7 @@ def test_sleep_is_refused_while_a_request_runs_and_frees_every_module_tensor(tmp
     assert not ctl.stepping
     assert "asleep" in (ctl.call("reload_weights", ["/any.pt"], {})[1] or "")
     assert ctl.call("wake_up", [], {})[1] is None and ctl.stepping
+    assert ctl.call("wake_up", [], {})[0]["restored_bytes"] == 0  # awake already: nothing to do
     assert all(torch.equal(before[k], v) for k, v in state_of(model).items())
     assert list(tmp_path.iterdir()) == []  # the level-1 copy is gone once awake
 
