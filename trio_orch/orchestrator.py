@@ -373,7 +373,9 @@ class Orchestrator:
 
         ``"wait"``: requests already started finish; returns once none is left.
         ``"abort"``: they are aborted now (terminal ``aborted``); returns once
-        each got its terminal.  ``"keep"``: they stay where they are and every
+        each got its terminal and the stages that held them confirmed they
+        stopped (as :meth:`abort`; a replica that does not confirm within
+        ``rpc_timeout`` is logged, not waited for).  ``"keep"``: they stay where they are and every
         stage is asked to stop stepping (RPC ``pause``); returns at once.
         Meanwhile ``add_request`` accepts and queues but starts nothing (its
         caller waits: backpressure, not an error) until :meth:`resume`;
@@ -386,7 +388,16 @@ class Orchestrator:
         if self._pause_waiter is not None:  # a pause already waiting: it completes on the new terms
             self._pause_waiter.set()
             self._pause_waiter = None
-        await self._perform(actions)
+        stopped = _AbortWait("", self.rpc_timeout)
+        stopped.ids.update(i for a in actions if type(a) is Abort for i in a.request_ids)
+        handed = [stopped]
+        await self._perform(actions, handed)
+        if not handed:  # the stage aborts run in a task: wait for their confirmations
+            await stopped.event.wait()
+            for r in stopped.results:
+                if r.error is not None:
+                    log.warning("pause('abort'): stage %d replica %d did not confirm: %s",
+                                r.stage_id, r.replica, r.error)
         if mode == "keep":
             await self._tell_stages("pause")
         if not self.router.pause_complete():
