@@ -5,7 +5,9 @@ loads its model, sends ``Ready``, then loops: drain the control socket (and
 the async-chunk inbox) to EAGAIN, admit new requests, run ONE batched model
 step over every runnable request, send everything that step produced as one
 ``Outputs`` message, stream chunks downstream, retire finished requests,
-heartbeat.  An ``Abort`` takes effect before the next step.  A request
+heartbeat.  An ``Abort`` takes effect before the next step (with ``ack`` it
+is confirmed once done).  An ``Rpc`` runs a control method between two steps
+(:mod:`stages.control`: stats, pause, sleep, weight reload, profiling).  A request
 submitted ``resumable`` stays after each input segment it finishes, until
 its final one (``Update`` messages bring the others; see
 :mod:`stages.segments`).  On SIGTERM, a
@@ -34,6 +36,7 @@ import zmq
 
 from stages.base import ReqState, StageModel, StepResult
 from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
+from stages.control import WorkerControl
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
 from stages.segments import SegmentTracker
@@ -108,6 +111,11 @@ class Worker:
                       "updates": 0, "segments_finished": 0}
         self.t_start = time.monotonic()
         self.parent: int = args.parent_pid
+        # control methods over RPC (stages/control.py); a level-2 sleep wakes up from a rebuilt model
+        self.control = WorkerControl(self, rebuild=lambda: build_model(
+            args.kind, json.loads(args.model_json), device=args.device, seed=args.seed,
+            slots=args.max_batch, role=args.role), scratch_dir=args.cleanup_dir,
+            label=f"stage{args.stage_id}-replica{args.replica}")
 
     def configure_control(self, sock: zmq.Socket) -> None:
         """Hook: socket options of the control link, set before it connects."""
@@ -180,10 +188,13 @@ class Worker:
             self.update(msg)
         elif type(msg) is Abort:
             self.stats["aborts"] += len(msg.request_ids)
+            held = [rid for rid in msg.request_ids if self.find(rid) is not None]
             for rid in msg.request_ids:
                 self.retire(rid)
+            if msg.ack:  # an acknowledged abort: they are gone, say which ones were here
+                self.send(RpcReply(msg.ack, held))
         elif type(msg) is Rpc:
-            self.send(RpcReply(msg.call_id, self.rpc(msg.method)))
+            self.send(RpcReply(msg.call_id, *self.control.call(msg.method, msg.args, msg.kwargs)))
         elif type(msg) is Peers:
             self.set_peers(msg)
         elif type(msg) is Cordoned:
@@ -296,19 +307,20 @@ class Worker:
                 info["inbox_key"] = self.security.keypair.public.decode()
         return info
 
-    def rpc(self, method: str) -> dict[str, Any]:
-        if method == "health":
-            return {"ok": True, "active": len(self.active), "waiting": len(self.waiting),
-                    "sessions": len(self.segments.sessions), "uptime": time.monotonic() - self.t_start}
-        if method == "stats":
-            s: dict[str, Any] = dict(self.stats)
-            s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
-                     sessions=len(self.segments.sessions), late_chunks=self.segments.late_chunks,
-                     stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
-            if self.inbox is not None:
-                s["inbox_pending"] = self.inbox.pending
-            return s
-        return {"ok": False, "error": f"unknown rpc method {method!r}"}
+    def health_info(self) -> dict[str, Any]:
+        """The ``health`` RPC's answer (with the control state added by stages/control.py)."""
+        return {"ok": True, "active": len(self.active), "waiting": len(self.waiting),
+                "sessions": len(self.segments.sessions), "uptime": time.monotonic() - self.t_start}
+
+    def stats_info(self) -> dict[str, Any]:
+        """The ``stats`` RPC's answer (with the control state added by stages/control.py)."""
+        s: dict[str, Any] = dict(self.stats)
+        s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
+                 sessions=len(self.segments.sessions), late_chunks=self.segments.late_chunks,
+                 stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
+        if self.inbox is not None:
+            s["inbox_pending"] = self.inbox.pending
+        return s
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> bool:
@@ -465,7 +477,7 @@ class Worker:
             timeout = 0 if busy else max(0.0, min(next_hb - time.monotonic(), 1.0))
             poller.poll(int(timeout * 1000))
             self.drain()
-            busy = self.step()
+            busy = self.step() if self.control.stepping else False  # paused or asleep: no step
             now = time.monotonic()
             if now >= next_hb:
                 next_hb = now + hb_every
@@ -479,6 +491,7 @@ class Worker:
                 self.inbox.purge()
 
     def close(self) -> None:
+        self.control.close()
         if self.inbox is not None:
             self.inbox.close()
         if self.outbox is not None:

@@ -187,6 +187,10 @@ def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> Non
             engine.call_soon(stage.emit_nowait, admitted[0].request_id, "x", True)
             async for msgs in admitted[0].batches():
                 assert msgs[-1] == OrchOutput(admitted[0].request_id, 0, "x", True)
+            for _ in range(2000):  # a's end makes room: b starts (asynchronously, in the Trio thread)
+                if len(stage.submissions) >= 2:
+                    break
+                await asyncio.sleep(0.005)
             for h in admitted[1:]:
                 h.close()
 

@@ -248,3 +248,19 @@ def test_forwarding_before_the_companions_is_judged_degraded(monkeypatch: pytest
     monkeypatch.setattr(CompanionRules, "companions_ready", lambda self, req: True)
     out = run_scenario(by_number(15), "trio")
     assert out.verdict == "degraded" and out.metrics["early_forwards"] >= 1
+
+
+def test_trio_serves_admission_while_a_collective_rpc_waits_for_a_hung_replica() -> None:
+    m = trio_run(16)
+    assert m["answers"] == {0: "ok", 1: "timeout", 2: "ok"}
+    assert m["admitted_during_rpc"] and m["served_during_rpc"]
+    assert m["without_terminal"] == 0 and m["hung"] is False and m["tasks_alive_after_run"] == 0
+
+
+def test_the_seed_shaped_rpc_is_judged_blocked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The TaskGroup reference answers RPCs in a task; awaited in its request handler it blocks admission."""
+    assert run_scenario(by_number(16), "asyncio-taskgroup").verdict == "ok"
+    monkeypatch.setattr(TaskGroupOrchestrator, "handle_rpc", OmniEventDriven.handle_rpc)
+    out = run_scenario(by_number(16), "asyncio-taskgroup")
+    assert out.verdict == "blocked", out.metrics
+    assert out.metrics["answers"] == {0: "ok", 1: "timeout", 2: "ok"}

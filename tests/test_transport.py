@@ -12,15 +12,17 @@ import trio
 import trio.testing
 import zmq
 
-from trio_orch.transport import ReplicaDied, ZmqStageClient
+from trio_orch.transport import ReplicaDied, RpcError, ZmqStageClient
 from trio_orch.types import StageUnavailable
 from trio_orch.wire import (
+    Abort,
     Dying,
     InboundMsg,
     OutboundMsg,
     OutItem,
     Outputs,
     Ready,
+    Rpc,
     RpcReply,
     Submit,
     WireCodec,
@@ -212,3 +214,31 @@ async def test_rpc_round_trip(client_peer) -> None:
         assert await client.rpc("health") == {"method": "health"}
     finally:
         thread.join()
+
+
+async def test_rpc_arguments_errors_timeouts_and_acknowledged_aborts(client_peer) -> None:
+    client, peer = client_peer
+    seen: list[object] = []
+
+    def answer() -> None:
+        call = peer.recv()  # an rpc with arguments: answered with an error
+        seen.append(call)
+        peer.send(RpcReply(call.call_id, None, "sleep: ValueError: bad level"))  # type: ignore[attr-defined]
+        abort = peer.recv()  # an abort asking for a confirmation
+        seen.append(abort)
+        peer.send(RpcReply(abort.ack, ["r1"]))  # type: ignore[attr-defined]
+        seen.append(peer.recv())  # the third call is never answered
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        with pytest.raises(RpcError, match="bad level"):
+            await client.rpc("sleep", [3], {"now": True})
+        assert await client.abort_confirmed(["r1", "r2"]) == ["r1"]
+        with pytest.raises(TimeoutError, match=r"no answer within 0\.2s"):
+            await client.rpc("health", timeout=0.2)
+    finally:
+        thread.join()
+    assert seen[0] == Rpc(seen[0].call_id, "sleep", [3], {"now": True})  # type: ignore[attr-defined]
+    assert seen[1] == Abort(["r1", "r2"], seen[1].ack) and seen[1].ack  # type: ignore[attr-defined]
+    assert seen[2].method == "health"  # type: ignore[attr-defined]

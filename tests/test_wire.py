@@ -129,3 +129,32 @@ def test_importing_trio_orch_never_imports_torch() -> None:
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_control_fields_were_appended_so_peers_one_version_apart_still_decode() -> None:
+    import msgspec
+
+    class OldRpc(msgspec.Struct, tag="rpc", array_like=True):
+        call_id: int
+        method: str
+
+    class OldAbort(msgspec.Struct, tag="abort", array_like=True):
+        request_ids: list[str]
+
+    class OldReply(msgspec.Struct, tag="rpc_reply", array_like=True):
+        call_id: int
+        result: dict
+
+    new_in, old = WireCodec(InboundMsg), msgspec.msgpack
+    # an old orchestrator's messages reach a new worker: the new fields take their defaults
+    assert new_in.decode([old.encode(OldRpc(3, "stats"))]) == Rpc(3, "stats", [], {})
+    assert new_in.decode([old.encode(OldAbort(["r"]))]) == Abort(["r"], 0)
+    # a new orchestrator's messages reach an old worker: the extra fields are ignored
+    assert old.decode(new_in_frame(Rpc(4, "sleep", [2], {"x": 1})), type=OldRpc) == OldRpc(4, "sleep")
+    assert old.decode(new_in_frame(Abort(["r"], 9)), type=OldAbort) == OldAbort(["r"])
+    # an old worker's reply still decodes (no error field: a success)
+    assert WireCodec(OutboundMsg).decode([old.encode(OldReply(3, {"ok": True}))]) == RpcReply(3, {"ok": True})
+
+
+def new_in_frame(msg: object) -> bytes:
+    return bytes(WireCodec(InboundMsg).encode(msg)[0])  # type: ignore[arg-type]

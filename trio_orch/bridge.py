@@ -68,13 +68,14 @@ from trio_orch.engine_base import (
     static_pipeline,
     unwrap,
 )
+from trio_orch.engine_control import ControlError, EngineControl
 from trio_orch.engine_updates import UpdateForwarder
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.trio_engine import TrioEngine, open_trio_engine
-from trio_orch.types import Message, OrchError, StageClient
+from trio_orch.types import Message, OrchError, RpcResult, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
-__all__ = ["AsyncRequestHandle", "Engine", "EngineClosed", "EngineStartupError", "Overloaded",
+__all__ = ["AsyncRequestHandle", "ControlError", "Engine", "EngineClosed", "EngineStartupError", "Overloaded",
            "PipelineFactory", "PipelineSpec", "RequestHandle", "TrioEngine", "open_trio_engine",
            "static_pipeline"]
 
@@ -176,8 +177,11 @@ class RequestHandle:
         self.close()
 
 
-class Engine:
+class Engine(EngineControl):
     """The orchestrator in a background Trio thread; see the module docstring.
+
+    The control plane (collective RPC, pause, sleep, weight sync, profiling,
+    acknowledged aborts) comes from :class:`~trio_orch.engine_control.EngineControl`.
 
     ``pipeline`` is a :data:`PipelineFactory`.  ``startup_timeout`` bounds
     :meth:`start`; ``close_timeout`` bounds :meth:`close` (beyond any drain).
@@ -605,6 +609,20 @@ class Engine:
             return trio.from_thread.run(async_fn, *args, trio_token=self._token)
         except trio.RunFinishedError:
             raise EngineClosed(self._closed_message()) from None
+
+    def control_orchestrator(self) -> Orchestrator:
+        """The running orchestrator (for the control plane); EngineClosed when there is none."""
+        if self._orch is None or self._dead is not None:
+            raise EngineClosed(self._closed_message())
+        return self._orch
+
+    async def confirmed_abort(self, request_id: str, timeout: float | None) -> list[RpcResult]:
+        """Trio thread: abort wherever the request is; wait for the stages' confirmations."""
+        s = self._demux.streams.get(request_id)
+        if s is not None and s.state == PENDING:  # still waiting for admission: no stage has it
+            self._abort_cb(s)
+            return []
+        return await self.control_orchestrator().abort(request_id, timeout)
 
     def stats(self) -> EngineStatistics:
         """A metrics snapshot (plain threads only; use :meth:`stats_async` on an asyncio loop)."""

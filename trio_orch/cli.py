@@ -45,6 +45,8 @@ class Command:
 
 #: the product's own subcommands
 COMMANDS: dict[str, Command] = {
+    "ctl": Command("trio_orch.ctl",
+                   "control a running server (--admin-token): stats, pause, sleep/wake, reload weights"),
     "demo": Command("trio_orch.demo",
                     "in-process 3-stage pipeline, no processes or torch: print routed outputs"),
     "generate": Command("trio_orch.generate",

@@ -36,6 +36,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from stages.registry import text_stage
+from trio_orch.admin_http import admin_routes
 from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed, Overloaded
 from trio_orch.http_limits import HTTPLimits, LimitsMiddleware
 from trio_orch.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
@@ -117,7 +118,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
                extra_metrics: Callable[[], ExtraCounters] | None = None,
                outputs: Sequence[str] | None = None, limits: HTTPLimits | None = None,
                front: FrontMetrics | None = None, token_limit: int | None = None,
-               stage_names: Sequence[str] | None = None) -> Starlette:
+               stage_names: Sequence[str] | None = None, admin_token: str | None = None) -> Starlette:
     """The ASGI app over a started :class:`Engine`.
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's
@@ -127,7 +128,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
     :class:`HTTPLimits`); ``front``: the counters shared with the server
     (set ``front.draining`` to drain); ``token_limit``: the text stage's own
     cap on generated tokens (for ``finish_reason``); ``stage_names`` label
-    the stages in ``/health``.
+    the stages in ``/health``; ``admin_token`` turns on the ``/admin/...``
+    control routes behind that bearer token (:mod:`trio_orch.admin_http`).
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
@@ -299,6 +301,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         realtime_route(engine, outputs),
+        *admin_routes(engine, admin_token),
     ], exception_handlers={HTTPException: http_error},
         middleware=[Middleware(LimitsMiddleware, limits=limits, front=front,
                                shedding=lambda: engine.shedding, shed_paths=frozenset({CHAT}),

@@ -47,7 +47,7 @@ from trio_orch import auth
 from trio_orch.auth import Authenticator, Security
 from trio_orch.config import PipelineConfig, StageConfig
 from trio_orch.pool import ReplicaPool
-from trio_orch.transport import ReplicaDied, ZmqStageClient
+from trio_orch.transport import ReplicaDied, RpcError, ZmqStageClient
 from trio_orch.types import StageUnavailable
 
 __all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "inbox_address",
@@ -166,7 +166,7 @@ class Pipeline:
             base = {"stage_id": h.stage_id, "replica": h.replica, "kind": h.kind}
             try:
                 results[i] = {**base, **await h.client.rpc("stats", timeout=timeout)}
-            except (trio.TooSlowError, ReplicaDied, StageUnavailable) as exc:
+            except (TimeoutError, RpcError, ReplicaDied, StageUnavailable) as exc:
                 results[i] = {**base, "error": f"{type(exc).__name__}: {exc}"}
 
         async with trio.open_nursery() as nursery:

@@ -63,6 +63,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "replica slots of each stage"),
     "trio_orch_stage_replicas_live": ("gauge",
         "replicas of each stage that are ready for new requests"),
+    "trio_orch_paused": ("gauge",
+        "1 while the orchestrator is paused (nothing new starts), by pause mode (wait, abort, keep)"),
+    "trio_orch_rpc_calls": ("counter",
+        "collective RPCs made (control plane), by method"),
+    "trio_orch_rpc_errors": ("counter",
+        "replicas that answered a collective RPC with an error (timeout, failure), by method"),
     "trio_orch_requests_admitted": ("counter",
         "requests accepted by the orchestrator (each gets a terminal)"),
     "trio_orch_requests_shed": ("counter",
@@ -160,6 +166,13 @@ class EngineCollector(Collector):
         c = _counter("trio_orch_outputs_routed")
         c.add_metric([], st.outputs_routed)
         yield c
+        orch = st.orchestrator
+        for name, counts in (("trio_orch_rpc_calls", orch.rpc_calls if orch else {}),
+                             ("trio_orch_rpc_errors", orch.rpc_errors if orch else {})):
+            c = _counter(name, ["method"])
+            for method, n in sorted(counts.items()):
+                c.add_metric([method], n)
+            yield c
         c = _counter("trio_orch_dropped_outputs")
         c.add_metric([], st.dropped_outputs)
         yield c
@@ -213,6 +226,11 @@ class EngineCollector(Collector):
         for k, limit in enumerate(st.stage_limits):
             if limit is not None:
                 g.add_metric([str(k)], limit)
+        yield g
+        paused = st.orchestrator.paused if st.orchestrator else None
+        g = _gauge("trio_orch_paused", ["mode"])
+        for mode in ("wait", "abort", "keep"):
+            g.add_metric([mode], 1 if paused == mode else 0)
         yield g
         g = _gauge("trio_orch_replica_inflight", ["stage", "replica"])
         for (k, r), n in sorted(st.inflight_by_replica.items()):

@@ -23,7 +23,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from types import MappingProxyType
 from typing import Any
@@ -62,6 +62,9 @@ class OrchestratorStatistics:
     stage_deaths: Mapping[int, str]  #: stage -> why it died
     request_channel: trio.MemoryChannelStatistics  #: the bounded admission channel
     events_pending: int  #: outputs and commands waiting for the dispatcher
+    paused: str | None = None  #: the pause mode in effect (None: not paused)
+    rpc_calls: Mapping[str, int] = field(default_factory=dict)  #: collective RPCs made, by method
+    rpc_errors: Mapping[str, int] = field(default_factory=dict)  #: replicas that answered with an error
 
 
 class _Update:
@@ -103,6 +106,26 @@ class _RpcCall:
                       key=lambda x: (x.stage_id, x.replica))
 
 
+class _AbortWait:
+    """A caller of :meth:`Orchestrator.abort` waiting for the stages that held its request.
+
+    ``ids`` are the request ids its abort asked the stages to drop (the
+    request and its companions); ``results`` collects each replica's answer.
+    """
+
+    __slots__ = ("event", "ids", "request_id", "results", "timeout")
+
+    def __init__(self, request_id: str, timeout: float) -> None:
+        self.request_id = request_id
+        self.timeout = timeout
+        self.ids: set[str] = set()
+        self.results: list[RpcResult] = []
+        self.event = trio.Event()
+
+    def set(self) -> None:
+        self.event.set()
+
+
 class _Command:
     """A client call routed through the dispatcher so it is ordered with outputs.
 
@@ -112,7 +135,7 @@ class _Command:
 
     __slots__ = ("done", "kind", "state")
 
-    def __init__(self, kind: str, state: RequestState, done: trio.Event | None) -> None:
+    def __init__(self, kind: str, state: RequestState, done: _AbortWait | None) -> None:
         self.kind = kind
         self.state = state
         self.done = done
@@ -177,7 +200,7 @@ class Orchestrator:
         self._sink: OutputSink = output_sink or self._send_to_channel
         self._deadlines = DeadlineKeeper()
         self._sending: set[Ticket] = set()  # accepted, their add_request waits for room in the channel
-        self._waiters: set[trio.Event] = set()  # callers waiting on a command
+        self._waiters: set[_AbortWait] = set()  # callers of abort() waiting for the stages
         self._state = "new"  # new -> running -> stopping -> stopped
         self._drain_timeout: float | None = None
         self._drain_scope: trio.CancelScope | None = None
@@ -190,6 +213,8 @@ class Orchestrator:
         self._nursery: trio.Nursery | None = None
         #: replicas join (and leave) through the core; shutdown cancels joins in progress
         self.joins = JoinGate(self.router)
+        self.rpc_calls: dict[str, int] = {}  # collective RPCs by method
+        self.rpc_errors: dict[str, int] = {}  # replicas that answered one with an error, by method
 
     # ------------------------------------------------------------------ public API
     @property
@@ -218,6 +243,9 @@ class Orchestrator:
             stage_deaths=MappingProxyType(dict(self.stage_deaths)),
             request_channel=self._req_send.statistics(),
             events_pending=self._ev_recv.statistics().current_buffer_used,
+            paused=self.router.paused,
+            rpc_calls=MappingProxyType(dict(self.rpc_calls)),
+            rpc_errors=MappingProxyType(dict(self.rpc_errors)),
         )
 
     async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
@@ -328,10 +356,15 @@ class Orchestrator:
         if nursery is None or nursery.cancel_scope.cancel_called:
             raise RuntimeError("orchestrator is not running: collective_rpc needs a running orchestrator")
         call = _RpcCall(method, tuple(args), dict(kwargs or {}), timeout, targets)
+        self.rpc_calls[method] = self.rpc_calls.get(method, 0) + 1
         for k in targets:
             nursery.start_soon(self._rpc_stage, call, k, name=f"trio_orch.rpc[{k}].{method}")
         await call.done.wait()
-        return call.results()
+        results = call.results()
+        errors = sum(1 for r in results if r.error is not None)
+        if errors:
+            self.rpc_errors[method] = self.rpc_errors.get(method, 0) + errors
+        return results
 
     @property
     def paused(self) -> str | None:
@@ -343,7 +376,9 @@ class Orchestrator:
 
         ``"wait"``: requests already started finish; returns once none is left.
         ``"abort"``: they are aborted now (terminal ``aborted``); returns once
-        each got its terminal.  ``"keep"``: they stay where they are and every
+        each got its terminal and the stages that held them confirmed they
+        stopped (as :meth:`abort`; a replica that does not confirm within
+        ``rpc_timeout`` is logged, not waited for).  ``"keep"``: they stay where they are and every
         stage is asked to stop stepping (RPC ``pause``); returns at once.
         Meanwhile ``add_request`` accepts and queues but starts nothing (its
         caller waits: backpressure, not an error) until :meth:`resume`;
@@ -356,7 +391,16 @@ class Orchestrator:
         if self._pause_waiter is not None:  # a pause already waiting: it completes on the new terms
             self._pause_waiter.set()
             self._pause_waiter = None
-        await self._perform(actions)
+        stopped = _AbortWait("", self.rpc_timeout)
+        stopped.ids.update(i for a in actions if type(a) is Abort for i in a.request_ids)
+        handed = [stopped]
+        await self._perform(actions, handed)
+        if not handed:  # the stage aborts run in a task: wait for their confirmations
+            await stopped.event.wait()
+            for r in stopped.results:
+                if r.error is not None:
+                    log.warning("pause('abort'): stage %d replica %d did not confirm: %s",
+                                r.stage_id, r.replica, r.error)
         if mode == "keep":
             await self._tell_stages("pause")
         if not self.router.pause_complete():
@@ -382,18 +426,27 @@ class Orchestrator:
             if r.error is not None:
                 log.info("stage %d replica %d did not %s: %s", r.stage_id, r.replica, method, r.error)
 
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; it gets ``OrchError(kind="aborted")``.  Unknown id: no-op.
+    async def abort(self, request_id: str, timeout: float | None = None) -> list[RpcResult]:
+        """Abort a request; it gets ``OrchError(kind="aborted")`` at once.  Unknown id: no-op.
 
-        Returns once the abort was routed and sent to the stages.
+        The terminal carries what the request produced so far
+        (``OrchError.partial``).  Returns once every stage that held the
+        request confirmed it stopped there (stage clients with
+        ``confirm_abort``; others are only told), each replica under its own
+        deadline (``timeout``, default ``rpc_timeout``): one
+        :class:`RpcResult` per replica asked, in ``(stage_id, replica)``
+        order -- ``value`` the ids it stopped, or ``error`` when it did not
+        confirm (hung, stopped, dead).  Empty when no stage held it (unknown,
+        still queued, or every stage had finished).
         """
-        done = trio.Event()
-        if self._abort(request_id, done):
-            self._waiters.add(done)
+        wait = _AbortWait(request_id, self.rpc_timeout if timeout is None else timeout)
+        if self._abort(request_id, wait):
+            self._waiters.add(wait)
             try:
-                await done.wait()
+                await wait.event.wait()
             finally:
-                self._waiters.discard(done)
+                self._waiters.discard(wait)
+        return sorted(wait.results, key=lambda r: (r.stage_id, r.replica))
 
     def abort_nowait(self, request_id: str) -> None:
         """Synchronous :meth:`abort` that does not wait for the stages."""
@@ -527,7 +580,10 @@ class Orchestrator:
                     commands.append(item)
                     rid = item.state.request_id
                     if router.requests.get(rid) is item.state:
-                        actions.extend(router.abort(rid) if item.kind == "abort" else router.expire(rid))
+                        acts = router.abort(rid) if item.kind == "abort" else router.expire(rid)
+                        if item.done is not None:  # the stages it asks must confirm to this caller
+                            item.done.ids.update(i for a in acts if type(a) is Abort for i in a.request_ids)
+                        actions.extend(acts)
                 elif type(item) is StageDied:
                     actions.extend(self._on_stage_died(stage_id, item))
             self._room_may_have_changed()  # stages finished, requests ended
@@ -587,7 +643,7 @@ class Orchestrator:
             self.router.withdraw(ticket)
             self._deadlines.discard(ticket.request_id)
 
-    def _abort(self, request_id: str, done: trio.Event | None) -> bool:
+    def _abort(self, request_id: str, done: _AbortWait | None) -> bool:
         """Start an abort; return True if the caller should wait on ``done``."""
         if self.router.is_queued(request_id):
             self._deliver_now(self.router.abort(request_id))
@@ -680,13 +736,13 @@ class Orchestrator:
         if not self.router.live_count and self._stop_requested.is_set():
             self._drained.set()
 
-    async def _perform(self, actions: list[Action], waiters: list[trio.Event] | None = None) -> None:
+    async def _perform(self, actions: list[Action], waiters: list[_AbortWait] | None = None) -> None:
         """Deliver the emits at once, submit in decision order, abort in the background.
 
         Stage aborts are best-effort cleanup: they run in a task of the run
         nursery so a stage that hangs in ``abort`` never stalls routing for
         everybody else.  ``waiters`` (callers of :meth:`abort`) are released
-        once those aborts were sent.
+        once the stages confirmed those aborts (or did not, in time).
         """
         if not actions:
             return
@@ -724,13 +780,47 @@ class Orchestrator:
             else:
                 await self._abort_all(aborts, [])
 
-    async def _abort_all(self, aborts: list[Abort], waiters: list[trio.Event]) -> None:
+    async def _abort_all(self, aborts: list[Abort], waiters: list[_AbortWait]) -> None:
         try:
-            for a in aborts:
-                await self._abort_on(a.stage_id, a.request_ids)
+            if waiters:  # a caller waits: the stages confirm concurrently, each in decision order
+                by_stage: dict[int, list[Abort]] = {}
+                for a in aborts:
+                    by_stage.setdefault(a.stage_id, []).append(a)
+                async with trio.open_nursery() as nursery:
+                    for stage_aborts in by_stage.values():
+                        nursery.start_soon(self._confirm_all, stage_aborts, waiters)
+            else:
+                for a in aborts:
+                    await self._abort_on(a.stage_id, a.request_ids)
         finally:
             for ev in waiters:
                 ev.set()
+
+    async def _confirm_all(self, aborts: list[Abort], waiters: list[_AbortWait]) -> None:
+        for a in aborts:
+            await self._confirm_on(a, waiters)
+
+    async def _confirm_on(self, a: Abort, waiters: list[_AbortWait]) -> None:
+        """Abort on one stage and collect each replica's confirmation for the callers it concerns."""
+        k, stage = a.stage_id, self.stages[a.stage_id]
+        timeout = max(w.timeout for w in waiters)
+        confirm = getattr(stage, "confirm_abort", None)
+        replies: list[tuple[int, Any, str | None]] = []
+        try:
+            with trio.move_on_after(timeout + self.shutdown_grace) as scope:
+                if confirm is None:
+                    await stage.abort(a.request_ids)
+                    replies = [(-1, None, f"stage {k} ({type(stage).__name__}) cannot confirm aborts: "
+                                          "told, not confirmed")]
+                else:
+                    replies = list(await confirm(a.request_ids, timeout))
+            if scope.cancelled_caught:
+                replies = [(-1, None, f"timeout: stage {k} did not confirm within {timeout:g}s")]
+        except Exception as exc:  # the stage is dying; its reader reports that
+            replies = [(-1, None, f"{type(exc).__name__}: {exc}")]
+        for w in waiters:
+            if w.ids.intersection(a.request_ids):
+                w.results.extend(RpcResult(k, r, v, e) for r, v, e in replies)
 
     async def _abort_on(self, stage_id: int, request_ids: list[str]) -> None:
         try:

@@ -34,14 +34,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import trio
 
 from trio_orch.histogram import STAGE_TIME_BUCKETS, Histogram
-from trio_orch.transport import Event, ZmqStageClient
+from trio_orch.transport import Event, RpcError, ZmqStageClient
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
 __all__ = ["ReplicaPool", "StageTiming"]
@@ -378,6 +378,58 @@ class ReplicaPool:
                 by_replica.setdefault(idx, []).append(rid)
         for idx, rids in by_replica.items():
             await self.replicas[idx].abort(rids)
+
+    async def confirm_abort(self, request_ids: list[str], timeout: float = 5.0
+                            ) -> list[tuple[int, Any, str | None]]:
+        """Abort like :meth:`abort`, then wait until each replica that held one confirms it stopped.
+
+        One ``(replica, ids it stopped, None)`` per replica asked, or
+        ``(replica, None, error)`` for one that did not confirm within
+        ``timeout`` (hung, stopped, dead): the replicas are asked concurrently,
+        each under its own deadline.
+        """
+        by_replica: dict[int, list[str]] = {}
+        for rid in request_ids:
+            self.release_reservation(rid, drop_chunks=True)
+            idx = self._unbind(rid)
+            if idx is not None:
+                by_replica.setdefault(idx, []).append(rid)
+        return await self._each(sorted(by_replica),
+                                lambda c, idx: c.abort_confirmed(by_replica[idx], timeout), timeout)
+
+    async def rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                  timeout: float = 5.0) -> list[tuple[int, Any, str | None]]:
+        """Call ``method(*args, **kwargs)`` on every live replica: ``(replica, value, error)`` each.
+
+        The replicas are called concurrently, each under its own deadline: a
+        hung or stopped one answers with its own timeout error while the
+        others answer (and requests keep flowing).  No live replica: one
+        ``(-1, None, error)``.
+        """
+        live = self.live_replicas()
+        if not live:
+            return [(-1, None, f"{self.name} has no live replica")]
+        return await self._each(live, lambda c, idx: c.rpc(method, args, kwargs, timeout=timeout), timeout)
+
+    async def _each(self, replicas: list[int], call: Callable[[ZmqStageClient, int], Awaitable[Any]],
+                    timeout: float) -> list[tuple[int, Any, str | None]]:
+        answers: dict[int, tuple[int, Any, str | None]] = {}
+
+        async def one(idx: int) -> None:
+            try:
+                with trio.fail_after(timeout + 1.0):  # the client's own deadline comes first
+                    answers[idx] = (idx, await call(self.replicas[idx], idx), None)
+            except (trio.TooSlowError, TimeoutError):
+                answers[idx] = (idx, None, f"timeout: replica {idx} did not answer within {timeout:g}s")
+            except RpcError as exc:  # the worker's own error message names the method
+                answers[idx] = (idx, None, str(exc))
+            except Exception as exc:
+                answers[idx] = (idx, None, f"{type(exc).__name__}: {exc}")
+
+        async with trio.open_nursery() as nursery:
+            for idx in replicas:
+                nursery.start_soon(one, idx, name=f"{self.name}.replica[{idx}].call")
+        return [answers[i] for i in replicas]
 
     async def receive(self) -> list[StageOutput]:
         """At least one output; per-request ``replica_died`` outputs on a replica's death."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import socket
 import sys
@@ -27,6 +28,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from stages.registry import outputs_of, text_stage
+from trio_orch.admin_http import TOKEN_ENV
 from trio_orch.bridge import Engine, EngineStartupError
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PIPELINES
@@ -75,6 +77,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--model-name", default="trio-orch", help="model id reported to clients")
+    parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
+                        help="serve the control plane under /admin/... (stats, pause, sleep, weight "
+                             "reload, profiling; 'trio-orch ctl' is its client), each call needing "
+                             f"'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; unset: no /admin)")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
@@ -237,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(engine, model_name=args.model_name,
                      extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
                      outputs=pipeline.outputs, limits=limits, front=front,
-                     token_limit=pipeline.token_limit(engine), stage_names=pipeline.names)
+                     token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
+                     admin_token=args.admin_token)
     add_image_routes(app, engine, model_name=args.model_name, outputs=pipeline.outputs)
     level = logging.getLogger().getEffectiveLevel()
     quiet_floods()

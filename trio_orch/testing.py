@@ -215,6 +215,18 @@ class ScriptedStage:
         self.aborts.extend(request_ids)
         await trio.lowlevel.checkpoint()
 
+    async def confirm_abort(self, request_ids: list[str], timeout: float | None = None
+                            ) -> list[tuple[int, Any, str | None]]:
+        """An acknowledged abort: ``[(0, request_ids, None)]`` once recorded in ``aborts``.
+
+        With ``Misbehaviour.hang_abort`` it never confirms: ``[(0, None, timeout error)]``
+        after ``timeout`` seconds.
+        """
+        with trio.move_on_after(math.inf if timeout is None else timeout):
+            await self.abort(request_ids)
+            return [(0, list(request_ids), None)]
+        return [(0, None, f"timeout: abort not confirmed within {timeout}s")]
+
     async def rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
                   timeout: float | None = None) -> list[tuple[int, Any, str | None]]:
         """One replica (0): ``[(0, value, None)]`` or ``[(0, None, error)]``; recorded in ``rpc_calls``."""

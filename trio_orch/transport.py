@@ -28,7 +28,7 @@ import itertools
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -57,7 +57,7 @@ from trio_orch.wire import (
     WireError,
 )
 
-__all__ = ["ReplicaDied", "ZmqStageClient"]
+__all__ = ["ReplicaDied", "RpcError", "ZmqStageClient"]
 
 log = logging.getLogger("trio_orch.transport")
 
@@ -72,6 +72,10 @@ class ReplicaDied(StageDied):
     A stage death as far as a caller of that one client is concerned; a replica
     pool turns it into per-request ``replica_died`` outputs and keeps serving.
     """
+
+
+class RpcError(RuntimeError):
+    """The worker answered an RPC with an error (an unknown method, a bad argument, a failed call)."""
 
 
 class ZmqStageClient:
@@ -135,7 +139,7 @@ class ZmqStageClient:
         self._waiting_fd = False
         self._owner_running = False
         self._owner_done = trio.Event()
-        self._calls: dict[int, tuple[trio.Event, list[dict[str, Any]]]] = {}
+        self._calls: dict[int, tuple[trio.Event, list[RpcReply]]] = {}
         self._call_ids = itertools.count(1)
 
     def __repr__(self) -> str:
@@ -226,17 +230,41 @@ class ZmqStageClient:
             raise ReplicaDied(f"{self.name} died before it was ready: {self.dead_reason}")
         return self.ready
 
-    async def rpc(self, method: str, timeout: float = 5.0) -> dict[str, Any]:
-        """Call ``health`` or ``stats`` on the worker; raises TimeoutError / ReplicaDied."""
+    async def rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                  timeout: float = 5.0) -> Any:
+        """Call ``method(*args, **kwargs)`` on the worker (stages/control.py) and return its value.
+
+        Raises :class:`RpcError` when the worker answers with an error,
+        ``TimeoutError`` when it does not answer within ``timeout`` seconds (a
+        hung or stopped process), :class:`ReplicaDied` when it dies first and
+        :class:`StageUnavailable` when it is already dead.
+        """
+        reply = await self._call(lambda cid: Rpc(cid, method, list(args), dict(kwargs or {})), timeout)
+        if reply.error is not None:
+            raise RpcError(reply.error)
+        return reply.result
+
+    async def abort_confirmed(self, request_ids: list[str], timeout: float = 5.0) -> list[str]:
+        """Abort and wait until the worker confirms; return the ids it held (and stopped).
+
+        Raises as :meth:`rpc` does (``TimeoutError``: not confirmed in time).
+        """
+        reply = await self._call(lambda call_id: Abort(list(request_ids), call_id), timeout)
+        return list(reply.result or [])
+
+    async def _call(self, make: Callable[[int], Any], timeout: float) -> RpcReply:
+        """Send ``make(call_id)`` and wait for the ``RpcReply`` with that id."""
         self._check_alive()
         call_id = next(self._call_ids)
         done = trio.Event()
-        slot: list[dict[str, Any]] = []
+        slot: list[RpcReply] = []
         self._calls[call_id] = (done, slot)
         try:
-            self._queue(Rpc(call_id, method))
+            self._queue(make(call_id))
             with trio.fail_after(timeout):
                 await done.wait()
+        except trio.TooSlowError:
+            raise TimeoutError(f"{self.name}: no answer within {timeout:g}s") from None
         finally:
             self._calls.pop(call_id, None)
         if not slot:
@@ -387,7 +415,7 @@ class ZmqStageClient:
             elif t is RpcReply:
                 call = self._calls.get(msg.call_id)
                 if call is not None:
-                    call[1].append(msg.result)
+                    call[1].append(msg)
                     call[0].set()
             elif t is Leaving:
                 self.leaving = True

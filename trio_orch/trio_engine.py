@@ -29,15 +29,20 @@ from trio_orch.engine_base import (
     as_spec,
     collect_stats,
 )
+from trio_orch.engine_control import TrioControl
 from trio_orch.orchestrator import Orchestrator
-from trio_orch.types import Message, OrchError, StageClient
+from trio_orch.types import Message, OrchError, RpcResult, StageClient
 
 __all__ = ["TrioEngine", "open_trio_engine"]
 
 
 
-class TrioEngine:
-    """The bridge's API for Trio code running in the orchestrator's own thread."""
+class TrioEngine(TrioControl):
+    """The bridge's API for Trio code running in the orchestrator's own thread.
+
+    The control plane (collective RPC, pause, sleep, weight sync, profiling)
+    comes from :class:`~trio_orch.engine_control.TrioControl`.
+    """
 
     def __init__(self, orch: Orchestrator, demux: Demux,
                  stage_params: Sequence[StageParams] | None = None,
@@ -139,8 +144,9 @@ class TrioEngine:
         except RuntimeError as exc:
             raise EngineClosed(f"the engine is closed: {exc}") from None
 
-    async def abort(self, request_id: str) -> None:
-        await self.orchestrator.abort(request_id)
+    async def abort(self, request_id: str, timeout: float | None = None) -> list[RpcResult]:
+        """Abort and wait for the stages that held it to confirm (see :meth:`Orchestrator.abort`)."""
+        return await self.orchestrator.abort(request_id, timeout)
 
     def stats(self) -> EngineStatistics:
         return collect_stats(self.orchestrator, self._demux, 0, self._closed is None)

@@ -85,12 +85,20 @@ class OrchOutput:
 
 @dataclass(slots=True)
 class OrchError:
-    """A terminal failure of one request; always the last message for it."""
+    """A terminal failure of one request; always the last message for it.
+
+    ``partial``: for a request that had started, what it produced for the user
+    before it ended -- final stage -> the ``data`` of each of its outputs, in
+    order (``{0: ["Hel", "lo"]}``; the deltas a streaming caller already got,
+    and any terminal output still held back) -- so an abort loses nothing;
+    None for a request that never started.  It takes no part in equality.
+    """
 
     request_id: str
     stage_id: int | None
     kind: str
     message: str
+    partial: dict[int, list[Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def terminal(self) -> bool:

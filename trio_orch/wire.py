@@ -81,9 +81,15 @@ class Update(msgspec.Struct, tag="update", array_like=True):
 
 
 class Abort(msgspec.Struct, tag="abort", array_like=True):
-    """Stop these requests at the next step; no further output is sent for them."""
+    """Stop these requests at the next step; no further output is sent for them.
+
+    ``ack`` non-zero asks for a confirmation: the worker answers with
+    ``RpcReply(ack, [ids it held and stopped])`` once they are gone (an older
+    worker ignores the field and never confirms).
+    """
 
     request_ids: list[str]
+    ack: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
@@ -93,10 +99,17 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 
 class Rpc(msgspec.Struct, tag="rpc", array_like=True):
-    """A small request/reply call: ``method`` is ``"health"`` or ``"stats"``."""
+    """A control call: ``method(*args, **kwargs)`` on the worker, answered by :class:`RpcReply`.
+
+    The worker's methods are listed in ``stages/control.py`` (plug-in models
+    add their own).  ``args``/``kwargs`` were appended with defaults: an older
+    peer's ``[call_id, method]`` still decodes, and an older worker ignores them.
+    """
 
     call_id: int
     method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
 
 
 class Peers(msgspec.Struct, tag="peers", array_like=True):
@@ -175,8 +188,11 @@ class Dying(msgspec.Struct, tag="dying", array_like=True):
 
 
 class RpcReply(msgspec.Struct, tag="rpc_reply", array_like=True):
+    """The answer to :class:`Rpc` (or to an :class:`Abort` with ``ack``): ``result``, or ``error``."""
+
     call_id: int
-    result: dict[str, Any]
+    result: Any
+    error: str | None = None
 
 
 class Leaving(msgspec.Struct, tag="leaving", array_like=True):

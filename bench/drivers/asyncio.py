@@ -19,7 +19,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import janus
@@ -28,7 +28,7 @@ from bench.drivers.base import Driver
 from bench.refs.launcher import open_worker_stages
 from bench.refs.orchestrator import AsyncioOrchestrator
 from bench.refs.testing import AsyncScriptedStage
-from trio_orch.types import Message
+from trio_orch.types import Message, RpcResult
 
 __all__ = ["AsyncioDriver"]
 
@@ -171,6 +171,12 @@ class AsyncioDriver(Driver):
 
     def join_outcomes(self) -> dict[str, str]:
         return dict(self.orch.join_outcomes) if self.orch is not None else {}
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                       stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
+        """The serving thread's call: through the request queue, as the reference takes it."""
+        assert self.orch is not None
+        return self.orch.collective_rpc(method, args, kwargs, stage_ids, timeout)
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
         assert self.loop is not None

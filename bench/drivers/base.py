@@ -30,17 +30,20 @@ supports what, and an unsupported call raises :class:`Unsupported`.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sniffio
+
 from trio_orch.config import PipelineConfig
 from trio_orch.testing import Misbehaviour
-from trio_orch.types import Message, StageOutput
+from trio_orch.types import Message, RpcResult, StageOutput
 
 __all__ = ["Driver", "EndOfStream", "ShutdownReport", "Unsupported", "thread_cpu_seconds"]
 
@@ -138,6 +141,7 @@ class Driver:
         self.tasks_pending_at_loop_end: int | None = None
         self.alive_after_run_names: list[str] = []
         self.received: list[Message] = []  # everything next_output returned, in order
+        self.rpc_hangs_ended: list[tuple[int, str]] = []  # hung RPC handlers given up on (see on_rpc)
         #: (stage, request id, perf_counter) per submit to a scripted stage, in submit order
         self.submitted: queue.SimpleQueue[tuple[int, str, float]] = queue.SimpleQueue()
         self._started = threading.Event()
@@ -324,6 +328,14 @@ class Driver:
     def abort(self, request_id: str) -> None:
         raise Unsupported(f"{self.name}: abort")
 
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                       stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
+        """Call ``method`` on every stage's replicas the implementation's way; blocks for the answers.
+
+        Raises ``ValueError`` for invalid stage ids.
+        """
+        raise Unsupported(f"{self.name}: collective_rpc")
+
     # ------------------------------------------------------------------ the loop thread
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
         """Run a sync ``fn`` in the loop thread and return its result."""
@@ -406,6 +418,28 @@ class Driver:
 
     def hold_submits(self, stage: int) -> None:
         self.call(self.stages[stage].hold_submits)
+
+    def on_rpc(self, stage: int, method: str, value: Any = None, *, hang: bool = False) -> None:
+        """Make stage ``stage`` answer RPC ``method`` with ``value`` -- or never (``hang``).
+
+        A hung call ends only when the implementation gives up on it (its
+        deadline, a shutdown); ``(stage, method)`` is then appended to
+        :attr:`rpc_hangs_ended`, so a scenario can tell what happened before that.
+        """
+        async def answer(*args: Any, **kwargs: Any) -> Any:
+            if hang:  # whichever loop runs the stage
+                try:
+                    if sniffio.current_async_library() == "trio":
+                        import trio
+
+                        await trio.sleep_forever()
+                    else:
+                        await asyncio.Event().wait()
+                finally:
+                    self.rpc_hangs_ended.append((stage, method))
+            return value
+
+        self.call(self.stages[stage].on_rpc, method, answer)
 
     def release_submits(self, stage: int) -> None:
         self.call_soon(self.stages[stage].release_submits)

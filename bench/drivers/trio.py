@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import queue
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import trio
@@ -23,7 +23,7 @@ from trio_orch.core import JoinRefused
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.testing import PushScriptedStage, ScriptedStage
-from trio_orch.types import Message
+from trio_orch.types import Message, RpcResult
 
 __all__ = ["TrioDriver"]
 
@@ -231,6 +231,15 @@ class TrioDriver(Driver):
             self.call_soon(self.orch.abort_nowait, request_id)
         except trio.RunFinishedError:
             pass  # stopped: every request already had its terminal
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                       stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
+        assert self.orch is not None
+        call = functools.partial(self.orch.collective_rpc, method, args, kwargs, stage_ids, timeout)
+        try:
+            return trio.from_thread.run(call, trio_token=self.token)
+        except trio.RunFinishedError as exc:
+            raise RuntimeError("orchestrator is not running") from exc
 
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
         return trio.from_thread.run_sync(fn, *args, trio_token=self.token)

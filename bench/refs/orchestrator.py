@@ -35,8 +35,9 @@ from typing import Any
 
 import janus
 
+from bench.refs.control import RpcMsg, sequential_rpc
 from trio_orch.core import Abort, Action, Emit, JoinRefused, Router, Submit, Ticket, Update, stage_io_options
-from trio_orch.types import Message, StageClient
+from trio_orch.types import Message, RpcResult, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
 
@@ -116,7 +117,8 @@ class AsyncioOrchestrator:
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn)
         self.shutdown_grace = shutdown_grace
         self.loop = asyncio.get_running_loop()
-        self.request_queue: janus.Queue[AddMsg | AbortMsg] = janus.Queue(maxsize=request_queue_size)
+        self.request_queue: janus.Queue[AddMsg | AbortMsg | UpdateMsg | RpcMsg] = janus.Queue(
+            maxsize=request_queue_size)
         self.output_queue: janus.Queue[list[Message]] = janus.Queue()
         # Held by the serving thread around accept/withdraw, and by the loop around the core
         # calls that move a request between its tables (start, shutdown).  Other loop-side calls
@@ -189,6 +191,27 @@ class AsyncioOrchestrator:
         except janus.SyncQueueShutDown:
             pass  # stopped: every request already had its terminal
 
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                       stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
+        """(Serving thread.)  ``method`` on every stage, through the request queue; blocks for the answers.
+
+        The variant's :meth:`handle_rpc` decides how (see :mod:`bench.refs.control`).
+        Raises ``ValueError`` for invalid stage ids (the core's rule) and
+        ``RuntimeError`` once stopped.
+        """
+        with self.lock:
+            targets = self.router.check_stage_ids(stage_ids)
+        msg = RpcMsg(method, tuple(args), dict(kwargs or {}), targets, timeout)
+        try:
+            self.request_queue.sync_q.put(msg)
+        except janus.SyncQueueShutDown:
+            raise RuntimeError("orchestrator is not running: it has shut down") from None
+        return msg.future.result()
+
+    async def handle_rpc(self, msg: RpcMsg) -> None:
+        """The seed's shape: awaited stage by stage right here, in the request handler."""
+        await sequential_rpc(self.stages, msg)
+
     # ------------------------------------------------------------------ control (loop thread)
     def request_shutdown(self, timeout: float | None = None) -> None:
         """Begin shutting down; ``timeout`` lets active requests finish first."""
@@ -243,6 +266,8 @@ class AsyncioOrchestrator:
                 await self._handle_add(msg)
             elif type(msg) is UpdateMsg:
                 await self.handle_update(msg)
+            elif type(msg) is RpcMsg:
+                await self.handle_rpc(msg)
             else:
                 await self.perform(self.router.abort(msg.request_id))
 
@@ -401,6 +426,8 @@ class AsyncioOrchestrator:
                     m.error = RuntimeError("orchestrator shut down before the update was handled")
                     if m.done is not None:
                         m.done.set()
+                elif type(m) is RpcMsg:
+                    m.refuse("orchestrator shut down before the call was handled")
             for ticket in self._sending - handed_over:
                 self.router.withdraw(ticket)
             actions = self.router.shutdown()

@@ -24,6 +24,7 @@ import asyncio
 import logging
 from typing import Any
 
+from bench.refs.control import RpcMsg, concurrent_rpc
 from bench.refs.orchestrator import AsyncioOrchestrator
 from trio_orch.types import StageClient, StageDied
 
@@ -39,6 +40,8 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
     description = "modern asyncio: the same under asyncio.TaskGroup + asyncio.timeout, no sweep"
     use_runner = True
     bounded_cleanup = True
+    _tg: asyncio.TaskGroup
+    _rpc_tasks: set[asyncio.Task[None]]
 
     async def run(self) -> None:
         try:
@@ -47,6 +50,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             # that by cancelling its children once more.
             async with asyncio.timeout(None) as stop_deadline:
                 async with asyncio.TaskGroup() as tg:
+                    self._tg, self._rpc_tasks = tg, set()
                     ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
                     tasks = [tg.create_task(self.request_handler(), name="orchestrator-request-handler"),
                              tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
@@ -55,7 +59,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
                     await self.wait_stop_requested()
                     self.stopping.set()
                     stop_deadline.reschedule(asyncio.get_running_loop().time() + self.shutdown_grace)
-                    for t in tasks:
+                    for t in (*tasks, *self._rpc_tasks):
                         t.cancel()
         except TimeoutError:
             log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
@@ -70,6 +74,12 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         self.cancel_joins()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def handle_rpc(self, msg: RpcMsg) -> None:
+        """A task of the group asks every stage at once; the request handler moves on."""
+        task = self._tg.create_task(concurrent_rpc(self.stages, msg), name=f"orchestrator-rpc-{msg.method}")
+        self._rpc_tasks.add(task)
+        task.add_done_callback(self._rpc_tasks.discard)
 
     async def _dispatcher(self, ready_q: asyncio.Queue[tuple[int, Any]]) -> None:
         while True:

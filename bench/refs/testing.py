@@ -1,7 +1,8 @@
 """The asyncio twin of :class:`trio_orch.testing.ScriptedStage`.
 
 Same API (``emit``/``emit_nowait``/``emit_batch_nowait``/``fail``/``fail_nowait``/
-``hold_submits``/``release_submits``, ``submissions``, ``aborts``, ``on_submit``)
+``hold_submits``/``release_submits``, ``submissions``, ``aborts``, ``on_submit``,
+``on_rpc``/``rpc_calls``)
 and the same stage-client protocol, on an :class:`asyncio.Queue`, so the asyncio
 references are driven by exactly what drives the Trio orchestrator.  The same
 :class:`~trio_orch.testing.Misbehaviour` adds the comparison scenarios' faults;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from trio_orch.testing import Misbehaviour, SubmitHook
@@ -51,6 +53,8 @@ class AsyncScriptedStage:
         self.closed = False
         self.swallowed_cancels = 0
         self.helpers: set[asyncio.Task[None]] = set()
+        self.rpc_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self._rpc_handlers: dict[str, Callable[..., Awaitable[Any]]] = {}
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()  # one item per emit: a batch, or the death
         self._dead: BaseException | None = None
         self._submit_gate: asyncio.Event | None = None
@@ -83,6 +87,10 @@ class AsyncScriptedStage:
         if self._dead is None:
             self._dead = exc or RuntimeError(f"{self.name} died")
             self._queue.put_nowait(self._dead)
+
+    def on_rpc(self, method: str, fn: Callable[..., Awaitable[Any]]) -> None:
+        """Answer RPC ``method`` with ``await fn(*args, **kwargs)`` (it may hang, to test deadlines)."""
+        self._rpc_handlers[method] = fn
 
     def close_under_reader(self) -> None:
         """The next (or pending) receive raises ``CancelledError``, as pyzmq's does on close."""
@@ -144,6 +152,26 @@ class AsyncScriptedStage:
             await asyncio.Event().wait()
         self.aborts.extend(request_ids)
         await asyncio.sleep(0)
+
+    async def rpc(self, method: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+                  timeout: float | None = None) -> list[tuple[int, Any, str | None]]:
+        """One replica (0): ``[(0, value, None)]`` or ``[(0, None, error)]``; recorded in ``rpc_calls``."""
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        kwargs = dict(kwargs or {})
+        self.rpc_calls.append((method, tuple(args), kwargs))
+        fn = self._rpc_handlers.get(method)
+        if fn is None:
+            await asyncio.sleep(0)
+            return [(0, None, f"unknown rpc method {method!r}")]
+        try:
+            async with asyncio.timeout(timeout):
+                value = await fn(*args, **kwargs)
+        except TimeoutError:
+            return [(0, None, f"timeout: no answer within {timeout}s")]
+        except Exception as exc:
+            return [(0, None, f"{type(exc).__name__}: {exc}")]
+        return [(0, value, None)]
 
     async def receive(self) -> list[StageOutput]:
         """Wait for at least one output; return everything already emitted."""

@@ -44,6 +44,7 @@ class RoutingRules(AdmissionRules):
         if stage_id in req.finals:
             all_final = req.finals <= req.finished
             msg = OrchOutput(rid, stage_id, out.data, all_final, out.t_produced)
+            self.keep_partial(req, stage_id, out.data)
             if all_final:
                 if req.submitted <= req.finished:
                     return self.complete(req, msg)

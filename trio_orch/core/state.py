@@ -89,6 +89,7 @@ class RequestState:
         "input_closed",
         "opened",
         "outputs",
+        "partial",
         "pending_final",
         "prompt",
         "request_id",
@@ -111,6 +112,9 @@ class RequestState:
         # stage -> data of every output, kept only for stages that forward.
         self.outputs: dict[int, list[Any]] = {}
         self.pending_final: OrchOutput | None = None
+        #: final stage -> the data of every user-visible output it produced so far (an error
+        #: terminal carries them: the caller of an abort keeps what was generated)
+        self.partial: dict[int, list[Any]] = {}
         self.resumable = ticket.resumable
         self.sampling = ticket.sampling
         self.input_closed = True
@@ -231,11 +235,21 @@ class CoreState:
             actions.extend(self.release_companions(req))
         return actions
 
+    def keep_partial(self, req: RequestState, stage_id: int, data: Any) -> None:
+        """Keep a user-visible output (held terminals included) until the request ends.
+
+        An error terminal carries them as ``OrchError.partial``: whoever waits
+        only for the terminal (an abort's caller, a non-streaming front) still
+        gets what was produced.  A finished request drops them.
+        """
+        req.partial.setdefault(stage_id, []).append(data)
+
     def end(self, req: RequestState, err: OrchError, skip: int | None = None) -> list[Action]:
-        """The request failed: ``err`` is the terminal; abort it on every stage still open.
+        """The request failed: ``err`` is the terminal (with the partial output); abort it on open stages.
 
         ``skip`` is a stage that already dropped it (its own error, a failed submit).
         """
+        err.partial = req.partial
         del self.requests[req.request_id]
         self.release_claims(req)
         self.count_terminal(err.kind)
