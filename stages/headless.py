@@ -42,6 +42,7 @@ import zmq.utils.monitor as zmq_monitor
 
 from stages.registry import build_model, model_class
 from stages.worker import StopServing, Worker
+from stages.worker import build_parser as build_worker_parser
 from trio_orch import membership_wire as mw
 from trio_orch.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
 from trio_orch.wire import Dying, Peers, Ready
@@ -307,31 +308,14 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 )
                 model.warmup()
                 model_seed = answer.seed
-            ns = argparse.Namespace(
-                connect=answer.control,
-                stage_id=args.stage,
-                replica=answer.replica,
-                kind=st.kind,
-                inbox=None,
-                inbox_tcp=f"tcp://{advertise}:0" if answer.inbox else None,
-                downstream=[],
-                control_only=answer.control_only,
-                heartbeat_interval=answer.heartbeat_interval,
-                max_batch=st.max_batch,
-                parent_pid=os.getppid(),
-                step_delay_ms=args.step_delay_ms,
-                fail_requests_containing=None,
-                crash_on_chunk=False,
-                fault_unknown_rid=None,
-                fault_duplicate_finish=None,
-                fault_oversized=None,
-                fault_garbage=None,
-                garbage_after_steps=0,
-                unknown_rid_after_steps=0,
-                crash_after_steps=0,
-                die_after_steps=0,
-                hang_after_steps=0,
-            )
+            # the local worker's options, defaults and all, then what the head and our config say
+            ns = build_worker_parser().parse_args(["--connect", answer.control])
+            ns.stage_id, ns.replica, ns.kind, ns.role = args.stage, answer.replica, st.kind, st.role
+            ns.inbox_tcp = f"tcp://{advertise}:0" if answer.inbox else None
+            ns.control_only, ns.heartbeat_interval = answer.control_only, answer.heartbeat_interval
+            ns.max_batch, ns.device, ns.seed = st.max_batch, device, answer.seed
+            ns.threads = args.threads or st.threads
+            ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms
             HeadlessWorker.head_timeout = args.head_timeout
             worker = HeadlessWorker(ns, model, ctx, security, auth)
             worker.set_peers(Peers(answer.downstream, answer.upstream_keys))
