@@ -23,21 +23,38 @@ from typing import Any
 
 import zmq
 
+from trio_orch.auth import DOMAIN, Authenticator, Security
 from trio_orch.wire import Chunk, WireCodec, WireError
 
 __all__ = ["ChunkInbox", "ChunkOutbox"]
 
 log = logging.getLogger("stages.connector")
 
+#: ZAP domain of the inboxes: on TCP only the keys the head named as upstream replicas pass
+INBOX_DOMAIN = f"{DOMAIN}:inbox"
+
 
 class ChunkInbox:
     """PULL side: receives chunks for this replica, buffers those not claimed yet."""
 
-    def __init__(self, ctx: zmq.Context, address: str, *, orphan_ttl: float = 60.0) -> None:
+    def __init__(self, ctx: zmq.Context, address: str | None, *, orphan_ttl: float = 60.0,
+                 security: Security | None = None, authenticator: Authenticator | None = None,
+                 tcp: str | None = None) -> None:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.linger = 0
-        self.sock.bind(address)
-        self.address = address
+        #: the TCP endpoint (``tcp``, bound on top of the ipc one, for upstream replicas on other hosts)
+        self.tcp_address: str | None = None
+        for addr in (address, tcp):
+            if addr is None:
+                continue
+            if security is not None:
+                security.server(self.sock, addr, domain=INBOX_DOMAIN)
+            self.sock.bind(addr)
+            if addr.startswith("tcp://"):
+                self.tcp_address = self.sock.last_endpoint.decode()
+        if authenticator is not None:
+            authenticator.watch(self.sock)
+        self.address = address or self.tcp_address or ""
         self.orphan_ttl = orphan_ttl
         self.codec = WireCodec(Chunk)
         self.garbage = 0
@@ -109,16 +126,42 @@ class ChunkInbox:
 class ChunkOutbox:
     """PUSH side: one socket per replica of the next stage."""
 
-    def __init__(self, ctx: zmq.Context, addresses: list[str]) -> None:
+    def __init__(self, ctx: zmq.Context, addresses: list[str], *, security: Security | None = None) -> None:
+        self.ctx = ctx
+        self.security = security
         self.codec = WireCodec(Chunk)
-        self.socks = []
-        for addr in addresses:
-            s = ctx.socket(zmq.PUSH)
-            s.linger = 200
-            s.setsockopt(zmq.RECONNECT_IVL, 10)  # the inbox may bind after we connect: retry fast
-            s.connect(addr)
-            self.socks.append(s)
+        self.socks: list[zmq.Socket | None] = []
+        self.peers: list[tuple[str, str] | None] = []
+        self.set_peers([[a, ""] for a in addresses])
         self.sent = 0
+
+    def _connect(self, addr: str, key: str) -> zmq.Socket:
+        s = self.ctx.socket(zmq.PUSH)
+        s.linger = 200
+        s.setsockopt(zmq.RECONNECT_IVL, 10)  # the inbox may bind after we connect: retry fast
+        if self.security is not None:
+            self.security.client(s, addr, key.encode() or None)
+        s.connect(addr)
+        return s
+
+    def set_peers(self, downstream: list[list[str] | None]) -> None:
+        """Connect to the next stage's replicas as they are now (index = replica slot).
+
+        A slot whose address or key changed gets a new socket; an emptied one
+        is closed (a chunk sent there fails its request, as for a full queue).
+        """
+        for i, entry in enumerate(downstream):
+            peer = (entry[0], entry[1] if len(entry) > 1 else "") if entry else None
+            if i < len(self.peers) and self.peers[i] == peer:
+                continue
+            if i < len(self.socks) and self.socks[i] is not None:
+                self.socks[i].close(linger=100)  # type: ignore[union-attr]
+            sock = self._connect(*peer) if peer is not None else None
+            if i < len(self.socks):
+                self.socks[i], self.peers[i] = sock, peer
+            else:
+                self.socks.append(sock)
+                self.peers.append(peer)
 
     def send(self, replica: int, request_id: str, data: Any, end: bool, segment: int = 0) -> None:
         """Queue one chunk; raise ``zmq.Again`` rather than block when the replica's queue is full.
@@ -126,12 +169,14 @@ class ChunkOutbox:
         Never blocking matters: a dead downstream replica must not hang this
         worker (and with it the heartbeats of every request it serves).
         """
-        if not 0 <= replica < len(self.socks):
-            raise ValueError(f"no downstream replica {replica} (have {len(self.socks)})")
+        sock = self.socks[replica] if 0 <= replica < len(self.socks) else None
+        if sock is None:
+            raise ValueError(f"no downstream replica {replica} (have {len(self.socks)} slots)")
         frames = self.codec.encode(Chunk(request_id, data, end, segment))
-        self.socks[replica].send_multipart(frames, zmq.NOBLOCK, copy=False)
+        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         self.sent += 1
 
     def close(self) -> None:
         for s in self.socks:
-            s.close(linger=100)
+            if s is not None:
+                s.close(linger=100)

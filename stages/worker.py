@@ -35,19 +35,23 @@ from typing import Any
 import zmq
 
 from stages.base import ReqState, StageModel, StepResult
-from stages.connector import ChunkInbox, ChunkOutbox
+from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
 from stages.segments import SegmentTracker
+from trio_orch.auth import Authenticator, Security
 from trio_orch.wire import (
     Abort,
+    Cordoned,
     Dying,
     Heartbeat,
     InboundMsg,
+    Leaving,
     OutboundMsg,
     OutItem,
     Outputs,
+    Peers,
     Ready,
     RequestError,
     Rpc,
@@ -61,7 +65,9 @@ from trio_orch.wire import (
 
 log = logging.getLogger("stages.worker")
 
-class _Stop(Exception):
+class StopServing(Exception):
+    """Ends the serve loop; ``reason`` goes into the ``Dying`` sentinel."""
+
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason
@@ -70,18 +76,29 @@ class _Stop(Exception):
 class Worker:
     """The server loop of one replica (continuous batching over ``model``)."""
 
-    def __init__(self, args: argparse.Namespace, model: StageModel, ctx: zmq.Context) -> None:
+    def __init__(self, args: argparse.Namespace, model: StageModel, ctx: zmq.Context,
+                 security: Security | None = None, authenticator: Authenticator | None = None) -> None:
         self.args = args
         self.model = model
         self.ctx = ctx
+        self.security = security
+        self.authenticator = authenticator
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 200
         self.sock.sndtimeo = 1000
+        if security is not None:
+            security.client(self.sock, args.connect)
+        self.configure_control(self.sock)
         self.sock.connect(args.connect)
         self.in_codec = WireCodec(InboundMsg)
         self.out_codec = WireCodec(OutboundMsg)
-        self.inbox = ChunkInbox(ctx, args.inbox) if args.inbox else None
-        self.outbox = ChunkOutbox(ctx, args.downstream) if args.downstream else None
+        inbox_tcp = getattr(args, "inbox_tcp", None)
+        self.inbox = (ChunkInbox(ctx, args.inbox, security=security, authenticator=authenticator,
+                                 tcp=inbox_tcp) if args.inbox or inbox_tcp else None)
+        self.outbox = ChunkOutbox(ctx, args.downstream, security=security) if args.downstream else None
+        #: graceful leave: when the grace period ends (monotonic), once ``begin_leave`` was called
+        self.leave_deadline: float | None = None
+        self.cordoned = False  # the orchestrator confirmed it places nothing more here
         self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
         self.active: dict[str, ReqState] = {}
         self.waiting: deque[ReqState] = deque()
@@ -100,6 +117,9 @@ class Worker:
             slots=args.max_batch, role=args.role), scratch_dir=args.cleanup_dir,
             label=f"stage{args.stage_id}-replica{args.replica}")
 
+    def configure_control(self, sock: zmq.Socket) -> None:
+        """Hook: socket options of the control link, set before it connects."""
+
     # ------------------------------------------------------------------ sending
     def send(self, msg: Any) -> None:
         """Send to the orchestrator; blocks while its queue is full (backpressure), but
@@ -111,7 +131,7 @@ class Worker:
                 return
             except zmq.Again:  # SNDTIMEO expired: the orchestrator is not reading
                 if os.getppid() != self.parent:
-                    raise _Stop("parent process exited") from None
+                    raise StopServing("parent process exited") from None
 
     # ------------------------------------------------------------------ inbound
     def drain(self) -> None:
@@ -175,8 +195,39 @@ class Worker:
                 self.send(RpcReply(msg.ack, held))
         elif type(msg) is Rpc:
             self.send(RpcReply(msg.call_id, *self.control.call(msg.method, msg.args, msg.kwargs)))
+        elif type(msg) is Peers:
+            self.set_peers(msg)
+        elif type(msg) is Cordoned:
+            self.cordoned = True
         elif type(msg) is Shutdown:
-            raise _Stop(f"shutdown requested: {msg.reason}" if msg.reason else "shutdown requested")
+            raise StopServing(f"shutdown requested: {msg.reason}" if msg.reason else "shutdown requested")
+
+    def set_peers(self, msg: Peers) -> None:
+        """Membership changed: stream to the next stage's replicas as they are now; allow the
+        previous stage's replicas (their keys) into this worker's TCP inbox."""
+        if self.outbox is None:
+            self.outbox = ChunkOutbox(self.ctx, [], security=self.security)
+        self.outbox.set_peers(msg.downstream)
+        if self.authenticator is not None:
+            self.authenticator.set_allowed([k.encode() for k in msg.upstream_keys], INBOX_DOMAIN)
+
+    def begin_leave(self, grace: float) -> None:
+        """Leave the pool gracefully: announce it, serve what is held for up to ``grace`` s, stop."""
+        if self.leave_deadline is None:
+            self.leave_deadline = time.monotonic() + grace
+            self.send(Leaving(grace, len(self.active) + len(self.waiting)))
+            log.info("leaving the pool: %d requests held, up to %.1fs to finish them",
+                     len(self.active) + len(self.waiting), grace)
+
+    def tick(self, now: float) -> None:
+        """Once per loop turn: end a graceful leave when nothing is held or the grace ran out."""
+        if self.leave_deadline is not None:
+            held = len(self.active) + len(self.waiting)
+            if held == 0 and self.cordoned:
+                raise StopServing("left the pool")
+            if now >= self.leave_deadline:
+                raise StopServing(f"left the pool; {held} requests were still held when the grace "
+                                  "period ended")
 
     def submit(self, msg: Submit) -> None:
         rid = msg.request_id
@@ -247,6 +298,15 @@ class Worker:
         if self.inbox is not None:
             self.inbox.forget(rid)
 
+    def ready_info(self) -> dict[str, Any]:
+        """What ``Ready`` tells the orchestrator: the model's info, and the TCP inbox if there is one."""
+        info = dict(self.model.info())
+        if self.inbox is not None and self.inbox.tcp_address:
+            info["inbox_tcp"] = self.inbox.tcp_address
+            if self.security is not None and self.security.keypair is not None:
+                info["inbox_key"] = self.security.keypair.public.decode()
+        return info
+
     def health_info(self) -> dict[str, Any]:
         """The ``health`` RPC's answer (with the control state added by stages/control.py)."""
         return {"ok": True, "active": len(self.active), "waiting": len(self.waiting),
@@ -312,7 +372,7 @@ class Worker:
                 try:
                     self.outbox.send(req.downstream, req.request_id, res.chunk, res.finished,
                                      self.segments.segment(req.request_id))
-                except zmq.Again:  # downstream dead or far behind: fail the request, never block
+                except (zmq.Again, ValueError):  # downstream gone or far behind: fail it, never block
                     self.stats["errors"] += 1
                     items.append(OutItem(req.request_id, None, True, f"downstream replica {req.downstream} "
                                          "of the next stage is not taking chunks (dead or full)", now))
@@ -400,7 +460,7 @@ class Worker:
         if a.hang_after_steps and n >= a.hang_after_steps:
             while os.getppid() == self.parent:  # silent: no heartbeats; the launcher must kill us
                 time.sleep(0.2)
-            raise _Stop("parent process exited")
+            raise StopServing("parent process exited")
 
     # ------------------------------------------------------------------ main loop
     def serve(self) -> str:
@@ -424,7 +484,8 @@ class Worker:
                 if a.heartbeat_interval > 0:
                     self.send(Heartbeat(time.perf_counter(), len(self.active) + len(self.waiting)))
                 if os.getppid() != self.parent:
-                    raise _Stop("parent process exited")
+                    raise StopServing("parent process exited")
+            self.tick(now)
             if self.inbox is not None and now >= next_purge:
                 next_purge = now + 5.0
                 self.inbox.purge()
@@ -479,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between heartbeats (0: none; the launcher then cannot see a hang)")
     p.add_argument("--inbox", default=None,
                    help="async-chunk: bind a PULL inbox here; inputs then arrive as upstream chunks")
+    p.add_argument("--inbox-tcp", default=None, metavar="ADDR",
+                   help="async-chunk: also bind the inbox on this TCP address (e.g. tcp://10.0.0.5:0), "
+                        "for upstream replicas on other hosts (CurveZMQ; reported in the ready handshake)")
     p.add_argument("--downstream", action="append", default=[],
                    help="async-chunk: inbox address of a next-stage replica (repeat, in replica order)")
     p.add_argument("--cleanup-dir", default=None, metavar="DIR",
@@ -531,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
-        raise _Stop(f"signal {signal.Signals(signum).name}")
+        raise StopServing(f"signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, on_term)
     # No PR_SET_PDEATHSIG: it fires when the *thread* that forked us exits, and trio's open_process
@@ -542,6 +606,12 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     args.parent_pid = parent = os.getppid()
     ctx = zmq.Context()
+    security = Security.from_env()  # the pipeline secret: never on the command line
+    auth: Authenticator | None = None
+    if security is not None and (args.inbox or args.inbox_tcp):  # this worker binds: it checks its peers
+        auth = Authenticator(ctx, security.secret).start()
+        assert security.keypair is not None
+        auth.allow([security.keypair.public])
     worker: Worker | None = None
     reason = "exited"
     code = 0
@@ -566,10 +636,10 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.kind, options, device=args.device, seed=args.seed, slots=args.max_batch,
                             role=args.role)
         model.warmup()
-        worker = Worker(args, model, ctx)
-        worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, model.info()))
+        worker = Worker(args, model, ctx, security, auth)
+        worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, worker.ready_info()))
         reason = worker.serve()
-    except _Stop as stop:
+    except StopServing as stop:
         reason = stop.reason
     except Exception as exc:
         log.exception("fatal error")
@@ -580,6 +650,8 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(zmq.ZMQError):  # best effort, never wait for a stuck reader
                 worker.sock.send_multipart(worker.out_codec.encode(Dying(reason)), zmq.NOBLOCK)
             worker.close()
+        if auth is not None:
+            auth.stop()
         ctx.term()
         if args.cleanup_dir and reason == "parent process exited":
             shutil.rmtree(args.cleanup_dir, ignore_errors=True)

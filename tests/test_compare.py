@@ -160,15 +160,18 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
 
 
 def test_compare_cli_rejects_unknown_scenario(capsys) -> None:
-    n = len(SCENARIOS) + 1
+    n = max(s.number for s in SCENARIOS) + 1
     assert main(["compare", "--only", str(n)]) == 2
     assert f"no scenario {n}" in capsys.readouterr().err
 
 
 def test_every_scenario_is_collected_and_listed(capsys) -> None:
-    """Scenarios are found in their modules, numbered 1..N without a gap, each listed by --list."""
+    """Scenarios are found in their modules, numbered from 1 in order, each listed by --list.
+
+    (Numbers are handed out per piece of work, so one may be missing until its work lands.)"""
     assert len(SCENARIOS) >= 12
-    assert [s.number for s in SCENARIOS] == list(range(1, len(SCENARIOS) + 1))
+    numbers = [s.number for s in SCENARIOS]
+    assert numbers[0] == 1 and numbers == sorted(set(numbers))
     assert len({s.key for s in SCENARIOS}) == len(SCENARIOS)
     assert main(["compare", "--list"]) == 0
     listed = capsys.readouterr().out.splitlines()

@@ -93,7 +93,7 @@ def test_load_config_parses_toml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("toml, message", [
     ("[pipeline]\nasync_chunk = true\n", "at least one stage"),
-    ('[[stages]]\nkind = "echo"\nreplicas = 0\n', "replicas >= 1"),
+    ('[[stages]]\nkind = "echo"\nreplicas = -1\n', "replicas >= 0"),
     ('[pipeline]\nfinal_stages = [3]\n[[stages]]\nkind = "echo"\n', "out of range"),
     ('[pipeline]\nbogus = 1\n[[stages]]\nkind = "echo"\n', "unknown keys"),
     ('[[stages]]\nkind = "echo"\ncolour = "red"\n', "unknown keys"),

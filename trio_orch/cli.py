@@ -53,6 +53,9 @@ COMMANDS: dict[str, Command] = {
                         "text + speech (WAV) for a prompt through the ZMQ stage workers"),
     "serve": Command("trio_orch.server",
                      "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
+    "worker": Command("trio_orch.worker_cmd",
+                      "a stage replica that joins a running orchestrator over TCP (--head)"),
+    "keys": Command("trio_orch.keys_cmd", "make the CurveZMQ key pairs of a head and its workers"),
 }
 
 

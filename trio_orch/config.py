@@ -72,6 +72,9 @@ class StageConfig:
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
     role: str = ""
+    #: what one replica needs from a Ray cluster (``--worker-backend ray``), e.g. ``{num_gpus = 1}``;
+    #: ``num_cpus`` defaults to 1
+    resources: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -107,8 +110,9 @@ class PipelineConfig:
                 check_stage(st.kind, st.model, st.role)
             except KindError as exc:
                 raise ValueError(f"pipeline config: stage {k}: {exc}") from None
-            if st.replicas < 1:
-                raise ValueError(f"pipeline config: stage {k} needs replicas >= 1, got {st.replicas}")
+            if st.replicas < 0:
+                raise ValueError(f"pipeline config: stage {k} needs replicas >= 0, got {st.replicas} "
+                                 "(0: only replicas that join at runtime serve it)")
             if st.max_batch < 1:
                 raise ValueError(f"pipeline config: stage {k} needs max_batch >= 1, got {st.max_batch}")
             bound = st.max_inflight
@@ -234,6 +238,15 @@ def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None
                           worker_args=list(worker_args or [])) for _ in range(num_stages)]
     finals = final_stage_ids if final_stage_ids is not None else [num_stages - 1]
     return PipelineConfig(stages, final_stage_ids=list(finals), **pipeline).validate()
+
+
+def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
+    """The TOML layout of ``cfg`` (what :func:`from_dict` reads), e.g. to hand it to a remote worker."""
+    pipe = {f: getattr(cfg, f) for f in PipelineConfig.__dataclass_fields__ if f != "stages"}
+    stages = [{f: getattr(st, f) for f in StageConfig.__dataclass_fields__} for st in cfg.stages]
+    for st in stages:
+        st["replica_args"] = {str(k): v for k, v in st["replica_args"].items()}
+    return {"pipeline": pipe, "stages": stages}
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:

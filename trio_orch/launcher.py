@@ -43,12 +43,15 @@ import trio
 import zmq
 
 from stages import registry
+from trio_orch import auth
+from trio_orch.auth import Authenticator, Security
 from trio_orch.config import PipelineConfig, StageConfig
 from trio_orch.pool import ReplicaPool
 from trio_orch.transport import ReplicaDied, RpcError, ZmqStageClient
 from trio_orch.types import StageUnavailable
 
-__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "open_pipeline",
+__all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "inbox_address",
+           "open_pipeline",
            "prewarm_fn", "run_worker", "worker_argv"]
 
 log = logging.getLogger("trio_orch.launcher")
@@ -115,8 +118,16 @@ class Pipeline:
     """
 
     def __init__(self, config: PipelineConfig, stages: list[ReplicaPool], workers: list[WorkerHandle],
-                 tmpdir: str) -> None:
+                 tmpdir: str, security: Security | None = None, authenticator: Authenticator | None = None,
+                 inbox_host: str | None = None) -> None:
         self.config = config
+        #: the pipeline secret and key pair (local workers get them in their environment) and the
+        #: ZAP handler that checks every peer of this process's sockets (refusals: ``authenticator.refused``)
+        self.security = security
+        self.authenticator = authenticator
+        #: where local inboxes also listen on TCP (distributed mode), else None
+        self.inbox_host = inbox_host
+        self.ctx: zmq.Context | None = None  #: the ZMQ context of every socket of this pipeline
         self.stages = stages
         self.workers = workers
         self.tmpdir = tmpdir
@@ -179,7 +190,8 @@ def _seed(cfg: PipelineConfig, k: int, r: int) -> int:
     return cfg.seed + 1000 * k + r
 
 
-def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str) -> list[str]:
+def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str,
+                 inbox_host: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
             "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
             "--device", cfg.device, "--seed", str(_seed(cfg, k, r)), "--threads", str(st.threads),
@@ -192,6 +204,8 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
         argv += ["--python-path", root]
     if k > 0 and cfg.hands_off(k - 1):  # data from stage k-1's workers: an inbox
         argv += ["--inbox", _inbox(tmpdir, k, r)]
+        if inbox_host is not None:  # and one on TCP for upstream replicas on other hosts
+            argv += ["--inbox-tcp", f"tcp://{inbox_host}:0"]
     if cfg.hands_off(k):  # data to stage k+1's workers: one address per replica
         for r2 in range(cfg.stages[k + 1].replicas):
             argv += ["--downstream", _inbox(tmpdir, k + 1, r2)]
@@ -200,23 +214,35 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
     return argv + list(st.worker_args) + list(st.replica_args.get(r, []))
 
 
-def worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str) -> list[str]:
+def worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str,
+                inbox_host: str | None = None) -> list[str]:
     """The ``python -m stages.worker`` command line of replica ``r`` of stage ``k`` (public for
     supervisors and fault harnesses that start replicas themselves)."""
-    return _worker_argv(cfg, k, r, st, addr, tmpdir)
+    return _worker_argv(cfg, k, r, st, addr, tmpdir, inbox_host)
 
 
 def _inbox(tmpdir: str, k: int, r: int) -> str:
     return f"ipc://{tmpdir}/in-s{k}r{r}"
 
 
+def inbox_address(tmpdir: str, k: int, r: int) -> str:
+    """The ipc async-chunk inbox of local replica ``r`` of stage ``k``."""
+    return _inbox(tmpdir, k, r)
+
+
 async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
                       task_status: trio.TaskStatus[WorkerHandle] = trio.TASK_STATUS_IGNORED) -> None:
-    """Start one worker, wait for Ready, watch it; always stop and reap it on the way out."""
+    """Start one worker, wait for Ready, watch it; always stop and reap it on the way out.
+
+    The worker gets the pipeline secret (if its client has one) in its environment.
+    """
     label = f"stage {h.stage_id} ({h.kind}) replica {h.replica}"
+    env = None
+    if h.client.security is not None:
+        env = {**os.environ, auth.ENV: h.client.security.to_env()}
     with open(h.stderr_path, "wb") as errf:
         h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
-                                                     stderr=errf)
+                                                     stderr=errf, env=env)
     proc = h.process
     try:
         async with trio.open_nursery() as nursery:
@@ -331,7 +357,8 @@ async def _exit_on_sigterm(*, task_status: trio.TaskStatus[None] = trio.TASK_STA
 
 
 @asynccontextmanager
-async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) -> AsyncIterator[Pipeline]:
+async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
+                        inbox_host: str | None = None) -> AsyncIterator[Pipeline]:
     """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all.
 
     Raises :class:`WorkerStartupError` if a worker does not become ready.  A
@@ -341,10 +368,19 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
     after the workers were stopped, instead of killing the process without
     cleanup.  Workers also exit, and remove the ipc directory, if this
     process dies without cleaning up (e.g. SIGKILL).
+
+    Every socket checks its peers (:mod:`trio_orch.auth`): a fresh pipeline
+    secret, given to the workers in their environment, is required to
+    connect to any of them.  ``inbox_host``: async-chunk inboxes also listen
+    on TCP there, for replicas on other hosts (see :mod:`trio_orch.membership`).
     """
     config.validate()
     tmpdir = tempfile.mkdtemp(prefix="trio-orch-")
     ctx = zmq.Context()
+    security = Security.new_pipeline()
+    authenticator = Authenticator(ctx, security.secret).start()  # before any socket binds
+    assert security.keypair is not None
+    authenticator.allow([security.keypair.public])
     pools: list[ReplicaPool] = []
     workers: list[WorkerHandle] = []
     _register_for_exit(tmpdir, workers)
@@ -361,12 +397,13 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
                     client = ZmqStageClient(ctx, addr, stage_id=k, replica=r, sink=pool.sink,
                                             heartbeat_timeout=config.heartbeat_timeout
                                             if config.heartbeat_interval > 0 else None,
-                                            name=f"stage {k} ({st.label}) replica {r}")
+                                            name=f"stage {k} ({st.label}) replica {r}",
+                                            security=security, authenticator=authenticator)
                     pool.add_replica(client)
                     await nursery.start(client.run)
                     h = WorkerHandle(k, r, st.kind, client, os.path.join(tmpdir, f"s{k}r{r}.stderr"))
                     workers.append(h)
-                    plans.append((h, _worker_argv(config, k, r, st, addr, tmpdir)))
+                    plans.append((h, _worker_argv(config, k, r, st, addr, tmpdir, inbox_host)))
             for k in range(len(pools) - 1):
                 if config.hands_off(k):
                     pools[k].downstream = pools[k + 1]  # async-chunk, or a KV handoff (PD)
@@ -374,7 +411,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
                 for h, argv in plans:
                     starters.start_soon(nursery.start, _run_worker, h, argv, config)
             try:
-                yield Pipeline(config, pools, workers, tmpdir)
+                pipe = Pipeline(config, pools, workers, tmpdir, security, authenticator, inbox_host)
+                pipe.ctx = ctx
+                yield pipe
             finally:
                 for h in workers:
                     h.stopping = True
@@ -388,5 +427,6 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True) 
                 nursery.cancel_scope.cancel()
     finally:
         _LIVE.pop(tmpdir, None)
+        authenticator.stop()  # the sockets are closed by now: nothing is checked after this
         ctx.destroy(linger=0)
         shutil.rmtree(tmpdir, ignore_errors=True)

@@ -43,6 +43,7 @@ from trio_orch.core import (
     stage_io_options,
 )
 from trio_orch.deadlines import DeadlineKeeper
+from trio_orch.join_gate import JoinGate
 from trio_orch.types import Message, ReplicatedStageClient, RpcResult, StageClient, StageDied, StageOutput
 
 __all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
@@ -210,6 +211,8 @@ class Orchestrator:
         self._stopped = trio.Event()
         self.stage_deaths: dict[int, str] = {}
         self._nursery: trio.Nursery | None = None
+        #: replicas join (and leave) through the core; shutdown cancels joins in progress
+        self.joins = JoinGate(self.router)
         self.rpc_calls: dict[str, int] = {}  # collective RPCs by method
         self.rpc_errors: dict[str, int] = {}  # replicas that answered one with an error, by method
 
@@ -512,6 +515,7 @@ class Orchestrator:
                 await self._stop_requested.wait()
                 self._state = "stopping"
                 self.router.stop_accepting()
+                self.joins.stop()
                 if self._drain_timeout:
                     with trio.move_on_after(self._drain_timeout) as self._drain_scope:
                         await self._drained.wait()
@@ -521,6 +525,7 @@ class Orchestrator:
             self._nursery = None
             self._state = "stopping"
             self.router.stop_accepting()
+            self.joins.stop()
             with trio.CancelScope(shield=True):
                 await self._finish()
             self._state = "stopped"
@@ -679,6 +684,8 @@ class Orchestrator:
             if isinstance(stage, ReplicatedStageClient):
                 self.router.replicas_changed(k, *stage.replica_counts())
                 stage.watch_replicas(partial(self._replicas_changed, k))
+            if hasattr(stage, "join_gate"):  # replicas may join it at runtime: through this core
+                stage.join_gate = self.joins
 
     def _replicas_changed(self, stage_id: int, live: int, total: int) -> None:
         if self._state in ("running", "stopping"):

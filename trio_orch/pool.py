@@ -115,6 +115,8 @@ class ReplicaPool:
         #: (reported by the workers with each request's finishing output)
         self.queue_seconds = Histogram(STAGE_TIME_BUCKETS)
         self.compute_seconds = Histogram(STAGE_TIME_BUCKETS)
+        #: set by the orchestrator that routes through this pool: replicas join it through its core
+        self.join_gate: Any = None
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"

@@ -32,6 +32,7 @@ from trio_orch.admin_http import TOKEN_ENV
 from trio_orch.bridge import Engine, EngineStartupError
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PIPELINES
+from trio_orch.distributed import add_arguments as add_distributed_arguments
 from trio_orch.http_app import create_app
 from trio_orch.http_limits import HTTPLimits
 from trio_orch.metrics import FrontMetrics
@@ -93,6 +94,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "given up (default 5; see docs/fault-tolerance.md)")
     parser.add_argument("--restart-window", type=float, default=60.0,
                         help="seconds of the restart-intensity window (default 60)")
+    add_distributed_arguments(parser)
     a = parser.add_argument_group("admission control (see README: Operating it)")
     a.add_argument("--max-inflight", type=int, default=None, metavar="N",
                    help="admitted requests per live replica that may still have to pass a stage, for "
@@ -143,6 +145,7 @@ class _Pipeline:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.supervisor: Any = None
+        self.registrar: Any = None
         if args.in_process:
             from trio_orch.toy_pipeline import toy_pipeline
 
@@ -154,13 +157,15 @@ class _Pipeline:
             self.max_inflight: list[int | None] = [bound] * 3
             return
         from trio_orch.config import builtin_config, load_config
-        from trio_orch.supervisor import RestartPolicy, supervised_pipeline
+        from trio_orch.distributed import head_options, open_head_pipeline
+        from trio_orch.supervisor import RestartPolicy
 
         if args.config and args.pipeline:
             raise ValueError("give --config or --pipeline, not both")
         cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
         cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
+        opts, local_cfg = head_options(args, cfg)
         self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"
         self.outputs = outputs_of(s.kind for s in cfg.stages)
         self.names = [s.label for s in cfg.stages]
@@ -169,14 +174,21 @@ class _Pipeline:
 
         @asynccontextmanager
         async def factory() -> AsyncIterator[Any]:
-            async with supervised_pipeline(cfg, policy) as pipe:  # dead or hung workers are restarted
+            # dead or hung local workers are restarted; with --listen, replicas may join over TCP
+            async with open_head_pipeline(local_cfg, opts, full_config=cfg, policy=policy) as pipe:
                 self.supervisor = pipe.supervisor
+                self.registrar = pipe.registrar
                 yield pipe
 
         self.factory = factory
 
     def extra_metrics(self) -> dict[str, Any]:
-        return self.supervisor.prometheus_counters() if self.supervisor is not None else {}
+        out = self.supervisor.prometheus_counters() if self.supervisor is not None else {}
+        if self.registrar is not None:
+            from trio_orch.membership import prometheus_counters
+
+            out.update(prometheus_counters(self.registrar))
+        return out
 
     def token_limit(self, engine: Engine) -> int | None:
         """The text stage's own cap on generated tokens, from its workers' ready handshake."""

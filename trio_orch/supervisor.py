@@ -358,10 +358,11 @@ class Supervisor:
         slot.generation += 1
         client = ZmqStageClient(old.client.sock.context, old.client.address, stage_id=k, replica=r,
                                 sink=pool.sink, heartbeat_timeout=old.client.heartbeat_timeout,
-                                name=old.client.name, max_message_bytes=self.max_message_bytes)
+                                name=old.client.name, max_message_bytes=self.max_message_bytes,
+                                security=old.client.security, authenticator=old.client.authenticator)
         h = WorkerHandle(k, r, st.kind, client,
                          os.path.join(pipe.tmpdir, f"s{k}r{r}.g{slot.generation}.stderr"))
-        argv = worker_argv(cfg, k, r, st, client.address, pipe.tmpdir)
+        argv = worker_argv(cfg, k, r, st, client.address, pipe.tmpdir, pipe.inbox_host)
         if self.extra_args is not None:
             argv += self.extra_args(k, r, attempt)
         await self._nursery.start(client.run)
@@ -388,10 +389,11 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
 
 
 @asynccontextmanager
-async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None,
-                              **kwargs: Any) -> AsyncIterator[Pipeline]:
+async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None, *,
+                              inbox_host: str | None = None, **kwargs: Any) -> AsyncIterator[Pipeline]:
     """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
-    async with open_pipeline(config) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
+    async with open_pipeline(config, inbox_host=inbox_host) as pipe, \
+            open_supervisor(pipe, policy, **kwargs) as sup:
         pipe.supervisor = sup  # type: ignore[attr-defined]
         yield pipe
 

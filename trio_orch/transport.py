@@ -34,14 +34,18 @@ from typing import Any
 import trio
 import zmq
 
+from trio_orch.auth import DOMAIN, Authenticator, Security
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 from trio_orch.wire import (
     Abort,
+    Cordoned,
     Dying,
     Heartbeat,
     InboundMsg,
+    Leaving,
     OutboundMsg,
     Outputs,
+    Peers,
     Ready,
     RequestError,
     Rpc,
@@ -86,7 +90,8 @@ class ZmqStageClient:
 
     def __init__(self, ctx: zmq.Context, address: str, *, stage_id: int = 0, replica: int = 0,
                  heartbeat_timeout: float | None = None, sink: Sink | None = None,
-                 name: str | None = None, max_message_bytes: int | None = None) -> None:
+                 name: str | None = None, max_message_bytes: int | None = None,
+                 security: Security | None = None, authenticator: Authenticator | None = None) -> None:
         self.stage_id = stage_id
         self.replica = replica
         self.name = name or f"stage{stage_id}.r{replica}"
@@ -94,7 +99,23 @@ class ZmqStageClient:
         self.heartbeat_timeout = heartbeat_timeout
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
+        #: how the worker must authenticate (pipeline secret on ipc, its key on tcp); kept for a replacement
+        self.security = security
+        self.authenticator = authenticator
+        if security is not None:
+            security.server(self.sock, address, domain=self.zap_domain(address))
         self.sock.bind(address)
+        if address.startswith("tcp://"):
+            self.address = self.sock.last_endpoint.decode()  # the port a ":0" bind got
+        if authenticator is not None:
+            authenticator.watch(self.sock)
+        #: called with this client when the worker announces it leaves (stops taking new requests)
+        self.on_leaving: Callable[[ZmqStageClient], None] | None = None
+        self.leaving = False
+        #: if set, :meth:`aclose` first asks the worker to exit with this reason (a remote replica has
+        #: no launcher that stops it), and lets the message go out for up to ``close_linger_ms``
+        self.farewell: str | None = None
+        self.close_linger_ms = 0
         self.in_codec = WireCodec(OutboundMsg)
         self.out_codec = WireCodec(InboundMsg)
         self.ready: Ready | None = None
@@ -124,6 +145,10 @@ class ZmqStageClient:
     def __repr__(self) -> str:
         state = "dead" if self.dead_reason else "ready" if self.ready else "starting"
         return f"<ZmqStageClient {self.name} {self.address} {state}>"
+
+    def zap_domain(self, address: str) -> str:
+        """The ZAP domain of this replica's control socket: on TCP, only its own worker's key passes."""
+        return f"{DOMAIN}:ctl:{self.name}" if address.startswith("tcp://") else DOMAIN
 
     @property
     def alive(self) -> bool:
@@ -180,6 +205,8 @@ class ZmqStageClient:
         """Close the socket (via the owner if it runs); idempotent."""
         if self.closed:
             return
+        if self.farewell is not None and self.dead_reason is None:
+            self._out_send.send_nowait(self.out_codec.encode(Shutdown(self.farewell)))
         self.closed = True
         if self._owner_running:
             self._poke()
@@ -244,6 +271,16 @@ class ZmqStageClient:
             raise ReplicaDied(f"{self.name}: {self.dead_reason}")
         return slot[0]
 
+    def confirm_cordoned(self) -> None:
+        """Tell a leaving worker that nothing more will be placed on it."""
+        if self.alive:
+            self._queue(Cordoned())
+
+    def send_peers(self, peers: Peers) -> None:
+        """Tell the worker where the next stage's replicas take chunks now (membership changed)."""
+        if self.alive:
+            self._queue(peers)
+
     def request_shutdown(self, reason: str = "") -> None:
         """Ask the worker to exit (best effort; the launcher enforces it)."""
         if self.alive:
@@ -304,7 +341,7 @@ class ZmqStageClient:
             self._owner_done.set()
 
     def _close_socket(self) -> None:
-        self.sock.close(linger=0)
+        self.sock.close(linger=self.close_linger_ms)
         if self.address.startswith("ipc://"):  # libzmq may leave the file behind
             with contextlib.suppress(OSError):
                 os.unlink(self.address[len("ipc://"):])
@@ -380,6 +417,10 @@ class ZmqStageClient:
                 if call is not None:
                     call[1].append(msg)
                     call[0].set()
+            elif t is Leaving:
+                self.leaving = True
+                if self.on_leaving is not None:
+                    self.on_leaving(self)
             elif t is Dying:
                 if batch:
                     self._sink(self, batch)

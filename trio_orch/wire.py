@@ -23,12 +23,15 @@ __all__ = [
     "ARRAY_EXT",
     "Abort",
     "Chunk",
+    "Cordoned",
     "Dying",
     "Heartbeat",
     "InboundMsg",
+    "Leaving",
     "OutItem",
     "OutboundMsg",
     "Outputs",
+    "Peers",
     "Ready",
     "RequestError",
     "Rpc",
@@ -109,7 +112,27 @@ class Rpc(msgspec.Struct, tag="rpc", array_like=True):
     kwargs: dict[str, Any] = {}
 
 
-InboundMsg = Submit | Update | Abort | Shutdown | Rpc
+class Peers(msgspec.Struct, tag="peers", array_like=True):
+    """Where the next stage's replicas take chunks now, and who may send this worker chunks.
+
+    Sent when membership changes (a replica joined or left somewhere), always
+    before any ``Submit`` that names a new replica as its ``downstream``.
+    ``downstream[i]``: ``[address, server_key]`` of replica ``i`` of the next
+    stage (``server_key`` the Z85 public key of a TCP inbox, "" on ipc), or
+    None for an empty slot.  ``upstream_keys``: the public keys allowed to
+    connect to this worker's TCP inbox (the previous stage's replicas).
+    """
+
+    downstream: list[list[str] | None]
+    upstream_keys: list[str] = []
+
+
+class Cordoned(msgspec.Struct, tag="cordoned", array_like=True):
+    """Answer to ``Leaving``: nothing more will be placed on this replica (every submit for it
+    was sent before this message), so once it holds nothing it may go."""
+
+
+InboundMsg = Submit | Update | Abort | Shutdown | Rpc | Peers | Cordoned
 
 
 # --------------------------------------------------------------------- outbound (worker -> orchestrator)
@@ -172,7 +195,18 @@ class RpcReply(msgspec.Struct, tag="rpc_reply", array_like=True):
     error: str | None = None
 
 
-OutboundMsg = Ready | Outputs | RequestError | Heartbeat | Dying | RpcReply
+class Leaving(msgspec.Struct, tag="leaving", array_like=True):
+    """The worker leaves the pool gracefully: give it no new request.
+
+    It keeps serving what it holds for up to ``grace`` seconds, then sends
+    ``Dying``; requests still open then end as a replica death.
+    """
+
+    grace: float
+    active: int = 0
+
+
+OutboundMsg = Ready | Outputs | RequestError | Heartbeat | Dying | RpcReply | Leaving
 
 
 # ------------------------------------------------- worker -> worker (async-chunk connector)

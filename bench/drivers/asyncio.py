@@ -166,6 +166,12 @@ class AsyncioDriver(Driver):
         assert self.orch is not None
         self.orch.abort(request_id)
 
+    def attach_replica(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        self.call_soon(self.orch.join_replica, stage_id, member_id, handshake_s)
+
+    def join_outcomes(self) -> dict[str, str]:
+        return dict(self.orch.join_outcomes) if self.orch is not None else {}
+
     def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
                        stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
         """The serving thread's call: through the request queue, as the reference takes it."""

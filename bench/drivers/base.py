@@ -367,6 +367,19 @@ class Driver:
     def dropped_outputs(self) -> int:
         return int(self.call(lambda: self.router.dropped_outputs))
 
+    # ------------------------------------------------------------------ membership
+    def attach_replica(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        """Begin a replica's join of ``stage_id`` whose handshake takes ``handshake_s`` seconds.
+
+        Returns at once; the outcome (``joined`` or ``refused:<reason>``, or
+        ``cancelled``) lands in :meth:`join_outcomes` when the join ends.
+        """
+        raise Unsupported(f"{self.name}: attach_replica")
+
+    def join_outcomes(self) -> dict[str, str]:
+        """How each join begun with :meth:`attach_replica` ended so far (member id -> outcome)."""
+        raise Unsupported(f"{self.name}: join_outcomes")
+
     # ------------------------------------------------------------------ stage side
     def submissions(self, stage: int) -> list[tuple[str, Any]]:
         return list(self.stages[stage].submissions)

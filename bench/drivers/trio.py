@@ -19,6 +19,7 @@ from typing import Any
 import trio
 
 from bench.drivers.base import Driver
+from trio_orch.core import JoinRefused
 from trio_orch.launcher import open_pipeline
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.testing import PushScriptedStage, ScriptedStage
@@ -51,6 +52,7 @@ class TrioDriver(Driver):
         self._stream_closed = False
         self.token: trio.lowlevel.TrioToken | None = None
         self.orch: Orchestrator | None = None
+        self._joins: dict[str, str] = {}
         self._app: trio.Nursery | None = None
 
     # ------------------------------------------------------------------ the Trio thread
@@ -147,6 +149,28 @@ class TrioDriver(Driver):
             return None
 
     # ------------------------------------------------------------------ handovers
+    def attach_replica(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        """The join runs in the application's nursery (as a registrar's does), under the core's gate."""
+        self.call_soon(self._spawn_join, stage_id, member_id, handshake_s)
+
+    def _spawn_join(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        assert self._app is not None
+        self._app.start_soon(self._join, stage_id, member_id, handshake_s, name=f"join[{member_id}]")
+
+    async def _join(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        assert self.orch is not None
+        outcome = "cancelled"
+        try:
+            await self.orch.joins.join(stage_id, member_id, functools.partial(trio.sleep, handshake_s))
+            outcome = "joined"
+        except JoinRefused as exc:
+            outcome = f"refused:{exc.reason}"
+        finally:
+            self._joins[member_id] = outcome
+
+    def join_outcomes(self) -> dict[str, str]:
+        return dict(self._joins)
+
     def send_shutdown(self, timeout: float | None) -> None:
         assert self.orch is not None
         self.call_soon(self.orch.request_shutdown, timeout)

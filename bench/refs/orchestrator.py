@@ -36,7 +36,7 @@ from typing import Any
 import janus
 
 from bench.refs.control import RpcMsg, sequential_rpc
-from trio_orch.core import Abort, Action, Emit, Router, Submit, Ticket, Update, stage_io_options
+from trio_orch.core import Abort, Action, Emit, JoinRefused, Router, Submit, Ticket, Update, stage_io_options
 from trio_orch.types import Message, RpcResult, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
@@ -98,6 +98,8 @@ class AsyncioOrchestrator:
     #: its thread runs the loop with ``asyncio.Runner`` (which cancels leftover tasks on close)
     #: instead of ``new_event_loop`` + ``run_until_complete`` + ``close`` (what vLLM-Omni's thread does)
     use_runner = False
+    #: the seed waits this long at shutdown for attach handshakes in flight (``wait_for``, 10 s)
+    join_wait = 10.0
 
     def __init__(
         self,
@@ -131,6 +133,9 @@ class AsyncioOrchestrator:
         self._drain_timeout: float | None = None
         self._timers: dict[str, asyncio.TimerHandle] = {}  # per-request deadlines
         self._io_tasks: set[asyncio.Task[None]] = set()
+        #: replica joins in progress (member id -> its handshake task) and how the ended ones ended
+        self.join_tasks: dict[str, asyncio.Task[None]] = {}
+        self.join_outcomes: dict[str, str] = {}
 
     # ------------------------------------------------------------------ serving thread
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
@@ -351,6 +356,47 @@ class AsyncioOrchestrator:
         except Exception as exc:
             log.debug("abort %s on stage %d failed: %r", request_ids, stage_id, exc)
 
+    # ------------------------------------------------------------------ membership
+    def join_replica(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        """(Loop thread.)  Begin a replica's join: the seed's way, a fire-and-forget handshake task."""
+        task = self.loop.create_task(self._attach(stage_id, member_id, handshake_s),
+                                     name=f"attach-{member_id}")
+        self.join_tasks[member_id] = task
+        task.add_done_callback(lambda t, m=member_id: self.join_tasks.pop(m, None))
+
+    async def _attach(self, stage_id: int, member_id: str, handshake_s: float) -> None:
+        outcome = "cancelled"
+        try:
+            try:
+                self.router.join(stage_id, member_id)
+            except JoinRefused as exc:
+                outcome = f"refused:{exc.reason}"
+                return
+            try:
+                await asyncio.sleep(handshake_s)  # the attach handshake (registration, model load, ready)
+            except BaseException:
+                self.router.left(member_id)
+                raise
+            outcome = "joined" if self.router.joined(member_id) else "refused:stopping"
+        finally:
+            self.join_outcomes[member_id] = outcome
+
+    async def wait_joins(self) -> None:
+        """The seed's shutdown: wait up to :attr:`join_wait` seconds for the handshakes in flight."""
+        pending = list(self.join_tasks.values())
+        if pending:
+            try:
+                await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), self.join_wait)
+            except TimeoutError:
+                log.warning("attach handshakes still running after %.1fs; abandoned", self.join_wait)
+
+    def cancel_joins(self) -> None:
+        """The core's rule: shutdown cancels every handshake in progress."""
+        for member_id in self.router.joins_to_cancel():
+            task = self.join_tasks.get(member_id)
+            if task is not None:
+                task.cancel()
+
     # ------------------------------------------------------------------ shutdown
     def _finish_sync(self) -> list[Action]:
         """Refuse new work, give every accepted request its terminal; return the stage I/O left.
@@ -390,6 +436,7 @@ class AsyncioOrchestrator:
 
     async def finish(self) -> None:
         """Terminals first, then stage aborts and closes (bounded or not), then end of stream."""
+        await self.stop_joins()
         io = self._finish_sync()
         try:
             if self.bounded_cleanup:
@@ -411,6 +458,10 @@ class AsyncioOrchestrator:
                     await self._close_stage(stage)
         finally:
             self.output_queue.shutdown()
+
+    async def stop_joins(self) -> None:
+        """What shutdown does to joins in progress: the seed waits for them (variants may cancel)."""
+        await self.wait_joins()
 
     async def _cleanup_io(self, io: list[Action]) -> None:
         for a in io:

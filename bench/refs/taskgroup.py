@@ -68,6 +68,13 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             self.stopping.set()
             await self.finish()
 
+    async def stop_joins(self) -> None:
+        """Structured: the core's rule, every handshake in progress is cancelled at once."""
+        tasks = list(self.join_tasks.values())
+        self.cancel_joins()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     async def handle_rpc(self, msg: RpcMsg) -> None:
         """A task of the group asks every stage at once; the request handler moves on."""
         task = self._tg.create_task(concurrent_rpc(self.stages, msg), name=f"orchestrator-rpc-{msg.method}")

@@ -2,7 +2,7 @@
 
 Events come in as method calls on :class:`Router` (accept, start, update,
 route, abort, expire, submit_failed, submitted, stage_died, replicas_changed,
-shutdown); each
+shutdown; membership: join, joined, left, joins_to_cancel); each
 returns the list of actions the caller must perform, in order: :class:`Emit`
 a message to the user, :class:`Submit` or :class:`Update` a payload to a
 stage, :class:`Abort` request ids on a stage.  Queries (``can_start``,
@@ -16,8 +16,9 @@ The package must never import trio, asyncio or any other event loop.
 """
 
 from trio_orch.core.actions import Abort, Action, Emit, Submit, Update, stage_io_options
+from trio_orch.core.membership import JoinRefused
 from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
-__all__ = ["Abort", "Action", "Emit", "RequestState", "Router", "RouterStatistics", "Submit", "Ticket",
-           "Update", "stage_io_options"]
+__all__ = ["Abort", "Action", "Emit", "JoinRefused", "RequestState", "Router", "RouterStatistics", "Submit",
+           "Ticket", "Update", "stage_io_options"]

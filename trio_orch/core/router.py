@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from trio_orch.core.membership import MembershipRules
 from trio_orch.core.routing import RoutingRules
 
 __all__ = ["Router", "RouterStatistics"]
@@ -33,7 +34,7 @@ class RouterStatistics:
         return self.queued + self.active
 
 
-class Router(RoutingRules):
+class Router(RoutingRules, MembershipRules):
     """Request progression across stages ``0..num_stages-1``, with no I/O.
 
     Events come in as method calls and return the actions the shell must

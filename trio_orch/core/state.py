@@ -10,6 +10,7 @@ terminal, and it is the last message" checkable in one read.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -184,6 +185,10 @@ class CoreState:
         self.finals_for: dict[int, frozenset[int]] = {
             k: frozenset(f for f in finals if f <= k) for k in range(num_stages)
         }
+        #: membership (see MembershipRules): identities joining (-> stage), members (-> stage), spent ones
+        self.joining: dict[str, int] = {}
+        self.members: dict[str, int] = {}
+        self.spent_members: OrderedDict[str, None] = OrderedDict()
         # counters (read through statistics())
         self.dropped_outputs = 0
         self.outputs_routed = 0
