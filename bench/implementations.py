@@ -40,6 +40,7 @@ from bench.drivers.base import Driver
 from bench.drivers.engine import EngineDriver
 from bench.drivers.floor import FloorDriver
 from bench.drivers.trio import TrioDriver
+from bench.drivers.zmq_floor import ZmqFloorDriver
 from bench.refs.orchestrator import AsyncioOrchestrator
 
 __all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Implementation", "make_driver", "names"]
@@ -96,6 +97,8 @@ def _references() -> list[Implementation]:
 IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
     Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
                    FloorDriver, frozenset({"fed", "in_loop"})),
+    Implementation("zmq-floor", "the ZMQ floor: a bare pyzmq round trip through the same worker process "
+                   "and framing, in the caller's thread, no event loop", ZmqFloorDriver, frozenset({"workers"})),
     Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
                    TrioDriver, frozenset(CAPABILITIES)),
     Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "
