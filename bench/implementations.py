@@ -98,7 +98,8 @@ IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
     Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
                    FloorDriver, frozenset({"fed", "in_loop"})),
     Implementation("zmq-floor", "the ZMQ floor: a bare pyzmq round trip through the same worker process "
-                   "and framing, in the caller's thread, no event loop", ZmqFloorDriver, frozenset({"workers"})),
+                   "and framing, in the caller's thread, no event loop", ZmqFloorDriver,
+                   frozenset({"workers"})),
     Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
                    TrioDriver, frozenset(CAPABILITIES)),
     Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "

@@ -46,7 +46,7 @@ from trio_orch.uvicorn_front import (
 __all__ = ["DEFAULT_LOOP", "EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
 
 #: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
-DEFAULT_LOOP = "trio"
+DEFAULT_LOOP = "asyncio"
 
 log = logging.getLogger("trio_orch.server")
 
@@ -57,8 +57,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
         "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
-        "streams out), GET /health, GET /metrics (Prometheus). --loop trio (default): the HTTP server "
-        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio: uvicorn on "
+        "streams out), GET /health, GET /metrics (Prometheus). --loop trio: the HTTP server "
+        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): uvicorn on "
         "asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
@@ -172,7 +172,8 @@ class _Pipeline:
 
         @asynccontextmanager
         async def factory() -> AsyncIterator[Any]:
-            async with supervised_pipeline(cfg, policy) as pipe:  # dead or hung workers are restarted
+            # dead or hung workers are restarted; --loop trio takes SIGTERM in its own run (a drain)
+            async with supervised_pipeline(cfg, policy, handle_sigterm=args.loop != "trio") as pipe:
                 self.supervisor = pipe.supervisor
                 yield pipe
 

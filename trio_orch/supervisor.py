@@ -388,10 +388,14 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
 
 
 @asynccontextmanager
-async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None,
-                              **kwargs: Any) -> AsyncIterator[Pipeline]:
-    """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
-    async with open_pipeline(config) as pipe, open_supervisor(pipe, policy, **kwargs) as sup:
+async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None, *,
+                              handle_sigterm: bool = True, **kwargs: Any) -> AsyncIterator[Pipeline]:
+    """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set.
+
+    ``handle_sigterm=False``: the caller's Trio run handles SIGTERM itself (``serve --loop trio``).
+    """
+    async with (open_pipeline(config, handle_sigterm=handle_sigterm) as pipe,
+                open_supervisor(pipe, policy, **kwargs) as sup):
         pipe.supervisor = sup  # type: ignore[attr-defined]
         yield pipe
 
