@@ -1,9 +1,12 @@
-"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http_app`) under uvicorn, over the Trio engine.
+"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http_app`) over the Trio engine, on one of two fronts.
 
-The HTTP server runs on an asyncio loop in the main thread; the orchestrator
-and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s Trio thread.
+``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
+orchestrator and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s
+Trio thread.  ``--loop trio``: hypercorn's Trio worker and the
+:class:`~trio_orch.inloop_engine.InLoopEngine` in one Trio run
+(:mod:`trio_orch.hypercorn_front`), no thread between them.
 
-Drain: the first SIGTERM or SIGINT stops accepting work (``/health`` and new
+Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
 requests answer 503 ``draining``; the listening socket stays open so a load
 balancer sees it), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, gives the rest their ``shutdown`` terminal,
