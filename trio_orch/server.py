@@ -61,8 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
         "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
         "streams out), GET /health, GET /metrics (Prometheus). --loop trio: the HTTP server "
-        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): uvicorn on "
-        "asyncio in the main thread, the orchestrator in a Trio thread. "
+        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
+        "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
         "a signal.")
