@@ -43,9 +43,9 @@ __all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "json_response"]
 log = logging.getLogger("trio_orch.server")
 
 Scope = dict[str, Any]
-Message = dict[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
+AsgiMessage = dict[str, Any]
+Receive = Callable[[], Awaitable[AsgiMessage]]
+Send = Callable[[AsgiMessage], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class LimitsMiddleware:
             receive = self._replay(body, receive)
         started = False
 
-        async def tracking_send(message: Message) -> None:
+        async def tracking_send(message: AsgiMessage) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
@@ -185,7 +185,7 @@ class LimitsMiddleware:
         """The app's receive: the buffered body first, then the real one (to see a disconnect)."""
         sent = False
 
-        async def replay() -> Message:
+        async def replay() -> AsgiMessage:
             nonlocal sent
             if not sent:
                 sent = True
