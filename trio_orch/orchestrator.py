@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from functools import partial
+from time import perf_counter
 from types import MappingProxyType
 from typing import Any
 
@@ -50,6 +51,9 @@ __all__ = ["Orchestrator", "OrchestratorStatistics", "open_orchestrator"]
 log = logging.getLogger("trio_orch")
 
 OutputSink = Callable[[list[Message]], None]
+
+#: pushed batches closer together than this (seconds) are a burst: queued for one dispatcher pass
+BURST_GAP = 10e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +188,7 @@ class Orchestrator:
         #: the dispatcher waits on an empty channel and nothing was sent since: a pushed batch
         #: may be routed at once by whoever delivers it (see _reader)
         self._idle = False
+        self._last_inline = 0.0  # perf_counter of the last pushed batch that found the dispatcher idle
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
         self._sink: OutputSink = output_sink or self._send_to_channel
         self._deadlines = DeadlineKeeper()
@@ -502,9 +507,16 @@ class Orchestrator:
                 route_now = self._route_now
 
                 def deliver(outs: list[StageOutput]) -> None:
-                    if self._idle:  # nothing queued before it: route here, no dispatcher wake-up
-                        route_now(stage_id, outs)
-                        return
+                    # Nothing queued before it and no burst under way: route here, no dispatcher
+                    # wake-up.  In a burst (another batch routed moments ago) queue it instead: the
+                    # dispatcher then routes the whole burst in one pass and the sink gets one batch.
+                    if self._idle:
+                        now = perf_counter()
+                        if now - self._last_inline >= BURST_GAP:
+                            self._last_inline = now
+                            route_now(stage_id, outs)
+                            return
+                        self._last_inline = now
                     try:
                         post(stage_id, outs)
                     except trio.ClosedResourceError:
