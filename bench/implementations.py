@@ -8,6 +8,9 @@ their implementations here, by what they need (:data:`CAPABILITIES`):
   (the comparison's scenarios, the routing tests);
 * ``fed`` -- in-process stages fed batches from the thread, with submission
   timestamps (the benchmark's in-process workloads);
+* ``in_loop`` -- in-process stages fed and consumed by tasks inside the
+  implementation's own event loop (no thread hand-off: the benchmark's
+  ``loop_*`` workloads);
 * ``workers`` -- real ``stages.worker`` processes over ZeroMQ, one replica
   per stage (the benchmark's echo-worker workloads);
 * ``pipeline`` -- the whole process layer: replica pools, the async-chunk
@@ -37,12 +40,13 @@ from bench.drivers.base import Driver
 from bench.drivers.engine import EngineDriver
 from bench.drivers.floor import FloorDriver
 from bench.drivers.trio import TrioDriver
+from bench.drivers.zmq_floor import ZmqFloorDriver
 from bench.refs.orchestrator import AsyncioOrchestrator
 
 __all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Implementation", "make_driver", "names"]
 
 #: what an implementation can be asked to do (see the module docstring)
-CAPABILITIES = ("scripted", "fed", "workers", "pipeline")
+CAPABILITIES = ("scripted", "fed", "in_loop", "workers", "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +73,16 @@ def _needs(options: dict[str, Any]) -> set[str]:
     if workers is not None:
         pools = workers.async_chunk or any(st.replicas != 1 for st in workers.stages)
         return {"pipeline"} if pools else {"workers"}
-    if options.get("misbehaviour") or options.get("in_loop_consumer"):
+    if options.get("misbehaviour"):
         return {"scripted"}
+    if options.get("in_loop_consumer"):
+        return {"in_loop"}
     return set()
 
 
 def _references() -> list[Implementation]:
     """The asyncio references: concrete AsyncioOrchestrator subclasses of bench/refs/, in module order."""
-    supports = frozenset({"scripted", "fed", "workers"})
+    supports = frozenset({"scripted", "fed", "in_loop", "workers"})
     found: list[Implementation] = []
     for info in sorted(pkgutil.iter_modules(bench.refs.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{bench.refs.__name__}.{info.name}")
@@ -90,7 +96,10 @@ def _references() -> list[Implementation]:
 
 IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
     Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
-                   FloorDriver, frozenset({"fed"})),
+                   FloorDriver, frozenset({"fed", "in_loop"})),
+    Implementation("zmq-floor", "the ZMQ floor: a bare pyzmq round trip through the same worker process "
+                   "and framing, in the caller's thread, no event loop", ZmqFloorDriver,
+                   frozenset({"workers"})),
     Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
                    TrioDriver, frozenset(CAPABILITIES)),
     Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "

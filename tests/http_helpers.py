@@ -1,19 +1,31 @@
-"""What the HTTP tests share: the app under a real uvicorn on loopback, and SSE/metrics parsing."""
+"""What the HTTP tests share: the app under a real server on loopback (both fronts), SSE/metrics parsing.
+
+``serve(front, factory)`` starts the app the way ``trio-orch serve --loop
+FRONT`` does: ``"asyncio"`` -- the thread-bridge :class:`Engine` and uvicorn
+(:class:`Served`); ``"trio"`` -- the :class:`InLoopEngine` and hypercorn's
+Trio worker in one Trio run (:class:`TrioServed`, in a thread of its own so
+the test can be a plain client).
+"""
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
+import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from trio_orch.bridge import Engine
 from trio_orch.http_app import create_app
 from trio_orch.http_limits import HTTPLimits
+from trio_orch.hypercorn_front import hypercorn_config, serve_http
+from trio_orch.inloop_engine import InLoopEngine
 from trio_orch.metrics import FrontMetrics
 from trio_orch.uvicorn_front import ConnectionLimiter, DrainingServer, uvicorn_config
 
@@ -56,6 +68,75 @@ class Served:
         self.thread.join(HANG)
         self.engine.close()
         assert not self.thread.is_alive()
+
+
+class TrioServed:
+    """An InLoopEngine + the app under hypercorn's Trio worker, in one Trio run (``serve --loop trio``)."""
+
+    def __init__(self, factory: Any, *, engine_options: dict[str, Any] | None = None,
+                 limits: HTTPLimits | None = None, model_name: str = "toy", **app_kwargs: Any) -> None:
+        self.engine = InLoopEngine(factory, **(engine_options or {}))
+        self.limits = limits or HTTPLimits()
+        self.front = FrontMetrics()
+        app_kwargs.pop("max_connections", None)  # the threaded front's limit
+        self.app_kwargs = {"model_name": model_name, "limits": self.limits, "front": self.front, **app_kwargs}
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(1024)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._thread, daemon=True)
+        self.thread.start()
+        wait_until(self._ready.is_set, "the Trio front started")
+        if self.error is not None:
+            raise RuntimeError("the Trio front did not start") from self.error
+
+    def _thread(self) -> None:
+        try:
+            trio.run(self._main)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.engine.run)
+            app = create_app(self.engine, **self.app_kwargs)
+            config = hypercorn_config(self.limits, graceful_timeout=2.0)
+            await nursery.start(partial(serve_http, app, self.sock, config, shutdown_trigger=self._stop.wait))
+            self._ready.set()
+            await self._stop.wait()
+            self.engine.request_stop()
+
+    def stop(self) -> None:
+        if self._token is not None and self._stop is not None:
+            try:
+                self._token.run_sync_soon(self._stop.set)
+            except trio.RunFinishedError:
+                pass
+        self.thread.join(HANG)
+        self.sock.close()
+        assert not self.thread.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+FRONTS = ("asyncio", "trio")
+
+
+def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = None,
+          **served_kwargs: Any) -> Served | TrioServed:
+    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`FRONTS`), started."""
+    if front == "trio":
+        return TrioServed(factory, engine_options=engine_options, **served_kwargs)
+    return Served(Engine(factory, **(engine_options or {})).start(), **served_kwargs)
 
 
 def chat(text: str, **kw: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.implementations import IMPLEMENTATIONS, make_driver, names
+from bench.implementations import make_driver, names
 from bench.perf import report
 from bench.perf.cli import run_benchmark
 from bench.perf.workloads import echo_pipeline, run_workload, zmq_seq
@@ -19,7 +19,7 @@ LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
 
 @pytest.mark.slow
 def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
-    impls = list(IMPLEMENTATIONS)
+    impls = names("fed")
     results, raw = run_benchmark(["a_seq", "c_chain", "b_64_unbatched", "idle"], impls, rounds=1, quick=True)
     wl = results["workloads"]
     for impl in impls:
@@ -39,8 +39,8 @@ def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
     rows = report.table_rows(results)
     trio_row = next(r for r in rows if r[:2] == ["a_seq", "trio"])
     assert trio_row[-3:] == ["1.00", "1.00", "1.00"]
-    names = {t["target"] for t in results["targets"]}
-    assert any(n.startswith("a_seq p50") for n in names) and any(n.startswith("idle") for n in names)
+    targets = {t["target"] for t in results["targets"]}
+    assert any(n.startswith("a_seq p50") for n in targets) and any(n.startswith("idle") for n in targets)
 
 
 def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) -> None:
@@ -84,3 +84,46 @@ def test_workloads_run_only_where_supported() -> None:
     assert "floor" not in names("workers") and "trio-engine" not in names("workers")
     results, _ = run_benchmark(["zmq_a_seq"], ["trio", "floor"], rounds=1, quick=True)
     assert set(results["workloads"]["zmq_a_seq"]) == {"trio"}
+
+
+@pytest.mark.parametrize("impl", ["trio", "floor", "asyncio-taskgroup", "omni-event"])
+def test_in_loop_workloads_consume_every_output_inside_the_loop(impl: str) -> None:
+    """Producer and consumer run as tasks of the implementation's loop (AnyIO on either library)."""
+    seq = run_workload("loop_a_seq", impl, quick=True)
+    assert seq["outputs"] == 300 and len(seq["latency"]) == 300 and all(x > 0 for x in seq["latency"])
+    chain = run_workload("loop_c_chain", impl, quick=True)
+    assert len(chain["admission"]) == 50 and len(chain["forward"]) == 100 and len(chain["latency"]) == 100
+    conc = run_workload("loop_b_512_unbatched", impl, quick=True)
+    assert len(conc["latency"]) == conc["outputs"] == 512 * 10
+
+
+def test_zmq_floor_round_trips_through_a_real_worker_and_leaves_nothing() -> None:
+    driver = make_driver("zmq-floor", workers=echo_pipeline(1)).start()
+    pids, tmpdir = list(driver.worker_pids), driver.worker_dir
+    assert len(pids) == 1 and Path(f"/proc/{pids[0]}").exists() and tmpdir and Path(tmpdir).exists()
+    try:
+        res = zmq_seq(driver, 50)
+    finally:
+        driver.close()
+    assert res["outputs"] == 50 and len(res["latency"]) == 50 and all(x > 0 for x in res["latency"])
+    assert not Path(f"/proc/{pids[0]}").exists() and not Path(tmpdir).exists()
+    assert names("workers")[0] == "zmq-floor" and "zmq-floor" not in names("fed")
+
+
+def test_serving_targets_are_judged_from_the_run_numbers() -> None:
+    """The serving rows and targets come from the summarized run (no numbers typed in)."""
+    from bench.perf.cli import summarize_serving
+
+    def run(ttfc: float, gap: float, ok: int) -> dict[str, object]:
+        return {"ttfc": [ttfc] * 10, "gaps": [gap] * 10, "ok": ok, "failed": 0, "wall_s": 1.0,
+                "server_cpu_s": 0.5}
+
+    raw = {"echo workers": {"trio": [run(0.010, 0.002, 100)], "asyncio": [run(0.020, 0.002, 90)]}}
+    results = {"serving": summarize_serving(raw, 64), "workloads": {}, "implementations": ["trio"]}
+    verdicts = {t["target"].split(": ", 1)[1]: t["met"] for t in report.targets(results)
+                if t["target"].startswith("serving")}
+    assert verdicts == {"--loop trio p50 time to first chunk >= 20 % below --loop asyncio": True,
+                        "--loop trio p50 inter-chunk latency >= 20 % below --loop asyncio": False,
+                        "--loop trio requests/s not below --loop asyncio": True}
+    rows = report.serving_rows(results)
+    assert rows[1][:4] == ["echo workers", "--loop trio", "100", "0"] and rows[1][4] == "10.00"

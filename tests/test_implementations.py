@@ -13,11 +13,12 @@ from trio_orch.testing import Misbehaviour
 
 
 def test_every_job_finds_its_implementations_in_table_order() -> None:
-    assert list(IMPLEMENTATIONS) == ["floor", "trio", "trio-engine", "omni-event", "omni-poll",
+    assert list(IMPLEMENTATIONS) == ["floor", "zmq-floor", "trio", "trio-engine", "omni-event", "omni-poll",
                                      "asyncio-taskgroup"]
     assert names("scripted") == ["trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # compare
-    assert names("fed") == list(IMPLEMENTATIONS)  # bench, in-process
-    assert names("workers") == ["trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # bench, echo workers
+    assert names("fed") == [n for n in IMPLEMENTATIONS if n != "zmq-floor"]  # bench, in-process
+    assert names("in_loop") == ["floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # loop_*
+    assert names("workers") == ["zmq-floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]
     assert names("pipeline") == ["trio"]  # chaos, the torch pipeline
     assert all(i.description and i.supports <= set(CAPABILITIES) for i in IMPLEMENTATIONS.values())
     with pytest.raises(ValueError, match="unknown capability"):

@@ -31,8 +31,10 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from tests.conftest import live_task_names
+from tests.http_helpers import FRONTS, TrioServed
 from tests.test_server import wait_until
 from trio_orch.bridge import Engine
+from trio_orch.http_limits import HTTPLimits
 from trio_orch.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.server import create_app
 from trio_orch.testing import child_pids, worker_alive
@@ -226,9 +228,23 @@ class Server:
         assert not self.thread.is_alive()
 
 
-@pytest.fixture(scope="module")
-def toy() -> Iterator[Server]:
-    s = Server(Engine(toy_pipeline(token_delay=0.01, audio_delay=0.005)).start(), ws_max_size=256 * 1024)
+class TrioServer(Server):
+    """The same endpoint behind the Trio front (``serve --loop trio``: hypercorn in the engine's run)."""
+
+    def __init__(self, factory: Any, max_message: int) -> None:
+        self.served = TrioServed(factory, model_name="test", limits=HTTPLimits(max_body_bytes=max_message))
+        self.engine = self.served.engine  # type: ignore[assignment]
+        self.url = f"ws://127.0.0.1:{self.served.port}/v1/realtime"
+
+    def stop(self) -> None:
+        self.served.stop()
+
+
+@pytest.fixture(scope="module", params=FRONTS)
+def toy(request: pytest.FixtureRequest) -> Iterator[Server]:
+    factory = toy_pipeline(token_delay=0.01, audio_delay=0.005)
+    s = (TrioServer(factory, 256 * 1024) if request.param == "trio"
+         else Server(Engine(factory).start(), ws_max_size=256 * 1024))
     yield s
     s.stop()
 

@@ -26,17 +26,27 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.http_helpers import HANG, Served, chat, deltas, metrics, sse_events, wait_until
+from tests.http_helpers import (
+    FRONTS,
+    HANG,
+    Served,
+    TrioServed,
+    chat,
+    deltas,
+    metrics,
+    serve,
+    sse_events,
+    wait_until,
+)
 from trio_orch.bridge import Engine
 from trio_orch.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
-    engine = Engine(toy_pipeline(token_delay=0.01, audio_delay=0.005)).start()
-    s = Served(engine)
+@pytest.fixture(scope="module", params=FRONTS)
+def served(request: pytest.FixtureRequest) -> Iterator[Served | TrioServed]:
+    s = serve(request.param, toy_pipeline(token_delay=0.01, audio_delay=0.005))
     yield s
     s.stop()
 
@@ -217,9 +227,10 @@ def test_stage_inflight_gauge_moves_while_a_request_streams(client: httpx.Client
 
 
 # ---------------------------------------------------------------- the engine dies under the server
-def test_engine_death_mid_stream_ends_streams_and_later_requests_get_503() -> None:
-    engine = Engine(toy_pipeline(token_delay=0.01)).start()
-    s = Served(engine)
+@pytest.mark.parametrize("front", FRONTS)
+def test_engine_death_mid_stream_ends_streams_and_later_requests_get_503(front: str) -> None:
+    s = serve(front, toy_pipeline(token_delay=0.01))
+    engine = s.engine
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             words = " ".join(f"w{i}" for i in range(300))
@@ -242,13 +253,14 @@ def test_engine_death_mid_stream_ends_streams_and_later_requests_get_503() -> No
 
 
 # ---------------------------------------------------------------- real worker processes
-def test_disconnect_mid_stream_aborts_on_the_worker_process() -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_disconnect_mid_stream_aborts_on_the_worker_process(front: str) -> None:
     from trio_orch.config import echo_config
     from trio_orch.launcher import open_pipeline
 
     # one slow echo worker: 400 outputs, 5 ms apart
     cfg = echo_config(1, final_stage_ids=[0], outputs=400, worker_args=["--step-delay-ms", "5"])
-    s = Served(Engine(lambda: open_pipeline(cfg)).start())
+    s = serve(front, lambda: open_pipeline(cfg))
     try:
         worker = s.engine.stages[0].replicas[0]  # the pool's ZMQ client of replica 0
 
@@ -290,9 +302,11 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
-def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: Path) -> None:
+@pytest.mark.parametrize("loop", FRONTS)
+def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: Path, loop: str) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's ipc sockets and logs go here
-    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0"], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--loop", loop],
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         assert proc.stdout is not None
@@ -327,6 +341,8 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
         pcm = np.frombuffer(b"".join(base64.b64decode(d["audio"]["data"]) for d in ds
                                      if "data" in d.get("audio", {})), "<i2")
         assert len(pcm) > 0 and np.abs(pcm).max() > 0
+        text, audio = _openai_client_stream(url)  # the official client reads the same stream
+        assert text and len(audio) > 0 and np.abs(np.frombuffer(audio, "<i2")).max() > 0
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 130  # stopped by a signal (SIGTERM gives the same)
         wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
@@ -337,8 +353,30 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
             proc.wait()
 
 
-def test_request_timeout_gives_504_or_a_timeout_error_event() -> None:
-    s = Served(Engine(toy_pipeline(token_delay=0.01), request_timeout=0.1).start())
+@pytest.mark.parametrize("front", FRONTS)
+def _openai_client_stream(url: str) -> tuple[str, bytes]:
+    """Text and PCM bytes of one streamed text+audio answer, read with the ``openai`` package."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60)
+    stream = client.chat.completions.create(
+        model="trio-orch", messages=[{"role": "user", "content": "Hello!"}], stream=True,
+        modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"})
+    text, pcm = [], []
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            text.append(delta.content or "")
+            audio = getattr(delta, "audio", None)  # the client's own ChoiceDeltaAudio
+            if audio is not None and audio.data:
+                pcm.append(base64.b64decode(audio.data))
+    client.close()
+    return "".join(text), b"".join(pcm)
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_request_timeout_gives_504_or_a_timeout_error_event(front: str) -> None:
+    s = serve(front, toy_pipeline(token_delay=0.01), engine_options={"request_timeout": 0.1})
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             words = " ".join(f"w{i}" for i in range(300))
@@ -353,12 +391,13 @@ def test_request_timeout_gives_504_or_a_timeout_error_event() -> None:
         s.stop()
 
 
-def test_health_is_degraded_when_a_stage_dies() -> None:
+@pytest.mark.parametrize("front", FRONTS)
+def test_health_is_degraded_when_a_stage_dies(front: str) -> None:
     from trio_orch.bridge import static_pipeline
     from trio_orch.testing import ScriptedStage
 
     stages = [ScriptedStage(0), ScriptedStage(1)]
-    s = Served(Engine(static_pipeline(stages, {0, 1})).start())
+    s = serve(front, static_pipeline(stages, {0, 1}))
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             assert c.get("/health").json()["status"] == "ok"
@@ -406,8 +445,9 @@ def test_the_answer_names_the_served_model_never_an_echo_of_the_request(client: 
     assert {e["model"] for e in events if isinstance(e, dict)} == {"toy"}
 
 
-def test_finish_reason_is_length_when_the_text_stage_own_limit_cut_the_answer() -> None:
-    s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), token_limit=4)
+@pytest.mark.parametrize("front", FRONTS)
+def test_finish_reason_is_length_when_the_text_stage_own_limit_cut_the_answer(front: str) -> None:
+    s = serve(front, toy_pipeline(token_delay=0.001), token_limit=4)
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             short = c.post("/v1/chat/completions", json=chat("hi")).json()  # "You said: hi": 3 tokens

@@ -408,7 +408,7 @@ class Engine(EngineControl):
                     nursery.start_soon(self._admitter.run, orch, name="trio_orch.bridge.admitter")
                     nursery.start_soon(self._updates.run, orch, name="trio_orch.bridge.updates")
                     self._orch = orch
-                    self._ready.set()
+                    self._set_ready()
                     if self._stop_flag:
                         orch.request_shutdown(self._drain)
                     await orch.wait_stopped()
@@ -418,6 +418,10 @@ class Engine(EngineControl):
                         self._closing = "its orchestrator stopped"
                     self._demux.sweep("shutdown", f"the engine stopped: {self._closing}")
                     nursery.cancel_scope.cancel()
+
+    def _set_ready(self) -> None:
+        """The orchestrator runs and accepts requests."""
+        self._ready.set()
 
     def _admit_cb(self, s: Stream) -> None:
         self._admitter.admit(s)
@@ -478,6 +482,12 @@ class Engine(EngineControl):
             self._demux.unregister(s)
             raise
         return s
+
+    def _open_async(self, prompt: Any, request_id: str | None, final_stage_id: int | None,
+                    request_timeout: float | None, resumable: bool, **kw: Any) -> Any:
+        """:meth:`_open` for the caller's event loop: an asyncio stream here (see InLoopEngine)."""
+        return self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
+                          loop=asyncio.get_running_loop(), **kw)
 
     def _client_gone(self, s: Stream) -> None:
         """The consumer stopped listening before the terminal: abort the request."""
@@ -656,10 +666,8 @@ class Engine(EngineControl):
         The request is registered when the iteration starts; to send a
         resumable request's updates right away, use :meth:`add_request_async`.
         """
-        loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop, sampling=sampling, companions=dict(companions) if companions else None)
-        assert isinstance(s, AsyncioStream)
+        s = self._open_async(prompt, request_id, final_stage_id, request_timeout, resumable,
+                             sampling=sampling, companions=dict(companions) if companions else None)
         observe = self._demux.latency.observe
         ended = False
         try:
@@ -688,10 +696,8 @@ class Engine(EngineControl):
         For consumers that write in bulk (one HTTP chunk per batch) or count
         every microsecond; the terminal is the last message of the last list.
         """
-        loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop, sampling=sampling)
-        assert isinstance(s, AsyncioStream)
+        s = self._open_async(prompt, request_id, final_stage_id, request_timeout, resumable,
+                             sampling=sampling)
         observe = self._demux.latency.observe
         ended = False
         try:
@@ -725,10 +731,8 @@ class Engine(EngineControl):
         aborted (or never registered).  ``want_timings``: ``handle.timings``
         holds each stage's timing once the terminal was taken.
         """
-        loop = asyncio.get_running_loop()
-        s = self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                       loop=loop, want_ack=True, sampling=sampling, want_timings=want_timings)
-        assert isinstance(s, AsyncioStream)
+        s = self._open_async(prompt, request_id, final_stage_id, request_timeout, resumable,
+                             want_ack=True, sampling=sampling, want_timings=want_timings)
         handle = AsyncRequestHandle(self, s)
         try:
             await handle.wait_accepted()
@@ -775,7 +779,7 @@ class AsyncRequestHandle:
     stage's timing, once the terminal was taken (asked for with ``want_timings``).
     """
 
-    def __init__(self, engine: Engine, stream: AsyncioStream) -> None:
+    def __init__(self, engine: Engine, stream: Any) -> None:
         self._engine = engine
         self._s = stream
         self._msgs: deque[Message] = deque()

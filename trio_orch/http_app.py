@@ -19,14 +19,15 @@ live replica; per-stage live/total replicas), ``draining`` or ``down``.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any
 
+import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -53,7 +54,7 @@ from trio_orch.openai_chat import (
 from trio_orch.realtime_server import realtime_route
 from trio_orch.types import OrchError
 
-__all__ = ["SSEResponse", "create_app"]
+__all__ = ["SSEResponse", "create_app", "until_done_or_gone"]
 
 log = logging.getLogger("trio_orch.server")
 
@@ -70,12 +71,39 @@ async def _until_disconnect(receive: Receive) -> None:
             return
 
 
+async def until_done_or_gone(fn: Callable[[], Awaitable[Any]], receive: Receive
+                             ) -> tuple[Any, BaseException | None, bool]:
+    """Run ``fn()`` unless the client disconnects first: ``(result, exception, client_left)``.
+
+    A disconnect cancels ``fn`` (whatever it awaits is closed under it).
+    """
+    result: Any = None
+    exc: BaseException | None = None
+    left = False
+    async with anyio.create_task_group() as tg:
+        async def watch() -> None:
+            nonlocal left
+            await _until_disconnect(receive)
+            left = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        try:
+            result = await fn()
+        except Exception as e:
+            exc = e
+        finally:
+            tg.cancel_scope.cancel()
+    return result, exc, left
+
+
 class SSEResponse(StreamingResponse):
     """Server-sent events that watch for the client leaving, whatever the ASGI spec version.
 
-    The body and a disconnect watcher race; if the client goes first, the
-    body task is cancelled, which closes the request's message iterator under
-    it (and so aborts the request in the orchestrator).
+    The body runs in a task group with a disconnect watcher; if the client
+    goes first, the watcher cancels the group's scope, which closes the
+    request's message iterator under the body (and so aborts the request in
+    the orchestrator).  AnyIO: the same code on an asyncio or a Trio server.
     """
 
     media_type = "text/event-stream"
@@ -87,29 +115,32 @@ class SSEResponse(StreamingResponse):
         self.on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async def pump() -> None:
-            await send({"type": "http.response.start", "status": self.status_code,
-                        "headers": self.raw_headers})
-            async for chunk in self.events:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-        body = asyncio.ensure_future(pump())
-        watch = asyncio.ensure_future(_until_disconnect(receive))
         client_left = False
-        try:
-            await asyncio.wait({body, watch}, return_when=asyncio.FIRST_COMPLETED)
-            client_left = watch.done() and not body.done()
-        finally:
-            for t in (body, watch):
-                t.cancel()
-            await asyncio.gather(body, watch, return_exceptions=True)
+        error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            async def watch() -> None:
+                nonlocal client_left
+                await _until_disconnect(receive)
+                client_left = True
+                tg.cancel_scope.cancel()  # the client left: cancel the body (its scope is the request's)
+
+            tg.start_soon(watch)
+            try:
+                await send({"type": "http.response.start", "status": self.status_code,
+                            "headers": self.raw_headers})
+                async for chunk in self.events:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:  # the client went away while we were writing
+                client_left = True
+            except Exception as exc:
+                error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True):
             await self.events.aclose()  # type: ignore[attr-defined]
-        exc = None if body.cancelled() else body.exception()
-        if isinstance(exc, OSError):  # the client went away while we were writing
-            client_left = True
-        elif exc is not None:
-            raise exc
+        if error is not None:
+            raise error
         if client_left and self.on_disconnect is not None:
             self.on_disconnect()
 
@@ -189,24 +220,15 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         if req.stream:
             front.count(CHAT, 200)
             return SSEResponse(_stream(req, handle), on_disconnect=disconnected)
-        collector = asyncio.ensure_future(_collect(req, handle))
-        watch = asyncio.ensure_future(_until_disconnect(request.receive))
-        try:
-            await asyncio.wait({collector, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (collector, watch):
-                t.cancel()
-            await asyncio.gather(collector, watch, return_exceptions=True)
-        if collector.cancelled():  # the client left first: cancelling the collector aborted the request
+        result, exc, left = await until_done_or_gone(partial(_collect, req, handle), request.receive)
+        if left:  # the client left first: cancelling the collector aborted the request
             disconnected()
             front.count(CHAT, 499)
             return Response(status_code=499)
-        exc = collector.exception()
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), "server_error", code="engine_closed")
         if exc is not None:
             raise exc
-        result = collector.result()
         if isinstance(result, OrchError):
             return failed(result)
         front.count(CHAT, 200)

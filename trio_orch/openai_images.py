@@ -20,23 +20,23 @@ its negative-prompt companion) in the orchestrator.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import logging
 import time
 import uuid
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Receive
 
 from stages.registry import image_of
 from trio_orch.bridge import Engine, EngineClosed
+from trio_orch.http_app import until_done_or_gone
 from trio_orch.openai_chat import error_body, orch_error_status
 from trio_orch.text2image import ImageOptionError, ImageRequest, parse_size
 from trio_orch.types import OrchError, OrchOutput
@@ -86,12 +86,6 @@ def parse_image_request(body: Any, model_name: str) -> ImageRequest:
     return ImageRequest(prompt, negative, width, height, steps, float(g), seed).checked()
 
 
-async def _until_disconnect(receive: Receive) -> None:
-    while True:
-        if (await receive())["type"] == "http.disconnect":
-            return
-
-
 def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
                      outputs: Sequence[str] | None) -> None:
     """Add ``POST /v1/images/generations`` to ``app``, over ``engine``'s pipeline.
@@ -129,23 +123,14 @@ def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
             why = engine.closed_reason or "it has not started"
             return error(503, f"the engine is not running: {why}", kind="server_error", code="engine_closed")
         rid = f"img-{uuid.uuid4().hex[:16]}"
-        collector = asyncio.ensure_future(collect(req, rid))
-        watch = asyncio.ensure_future(_until_disconnect(request.receive))
-        try:
-            await asyncio.wait({collector, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (collector, watch):
-                t.cancel()
-            await asyncio.gather(collector, watch, return_exceptions=True)
-        if collector.cancelled():  # the client left: cancelling the collector aborted the request
+        msg, exc, left = await until_done_or_gone(partial(collect, req, rid), request.receive)
+        if left:  # the client left: cancelling the collector aborted the request
             log.info("image request %s: the client disconnected; aborted", rid)
             return Response(status_code=499)
-        exc = collector.exception()
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), kind="server_error", code="engine_closed")
         if exc is not None:
             raise exc
-        msg = collector.result()
         if isinstance(msg, OrchError):
             return error(orch_error_status(msg), f"request failed: {msg.kind}: {msg.message}",
                          kind="server_error", code=msg.kind)

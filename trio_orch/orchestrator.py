@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from time import perf_counter
 from types import MappingProxyType
 from typing import Any
 
@@ -52,6 +53,9 @@ log = logging.getLogger("trio_orch")
 
 OutputSink = Callable[[list[Message]], None]
 
+#: pushed batches closer together than this (seconds) are a burst: queued for one dispatcher pass
+BURST_GAP = 10e-6
+
 
 @dataclass(frozen=True, slots=True)
 class OrchestratorStatistics:
@@ -78,6 +82,15 @@ class _Update:
         self.final = final
         self.done = trio.Event()
         self.error: Exception | None = None
+
+
+class _Perform:
+    """Stage I/O decided by a batch routed outside the dispatcher (see ``_route_now``), for it to do."""
+
+    __slots__ = ("actions",)
+
+    def __init__(self, actions: list[Action]) -> None:
+        self.actions = actions
 
 
 class _RpcCall:
@@ -196,6 +209,10 @@ class Orchestrator:
         self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
             request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
+        #: the dispatcher waits on an empty channel and nothing was sent since: a pushed batch
+        #: may be routed at once by whoever delivers it (see _reader)
+        self._idle = False
+        self._last_inline = 0.0  # perf_counter of the last pushed batch that found the dispatcher idle
         self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
         self._sink: OutputSink = output_sink or self._send_to_channel
         self._deadlines = DeadlineKeeper()
@@ -541,13 +558,25 @@ class Orchestrator:
         saves one scheduler pass per batch over ``receive()``; the reader
         then only waits for the stage's end.
         """
-        send = self._ev_send.send_nowait
+        post = self._post_event
         try:
             pump = getattr(stage, "pump", None)
             if pump is not None:
+                route_now = self._route_now
+
                 def deliver(outs: list[StageOutput]) -> None:
+                    # Nothing queued before it and no burst under way: route here, no dispatcher
+                    # wake-up.  In a burst (another batch routed moments ago) queue it instead: the
+                    # dispatcher then routes the whole burst in one pass and the sink gets one batch.
+                    if self._idle:
+                        now = perf_counter()
+                        if now - self._last_inline >= BURST_GAP:
+                            self._last_inline = now
+                            route_now(stage_id, outs)
+                            return
+                        self._last_inline = now
                     try:
-                        send((stage_id, outs))
+                        post(stage_id, outs)
                     except trio.ClosedResourceError:
                         pass  # stopping: the shutdown terminals already went out
 
@@ -555,16 +584,52 @@ class Orchestrator:
                 raise RuntimeError(f"stage {stage_id} stopped delivering outputs")
             while True:
                 outs = await stage.receive()
-                send((stage_id, outs))
+                post(stage_id, outs)
         except Exception as exc:
-            send((stage_id, StageDied.of(exc)))
+            post(stage_id, StageDied.of(exc))
+
+    def _post_event(self, stage_id: int | None, item: Any) -> None:
+        """Queue an event for the dispatcher (every event goes through here: it ends ``_idle``)."""
+        self._idle = False
+        self._ev_send.send_nowait((stage_id, item))
+
+    def _route_now(self, stage_id: int, outs: list[StageOutput]) -> None:
+        """Route a pushed batch synchronously while the dispatcher is idle (the push fast path).
+
+        Routing stays single-writer: this runs between checkpoints, like the
+        dispatcher's own pass, and only when the dispatcher is blocked on an
+        empty channel, so no earlier event can be overtaken.  Emits are
+        delivered here; stage I/O (submits, updates, aborts) is handed to the
+        dispatcher in decision order, which also ends the idle state so later
+        batches queue behind it.
+        """
+        router = self.router
+        actions: list[Action] = []
+        for out in outs:
+            actions.extend(router.route(stage_id, out))
+        self._room_may_have_changed()
+        if not actions:
+            return
+        io = [a for a in actions if type(a) is not Emit]
+        if len(io) < len(actions):
+            self._deliver_now(actions)
+        if io:
+            self._post_event(None, _Perform(io))
 
     async def _dispatcher(self) -> None:
         """Single router of outputs and commands; drains what is ready, then does I/O."""
         recv = self._ev_recv
         router = self.router
         while True:
-            batch = [await recv.receive()]
+            try:
+                first = recv.receive_nowait()
+            except trio.WouldBlock:
+                self._idle = True
+                try:
+                    first = await recv.receive()
+                finally:
+                    self._idle = False
+            batch = [first]
             while True:
                 try:
                     batch.append(recv.receive_nowait())
@@ -584,6 +649,8 @@ class Orchestrator:
                         if item.done is not None:  # the stages it asks must confirm to this caller
                             item.done.ids.update(i for a in acts if type(a) is Abort for i in a.request_ids)
                         actions.extend(acts)
+                elif type(item) is _Perform:
+                    actions.extend(item.actions)
                 elif type(item) is StageDied:
                     actions.extend(self._on_stage_died(stage_id, item))
             self._room_may_have_changed()  # stages finished, requests ended
@@ -625,7 +692,7 @@ class Orchestrator:
             return
         state = self.router.requests.get(request_id)
         if state is not None:
-            self._ev_send.send_nowait((None, _Command("expire", state, None)))
+            self._post_event(None, _Command("expire", state, None))
 
     # ------------------------------------------------------------------ helpers
     def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None, timeout: float | None,
@@ -652,7 +719,7 @@ class Orchestrator:
         if state is None:
             return False
         try:
-            self._ev_send.send_nowait((None, _Command("abort", state, done)))
+            self._post_event(None, _Command("abort", state, done))
         except trio.ClosedResourceError:
             return False  # stopping: the shutdown terminal is on its way
         return True

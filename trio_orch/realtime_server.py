@@ -11,7 +11,6 @@ behind.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import logging
@@ -19,6 +18,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
@@ -47,7 +47,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
     await ws.accept()
     session = RealtimeSession(f"sess_{os.getpid():x}_{next(_ids)}", final_stage_ids=engine.final_stage_ids,
                               outputs=list(outputs) if outputs is not None else None, **limits)
-    lock = asyncio.Lock()
+    lock = anyio.Lock()
 
     async def send(events: list[dict[str, Any]]) -> None:
         async with lock:
@@ -55,45 +55,46 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                 await ws.send_text(json.dumps(e, separators=(",", ":")))
 
     handle: AsyncRequestHandle | None = None
-    pump: asyncio.Task[None] | None = None
 
     async def stream(h: AsyncRequestHandle) -> None:
         async for m in h:
             await send(session.output(m))
 
     try:
-        await send(session.opened())
-        while True:
-            msg = await ws.receive()
-            if msg["type"] == "websocket.disconnect":
-                break
-            frame = msg.get("text")
-            events, actions = session.receive(frame if frame is not None else msg.get("bytes") or b"")
-            await send(events)
-            for a in actions:
-                if type(a) is Start:
-                    try:
-                        handle = await engine.add_request_async(a.prompt, resumable=a.resumable,
-                                                                final_stage_id=a.final_stage_id,
-                                                                request_id=session.response_id)
-                    except (ValueError, EngineClosed, Overloaded) as exc:  # shed: the session says so
-                        await send(session.request_failed(exc))
-                        break
-                    await send(session.request_started(engine.final_stage_ids))
-                    pump = asyncio.ensure_future(stream(handle))
-                elif type(a) is Append and handle is not None:
-                    try:
-                        await handle.update(a.segment, final=a.final)
-                    except (ValueError, EngineClosed) as exc:
-                        await send(session.update_failed(exc))
-                elif type(a) is Cancel and handle is not None:
-                    handle.abort()
+        async with anyio.create_task_group() as tg:  # the response stream runs beside the reader
+            await send(session.opened())
+            while True:
+                try:
+                    msg = await ws.receive()
+                except WebSocketDisconnect:
+                    break
+                if msg["type"] == "websocket.disconnect":
+                    break
+                frame = msg.get("text")
+                events, actions = session.receive(frame if frame is not None else msg.get("bytes") or b"")
+                await send(events)
+                for a in actions:
+                    if type(a) is Start:
+                        try:
+                            handle = await engine.add_request_async(a.prompt, resumable=a.resumable,
+                                                                    final_stage_id=a.final_stage_id,
+                                                                    request_id=session.response_id)
+                        except (ValueError, EngineClosed, Overloaded) as exc:  # shed: the session says so
+                            await send(session.request_failed(exc))
+                            break
+                        await send(session.request_started(engine.final_stage_ids))
+                        tg.start_soon(stream, handle)
+                    elif type(a) is Append and handle is not None:
+                        try:
+                            await handle.update(a.segment, final=a.final)
+                        except (ValueError, EngineClosed) as exc:
+                            await send(session.update_failed(exc))
+                    elif type(a) is Cancel and handle is not None:
+                        handle.abort()
+            tg.cancel_scope.cancel()
     except WebSocketDisconnect:
         pass
     finally:
-        if pump is not None:
-            pump.cancel()
-            await asyncio.gather(pump, return_exceptions=True)
         if handle is not None and not handle.finished:
             handle.close()  # the client left before the end: abort the request on every stage
             log.info("realtime session %s closed mid-response; its request was aborted", session.session_id)

@@ -1,9 +1,12 @@
-"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http_app`) under uvicorn, over the Trio engine.
+"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http_app`) over the Trio engine, on one of two fronts.
 
-The HTTP server runs on an asyncio loop in the main thread; the orchestrator
-and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s Trio thread.
+``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
+orchestrator and its pipeline run in the :class:`~trio_orch.bridge.Engine`'s
+Trio thread.  ``--loop trio``: hypercorn's Trio worker and the
+:class:`~trio_orch.inloop_engine.InLoopEngine` in one Trio run
+(:mod:`trio_orch.hypercorn_front`), no thread between them.
 
-Drain: the first SIGTERM or SIGINT stops accepting work (``/health`` and new
+Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
 requests answer 503 ``draining``; the listening socket stays open so a load
 balancer sees it), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, gives the rest their ``shutdown`` terminal,
@@ -46,7 +49,10 @@ from trio_orch.uvicorn_front import (
     uvicorn_config,
 )
 
-__all__ = ["EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
+__all__ = ["DEFAULT_LOOP", "EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
+
+#: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
+DEFAULT_LOOP = "asyncio"
 
 log = logging.getLogger("trio_orch.server")
 
@@ -57,11 +63,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
         "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
-        "streams out), GET /health, GET /metrics (Prometheus). The orchestrator runs "
-        "in a Trio thread, the HTTP server (Starlette + uvicorn) on asyncio in the main thread. "
+        "streams out), GET /health, GET /metrics (Prometheus). --loop trio: the HTTP server "
+        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
+        "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
         "a signal.")
+    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
+                        help="trio: the HTTP server (hypercorn's Trio worker) runs inside the "
+                             "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
+                             "asyncio in the main thread, the orchestrator in a Trio thread behind the "
+                             f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -174,8 +186,10 @@ class _Pipeline:
 
         @asynccontextmanager
         async def factory() -> AsyncIterator[Any]:
-            # dead or hung local workers are restarted; with --listen, replicas may join over TCP
-            async with open_head_pipeline(local_cfg, opts, full_config=cfg, policy=policy) as pipe:
+            # dead or hung local workers are restarted; with --listen, replicas may join over TCP;
+            # --loop trio takes SIGTERM in its own run (a drain)
+            async with open_head_pipeline(local_cfg, opts, full_config=cfg, policy=policy,
+                                          handle_sigterm=args.loop != "trio") as pipe:
                 self.supervisor = pipe.supervisor
                 self.registrar = pipe.registrar
                 yield pipe
@@ -222,10 +236,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
     print(f"starting {pipeline.what} ...", flush=True)
-    engine = Engine(pipeline.factory, startup_timeout=args.startup_timeout,
-                    request_queue_size=args.request_queue_size, request_timeout=args.request_timeout or None,
-                    admission_timeout=args.admission_timeout, max_waiting=args.request_queue_size,
-                    max_inflight=pipeline.max_inflight)
+    if args.loop == "trio":
+        return _run_trio(args, pipeline, limits, sock)
+    engine = Engine(pipeline.factory, **_engine_options(args, pipeline))
     try:
         engine.start()
     except EngineStartupError as exc:
@@ -294,6 +307,61 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print("stopped", flush=True)
     return EXIT_SIGNAL if stopped_by else 0
+
+
+def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:
+    return {"startup_timeout": args.startup_timeout, "request_queue_size": args.request_queue_size,
+            "request_timeout": args.request_timeout or None, "admission_timeout": args.admission_timeout,
+            "max_waiting": args.request_queue_size, "max_inflight": pipeline.max_inflight}
+
+
+def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, sock: socket.socket) -> int:
+    """``--loop trio``: one Trio run owns the server, the orchestrator and the workers."""
+    import trio
+
+    from trio_orch.hypercorn_front import hypercorn_config, serve_trio
+    from trio_orch.inloop_engine import InLoopEngine
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until Trio takes the signals over
+    engine = InLoopEngine(pipeline.factory, **_engine_options(args, pipeline))
+    front = FrontMetrics()
+    level = logging.getLogger().getEffectiveLevel()
+    config = hypercorn_config(limits, log_level="info" if level <= logging.INFO else "warning")
+
+    def make_app(eng: InLoopEngine) -> Any:
+        app = create_app(eng, model_name=args.model_name, extra_metrics=pipeline.extra_metrics,
+                         outputs=pipeline.outputs, limits=limits, front=front,
+                         token_limit=pipeline.token_limit(eng), stage_names=pipeline.names)
+        add_image_routes(app, eng, model_name=args.model_name, outputs=pipeline.outputs)
+        return app
+
+    def announce(host: str, port: int) -> None:
+        images = pipeline.outputs is not None and "image" in pipeline.outputs
+        route = "/v1/images/generations" if images else "/v1/chat/completions"
+        print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
+              "GET /metrics; Trio front; Ctrl-C or SIGTERM drains and stops)", flush=True)
+
+    try:
+        out = trio.run(lambda: serve_trio(engine, make_app, sock, config, front,
+                                          startup_timeout=args.startup_timeout,
+                                          shutdown_timeout=args.shutdown_timeout, announce=announce))
+    except KeyboardInterrupt:
+        print("interrupted: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
+    finally:
+        sock.close()
+    if out.startup_error is not None:
+        print(f"error: {out.startup_error}", file=sys.stderr)
+        return 1
+    if not out.served:
+        print("interrupted while starting: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
+    if out.died is not None:
+        print(f"error: the engine stopped on its own ({out.died}); the server stopped with it",
+              file=sys.stderr)
+        return 1
+    print("stopped", flush=True)
+    return EXIT_SIGNAL if out.stopped_by else 0
 
 
 def _interrupt(signum: int, frame: Any) -> None:

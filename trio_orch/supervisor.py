@@ -390,10 +390,14 @@ def _startup_error(exc: BaseException) -> WorkerStartupError | None:
 
 @asynccontextmanager
 async def supervised_pipeline(config: PipelineConfig, policy: RestartPolicy | None = None, *,
-                              inbox_host: str | None = None, **kwargs: Any) -> AsyncIterator[Pipeline]:
-    """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set."""
-    async with open_pipeline(config, inbox_host=inbox_host) as pipe, \
-            open_supervisor(pipe, policy, **kwargs) as sup:
+                              inbox_host: str | None = None, handle_sigterm: bool = True,
+                              **kwargs: Any) -> AsyncIterator[Pipeline]:
+    """``open_pipeline`` + ``open_supervisor``: yields the Pipeline, with ``.supervisor`` set.
+
+    ``handle_sigterm=False``: the caller's Trio run handles SIGTERM itself (``serve --loop trio``).
+    """
+    async with (open_pipeline(config, inbox_host=inbox_host, handle_sigterm=handle_sigterm) as pipe,
+                open_supervisor(pipe, policy, **kwargs) as sup):
         pipe.supervisor = sup  # type: ignore[attr-defined]
         yield pipe
 

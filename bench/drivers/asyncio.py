@@ -26,7 +26,7 @@ import janus
 
 from bench.drivers.base import Driver
 from bench.refs.launcher import open_worker_stages
-from bench.refs.orchestrator import AsyncioOrchestrator
+from bench.refs.orchestrator import AddMsg, AsyncioOrchestrator
 from bench.refs.testing import AsyncScriptedStage
 from trio_orch.types import Message, RpcResult
 
@@ -135,6 +135,14 @@ class AsyncioDriver(Driver):
             return await self.orch.output_queue.async_q.get()
         except janus.AsyncQueueShutDown:
             return None
+
+    def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """Accept and queue the add from inside the loop (the request queue's asyncio side)."""
+        orch = self.orch
+        assert orch is not None
+        with orch.lock:
+            ticket = orch.router.accept(request_id, prompt, final_stage_id=final_stage_id)
+        orch.request_queue.async_q.put_nowait(AddMsg(ticket, None))
 
     # ------------------------------------------------------------------ handovers
     def send_shutdown(self, timeout: float | None) -> None:

@@ -353,6 +353,14 @@ class Driver:
         """(Call inside the loop.)  Next batch from the implementation's own output queue."""
         raise Unsupported(f"{self.name}: loop_next_batch")
 
+    def loop_emit(self, stage: int, outputs: list[StageOutput]) -> None:
+        """(Call inside the loop.)  Stage ``stage`` produces ``outputs`` now (no thread hand-off)."""
+        self.stages[stage].emit_batch_nowait(outputs)
+
+    def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """(Call inside the loop.)  Accept a request without waiting (the channel has room)."""
+        raise Unsupported(f"{self.name}: loop_add")
+
     @property
     def router(self) -> Any:
         """The implementation's routing core (:class:`trio_orch.core.Router`)."""

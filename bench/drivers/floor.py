@@ -34,6 +34,8 @@ class FloorDriver(Driver):
         self.token: trio.lowlevel.TrioToken | None = None
         self._send: trio.MemorySendChannel[tuple[int, list[StageOutput]]] | None = None
         self._done: trio.Event | None = None
+        self._out_send: trio.MemorySendChannel[list[Message]] | None = None
+        self._out_recv: trio.MemoryReceiveChannel[list[Message]] | None = None
 
     def thread_main(self) -> None:
         try:
@@ -49,6 +51,7 @@ class FloorDriver(Driver):
         self.token = trio.lowlevel.current_trio_token()
         self._send, recv = trio.open_memory_channel[tuple[int, list[StageOutput]]](math.inf)
         self._done = trio.Event()
+        self._out_send, self._out_recv = trio.open_memory_channel[list[Message]](math.inf)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._hop, recv)
             self.set_started()
@@ -56,7 +59,7 @@ class FloorDriver(Driver):
             nursery.cancel_scope.cancel()
 
     async def _hop(self, recv: trio.MemoryReceiveChannel[tuple[int, list[StageOutput]]]) -> None:
-        put = self._batches.put
+        put = self._out_send.send_nowait if self.in_loop_consumer and self._out_send else self._batches.put
         sub = self.submitted.put
         finals, n = self.final_stage_ids, self.num_stages
         while True:
@@ -68,6 +71,25 @@ class FloorDriver(Driver):
                 for o in outs:
                     if o.finished:
                         sub((stage_id + 1, o.request_id, now))
+
+    # ------------------------------------------------------------------ in the loop
+    def run_in_loop(self, afn: Any, *args: Any, timeout: float = 10.0) -> Any:
+        async def bounded() -> Any:
+            with trio.fail_after(timeout):
+                return await afn(*args)
+
+        return trio.from_thread.run(bounded, trio_token=self.token)
+
+    async def loop_next_batch(self) -> list[Message] | None:
+        assert self._out_recv is not None
+        return await self._out_recv.receive()
+
+    def loop_emit(self, stage: int, outputs: list[StageOutput]) -> None:
+        assert self._send is not None
+        self._send.send_nowait((stage, outputs))
+
+    def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        self.record_submission(0, request_id)
 
     def send_shutdown(self, timeout: float | None) -> None:
         assert self.token is not None and self._done is not None

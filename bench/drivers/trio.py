@@ -142,11 +142,23 @@ class TrioDriver(Driver):
             raise TimeoutError(f"no output within {timeout}s") from None
 
     async def loop_next_batch(self) -> list[Message] | None:
-        assert self.orch is not None
+        """Everything already in the output channel, waiting for the first (one scheduler pass)."""
+        orch = self.orch
+        assert orch is not None
         try:
-            return [await self.orch.next_output()]
+            batch = [await orch.next_output()]
         except trio.EndOfChannel:
             return None
+        nowait = orch.next_output_nowait
+        while True:
+            try:
+                batch.append(nowait())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return batch
+
+    def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        assert self.orch is not None
+        self.orch.add_request_nowait(request_id, prompt, final_stage_id=final_stage_id)
 
     # ------------------------------------------------------------------ handovers
     def attach_replica(self, stage_id: int, member_id: str, handshake_s: float) -> None:

@@ -59,6 +59,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the JSON to this path")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the markdown to this path")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    parser.add_argument("--serving", action="store_true",
+                        help="also run the serving benchmark: trio-orch serve --loop trio vs --loop asyncio, "
+                             "N concurrent streaming clients over loopback (echo workers and the default "
+                             "torch pipeline): time to first chunk, inter-chunk latency, requests/s, server "
+                             "CPU per request")
+    parser.add_argument("--serving-only", action="store_true", help="only the serving benchmark")
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="concurrent streaming clients of the serving benchmark (default 64)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="also put the table between the '<!-- bench:begin -->' and "
                              "'<!-- bench:end -->' markers of this file (e.g. README.md)")
@@ -130,18 +138,68 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
     return results, raw_a_seq
 
 
+def serving_pipelines(quick: bool) -> dict[str, list[str]]:
+    """The serving benchmark's pipelines: serve flags by name (``{echo}``: the echo config's path)."""
+    pipes = {"echo workers": ["--config", "{echo}"]}
+    if not quick:
+        pipes["torch pipeline"] = []
+    return pipes
+
+
+def summarize_serving(raw: dict[str, Any], concurrency: int) -> dict[str, Any]:
+    """Per pipeline and front: TTFC and inter-chunk percentiles (us), requests/s, server CPU ms/request."""
+    from bench.perf.stats import percentiles_us
+
+    out: dict[str, Any] = {"concurrency": concurrency}
+    for pipe, per_front in raw.items():
+        out[pipe] = {}
+        for front, runs in per_front.items():
+            ok = sum(r["ok"] for r in runs)
+            wall = sum(r["wall_s"] for r in runs)
+            cpu = sum(r["server_cpu_s"] for r in runs)
+            out[pipe][front] = {
+                "rounds": len(runs), "requests": ok, "failed": sum(r["failed"] for r in runs),
+                "ttfc": percentiles_us([x for r in runs for x in r["ttfc"]]),
+                "inter_chunk": percentiles_us([x for r in runs for x in r["gaps"]]),
+                "requests_per_s": ok / wall if wall else float("nan"),
+                "server_cpu_ms_per_request": cpu / ok * 1e3 if ok else float("nan"),
+                "requests_per_s_rounds": [r["ok"] / r["wall_s"] for r in runs if r["wall_s"]],
+            }
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     wls = _pick(args.workloads, WORKLOADS, "workload")
     impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator
     rounds = args.rounds or (1 if args.quick else 3)
-    progress = Progress(sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls))
+    if args.serving_only:
+        wls = []
+    serving = args.serving or args.serving_only
+    pipelines = serving_pipelines(args.quick) if serving else {}
+    progress = Progress(sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls)
+                        + 2 * rounds * len(pipelines))
+    load_before = os.getloadavg()
     results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
+    if serving:
+        import tempfile
+
+        from bench.perf import serving as sv
+
+        with tempfile.TemporaryDirectory() as tmp:
+            flags = {name: [a.replace("{echo}", sv.echo_pipeline_file(16, tmp)) for a in f]
+                     for name, f in pipelines.items()}
+            raw_serving = sv.compare_fronts(flags, concurrency=args.concurrency, rounds=rounds,
+                                            seconds=2.0 if args.quick else 6.0, progress=progress)
+        results["serving"] = summarize_serving(raw_serving, args.concurrency)
+        results["targets"] = report.targets(results)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "load_before": " ".join(f"{x:.2f}" for x in load_before),
+        "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
         else "trio-orch bench",
     }

@@ -57,6 +57,38 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     add("idle CPU < 0.5 %", v, "< 0.5", v is not None and v < 0.5)
     v = _get(results, "zmq_a_seq", BASE, "latency", "p50_us")
     add("ZMQ echo workers: a_seq p50 <= 80 us", v, "<= 80", v is not None and v <= 80)
+    v = _get(results, "loop_a_seq", BASE, "latency", "p50_us")
+    others = [_get(results, "loop_a_seq", r, "latency", "p50_us") for r in refs]
+    add("in-loop a_seq p50 <= 12 us and below every asyncio reference", v, "<= 12",
+        v is not None and v <= 12 and all(o is None or v < o for o in others))
+    v = _get(results, "zmq_a_seq", BASE, "latency", "p50_us")
+    floor = _get(results, "zmq_a_seq", "zmq-floor", "latency", "p50_us")
+    others = [_get(results, "zmq_a_seq", r, "latency", "p50_us") for r in refs]
+    if floor is not None:
+        add("zmq_a_seq p50 <= 1.5 x the zmq floor and below every asyncio reference", v,
+            f"<= {1.5 * floor:.1f}",
+            v is not None and v <= 1.5 * floor and all(o is None or v < o for o in others))
+    for wl in ("b_512_unbatched", "b_64_unbatched", "zmq_b_64"):
+        v = _get(results, wl, BASE, "latency", "p99_us")
+        others = [_get(results, wl, r, "latency", "p99_us") for r in refs]
+        tput = _get(results, wl, BASE, "throughput_per_s")
+        best = max((o for o in (_get(results, wl, r, "throughput_per_s") for r in refs) if o is not None),
+                   default=None)
+        add(f"{wl} p99 <= every asyncio reference's (throughput not below theirs)", v,
+            f"<= {min((o for o in others if o is not None), default=float('nan')):.0f}",
+            v is not None and all(o is None or v <= o for o in others)
+            and (best is None or tput is None or tput >= best))
+    serving = results.get("serving", {}).get("echo workers", {})
+    trio_f, asy_f = serving.get("trio"), serving.get("asyncio")
+    if trio_f and asy_f:
+        conc = results["serving"].get("concurrency")
+        for key, what in (("ttfc", "time to first chunk"), ("inter_chunk", "inter-chunk latency")):
+            t, a = trio_f[key]["p50_us"], asy_f[key]["p50_us"]
+            add(f"serving (echo workers, {conc} clients): --loop trio p50 {what} >= 20 % below "
+                "--loop asyncio", t, f"<= {0.8 * a:.0f}", t <= 0.8 * a)
+        t, a = trio_f["requests_per_s"], asy_f["requests_per_s"]
+        add(f"serving (echo workers, {conc} clients): --loop trio requests/s not below --loop asyncio", t,
+            f">= {a:.1f}", t >= a)
     return [r for r in rows if r["value"] is not None or r["target"].startswith(("a_seq", "forward"))]
 
 
@@ -117,6 +149,32 @@ def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def spread_rows(results: dict[str, Any]) -> list[list[str]]:
+    """p99 of each round, for the tail-latency workloads: how much they move between rounds."""
+    rows = [["workload", "impl", "p99 per round us (min-max)", "rounds"]]
+    for wl in ("b_64_unbatched", "b_512_unbatched", "zmq_b_64", "loop_b_512_unbatched"):
+        for impl, res in results.get("workloads", {}).get(wl, {}).items():
+            p = res.get("p99_rounds_us")
+            if p:
+                rows.append([wl, impl, f"{min(p):,.0f}-{max(p):,.0f}", str(len(p))])
+    return rows
+
+
+def serving_rows(results: dict[str, Any]) -> list[list[str]]:
+    """The serving benchmark: both fronts per pipeline."""
+    rows = [["pipeline", "front", "requests", "failed", "TTFC p50 ms", "TTFC p99 ms", "inter-chunk p50 ms",
+             "inter-chunk p99 ms", "req/s", "server CPU ms/req"]]
+    for pipe, per in results.get("serving", {}).items():
+        if not isinstance(per, dict):
+            continue
+        for front, r in per.items():
+            rows.append([pipe, f"--loop {front}", str(r["requests"]), str(r["failed"]),
+                         _fmt(r["ttfc"]["p50_us"] / 1e3, 2), _fmt(r["ttfc"]["p99_us"] / 1e3, 2),
+                         _fmt(r["inter_chunk"]["p50_us"] / 1e3, 2), _fmt(r["inter_chunk"]["p99_us"] / 1e3, 2),
+                         _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2)])
+    return rows
+
+
 def misc_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [["impl", "idle CPU %", "shutdown ms (median, in-process)", "shutdown ms (max, in-process)"]]
     wls = results.get("workloads", {})
@@ -162,6 +220,12 @@ def text_report(results: dict[str, Any]) -> str:
         parts += ["", "c_chain: admission and forward latency", render_text(chain_rows(results))]
     if len(e2e_rows(results)) > 1:
         parts += ["", "End to end, default torch pipeline (trio-orch)", render_text(e2e_rows(results))]
+    if len(spread_rows(results)) > 1:
+        parts += ["", "Tail latency: p99 of each round", render_text(spread_rows(results))]
+    if len(serving_rows(results)) > 1:
+        conc = results["serving"].get("concurrency")
+        parts += ["", f"Serving: trio-orch serve --loop trio vs --loop asyncio, {conc} streaming clients",
+                  render_text(serving_rows(results))]
     parts += ["", "Idle CPU and shutdown", render_text(misc_rows(results)),
               "", "Targets (trio-orch, this run)", render_text(target_rows(results))]
     note = missed_note(results)
@@ -183,13 +247,21 @@ def missed_note(results: dict[str, Any]) -> str:
 def markdown_report(results: dict[str, Any]) -> str:
     meta = results.get("meta", {})
     parts = [f"# Benchmark results ({meta.get('mode', '?')} run, {meta.get('date', '?')})", "",
-             f"Machine: {meta.get('machine', '?')}. Command: `{meta.get('command', 'trio-orch bench')}`.", "",
+             f"Machine: {meta.get('machine', '?')}. Command: `{meta.get('command', 'trio-orch bench')}`. "
+             f"Load (`uptime`) before / after: {meta.get('load_before', '?')} / "
+             f"{meta.get('load_after', '?')}.", "",
              "## Dispatch latency and throughput", "", render_markdown(table_rows(results))]
     if "c_chain" in results.get("workloads", {}):
         parts += ["", "## c_chain: admission and forward latency", "", render_markdown(chain_rows(results))]
     if len(e2e_rows(results)) > 1:
         parts += ["", "## End to end, default torch pipeline (trio-orch)", "",
                   render_markdown(e2e_rows(results))]
+    if len(spread_rows(results)) > 1:
+        parts += ["", "## Tail latency: p99 of each round", "", render_markdown(spread_rows(results))]
+    if len(serving_rows(results)) > 1:
+        conc = results["serving"].get("concurrency")
+        parts += ["", f"## Serving: `serve --loop trio` vs `--loop asyncio`, {conc} streaming clients", "",
+                  render_markdown(serving_rows(results))]
     parts += ["", "## Idle CPU and shutdown", "", render_markdown(misc_rows(results)),
               "", "## Targets", "", render_markdown(target_rows(results)), "", missed_note(results), ""]
     return "\n".join(parts)
@@ -261,10 +333,12 @@ BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     """The table and one plot, for the README."""
     meta = results.get("meta", {})
-    rows = [r for r in table_rows(results) if r[0] in ("workload", "a_seq", "b_512_unbatched", "zmq_a_seq")]
+    rows = [r for r in table_rows(results)
+            if r[0] in ("workload", "a_seq", "loop_a_seq", "b_512_unbatched", "zmq_a_seq")]
     parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
              f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
              f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
+             *([render_markdown(serving_rows(results)), ""] if len(serving_rows(results)) > 1 else []),
              render_markdown(target_rows(results)), "", missed_note(results), "",
              f"![a_seq dispatch latency CDF]({out_dir}/a_seq_latency_cdf.png)"]
     return "\n".join(parts)

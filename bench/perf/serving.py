@@ -15,6 +15,14 @@ asyncio sockets: a client library would spend more CPU than the server on a
 
 Prints one JSON object (``--json PATH`` writes it too).  Nothing is
 asserted: the numbers go to docs/operating.md.
+
+:func:`compare_fronts` (``trio-orch bench --serving``) is the serving
+benchmark of the two fronts: ``serve --loop trio`` and ``serve --loop
+asyncio`` started in turn (interleaved rounds) over the same pipeline, N
+concurrent streaming clients in client processes for a bounded time, and
+per front: time to first content chunk, inter-chunk gap p50/p99,
+requests/s, and server CPU per request (the serving process; its workers
+apart).
 """
 
 from __future__ import annotations
@@ -258,3 +266,139 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---------------------------------------------------------------------------- the two fronts
+ECHO_TOML = """[pipeline]
+final_stage_ids = [0, 2]
+{stages}
+"""
+
+
+def echo_pipeline_file(outputs: int, directory: str) -> str:
+    """A TOML config of three echo stages (``outputs`` outputs each), written to ``directory``."""
+    stage = f'[[stages]]\nkind = "echo"\nmodel = {{outputs = {outputs}}}\n'
+    path = os.path.join(directory, "echo.toml")
+    Path(path).write_text(ECHO_TOML.format(stages="\n".join([stage] * 3)))
+    return path
+
+
+async def _stream_one(host: str, port: int, body: bytes, ttfc: list[float], gaps: list[float],
+                      timeout: float = 60.0) -> bool:
+    """One streamed request on a fresh connection; record TTFC and the gaps between content reads."""
+    t0 = time.perf_counter()
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+        writer.write((f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\n"
+                      f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode()
+                     + body)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        if not head.startswith(b"HTTP/1.1 200"):
+            writer.close()
+            return False
+        events = 0
+        last = None
+        while True:
+            data = await asyncio.wait_for(reader.read(65536), timeout)
+            if not data:
+                break
+            now = time.perf_counter()
+            if b"data: [DONE]" in data:  # the end of the stream (the connection is kept alive: close it)
+                break
+            n = data.count(b"data: ")
+            if n and events + n > 1:  # the first event is the role chunk, sent before any output
+                if last is None:
+                    ttfc.append(now - t0)
+                else:
+                    gaps.append(now - last)
+                last = now
+            events += n
+        writer.close()
+        return last is not None
+    except (OSError, TimeoutError, asyncio.IncompleteReadError):
+        return False
+
+
+def _front_client(url: str, conns: int, seconds: float, body: bytes, out: Any) -> None:
+    """A client process: ``conns`` connections, each streaming requests back to back for ``seconds``."""
+    host, port = _split(url)
+
+    async def run() -> tuple[list[float], list[float], int, int]:
+        ttfc: list[float] = []
+        gaps: list[float] = []
+        done = [0, 0]
+        end = time.perf_counter() + seconds
+
+        async def conn() -> None:
+            while time.perf_counter() < end:
+                ok = await _stream_one(host, port, body, ttfc, gaps)
+                done[0 if ok else 1] += 1
+
+        await asyncio.gather(*(conn() for _ in range(conns)))
+        return ttfc, gaps, done[0], done[1]
+
+    out.put(asyncio.run(run()))
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime of one process, in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,
+                  body: bytes) -> dict[str, Any]:
+    """N concurrent streaming clients for ``seconds``: TTFC, inter-chunk gaps, req/s, server CPU."""
+    q: Any = multiprocessing.Queue()
+    per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
+    clients = [multiprocessing.Process(target=_front_client, args=(url, n, seconds, body, q))
+               for n in per if n]
+    cpu0, t0 = _proc_cpu(pid), time.perf_counter()
+    for c in clients:
+        c.start()
+    res = [q.get() for _ in clients]
+    wall = time.perf_counter() - t0
+    cpu = _proc_cpu(pid) - cpu0
+    for c in clients:
+        c.join()
+    ttfc = [x for r in res for x in r[0]]
+    gaps = [x for r in res for x in r[1]]
+    ok = sum(r[2] for r in res)
+    return {"ttfc": ttfc, "gaps": gaps, "ok": ok, "failed": sum(r[3] for r in res), "wall_s": wall,
+            "server_cpu_s": cpu}
+
+
+def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, seconds: float = 5.0,
+                   rounds: int = 3, procs: int = 2, progress: Any = None) -> dict[str, Any]:
+    """Both fronts over each pipeline (``name -> serve flags``), interleaved rounds; raw per-front results.
+
+    A pipeline whose flags name an echo config gets no ``max_tokens`` (echo stages take none).
+    """
+    import random
+
+    out: dict[str, Any] = {}
+    for name, flags in pipelines.items():
+        echo = any(f.endswith("echo.toml") for f in flags)
+        req = {k: v for k, v in BODY.items() if not (echo and k == "max_tokens")}
+        body = json.dumps({**req, "stream": True}).encode()
+        runs: dict[str, list[dict[str, Any]]] = {"trio": [], "asyncio": []}
+        for r in range(rounds):
+            order = ["trio", "asyncio"]
+            random.Random(r).shuffle(order)
+            for loop in order:
+                proc, url = start_server([*flags, "--loop", loop, "--max-inflight", "0",
+                                          "--request-queue-size", str(4 * concurrency)])
+                try:
+                    asyncio.run(_post(*_split(url), "/v1/chat/completions", body))  # warm-up
+                    runs[loop].append(measure_front(url, proc.pid, concurrency, seconds, procs, body))
+                finally:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
+                if progress is not None:
+                    progress.step(f"serving {name} --loop {loop} (round {r + 1}/{rounds})")
+        out[name] = runs
+    return out

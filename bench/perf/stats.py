@@ -26,6 +26,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if any(key in r for r in runs):
             merged = [x for r in runs for x in r.get(key, [])]
             out[key] = percentiles_us(merged)
+    lat_runs = [r["latency"] for r in runs if r.get("latency")]
+    if len(lat_runs) > 1:  # the spread between rounds (tail latency varies with the machine)
+        out["p99_rounds_us"] = [float(np.percentile(np.asarray(x) * 1e6, 99)) for x in lat_runs]
     outputs = sum(r.get("outputs", 0) for r in runs)
     elapsed = sum(r.get("elapsed_s", 0.0) for r in runs)
     cpu = sum(r.get("cpu_s", 0.0) for r in runs)

@@ -25,6 +25,7 @@ from typing import Any
 
 from bench.drivers.base import Driver
 from bench.implementations import make_driver
+from bench.perf.loop_workloads import loop_chain, loop_concurrent, loop_seq
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.types import Message, StageOutput
 
@@ -252,6 +253,10 @@ def _in_process(quick: bool) -> dict[str, Any]:
     return {"num_stages": 3, "final_stage_ids": {0, 2}, "push": True}
 
 
+def _in_loop(quick: bool) -> dict[str, Any]:
+    return {"num_stages": 3, "final_stage_ids": {0, 2}, "push": True, "in_loop_consumer": True}
+
+
 def _echo_workers(outputs_full: int, outputs_quick: int) -> Callable[[bool], dict[str, Any]]:
     return lambda quick: {"workers": echo_pipeline(outputs_quick if quick else outputs_full)}
 
@@ -280,6 +285,13 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              lambda d, q: concurrent(d, 512, 10 if q else 50, batched=True)),
     Workload("b_512_unbatched", "512 concurrent requests x 50 outputs, each output on its own", "fed",
              _in_process, lambda d, q: concurrent(d, 512, 10 if q else 50, batched=False)),
+    Workload("loop_a_seq", "a_seq with producer and consumer as tasks in the implementation's own loop "
+             "(no thread hand-off)", "in_loop", _in_loop, lambda d, q: loop_seq(d, 300 if q else 2000)),
+    Workload("loop_c_chain", "c_chain inside the implementation's own loop", "in_loop", _in_loop,
+             lambda d, q: loop_chain(d, 50 if q else 200)),
+    Workload("loop_b_512_unbatched", "b_512_unbatched with a producer task and a consumer task in the "
+             "implementation's own loop", "in_loop", _in_loop,
+             lambda d, q: loop_concurrent(d, 512, 10 if q else 50)),
     Workload("idle", "orchestrator-thread CPU with no requests (5 s)", "fed", _in_process,
              lambda d, q: idle(d, 1.0 if q else 5.0), once=True),
     Workload("zmq_a_seq", "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
