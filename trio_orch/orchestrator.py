@@ -41,7 +41,8 @@ from trio_orch.core import (
     Submit,
     Ticket,
     Update,
-    stage_io_options,
+    stage_call,
+    stage_call_failed,
 )
 from trio_orch.deadlines import DeadlineKeeper
 from trio_orch.join_gate import JoinGate
@@ -820,20 +821,11 @@ class Orchestrator:
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
                     continue  # ended while an earlier action awaited
-                stage = self.stages[a.stage_id]
-                opts = stage_io_options(a)  # only what is set: plain clients keep working
                 try:
-                    if type(a) is Update:
-                        await stage.update(a.request_id, a.payload, **opts)  # type: ignore[attr-defined]
-                    elif opts:
-                        await stage.submit(a.request_id, a.payload, **opts)  # type: ignore[call-arg]
-                    else:
-                        await stage.submit(a.request_id, a.payload)
+                    await stage_call(self.stages[a.stage_id], a)
                 except Exception as exc:
-                    what = "update" if type(a) is Update else "submit"
-                    await self._perform(router.submit_failed(
-                        a.stage_id, a.request_id,
-                        f"{what} to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
+                    why = stage_call_failed(a, exc)
+                    await self._perform(router.submit_failed(a.stage_id, a.request_id, why))
                     continue
                 aborts.extend(x for x in router.submitted(a.stage_id, a.request_id) if type(x) is Abort)
             elif type(a) is Abort:

@@ -28,8 +28,18 @@ import trio.testing
 
 from trio_orch.types import Message, StageOutput, StageUnavailable
 
-__all__ = ["LeakProbe", "Misbehaviour", "PushScriptedStage", "ScriptedStage", "SubmitHook", "TerminalLedger",
-           "child_pids", "fd_count", "worker_alive"]
+__all__ = [
+    "LeakProbe",
+    "Misbehaviour",
+    "PushScriptedStage",
+    "ScriptedStage",
+    "StageRecord",
+    "SubmitHook",
+    "TerminalLedger",
+    "child_pids",
+    "fd_count",
+    "worker_alive",
+]
 
 #: ``on_submit(stage_id, request_id)``: called synchronously in ``submit`` (a benchmark's timestamp)
 SubmitHook = Callable[[int, str], None]
@@ -61,7 +71,62 @@ class Misbehaviour:
     helper_per_submit: bool = False
 
 
-class ScriptedStage:
+class StageRecord:
+    """What a scripted stage saw, kept the same way by the Trio and the asyncio scripted stages.
+
+    ``submissions`` (``(request_id, payload)`` in submit order), ``updates``
+    of resumable requests (in order; ``resumable`` and ``final_updates`` list
+    the ids submitted resumable and those whose last segment arrived), the
+    ``sampling`` parameters and ``companions`` that came with them, every
+    aborted id (``aborts``) and every RPC call (``rpc_calls``), answered by
+    the handlers given to :meth:`on_rpc`.
+    """
+
+    def __init__(self) -> None:
+        self.submissions: list[tuple[str, Any]] = []
+        self.updates: list[tuple[str, Any]] = []
+        self.resumable: list[str] = []  # ids submitted with resumable=True (more input follows)
+        self.final_updates: list[str] = []  # ids whose last input segment arrived
+        self.sampling: list[tuple[str, Any]] = []  # (id, params) of every submit/update that carried them
+        self.companions: list[tuple[str, str]] = []  # (companion id, parent id) of companion submits
+        self.aborts: list[str] = []
+        self.rpc_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        self.rpc_handlers: dict[str, Callable[..., Awaitable[Any]]] = {}
+
+    def on_rpc(self, method: str, fn: Callable[..., Awaitable[Any]]) -> None:
+        """Answer RPC ``method`` with ``await fn(*args, **kwargs)``: its value, or what it raises.
+
+        ``fn`` may hang, to test deadlines.  A method with no handler yields an
+        error result naming it.
+        """
+        self.rpc_handlers[method] = fn
+
+    def record_submit(self, request_id: str, payload: Any, resumable: bool, sampling: Any,
+                      companion_of: str | None) -> None:
+        self.submissions.append((request_id, payload))
+        if resumable:
+            self.resumable.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
+        if companion_of is not None:
+            self.companions.append((request_id, companion_of))
+
+    def record_update(self, request_id: str, payload: Any, final: bool, sampling: Any) -> None:
+        self.updates.append((request_id, payload))
+        if final:
+            self.final_updates.append(request_id)
+        if sampling is not None:
+            self.sampling.append((request_id, sampling))
+
+    def record_rpc(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                   ) -> tuple[Callable[..., Awaitable[Any]] | None, dict[str, Any]]:
+        """Record a call; return its handler (None: unknown method) and the keyword arguments."""
+        kw = dict(kwargs or {})
+        self.rpc_calls.append((method, tuple(args), kw))
+        return self.rpc_handlers.get(method), kw
+
+
+class ScriptedStage(StageRecord):
     """A stage client whose outputs are whatever the test tells it to emit.
 
     Records every submission (``submissions``: ``(request_id, payload)`` in
@@ -88,16 +153,8 @@ class ScriptedStage:
         self.misbehaviour = misbehaviour or Misbehaviour()
         self.helper_nursery = helper_nursery
         self.on_submit = on_submit
-        self.submissions: list[tuple[str, Any]] = []
-        self.updates: list[tuple[str, Any]] = []
-        self.resumable: list[str] = []  # ids submitted with resumable=True (more input follows)
-        self.final_updates: list[str] = []  # ids whose last input segment arrived
-        self.sampling: list[tuple[str, Any]] = []  # (id, params) of every submit/update that carried them
-        self.companions: list[tuple[str, str]] = []  # (companion id, parent id) of companion submits
-        self.aborts: list[str] = []
+        super().__init__()
         self.closed = False
-        self.rpc_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self._rpc_handlers: dict[str, Callable[..., Awaitable[Any]]] = {}
         self.swallowed_cancels = 0  # cancellations receive() swallowed (Misbehaviour.swallow_cancel_once)
         # one item per emit: a batch of outputs, or the death
         self._send, self._recv = trio.open_memory_channel[list[StageOutput] | BaseException](math.inf)
@@ -147,14 +204,6 @@ class ScriptedStage:
             self._send.send_nowait(exc)
             self._send.close()
 
-    def on_rpc(self, method: str, fn: Callable[..., Awaitable[Any]]) -> None:
-        """Answer RPC ``method`` with ``await fn(*args, **kwargs)``: its value, or what it raises.
-
-        ``fn`` may hang, to test deadlines.  A method with no handler yields an
-        error result naming it.
-        """
-        self._rpc_handlers[method] = fn
-
     def close_under_reader(self) -> None:
         """A blocked or later receive fails, as a Trio socket or channel closed under it does."""
         self._recv.close()
@@ -180,13 +229,7 @@ class ScriptedStage:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        self.submissions.append((request_id, payload))
-        if resumable:
-            self.resumable.append(request_id)
-        if sampling is not None:
-            self.sampling.append((request_id, sampling))
-        if companion_of is not None:
-            self.companions.append((request_id, companion_of))
+        self.record_submit(request_id, payload, resumable, sampling, companion_of)
         if self.on_submit is not None:
             self.on_submit(self.stage_id, request_id)
         if self.misbehaviour.helper_per_submit and self.helper_nursery is not None:
@@ -200,11 +243,7 @@ class ScriptedStage:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        self.updates.append((request_id, payload))
-        if final:
-            self.final_updates.append(request_id)
-        if sampling is not None:
-            self.sampling.append((request_id, sampling))
+        self.record_update(request_id, payload, final, sampling)
         await trio.lowlevel.checkpoint()
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -232,9 +271,7 @@ class ScriptedStage:
         """One replica (0): ``[(0, value, None)]`` or ``[(0, None, error)]``; recorded in ``rpc_calls``."""
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        kwargs = dict(kwargs or {})
-        self.rpc_calls.append((method, tuple(args), kwargs))
-        fn = self._rpc_handlers.get(method)
+        fn, kwargs = self.record_rpc(method, args, kwargs)
         if fn is None:
             await trio.lowlevel.checkpoint()
             return [(0, None, f"unknown rpc method {method!r}")]

@@ -36,7 +36,18 @@ from typing import Any
 import janus
 
 from bench.refs.control import RpcMsg, sequential_rpc
-from trio_orch.core import Abort, Action, Emit, JoinRefused, Router, Submit, Ticket, Update, stage_io_options
+from trio_orch.core import (
+    Abort,
+    Action,
+    Emit,
+    JoinRefused,
+    Router,
+    Submit,
+    Ticket,
+    Update,
+    stage_call,
+    stage_call_failed,
+)
 from trio_orch.types import Message, RpcResult, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
@@ -329,20 +340,11 @@ class AsyncioOrchestrator:
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
                     continue
-                stage = self.stages[a.stage_id]
-                opts = stage_io_options(a)
                 try:
-                    if type(a) is Update:
-                        await stage.update(a.request_id, a.payload, **opts)  # type: ignore[attr-defined]
-                    elif opts:
-                        await stage.submit(a.request_id, a.payload, **opts)  # type: ignore[call-arg]
-                    else:
-                        await stage.submit(a.request_id, a.payload)
+                    await stage_call(self.stages[a.stage_id], a)
                 except Exception as exc:
-                    what = "update" if type(a) is Update else "submit"
-                    await self.perform(router.submit_failed(
-                        a.stage_id, a.request_id,
-                        f"{what} to stage {a.stage_id} failed: {type(exc).__name__}: {exc}"))
+                    why = stage_call_failed(a, exc)
+                    await self.perform(router.submit_failed(a.stage_id, a.request_id, why))
                     continue
                 for x in router.submitted(a.stage_id, a.request_id):
                     if type(x) is Abort:

@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
-from trio_orch.testing import Misbehaviour, SubmitHook
+from trio_orch.testing import Misbehaviour, StageRecord, SubmitHook
 from trio_orch.types import StageOutput, StageUnavailable
 
 __all__ = ["AsyncScriptedStage"]
@@ -34,7 +33,7 @@ _CLOSED_UNDER = _ClosedUnder()
 _Item = list[StageOutput] | BaseException | _ClosedUnder
 
 
-class AsyncScriptedStage:
+class AsyncScriptedStage(StageRecord):
     """A stage client whose outputs are whatever the test tells it to emit (asyncio)."""
 
     def __init__(self, stage_id: int = 0, *, name: str | None = None,
@@ -43,18 +42,10 @@ class AsyncScriptedStage:
         self.name = name or f"asyncio-scripted-stage-{stage_id}"
         self.misbehaviour = misbehaviour or Misbehaviour()
         self.on_submit = on_submit
-        self.submissions: list[tuple[str, Any]] = []
-        self.updates: list[tuple[str, Any]] = []
-        self.resumable: list[str] = []
-        self.final_updates: list[str] = []
-        self.sampling: list[tuple[str, Any]] = []
-        self.companions: list[tuple[str, str]] = []
-        self.aborts: list[str] = []
+        super().__init__()
         self.closed = False
         self.swallowed_cancels = 0
         self.helpers: set[asyncio.Task[None]] = set()
-        self.rpc_calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        self._rpc_handlers: dict[str, Callable[..., Awaitable[Any]]] = {}
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()  # one item per emit: a batch, or the death
         self._dead: BaseException | None = None
         self._submit_gate: asyncio.Event | None = None
@@ -88,10 +79,6 @@ class AsyncScriptedStage:
             self._dead = exc or RuntimeError(f"{self.name} died")
             self._queue.put_nowait(self._dead)
 
-    def on_rpc(self, method: str, fn: Callable[..., Awaitable[Any]]) -> None:
-        """Answer RPC ``method`` with ``await fn(*args, **kwargs)`` (it may hang, to test deadlines)."""
-        self._rpc_handlers[method] = fn
-
     def close_under_reader(self) -> None:
         """The next (or pending) receive raises ``CancelledError``, as pyzmq's does on close."""
         self._queue.put_nowait(_CLOSED_UNDER)
@@ -116,13 +103,7 @@ class AsyncScriptedStage:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        self.submissions.append((request_id, payload))
-        if resumable:
-            self.resumable.append(request_id)
-        if sampling is not None:
-            self.sampling.append((request_id, sampling))
-        if companion_of is not None:
-            self.companions.append((request_id, companion_of))
+        self.record_submit(request_id, payload, resumable, sampling, companion_of)
         if self.on_submit is not None:
             self.on_submit(self.stage_id, request_id)
         if self.misbehaviour.helper_per_submit:
@@ -138,11 +119,7 @@ class AsyncScriptedStage:
             await self._submit_gate.wait()
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        self.updates.append((request_id, payload))
-        if final:
-            self.final_updates.append(request_id)
-        if sampling is not None:
-            self.sampling.append((request_id, sampling))
+        self.record_update(request_id, payload, final, sampling)
         await asyncio.sleep(0)
 
     async def abort(self, request_ids: list[str]) -> None:
@@ -158,9 +135,7 @@ class AsyncScriptedStage:
         """One replica (0): ``[(0, value, None)]`` or ``[(0, None, error)]``; recorded in ``rpc_calls``."""
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
-        kwargs = dict(kwargs or {})
-        self.rpc_calls.append((method, tuple(args), kwargs))
-        fn = self._rpc_handlers.get(method)
+        fn, kwargs = self.record_rpc(method, args, kwargs)
         if fn is None:
             await asyncio.sleep(0)
             return [(0, None, f"unknown rpc method {method!r}")]

@@ -15,10 +15,19 @@ same semantics and a comparison between shells measures the shell alone.
 The package must never import trio, asyncio or any other event loop.
 """
 
-from trio_orch.core.actions import Abort, Action, Emit, Submit, Update, stage_io_options
+from trio_orch.core.actions import (
+    Abort,
+    Action,
+    Emit,
+    Submit,
+    Update,
+    stage_call,
+    stage_call_failed,
+    stage_io_options,
+)
 from trio_orch.core.membership import JoinRefused
 from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
 __all__ = ["Abort", "Action", "Emit", "JoinRefused", "RequestState", "Router", "RouterStatistics", "Submit",
-           "Ticket", "Update", "stage_io_options"]
+           "Ticket", "Update", "stage_call", "stage_call_failed", "stage_io_options"]

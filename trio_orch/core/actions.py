@@ -9,11 +9,13 @@ best-effort cleanup.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Any
 
 from trio_orch.types import Message
 
-__all__ = ["Abort", "Action", "Emit", "Submit", "Update", "stage_io_options"]
+__all__ = ["Abort", "Action", "Emit", "Submit", "Update", "stage_call", "stage_call_failed",
+           "stage_io_options"]
 
 
 class Submit:
@@ -141,3 +143,24 @@ def stage_io_options(action: Submit | Update) -> dict[str, Any]:
     if action.sampling is not None:
         opts["sampling"] = action.sampling
     return opts
+
+
+def stage_call(stage: Any, action: Submit | Update) -> Awaitable[Any]:
+    """The stage client's coroutine for ``action`` (``update`` or ``submit``), not yet awaited.
+
+    Every shell awaits it in its own framework; the keyword arguments are
+    only those :func:`stage_io_options` sets, so plain clients keep working.
+    Nothing runs here: the core still does no I/O.
+    """
+    opts = stage_io_options(action)
+    if type(action) is Update:
+        return stage.update(action.request_id, action.payload, **opts)
+    if opts:
+        return stage.submit(action.request_id, action.payload, **opts)
+    return stage.submit(action.request_id, action.payload)
+
+
+def stage_call_failed(action: Submit | Update, exc: BaseException) -> str:
+    """The message of the terminal of a request whose submit or update raised ``exc``."""
+    what = "update" if type(action) is Update else "submit"
+    return f"{what} to stage {action.stage_id} failed: {type(exc).__name__}: {exc}"
