@@ -47,7 +47,7 @@ from trio_orch import membership_wire as mw
 from trio_orch.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
 from trio_orch.wire import Dying, Peers, Ready
 
-__all__ = ["KEYS_ENV", "HeadlessWorker", "build_parser", "main"]
+__all__ = ["CONFIG_ENV", "KEYS_ENV", "HeadlessWorker", "build_parser", "main"]
 
 log = logging.getLogger("stages.headless")
 

@@ -1,7 +1,8 @@
 """The CI subset of ``trio-orch chaos``: real worker processes, one fault per test.
 
 Echo workers (model compute is irrelevant to these faults), 2 replicas per
-stage, a few hundred requests.  Each test asserts the guarantees, not timings:
+stage, a few hundred requests; the ``remote_*`` faults add headless workers
+that join over loopback TCP.  Each test asserts the guarantees, not timings:
 every accepted request has exactly one terminal, no duplicates, nothing
 after a terminal, no leaked process / fd / ipc file, still serving after.
 """
@@ -91,6 +92,35 @@ async def test_chaos_shutdown_under_load() -> None:
     assert res.still_serving == "n/a (stopped)"
     assert res.accepted + res.refused == 150  # every request was either accepted or refused
     assert set(res.failed) <= {"shutdown"}
+
+
+@pytest.mark.slow
+async def test_chaos_remote_worker_lost_mid_stream_then_back_under_a_new_identity() -> None:
+    res = await run("remote_lost")
+    check(res)
+    assert res.still_serving == "yes" and set(res.failed) <= {"replica_died"}
+    assert res.notes["held_when_lost"] > 0  # stopped while it held requests
+    assert (res.notes["lost"], res.notes["joined"]) == (1, 2)  # lost once, then joined again
+    assert res.detect_s is not None and res.recover_s is not None
+
+
+@pytest.mark.slow
+async def test_chaos_remote_stale_reregistration_is_refused_while_a_fresh_worker_joins() -> None:
+    res = await run("remote_stale")
+    check(res)
+    assert res.still_serving == "yes" and set(res.failed) <= {"replica_died"}
+    assert res.notes["refused_stale"] == 1 and res.notes["stale_exit"] == 1
+    assert (res.notes["lost"], res.notes["joined"]) == (1, 2)
+    assert res.recover_s is not None
+
+
+@pytest.mark.slow
+async def test_chaos_remote_worker_with_an_unknown_key_is_refused_and_counted() -> None:
+    res = await run("remote_unknown_key")
+    check(res)
+    assert res.still_serving == "yes" and res.failed == {}
+    assert res.notes["auth_refused_curve_register"] >= 1 and res.notes["intruder_exit"] == 1
+    assert "joined" not in res.notes and "registrations" not in res.notes  # it never got to register
 
 
 def test_chaos_cli_writes_table_json_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str],

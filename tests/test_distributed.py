@@ -278,3 +278,74 @@ async def test_a_process_without_the_pipeline_secret_cannot_forge_or_steal(keys:
                 assert s.poll(100) == 0  # no submit reached the forger
         finally:
             ctx.destroy(linger=0)
+
+
+# stage 1 has no local replica: it waits for one to join
+LISTEN_TOML = TOML.replace('kind = "echo"\n[stages.model]', 'kind = "echo"\nreplicas = 0\n[stages.model]')
+
+
+async def start_generate(tmp_path: Path, keys: Path, *extra: str) -> tuple[trio.Process, str]:
+    """``trio-orch generate`` listening on an ephemeral port; (process, stderr up to its waiting line)."""
+    cfg = tmp_path / "listen.toml"
+    cfg.write_text(LISTEN_TOML.format(outputs=3))
+    argv = [sys.executable, "-m", "trio_orch.cli", "generate", "hi", "--config", str(cfg),
+            "--listen", "tcp://127.0.0.1:0", "--keys", str(keys), "--out", str(tmp_path / "o.wav"), *extra]
+    proc = await trio.lowlevel.open_process(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stderr is not None
+    err = b""
+    with trio.fail_after(60):
+        while b"waiting up to" not in err or not err.endswith(b"\n"):
+            chunk = await proc.stderr.receive_some(65536)
+            assert chunk, err.decode()
+            err += chunk
+    return proc, err.decode()
+
+
+async def rest_of(stream: Any) -> str:
+    out = b""
+    while chunk := await stream.receive_some(65536):
+        out += chunk
+    return out.decode()
+
+
+async def test_generate_with_listen_waits_until_a_replica_joins_then_answers(
+    keys: Path, tmp_path: Path
+) -> None:
+    gen, err = await start_generate(tmp_path, keys)
+    worker: trio.Process | None = None
+    try:
+        assert "stage(s) 1 (echo) have none yet" in err, err
+        head = err.split("--head ")[1].split()[0]  # the port the registrar got
+        assert head.startswith("tcp://127.0.0.1:") and not head.endswith(":0")
+        cfg = tmp_path / "listen.toml"
+        worker = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "stages.headless", "--stage", "1", "--head", head, "--keys", str(keys),
+             "--config", str(cfg), "--advertise", "127.0.0.1"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        assert gen.stdout is not None and gen.stderr is not None
+        with trio.fail_after(60):
+            out, rest = await rest_of(gen.stdout), await rest_of(gen.stderr)
+            assert await gen.wait() == 0, err + rest
+        assert "stage 1 (echo): a replica joined" in rest
+        assert "text: hihihi\n" in out  # the joined replica's three outputs
+        assert "(not run)" not in out  # both stages ran it (the timings table)
+        with trio.fail_after(30):
+            assert await worker.wait() == 0  # the head told it that it was going
+    finally:
+        for p in (gen, worker):
+            if p is not None:
+                await stop(p)
+
+
+async def test_generate_with_listen_gives_up_naming_the_stage_without_a_replica(
+    keys: Path, tmp_path: Path
+) -> None:
+    gen, _ = await start_generate(tmp_path, keys, "--join-timeout", "0.5")
+    try:
+        assert gen.stderr is not None
+        with trio.fail_after(60):
+            rest = await rest_of(gen.stderr)
+            assert await gen.wait() == 1
+        assert "error: no replica joined stage(s) 1 (echo) within 0.5 s" in rest
+    finally:
+        await stop(gen)

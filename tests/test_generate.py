@@ -119,13 +119,17 @@ def test_echo_config_defaults() -> None:
     (["generate", "Hi", "--out", "{tmp}/no/such/dir/out.wav"], "does not exist"),
     (["generate", "Hi", "--out", "{tmp}"], "is a directory"),
     (["generate", "Hi", "--replicas", "0"], "--replicas must be >= 1"),
+    (["generate", "Hi", "--listen", "tcp://127.0.0.1:7000"], "--listen needs --keys"),
+    (["generate", "Hi", "--listen", "127.0.0.1:7000", "--keys", "{tmp}"], "--listen must be tcp://HOST:PORT"),
+    (["generate", "Hi", "--listen", "tcp://127.0.0.1:7000", "--keys", "{tmp}/none"], "{tmp}/none"),
+    (["generate", "Hi", "--join-timeout", "0"], "--join-timeout must be > 0"),
 ])
 def test_generate_refuses_bad_arguments_before_any_worker_starts(
         argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main([a.format(tmp=tmp_path) for a in argv]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
     assert "starting workers" not in captured.err + captured.out
 
 

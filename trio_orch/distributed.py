@@ -5,20 +5,26 @@ pipeline with :func:`open_head_pipeline`: the local workers of the config
 (supervised or not), plus, with ``--listen tcp://HOST:PORT``, a registrar
 that lets replicas join over TCP (:mod:`trio_orch.membership`), plus, with
 ``--worker-backend ray``, every configured replica placed as a Ray actor
-that joins the same way (:mod:`trio_orch.ray_backend`).  See docs/distributed.md.
+that joins the same way (:mod:`trio_orch.ray_backend`).  A one-shot job
+(``generate``) cannot run while a stage has no replica: it waits for joins
+first (:func:`wait_for_replicas`).  See docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
+import trio
+
 from trio_orch.config import PipelineConfig
 
-__all__ = ["HeadOptions", "add_arguments", "head_options", "open_head_pipeline"]
+__all__ = ["HeadOptions", "ReplicasMissing", "add_arguments", "head_options", "open_head_pipeline",
+           "wait_for_replicas"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,3 +144,46 @@ async def open_head_pipeline(
                     open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address)
                 )
         yield pipe
+
+
+class ReplicasMissing(Exception):
+    """Some stage still had no replica when the wait for joins ran out (the message names them)."""
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+async def wait_for_replicas(pipe: Any, timeout: float, *, say: Callable[[str], None] = _say,
+                            poll: float = 0.1) -> None:
+    """Return once every stage of ``pipe`` has a replica that takes requests; say what it waits for.
+
+    A stage with no local replica has to wait for one to join (``--listen``):
+    a request sent before would fail at once.  Needs an orchestrator routing
+    through ``pipe`` (joins go through it).  Raises :class:`ReplicasMissing`,
+    naming the stages still without a replica, after ``timeout`` seconds.
+    """
+    labels = [f"{k} ({st.label})" for k, st in enumerate(pipe.config.stages)]
+
+    def missing() -> list[int]:
+        return [k for k, pool in enumerate(pipe.stages) if pool.replica_counts()[0] == 0]
+
+    waiting = missing()
+    if not waiting:
+        return
+    head = pipe.registrar.address if getattr(pipe, "registrar", None) is not None else "the head"
+    say(f"waiting up to {timeout:g} s for replicas to join at {head}: stage(s) "
+        f"{', '.join(labels[k] for k in waiting)} have none yet (start one with: trio-orch worker "
+        f"--stage {waiting[0]} --head {head} --keys DIR --config FILE)")
+    with trio.move_on_after(timeout):
+        while waiting:
+            await trio.sleep(poll)
+            now = missing()
+            for k in sorted(set(waiting) - set(now)):
+                say(f"stage {labels[k]}: a replica joined"
+                    + (f"; still waiting for stage(s) {', '.join(labels[j] for j in now)}" if now else ""))
+            waiting = now
+    if waiting:
+        raise ReplicasMissing(f"no replica joined stage(s) {', '.join(labels[k] for k in waiting)} within "
+                              f"{timeout:g} s (--join-timeout); is a worker running with "
+                              f"--head {head} and a key on the allow-list?")

@@ -13,7 +13,9 @@ as the same fields of a chat request do (:mod:`trio_orch.openai_sampling`);
 per line, into one resumable request (:mod:`trio_orch.generate_stream`).  A
 pipeline whose output is an image (``--pipeline text2image``) draws the
 denoising progress and writes a PNG instead (:mod:`trio_orch.text2image`;
-``--seed`` is then the image's seed).
+``--seed`` is then the image's seed).  With ``--listen`` replicas may join
+over TCP (docs/distributed.md); a stage with no local replica is waited for
+(``--join-timeout``) before the request goes in.
 
 Everything that can be checked is checked before a worker starts (the
 prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
@@ -37,14 +39,15 @@ import trio
 
 from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
 from stages.sampling_params import VOICES
-from trio_orch import text2image
+from trio_orch import distributed, text2image
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from trio_orch.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
 from trio_orch.generate_stream import stream_input
-from trio_orch.launcher import Pipeline, WorkerStartupError, open_pipeline
+from trio_orch.launcher import Pipeline, WorkerStartupError
 from trio_orch.openai_chat import BadRequest, check_max_tokens
 from trio_orch.openai_sampling import SamplingError, map_sampling
-from trio_orch.orchestrator import open_orchestrator
+from trio_orch.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.pool import StageTiming
 from trio_orch.types import OrchError
 
@@ -96,6 +99,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
     text2image.add_arguments(parser)
+    distributed.add_arguments(parser)
+    parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
+                        help="with --listen: seconds to wait until every stage has a replica (a stage "
+                             "with no local one waits for one to join) before sending the request")
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -173,8 +180,10 @@ def _check_args(args: argparse.Namespace) -> None:
             check_max_tokens(args.max_tokens, "--max-tokens")
         except BadRequest as exc:
             raise ValueError(str(exc).replace("'--max-tokens'", "--max-tokens")) from None
-    if args.replicas is not None and args.replicas < 1:
-        raise ValueError("--replicas must be >= 1")
+    if args.replicas is not None and args.replicas < (0 if args.listen else 1):
+        raise ValueError("--replicas must be >= 1 (0 only with --listen: replicas join over TCP)")
+    if args.join_timeout <= 0:
+        raise ValueError("--join-timeout must be > 0")
     out = os.path.abspath(args.out or "out.wav")  # the default lands in the current directory
     folder = os.path.dirname(out)
     if os.path.isdir(out):
@@ -185,8 +194,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--out {args.out}: the directory {folder} is not writable")
 
 
-async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
-                    pipe: Pipeline) -> tuple[int, float | None]:
+async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipeline,
+                    orch: Orchestrator) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
     payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
     outputs = cfg.outputs()  # how each stage's outputs are shown
@@ -194,35 +203,34 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
     pcm: list[np.ndarray] = []
     rate = 24000
     t_text = t_audio = t_last_audio = None
-    async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
-        t0 = time.perf_counter()
-        await orch.add_request(rid, payload, sampling=args.sampling)
-        print("text: ", end="", flush=True)
-        while True:
-            msg = await orch.next_output()
-            now = time.perf_counter()
-            if isinstance(msg, OrchError):
-                print(f"\nerror: request failed at stage {msg.stage_id} ({msg.kind}): {msg.message}",
-                      file=sys.stderr)
-                return 1, None
-            data = msg.data
-            text = as_text(outputs[msg.stage_id], data)
-            audio = as_audio(outputs[msg.stage_id], data) if text is None else None
-            if text is not None:
-                t_text = t_text or now
-                print(text, end="", flush=True)
-            elif audio is not None:
-                samples, rate = audio
-                if len(samples):
-                    t_audio = t_audio or now
-                    t_last_audio = now
-                    pcm.append(samples)
-            elif data is not None:
-                t_text = t_text or now
-                print(f"[stage {msg.stage_id}] {data!r}", flush=True)
-            if msg.finished:
-                break
-        t_end = time.perf_counter()
+    t0 = time.perf_counter()
+    await orch.add_request(rid, payload, sampling=args.sampling)
+    print("text: ", end="", flush=True)
+    while True:
+        msg = await orch.next_output()
+        now = time.perf_counter()
+        if isinstance(msg, OrchError):
+            print(f"\nerror: request failed at stage {msg.stage_id} ({msg.kind}): {msg.message}",
+                  file=sys.stderr)
+            return 1, None
+        data = msg.data
+        text = as_text(outputs[msg.stage_id], data)
+        audio = as_audio(outputs[msg.stage_id], data) if text is None else None
+        if text is not None:
+            t_text = t_text or now
+            print(text, end="", flush=True)
+        elif audio is not None:
+            samples, rate = audio
+            if len(samples):
+                t_audio = t_audio or now
+                t_last_audio = now
+                pcm.append(samples)
+        elif data is not None:
+            t_text = t_text or now
+            print(f"[stage {msg.stage_id}] {data!r}", flush=True)
+        if msg.finished:
+            break
+    t_end = time.perf_counter()
     print()
     mode = "async-chunk" if cfg.async_chunk else "normal (stage by stage)"
     print(f"\ntimings, {mode} mode, ms after the request was added (queued / in batch: as the "
@@ -261,25 +269,27 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig,
 
 
 async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int, float | None]:
-    kinds = ", ".join(f"{s.label} x{s.replicas}" for s in cfg.stages)
+    head, local = head_options(args, cfg)  # checked in _job: no error here
+    kinds = ", ".join(f"{s.label} x{s.replicas}" for s in local.stages)
     print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
     try:
-        async with open_pipeline(cfg, handle_sigterm=False) as pipe:  # _main handles SIGTERM
+        # _main handles SIGTERM; a one-shot job restarts no worker
+        async with (open_head_pipeline(local, head, full_config=cfg, supervised=False, handle_sigterm=False)
+                    as pipe, open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch):
             print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            await wait_for_replicas(pipe, args.join_timeout)  # replicas join through the orchestrator
             if _makes_images(cfg):
-                async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
-                    rc = await text2image.generate_image(orch, args.image, args.out or "out.png")
-                return rc, None
+                return await text2image.generate_image(orch, args.image, args.out or "out.png"), None
             if args.stream_input:
                 out = args.out or "out.wav"
-                rc, pcm, rate = await stream_input(cfg, pipe, args.sampling)
+                rc, pcm, rate = await stream_input(cfg, orch, args.sampling)
                 if pcm is not None:
                     write_wav(out, pcm, rate)
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
-            return await _generate(args, cfg, pipe)
-    except WorkerStartupError as exc:
+            return await _generate(args, cfg, pipe, orch)
+    except (WorkerStartupError, ReplicasMissing) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1, None
 
@@ -312,6 +322,7 @@ async def _job(args: argparse.Namespace) -> int:
             args.image, args.sampling = text2image.request_from_args(args), None
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
+        head_options(args, cfg)  # --listen, --keys, stages without a local replica
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

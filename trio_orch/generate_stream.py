@@ -20,8 +20,7 @@ import trio
 
 from stages.registry import as_audio, as_text, outputs_of
 from trio_orch.config import PipelineConfig
-from trio_orch.launcher import Pipeline
-from trio_orch.orchestrator import Orchestrator, open_orchestrator
+from trio_orch.orchestrator import Orchestrator
 from trio_orch.types import OrchError
 
 __all__ = ["stream_input"]
@@ -52,9 +51,9 @@ async def _feed(orch: Orchestrator, stream: TextIO) -> int:
     return n
 
 
-async def stream_input(cfg: PipelineConfig, pipe: Pipeline, sampling: Any = None,
+async def stream_input(cfg: PipelineConfig, orch: Orchestrator, sampling: Any = None,
                        stream: TextIO | None = None) -> tuple[int, np.ndarray | None, int]:
-    """Run the session; return (exit code, the audio or None, its sample rate).
+    """Run the session through ``orch``; return (exit code, the audio or None, its sample rate).
 
     ``sampling``: the request's per-stage parameters (they hold for every segment).
     """
@@ -67,27 +66,26 @@ async def stream_input(cfg: PipelineConfig, pipe: Pipeline, sampling: Any = None
     pcm: list[np.ndarray] = []
     rate = 24000
     failed: OrchError | None = None
-    async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
-        await orch.add_request(RID, first, resumable=True, sampling=sampling)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_feed, orch, stream)
-            while True:
-                msg = await orch.next_output()
-                if isinstance(msg, OrchError):
-                    failed = msg
-                    break
-                text = as_text(outputs[msg.stage_id], msg.data)
-                audio = as_audio(outputs[msg.stage_id], msg.data) if text is None else None
-                if text:
-                    print(text, end="", flush=True)
-                elif audio is not None and len(audio[0]):
-                    pcm.append(audio[0])
-                    rate = audio[1]
-                if msg.segment_done and text is not None:
-                    print(flush=True)  # one line of answer per input segment
-                if msg.finished:
-                    break
-            nursery.cancel_scope.cancel()  # the reader may still wait for a line
+    await orch.add_request(RID, first, resumable=True, sampling=sampling)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_feed, orch, stream)
+        while True:
+            msg = await orch.next_output()
+            if isinstance(msg, OrchError):
+                failed = msg
+                break
+            text = as_text(outputs[msg.stage_id], msg.data)
+            audio = as_audio(outputs[msg.stage_id], msg.data) if text is None else None
+            if text:
+                print(text, end="", flush=True)
+            elif audio is not None and len(audio[0]):
+                pcm.append(audio[0])
+                rate = audio[1]
+            if msg.segment_done and text is not None:
+                print(flush=True)  # one line of answer per input segment
+            if msg.finished:
+                break
+        nursery.cancel_scope.cancel()  # the reader may still wait for a line
     if failed is not None:
         print(f"\nerror: request failed at stage {failed.stage_id} ({failed.kind}): {failed.message}",
               file=sys.stderr)

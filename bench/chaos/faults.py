@@ -15,6 +15,10 @@ row).  Two kinds satisfy the protocol:
 * :class:`~bench.chaos.server.HttpFault` -- load and fault against a real
   ``trio-orch serve`` process.
 
+The ``remote_*`` faults run with a registrar on loopback TCP
+(``RunSetup(listen=True)``) and act on headless workers that join over it
+(:mod:`bench.chaos.remote`).
+
 Adding a fault is adding an entry to :data:`FAULTS` here (with its inject
 coroutine, for a pipeline fault) and a test.
 """
@@ -28,8 +32,10 @@ from typing import Any, Protocol
 
 import trio
 
+from bench.chaos.remote import RemoteWorkers
 from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
 from bench.chaos.server import HttpFault
+from trio_orch.auth import Keypair
 from trio_orch.config import PipelineConfig
 from trio_orch.types import StageOutput
 
@@ -237,6 +243,59 @@ async def leave_rejoin(run: ChaosRun) -> None:
     run.mark_recover()  # back in the pool and placed on
 
 
+def _remote(run: ChaosRun) -> RemoteWorkers:
+    assert run.remote is not None, "a remote fault needs RunSetup(listen=True)"
+    return run.remote
+
+
+async def remote_lost(run: ChaosRun) -> None:
+    remote = _remote(run)
+    [(first_id, member)] = remote.live_members(1).items()  # joined before the load
+    pool = run.pipe.stages[1]
+    await run.submitted_at_least(0.2)
+    while pool.in_flight()[member.replica] == 0 and not run.load_done.is_set():  # it holds requests
+        await trio.sleep(0.001)
+    idx = member.replica
+    run.notes.update(placed_on_it=pool.placements[idx], held_when_lost=pool.in_flight()[idx])
+    proc = remote.procs[0]
+    run.mark_fault()
+    proc.send_signal(signal.SIGSTOP)  # silent, connection open: only the missed heartbeats tell
+    await remote.wait_for(lambda: member.gone is not None)
+    run.mark_detect()  # its requests ended with replica_died, its slot evicted
+    proc.send_signal(signal.SIGCONT)  # back, but the head dropped it: it registers again, a new identity
+    await remote.wait_for(lambda: any(mid != first_id for mid in remote.live_members(1)))
+    run.mark_recover()
+
+
+async def remote_stale(run: ChaosRun) -> None:
+    remote = _remote(run)
+    [(spent, member)] = remote.live_members(1).items()
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    remote.procs[0].kill()
+    await remote.wait_for(lambda: member.gone is not None)
+    run.mark_detect()
+    stale = await remote.start(1, member_id=spent)  # the spent identity again ...
+    await remote.start_joined(1, key=1)  # ... while a fresh worker joins
+    run.mark_recover()
+    with trio.fail_after(30):
+        run.notes["stale_exit"] = await stale.wait()
+
+
+async def remote_unknown_key(run: ChaosRun) -> None:
+    remote = _remote(run)
+    refused = remote.registrar.auth.refused
+    before = refused["curve:register"]
+    await run.submitted_at_least(0.3)
+    run.mark_fault()
+    # it has the head's public key, but its own key pair is not on the allow-list
+    intruder = await remote.start(1, keypair=Keypair.generate())
+    await remote.wait_for(lambda: refused["curve:register"] > before)
+    run.mark_detect()
+    with trio.fail_after(30):
+        run.notes["intruder_exit"] = await intruder.wait()
+
+
 #: name -> fault, in the matrix's order
 FAULTS: dict[str, Fault] = {f.name: f for f in (
     PipelineFault("kill9", "kill -9 a talker replica under load", kill9),
@@ -257,6 +316,14 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   connector_peer_killed, RunSetup(async_chunk=True)),
     PipelineFault("leave_rejoin", "a talker replica leaves gracefully (drained) and rejoins later",
                   leave_rejoin),
+    PipelineFault("remote_lost", "a talker joined over TCP stops answering mid-stream (SIGSTOP); resumed, it "
+                  "joins again under a new identity", remote_lost,
+                  RunSetup(listen=True, joined_before_load=(1,))),
+    PipelineFault("remote_stale", "kill -9 a talker joined over TCP; it re-registers under its spent "
+                  "identity (refused) while a fresh worker joins", remote_stale,
+                  RunSetup(listen=True, joined_before_load=(1,))),
+    PipelineFault("remote_unknown_key", "a worker whose key is not on the head's allow-list tries to join "
+                  "under load", remote_unknown_key, RunSetup(listen=True)),
     HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after its first "
               "chunks)", "disconnect"),
     HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",

@@ -23,11 +23,13 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
+from bench.chaos.remote import LISTEN_HOST, RemoteWorkers, open_remote_workers
 from bench.implementations import names
 from trio_orch.config import PipelineConfig, default_config, echo_config
 from trio_orch.launcher import Pipeline, open_pipeline
@@ -132,12 +134,14 @@ class ChaosRun:
 
     ``stages`` are the stage clients the orchestrator routes through (the
     pipeline's pools, or what :attr:`RunSetup.wrap_stages` made of them);
-    ``outputs`` is the stream the consumer reads.
+    ``outputs`` is the stream the consumer reads; ``remote`` the registrar and
+    the workers that join over TCP (:attr:`RunSetup.listen`), else None.
     """
 
     def __init__(self, name: str, opts: ChaosOptions, pipe: Pipeline, sup: Supervisor, orch: Orchestrator,
-                 ledger: TerminalLedger, stages: list[Any], outputs: OutputStream) -> None:
-        self.name, self.opts, self.pipe, self.sup = name, opts, pipe, sup
+                 ledger: TerminalLedger, stages: list[Any], outputs: OutputStream,
+                 remote: RemoteWorkers | None = None) -> None:
+        self.name, self.opts, self.pipe, self.sup, self.remote = name, opts, pipe, sup, remote
         self.orch, self.ledger, self.stages, self.outputs = orch, ledger, stages, outputs
         self.rng = random.Random(opts.seed)
         self.submitted = 0
@@ -207,6 +211,10 @@ class RunSetup:
     #: the stage clients the orchestrator gets, made from the pipeline's pools
     wrap_stages: Callable[[list[Any]], list[Any]] | None = None
     config_hook: Callable[[PipelineConfig], None] | None = None  #: edits the pipeline config in place
+    #: a registrar on loopback TCP (keys made for the run): replicas may join (:mod:`bench.chaos.remote`)
+    listen: bool = False
+    #: stages that get one joined remote replica each before the load starts (needs ``listen``)
+    joined_before_load: tuple[int, ...] = ()
 
 
 async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOptions,
@@ -225,7 +233,11 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
         n = sum(st.replicas for st in cfg.stages)
         print(f"  {name}: starting {n} workers ...", file=sys.stderr, flush=True)
     try:
-        async with open_pipeline(cfg) as pipe, open_supervisor(pipe, POLICY, **setup.sup_kwargs) as sup:
+        async with AsyncExitStack() as stack:
+            pipe = await stack.enter_async_context(
+                open_pipeline(cfg, inbox_host=LISTEN_HOST if setup.listen else None))
+            sup = await stack.enter_async_context(open_supervisor(pipe, POLICY, **setup.sup_kwargs))
+            remote = await stack.enter_async_context(open_remote_workers(pipe)) if setup.listen else None
             if opts.progress:
                 print(f"  {name}: workers ready after {time.monotonic() - t_start:.1f} s", file=sys.stderr,
                       flush=True)
@@ -235,7 +247,7 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
             outputs = OutputStream()
             orch = Orchestrator(stages, request_timeout=opts.request_timeout, output_sink=outputs.put,
                                 **{**pipe.orchestrator_kwargs(), **setup.orch_kwargs})
-            run = ChaosRun(name, opts, pipe, sup, orch, ledger, stages, outputs)
+            run = ChaosRun(name, opts, pipe, sup, orch, ledger, stages, outputs, remote)
 
             async def run_orchestrator(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
                                        ) -> None:
@@ -246,10 +258,16 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
 
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_orchestrator)
+                for k in setup.joined_before_load:  # a join goes through the orchestrator: it runs now
+                    assert remote is not None, "joined_before_load needs listen"
+                    await remote.start_joined(k)
                 await _drive(run, nursery, inject)
                 res.still_serving = await _still_serving(run)
                 await orch.shutdown()
             probe.saw(e.new_pid for e in sup.events)
+            if remote is not None:
+                probe.saw(remote.pids)
+                res.notes.update(remote.counts())
             res.restarts = sup.restarts
             res.notes.update(run.notes)
             counts = sup.counters()
