@@ -134,8 +134,8 @@ def test_concurrent_streaming_clients_over_worker_processes_all_finish(front: st
                 async with trio.open_nursery() as nursery:
                     for i in range(clients):
                         async def one(i: int = i) -> None:
-                            finished.append(await _client(s.port, chat(f"client {i}", stream=True, modalities=["text", "audio"]), each,
-                                                          close=bool(i % 2)))
+                            body = chat(f"client {i}", stream=True, modalities=["text", "audio"])
+                            finished.append(await _client(s.port, body, each, close=bool(i % 2)))
                         nursery.start_soon(one)
 
         trio.run(main)
