@@ -104,8 +104,8 @@ def _vllm_omni() -> list[Implementation]:
     """The installed vLLM-Omni's orchestrator, event-driven and polling (its two orchestration loops)."""
     fed = frozenset({"fed"})
     return [
-        Implementation("vllm-omni", "the installed vLLM-Omni: its Orchestrator and StagePool in a thread with "
-                       "its own loop, janus queues, event-driven loop (reader task per replica)",
+        Implementation("vllm-omni", "the installed vLLM-Omni: its Orchestrator and StagePool in a thread "
+                       "with its own loop, janus queues, event-driven loop (reader task per replica)",
                        partial(VllmOmniDriver, event_driven=True), fed),
         Implementation("vllm-omni-poll", "the installed vLLM-Omni as above with its default orchestration "
                        "loop (polls every replica, 1 ms sleep when idle)",

@@ -58,8 +58,10 @@ def available() -> bool:
 
 
 def missing_reason() -> str:
+    """Why the ``vllm-omni`` implementations are skipped here, and how to get them."""
     return ("vLLM-Omni is not installed in this interpreter; install it with "
-            "`bash bench/setup_vllm_omni.sh` and run the command with `.venv-vllm/bin/python -m trio_orch.cli`")
+            "`bash bench/setup_vllm_omni.sh` and run the command with "
+            "`.venv-vllm/bin/python -m trio_orch.cli`")
 
 
 @dataclass(slots=True)
@@ -109,6 +111,10 @@ class PassThroughOutputProcessor:
 
     def remove_request(self, request_id: str) -> None:
         pass
+
+    def abort_requests(self, request_ids: list[str], internal: bool) -> list[str]:
+        """The engine-core ids to abort: the same ids (no internal ids are made on this side)."""
+        return list(request_ids)
 
     def process_outputs(self, outputs: list[RawOutput], timestamp: Any = None,
                         iteration_stats: Any = None) -> Processed:
@@ -265,11 +271,12 @@ class VllmOmniDriver(Driver):
 
         final = max(self.final_stage_ids) if final_stage_id is None else final_stage_id
         outputs = sorted(k for k in self.final_stage_ids if k <= final)
-        request = build_engine_core_request_from_tokens(request_id, {"prompt_token_ids": [1]}, self._sampling[0])
+        prompt = {"prompt_token_ids": [1]}
+        request = build_engine_core_request_from_tokens(request_id, prompt, self._sampling[0])
         request.external_req_id = request_id
         now = time.time()
         return StageSubmissionMessage(
-            type="add_request", request_id=request_id, prompt=request, original_prompt={"prompt_token_ids": [1]},
+            type="add_request", request_id=request_id, prompt=request, original_prompt=prompt,
             output_prompt_text=None, sampling_params_list=self._sampling, final_stage_id=final,
             preprocess_ms=0.0, request_timestamp=now, enqueue_ts=time.perf_counter(),
             final_output_stage_ids=outputs)
