@@ -23,6 +23,11 @@ themselves: every :class:`~bench.refs.orchestrator.AsyncioOrchestrator`
 subclass in a module of ``bench/refs/`` whose ``variant`` is set is one
 (named ``variant``, described by its ``description``), in module order.
 The order of :data:`IMPLEMENTATIONS` is the order of every table's columns.
+
+The real vLLM-Omni (``vllm-omni``, ``vllm-omni-poll``: its own
+``Orchestrator`` and ``StagePool`` over this benchmark's fed stages, see
+:mod:`bench.drivers.vllm_omni`) is listed only where the package is
+installed (``bench/setup_vllm_omni.sh``); elsewhere :data:`SKIPPED` says why.
 """
 
 from __future__ import annotations
@@ -40,10 +45,11 @@ from bench.drivers.base import Driver
 from bench.drivers.engine import EngineDriver
 from bench.drivers.floor import FloorDriver
 from bench.drivers.trio import TrioDriver
+from bench.drivers.vllm_omni import VllmOmniDriver, available, missing_reason
 from bench.drivers.zmq_floor import ZmqFloorDriver
 from bench.refs.orchestrator import AsyncioOrchestrator
 
-__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "Implementation", "make_driver", "names"]
+__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "SKIPPED", "Implementation", "make_driver", "names"]
 
 #: what an implementation can be asked to do (see the module docstring)
 CAPABILITIES = ("scripted", "fed", "in_loop", "workers", "pipeline")
@@ -94,6 +100,22 @@ def _references() -> list[Implementation]:
     return found
 
 
+def _vllm_omni() -> list[Implementation]:
+    """The installed vLLM-Omni's orchestrator, event-driven and polling (its two orchestration loops)."""
+    fed = frozenset({"fed"})
+    return [
+        Implementation("vllm-omni", "the installed vLLM-Omni: its Orchestrator and StagePool in a thread "
+                       "with its own loop, janus queues, event-driven loop (reader task per replica)",
+                       partial(VllmOmniDriver, event_driven=True), fed),
+        Implementation("vllm-omni-poll", "the installed vLLM-Omni as above with its default orchestration "
+                       "loop (polls every replica, 1 ms sleep when idle)",
+                       partial(VllmOmniDriver, event_driven=False), fed),
+    ]
+
+
+#: implementations known but not runnable in this interpreter: name -> why
+SKIPPED: dict[str, str] = {} if available() else {i.name: missing_reason() for i in _vllm_omni()}
+
 IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
     Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
                    FloorDriver, frozenset({"fed", "in_loop"})),
@@ -105,6 +127,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
     Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "
                    "per request", EngineDriver, frozenset({"fed"})),
     *_references(),
+    *(_vllm_omni() if available() else []),
 )}
 
 
@@ -118,6 +141,8 @@ def names(supporting: str) -> list[str]:
 def make_driver(name: str, *args: Any, **options: Any) -> Driver:
     """A (not yet started) driver for implementation ``name``; see :class:`~bench.drivers.base.Driver`."""
     impl = IMPLEMENTATIONS.get(name)
+    if impl is None and name in SKIPPED:
+        raise ValueError(f"implementation {name!r} is not available here: {SKIPPED[name]}")
     if impl is None:
         raise ValueError(f"unknown implementation {name!r}: choose from {', '.join(IMPLEMENTATIONS)}")
     return impl.driver(*args, **options)

@@ -100,10 +100,17 @@ async def until_done_or_gone(fn: Callable[[], Awaitable[Any]], receive: Receive
 class SSEResponse(StreamingResponse):
     """Server-sent events that watch for the client leaving, whatever the ASGI spec version.
 
-    The body runs in a task group with a disconnect watcher; if the client
-    goes first, the watcher cancels the group's scope, which closes the
+    A watcher task reads ``receive`` for the client leaving.  If it goes
+    first, the watcher cancels the wait for the next chunk, which closes the
     request's message iterator under the body (and so aborts the request in
-    the orchestrator).  AnyIO: the same code on an asyncio or a Trio server.
+    the orchestrator).  The watcher never cancels a ``send``: the server
+    runs its own connection bookkeeping inside it (hypercorn answers the
+    final body chunk with ``http.disconnect`` and then, still in that call,
+    closes a ``Connection: close`` connection or re-arms its keep-alive
+    timer), so cancelling there would leave the connection open with the
+    response complete.  An ``http.disconnect`` once the last chunk is on its
+    way is the end of the response, not the client leaving.  AnyIO: the same
+    code on an asyncio or a Trio server.
     """
 
     media_type = "text/event-stream"
@@ -116,27 +123,44 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         client_left = False
+        finishing = False  # the last chunk is being sent: a disconnect now is the server's notice
+        waiting: anyio.CancelScope | None = None  # set only while awaiting the next chunk
         error: BaseException | None = None
+        events = self.events.__aiter__()
         async with anyio.create_task_group() as tg:
             async def watch() -> None:
                 nonlocal client_left
                 await _until_disconnect(receive)
+                if finishing:
+                    return
                 client_left = True
-                tg.cancel_scope.cancel()  # the client left: cancel the body (its scope is the request's)
+                if waiting is not None:
+                    waiting.cancel()  # the client left: stop waiting for the body's next chunk
 
             tg.start_soon(watch)
             try:
                 await send({"type": "http.response.start", "status": self.status_code,
                             "headers": self.raw_headers})
-                async for chunk in self.events:
+                while not client_left:
+                    with anyio.CancelScope() as waiting:
+                        try:
+                            chunk: bytes | None = await events.__anext__()
+                        except StopAsyncIteration:
+                            chunk = None
+                    waiting = None
+                    if client_left:
+                        break
+                    if chunk is None:
+                        finishing = True
+                        await send({"type": "http.response.body", "body": b"", "more_body": False})
+                        break
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
             except OSError:  # the client went away while we were writing
                 client_left = True
             except Exception as exc:
                 error = exc
             finally:
-                tg.cancel_scope.cancel()
+                tg.cancel_scope.cancel()  # the watcher
         with anyio.CancelScope(shield=True):
             await self.events.aclose()  # type: ignore[attr-defined]
         if error is not None:

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.implementations import IMPLEMENTATIONS, names
+from bench.implementations import IMPLEMENTATIONS, SKIPPED, names
 from bench.perf import report
 from bench.perf.stats import summarize
 from bench.perf.workloads import WORKLOADS, run_workload
@@ -52,7 +52,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated subset of the workloads below (default: all)")
     parser.add_argument("--impls", default=None,
                         help="comma-separated subset of the implementations (default: all); "
-                             f"known: {', '.join(IMPLEMENTATIONS)}")
+                             f"known: {', '.join([*IMPLEMENTATIONS, *SKIPPED])}")
     parser.add_argument("--out", type=Path, default=Path("bench_results"),
                         help="directory for results.json, results.md and the PNG plots "
                              "(default ./bench_results)")
@@ -170,6 +170,11 @@ def summarize_serving(raw: dict[str, Any], concurrency: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     wls = _pick(args.workloads, WORKLOADS, "workload")
+    asked = [x.strip() for x in (args.impls or "").split(",") if x.strip()]
+    for name in (n for n in SKIPPED if not asked or n in asked):
+        print(f"{name}: skipped: {SKIPPED[name]}", file=sys.stderr)
+    if asked:
+        args.impls = ",".join(n for n in asked if n not in SKIPPED)
     impls = _pick(args.impls, IMPLEMENTATIONS, "implementation")
     if "trio" not in impls:
         impls.insert(0, "trio")  # ratios are against the Trio orchestrator

@@ -303,9 +303,8 @@ async def _stream_one(host: str, port: int, body: bytes, ttfc: list[float], gaps
             if not data:
                 break
             now = time.perf_counter()
-            if b"data: [DONE]" in data:  # the end of the stream (the connection is kept alive: close it)
-                break
-            n = data.count(b"data: ")
+            done = b"data: [DONE]" in data  # the end of the stream (the connection is kept alive: close it)
+            n = data.count(b"data: ") - done  # content events in this read ([DONE] is not one)
             if n and events + n > 1:  # the first event is the role chunk, sent before any output
                 if last is None:
                     ttfc.append(now - t0)
@@ -313,6 +312,8 @@ async def _stream_one(host: str, port: int, body: bytes, ttfc: list[float], gaps
                     gaps.append(now - last)
                 last = now
             events += n
+            if done:  # counted first: a whole answer can arrive in one read
+                break
         writer.close()
         return last is not None
     except (OSError, TimeoutError, asyncio.IncompleteReadError):
