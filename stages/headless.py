@@ -49,7 +49,6 @@ from trio_orch.wire import Dying, Peers, Ready
 
 __all__ = ["CONFIG_ENV", "KEYS_ENV", "HeadlessWorker", "build_parser", "main"]
 
-log = logging.getLogger("stages.headless")
 
 #: where the Ray backend puts a worker's key pair and the head's public key (JSON)
 KEYS_ENV = "TRIO_ORCH_WORKER_KEYS"
@@ -240,6 +239,11 @@ def register(
         sock.close(linger=0)
 
 
+def say(line: str) -> None:
+    """One progress line on stderr: what a person running the worker by hand wants to see."""
+    print(f"trio-orch worker: {line}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else build_parser().parse_args(argv)
     from trio_orch.config import builtin_config, from_dict, load_config
@@ -269,6 +273,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     def on_signal(signum: int, frame: Any) -> None:
         signals.append(signum)
         if worker is not None and len(signals) == 1:
+            name = signal.Signals(signum).name
+            say(f"{name}: leaving, finishing what it holds within {args.leave_grace:g} s (again to stop now)")
             worker.begin_leave(args.leave_grace)
             return
         raise StopServing(f"signal {signal.Signals(signum).name}")
@@ -296,7 +302,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 )
                 return 1
             assert type(answer) is mw.Accepted
-            log.info("accepted as stage %d replica %d (%s)", args.stage, answer.replica, member_id[:8])
+            say(f"joined {args.head} as stage {args.stage} ({st.kind}) replica {answer.replica} "
+                f"(member {member_id[:8]})")
             if model is None or model_seed != answer.seed:
                 model_class(st.kind)
                 if "torch" in sys.modules:
@@ -334,13 +341,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                     pass
                 worker.close()
                 worker = None
-            log.info("stopped serving: %s", reason)
+            say(f"stopped serving: {reason}")
             if reason == "lost the orchestrator" and not signals:
                 member_id = None  # a new identity: the old one is spent at the head
                 continue
             return 0
     except StopServing as stop:
-        log.info("stopped: %s", stop.reason)
+        say(f"stopped: {stop.reason}")
         return code
     finally:
         auth.stop()
