@@ -353,7 +353,6 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
             proc.wait()
 
 
-@pytest.mark.parametrize("front", FRONTS)
 def _openai_client_stream(url: str) -> tuple[str, bytes]:
     """Text and PCM bytes of one streamed text+audio answer, read with the ``openai`` package."""
     from openai import OpenAI
