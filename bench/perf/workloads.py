@@ -15,6 +15,7 @@ transport -> orchestrator -> consumer thread.  Latencies are
 
 from __future__ import annotations
 
+import gc
 import math
 import random
 import threading
@@ -311,11 +312,17 @@ def run_workload(name: str, impl: str, quick: bool) -> Result:
     wl = WORKLOADS[name]
     driver = make_driver(impl, **wl.setup(quick))
     driver.start()
+    # what a serving process does once started (vLLM freezes its heap after start-up): the objects
+    # alive now -- imported modules, earlier rounds -- move out of the collector's reach, so a full
+    # collection during the measurement scans only what the workload made, for every implementation
+    gc.collect()
+    gc.freeze()
     try:
         res = wl.measure(driver, quick)
     finally:
         t = perf()
         driver.close()
         shutdown_s = perf() - t
+        gc.unfreeze()
     res["shutdown_s"] = shutdown_s
     return res
