@@ -570,12 +570,13 @@ class Orchestrator:
                     # wake-up.  In a burst (another batch routed moments ago) queue it instead: the
                     # dispatcher then routes the whole burst in one pass and the sink gets one batch.
                     if self._idle:
-                        now = perf_counter()
-                        if now - self._last_inline >= BURST_GAP:
-                            self._last_inline = now
+                        if perf_counter() - self._last_inline >= BURST_GAP:
                             route_now(stage_id, outs)
+                            # measured from the end of that routing: a batch that was waiting
+                            # behind it (the next thread-bridge callback) is part of the burst
+                            self._last_inline = perf_counter()
                             return
-                        self._last_inline = now
+                        self._last_inline = perf_counter()
                     try:
                         post(stage_id, outs)
                     except trio.ClosedResourceError:
