@@ -7,6 +7,7 @@ keys made by :func:`trio_orch.auth.generate_keys`.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -349,3 +350,78 @@ async def test_generate_with_listen_gives_up_naming_the_stage_without_a_replica(
         assert "error: no replica joined stage(s) 1 (echo) within 0.5 s" in rest
     finally:
         await stop(gen)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.fixture
+def namespaces() -> Any:
+    """Two network namespaces joined by a veth pair: the head at 10.231.0.1, the worker at .2.
+
+    Nothing else is reachable from either (no default route, no other interface but
+    loopback), so a pipeline that works across them needs nothing but the TCP address.
+    Skipped where network namespaces cannot be made (not root, no ``ip``).
+    """
+    tag = f"{os.getpid() % 100000}"
+    names = (f"trio-orch-head-{tag}", f"trio-orch-worker-{tag}")
+    try:
+        for n in names:
+            _ip("netns", "add", n)
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        pytest.skip(f"cannot make network namespaces here: {exc}")
+    try:
+        head_ns, worker_ns = names
+        _ip("link", "add", f"toh{tag}", "netns", head_ns, "type", "veth", "peer", "name", f"tow{tag}",
+            "netns", worker_ns)
+        ends = ((head_ns, f"toh{tag}", "10.231.0.1/30"), (worker_ns, f"tow{tag}", "10.231.0.2/30"))
+        for ns, dev, addr in ends:
+            _ip("-n", ns, "addr", "add", addr, "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield names
+    finally:
+        for n in names:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+async def test_head_and_worker_in_separate_network_namespaces_need_only_the_tcp_address(
+    keys: Path, tmp_path: Path, namespaces: tuple[str, str]
+) -> None:
+    """``generate --listen`` in one namespace, its only stage-1 replica joins from another."""
+    head_ns, worker_ns = namespaces
+    cfg = tmp_path / "listen.toml"
+    cfg.write_text(LISTEN_TOML.format(outputs=3))
+    gen = await trio.lowlevel.open_process(
+        ["ip", "netns", "exec", head_ns, sys.executable, "-m", "trio_orch.cli", "generate", "hi", "--config",
+         str(cfg), "--listen", "tcp://10.231.0.1:0", "--keys", str(keys), "--out", str(tmp_path / "o.wav")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    worker: trio.Process | None = None
+    try:
+        assert gen.stdout is not None and gen.stderr is not None
+        err = b""
+        with trio.fail_after(60):
+            while b"waiting up to" not in err or not err.endswith(b"\n"):
+                chunk = await gen.stderr.receive_some(65536)
+                assert chunk, err.decode()
+                err += chunk
+        address = err.decode().split("--head ")[1].split()[0]
+        assert address.startswith("tcp://10.231.0.1:")
+        worker = await trio.lowlevel.open_process(
+            ["ip", "netns", "exec", worker_ns, sys.executable, "-m", "stages.headless", "--stage", "1",
+             "--head", address, "--keys", str(keys), "--config", str(cfg), "--advertise", "10.231.0.2"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        with trio.fail_after(60):
+            out, rest = await rest_of(gen.stdout), await rest_of(gen.stderr)
+            assert await gen.wait() == 0, err.decode() + rest
+        assert "stage 1 (echo): a replica joined" in rest
+        assert "text: hihihi\n" in out  # from the replica in the other namespace
+        with trio.fail_after(30):
+            assert await worker.wait() == 0
+    finally:
+        for p in (gen, worker):
+            if p is not None:
+                await stop(p)
