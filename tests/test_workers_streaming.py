@@ -177,3 +177,28 @@ async def test_a_session_stays_bound_across_segments_and_is_released_after_the_f
     assert bound == [0, 0] and released == [None, None]
     assert [m.data for m in first] == ["a", "a"] and [m.data for m in rest] == ["b", "b"]
     assert rest[-1].finished and not any(m.finished for m in first)
+
+
+def test_the_asyncio_twin_client_streams_segments_to_a_worker_too() -> None:
+    """bench/'s asyncio ZMQ client submits resumable requests and sends updates like the Trio one."""
+    import asyncio
+
+    from bench.refs.launcher import open_worker_stages
+
+    async def main() -> list[list[tuple[Any, bool]]]:
+        async with asyncio.timeout(30), open_worker_stages(echo_config(1, outputs=2)) as (client,):
+            await client.submit("r1", "a", resumable=True)
+            segments: list[list[tuple[Any, bool]]] = []
+            for update in ("b", None):
+                got: list[tuple[Any, bool]] = []
+                while not (got and got[-1][1]):  # a segment ends with a finished output
+                    got.extend((out.data, out.finished) for out in await client.receive())
+                segments.append(got)
+                if update is not None:
+                    await client.update("r1", update, final=True)
+            await client.aclose()
+            with pytest.raises(StageUnavailable, match="closed"):
+                await client.update("r1", "late")
+            return segments
+
+    assert asyncio.run(main()) == [[("a", False), ("a", True)], [("b", False), ("b", True)]]

@@ -34,6 +34,7 @@ from trio_orch.wire import (
     RequestError,
     Shutdown,
     Submit,
+    Update,
     WireCodec,
     WireError,
 )
@@ -80,11 +81,24 @@ class AsyncZmqStageClient:
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
-                     sampling: dict[str, Any] | None = None) -> None:
+                     sampling: dict[str, Any] | None = None, resumable: bool = False,
+                     companion_of: str | None = None) -> None:
+        """Send a submit (``resumable``: more input follows through :meth:`update`; a companion
+        needs nothing here: one replica is always its parent's)."""
+        self.check_alive()
+        msg = Submit(request_id, payload, downstream, sampling, resumable)
+        await self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
+
+    async def update(self, request_id: str, payload: Any, *, final: bool = False,
+                     sampling: Any = None) -> None:
+        """Send the next input segment of a resumable request (the worker keeps its sampling)."""
+        self.check_alive()
+        await self.sock.send_multipart(self.out_codec.encode(Update(request_id, payload, final)), copy=False)
+
+    def check_alive(self) -> None:
+        """Raise :class:`StageUnavailable` once the replica is dead or this client closed."""
         if not self.alive:
             raise StageUnavailable(f"{self.name} is not running: {self.dead_reason or 'closed'}")
-        msg = Submit(request_id, payload, downstream, sampling)
-        await self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.alive:
