@@ -155,6 +155,63 @@ def test_a_burst_past_the_bounds_is_shed_with_429_and_the_admitted_ones_all_comp
         s.stop()
 
 
+def test_while_the_engine_sheds_a_new_connection_is_refused_at_its_request_line() -> None:
+    """The 429 comes before any HTTP parsing (counted as shed like any other), with OpenAI's body and
+    Retry-After, then a half-close: the client reads the whole answer although its body was never read."""
+    import socket
+    import threading
+
+    engine = Engine(toy_pipeline(token_delay=0.02, audio_delay=0.005), max_inflight=[2, 2, 2],
+                    request_queue_size=2, admission_timeout=0.0, max_waiting=0).start()
+    s = Served(engine)
+    body = json.dumps(chat("hi")).encode()
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\n"
+           b"content-type: application/json\r\n" + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+
+    def post_raw() -> bytes:
+        with socket.create_connection(("127.0.0.1", s.port), timeout=HANG) as sock:
+            sock.sendall(raw)
+            answer = b""
+            while chunk := sock.recv(65536):  # until the server's FIN
+                answer += chunk
+        return answer
+
+    stop = threading.Event()
+    bursts: list[int] = []
+
+    def load() -> None:  # keeps the engine at its bounds, so that it sheds
+        while not stop.is_set():
+            bursts.extend(r[0] for r in burst(s.url, 12))
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    raws: list[bytes] = []
+    try:
+        for _ in range(500):
+            raws.append(post_raw())
+            if s.limiter.closed["shed"]:
+                break
+            time.sleep(0.005)
+    finally:
+        stop.set()
+        loader.join(HANG)
+    try:
+        assert s.limiter.closed["shed"] == 1, "no request was refused at its request line"
+        head, _, payload = raws[-1].partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 429 ") and b"\r\nretry-after: 1" in head
+        assert json.loads(payload)["error"]["code"] == "overloaded"
+        statuses = bursts + [int(r[9:12]) for r in raws]
+        assert set(statuses) <= {200, 429}
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            m = metrics(c)
+        shed = statuses.count(429)
+        assert m["trio_orch_requests_shed_total{reason=overloaded}"] == shed
+        assert m["trio_orch_http_requests_total{route=/v1/chat/completions,status=429}"] == shed
+        assert m["trio_orch_http_connections_closed_total{reason=shed}"] == 1
+    finally:
+        s.stop()
+
+
 @pytest.mark.slow
 def test_load_a_1024_request_burst_is_partly_shed_and_every_admitted_request_completes() -> None:
     """The load test: bounded in count and time, loopback only; latencies printed, not asserted."""

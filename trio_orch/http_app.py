@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from stages.registry import text_stage
 from trio_orch.admin_http import admin_routes
 from trio_orch.bridge import AsyncRequestHandle, Engine, EngineClosed, Overloaded
-from trio_orch.http_limits import HTTPLimits, LimitsMiddleware
+from trio_orch.http_limits import HTTPLimits, LimitsMiddleware, Shedder
 from trio_orch.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
 from trio_orch.openai_chat import (
     BadRequest,
@@ -341,7 +341,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         assert isinstance(exc, HTTPException)
         return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
 
-    return Starlette(routes=[
+    shedder = Shedder(lambda: engine.shedding, frozenset({CHAT}), front, engine.retry_after)
+    app = Starlette(routes=[
         Route(CHAT, chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -349,6 +350,6 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         realtime_route(engine, outputs),
         *admin_routes(engine, admin_token),
     ], exception_handlers={HTTPException: http_error},
-        middleware=[Middleware(LimitsMiddleware, limits=limits, front=front,
-                               shedding=lambda: engine.shedding, shed_paths=frozenset({CHAT}),
-                               retry_after=engine.retry_after)])
+        middleware=[Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder)])
+    app.state.shedder = shedder  # a front may refuse at the request line (uvicorn_config)
+    return app

@@ -7,10 +7,10 @@ send that cross-origin without a CORS preflight), refuses a declared body
 over ``max_body_bytes`` at once (413), reads the body within
 ``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
 forever) and stops reading as soon as it passes the limit (413); the route
-then gets the buffered body.  While ``shedding()`` says the engine sheds,
-a POST to one of ``shed_paths`` is refused with 429 before its body is read
-(under a flood, parsing requests that would be shed anyway would starve the
-admitted ones of CPU).  A client that disconnects during its upload
+then gets the buffered body.  While the engine sheds, a POST to a shed path
+is refused with 429 before its body is read (:class:`Shedder`: under a
+flood, parsing requests that would be shed anyway would starve the admitted
+ones of CPU).  A client that disconnects during its upload
 costs one log line.  An exception from a route becomes an OpenAI-shaped
 500, counted and logged once.  Every refusal has OpenAI's
 ``{"error": {...}}`` body.
@@ -38,7 +38,7 @@ import anyio
 from trio_orch.metrics import FrontMetrics
 from trio_orch.openai_chat import error_body
 
-__all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "json_response"]
+__all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Shedder", "json_response"]
 
 log = logging.getLogger("trio_orch.server")
 
@@ -85,6 +85,41 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
     return raw, data
 
 
+class Shedder:
+    """The one decision to refuse a POST with 429 because the engine sheds, and its answer.
+
+    :class:`LimitsMiddleware` asks it before reading a body; a server front may
+    ask it as soon as it has a request line (:mod:`trio_orch.uvicorn_front`
+    does, before any HTTP parsing: under a flood, even parsing the requests
+    that will be refused starves the admitted ones of CPU).  Either way the
+    refusal is counted once, by route, as shed.
+    """
+
+    MESSAGE = "overloaded: request not accepted (the server is shedding load); retry later"
+
+    def __init__(self, shedding: Callable[[], bool], paths: frozenset[str], front: FrontMetrics,
+                 retry_after: float = 1.0) -> None:
+        self.shedding = shedding
+        self.paths = paths
+        self.front = front
+        self.headers, self.body = json_response(
+            429, error_body(self.MESSAGE, "rate_limit_error", None, "overloaded"),
+            {"retry-after": str(max(1, math.ceil(retry_after)))})
+
+    def refuse(self, route: str) -> bool:
+        """Whether a POST to ``route`` is refused now (counted when it is)."""
+        if route not in self.paths or not self.shedding():
+            return False
+        self.front.shed += 1
+        self.front.count(route, 429)
+        return True
+
+    def raw_response(self) -> bytes:
+        """The refusal as HTTP/1.1 bytes, closing the connection (for a front that answers itself)."""
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in self.headers)
+        return b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"connection: close\r\n\r\n" + self.body
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -100,14 +135,11 @@ class LimitsMiddleware:
     """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
-                 shedding: Callable[[], bool] | None = None, shed_paths: frozenset[str] = frozenset(),
-                 retry_after: float = 1.0) -> None:
+                 shedder: Shedder | None = None) -> None:
         self.app = app
         self.limits = limits
         self.front = front
-        self.shedding = shedding
-        self.shed_paths = shed_paths
-        self.retry_after = retry_after
+        self.shedder = shedder
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -115,11 +147,9 @@ class LimitsMiddleware:
             return
         route = scope.get("path", "")
         if scope.get("method") == "POST":
-            if route in self.shed_paths and self.shedding is not None and self.shedding():
-                self.front.shed += 1
-                await self._refuse(send, route, 429, "overloaded: request not accepted (the server is "
-                                   "shedding load); retry later", "overloaded", "rate_limit_error",
-                                   {"retry-after": str(max(1, math.ceil(self.retry_after)))})
+            if self.shedder is not None and self.shedder.refuse(route):
+                await send({"type": "http.response.start", "status": 429, "headers": self.shedder.headers})
+                await send({"type": "http.response.body", "body": self.shedder.body, "more_body": False})
                 return
             try:
                 body = await self._read_body(scope, receive)

@@ -34,7 +34,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trio_orch.http_limits import HTTPLimits, RateLimitFilter
+from trio_orch.http_limits import HTTPLimits, RateLimitFilter, Shedder
 
 __all__ = ["ConnectionLimiter", "DrainingServer", "default_max_connections", "quiet_floods", "uvicorn_config"]
 
@@ -74,7 +74,10 @@ class ConnectionLimiter:
         self.header_timeout = header_timeout
         self.min_idle = min(min_idle, header_timeout)
         self.open: OrderedDict[Any, float] = OrderedDict()  # connection -> when it was opened
-        self.closed: dict[str, int] = {"idle_evicted": 0, "refused": 0, "header_timeout": 0}
+        self.closed: dict[str, int] = {"idle_evicted": 0, "refused": 0, "header_timeout": 0, "shed": 0}
+        #: the app's shed decision (``uvicorn_config`` sets it): a fresh connection whose request
+        #: line is a POST to a shed path gets its 429 before any HTTP parsing
+        self.shedder: Shedder | None = None
 
     def protocol_class(self) -> type[H11Protocol]:
         """An ``H11Protocol`` subclass bound to this limiter (uvicorn's ``http`` setting)."""
@@ -88,6 +91,16 @@ class ConnectionLimiter:
             def connection_lost(self, exc: Exception | None) -> None:
                 limiter.open.pop(self, None)
                 super().connection_lost(exc)
+
+            shed = False  # answered 429 at its request line: what the client sends after is dropped
+
+            def data_received(self, data: bytes) -> None:
+                if self.shed:
+                    return
+                if self.cycle is None and limiter.shed_early(self, data):
+                    self.shed = True
+                    return
+                super().data_received(data)
 
         return LimitedH11Protocol
 
@@ -126,6 +139,33 @@ class ConnectionLimiter:
         proto.transport.write(head.encode() + body.encode())
         proto.transport.close()
 
+    def shed_early(self, proto: Any, data: bytes) -> bool:
+        """Answer a connection's first request with the shedder's 429 if its request line says so.
+
+        Only the request line is looked at (``POST /path``): no headers parsed,
+        no body read.  The answer is followed by a half-close (FIN after it),
+        not a full close: a close with the body still unread would reset the
+        connection and the client could lose the answer.  What it sends after
+        is dropped; the header timeout closes the socket if the client does not.
+        """
+        shedder = self.shedder
+        if shedder is None or not data.startswith(b"POST "):
+            return False
+        end = data.find(b" ", 5)
+        if end < 0:
+            return False  # a request line in pieces: the normal path decides
+        route = data[5:end].split(b"?", 1)[0].decode("latin-1")
+        if not shedder.refuse(route):
+            return False
+        self.closed["shed"] += 1
+        transport = proto.transport
+        transport.write(shedder.raw_response())
+        if transport.can_write_eof():
+            transport.write_eof()
+        else:
+            transport.close()
+        return True
+
     def _arm(self, proto: Any, seen_cycle: Any, was_busy: bool) -> None:
         """Check in ``header_timeout`` seconds that ``proto`` started a request since ``seen_cycle``."""
         proto.loop.call_later(self.header_timeout, self._check, proto, seen_cycle, was_busy)
@@ -146,7 +186,8 @@ class ConnectionLimiter:
         """For ``/metrics`` (the ``extra_counters`` shape)."""
         return {"trio_orch_http_connections_closed": (
             "connections the server closed itself: idle ones evicted at the connection limit, new ones "
-            "refused with 503 when all were busy, ones that sent no complete request head in time",
+            "refused with 503 when all were busy, ones that sent no complete request head in time, "
+            "ones answered 429 at their request line while the engine shed",
             {(("reason", k),): n for k, n in sorted(self.closed.items())})}
 
 
@@ -168,7 +209,13 @@ class DrainingServer(uvicorn.Server):
 
 def uvicorn_config(app: Any, limits: HTTPLimits, limiter: ConnectionLimiter, *, log_level: str,
                    shutdown_grace: float = 5.0) -> uvicorn.Config:
-    """uvicorn's settings for ``limits``: keep-alive timeout, our H11 protocol, no lifespan."""
+    """uvicorn's settings for ``limits``: keep-alive timeout, our H11 protocol, no lifespan.
+
+    The limiter takes the app's shedder (``app.state.shedder``, if it has one) so
+    that it can refuse at the request line.
+    """
+    state = getattr(app, "state", None)
+    limiter.shedder = getattr(state, "shedder", None)
     return uvicorn.Config(app, http=limiter.protocol_class(), log_level=log_level, lifespan="off",
                           timeout_keep_alive=max(1, round(limits.keep_alive_timeout)),
                           timeout_graceful_shutdown=max(1, round(shutdown_grace)))
