@@ -135,6 +135,7 @@ S7 = Scenario(
     "lost if any output never reached the consumer; dup if one came twice or out of order; else ok",
     measure_consumer_cancelled, judge_consumer,
     lambda m: f"{m['delivered']}/{m['sent']} delivered, {m['consumer_cancellations']} cancellations",
+    needs=frozenset({"in_loop"}),
 )
 
 
@@ -231,6 +232,7 @@ S9 = Scenario(
     measure_deadline, judge_deadline,
     lambda m: (f"client abort: {_ms(m['overrun_plain_s'])} alone, {_ms(m['overrun_s'])} saturated; "
                f"own deadline: {_ms(m['overrun_orchestrator_deadline_s'])}"),
+    needs=frozenset({"deadline"}),
 )
 
 

@@ -121,6 +121,7 @@ S2 = Scenario(
     "grace + 0.5 s; else ok",
     measure_hung_cleanup, judge_hung_cleanup,
     lambda m: f"{shut_fmt(m)}, routed while stuck: {m['routed_while_cleanup_stuck']}",
+    needs=frozenset({"async_chunk"}),
 )
 
 
@@ -194,6 +195,7 @@ S5 = Scenario(
     "tasks outlive run(); else ok",
     measure_blocked_readers, judge_no_hang_no_leak,
     lambda m: f"{shut_fmt(m)}, no terminal: {m['without_terminal']}",
+    needs=frozenset({"async_chunk"}),
 )
 
 
