@@ -249,6 +249,8 @@ def measure_sigint(impl: str) -> dict[str, Any]:
     m: dict[str, Any] = {"in_flight": IN_FLIGHT10}
     assert proc.stdout is not None
     ready = proc.stdout.readline().strip()
+    while ready and ready != "READY":  # an implementation's library may log to stdout first (vLLM does)
+        ready = proc.stdout.readline().strip()
     if ready != "READY":
         proc.kill()
         _, err = proc.communicate()
