@@ -5,7 +5,11 @@ their implementations here, by what they need (:data:`CAPABILITIES`):
 
 * ``scripted`` -- scripted in-process stages driven from the thread (emit,
   fail, hold submits...), optionally misbehaving, with access to the loop
-  (the comparison's scenarios, the routing tests);
+  and the routing core (the routing tests);
+* ``compare`` -- runs the comparison's scenarios (``trio-orch compare``):
+  scripted stages as far as the implementation can express them; a scenario
+  that needs a feature it lacks (:attr:`Implementation.lacks`) is an ``n/a``
+  cell with the reason;
 * ``fed`` -- in-process stages fed batches from the thread, with submission
   timestamps (the benchmark's in-process workloads);
 * ``in_loop`` -- in-process stages fed and consumed by tasks inside the
@@ -28,14 +32,16 @@ The real vLLM-Omni (``vllm-omni``, ``vllm-omni-poll``: its own
 ``Orchestrator`` and ``StagePool`` over this benchmark's fed stages, see
 :mod:`bench.drivers.vllm_omni`) is listed only where the package is
 installed (``bench/setup_vllm_omni.sh``); elsewhere :data:`SKIPPED` says why.
+It supports ``fed`` and ``compare``, not ``scripted``: it has no routing core
+of the project's, so the routing tests leave it out.
 """
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -49,10 +55,10 @@ from bench.drivers.vllm_omni import VllmOmniDriver, available, missing_reason
 from bench.drivers.zmq_floor import ZmqFloorDriver
 from bench.refs.orchestrator import AsyncioOrchestrator
 
-__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "SKIPPED", "Implementation", "make_driver", "names"]
+__all__ = ["CAPABILITIES", "IMPLEMENTATIONS", "SKIPPED", "Implementation", "lookup", "make_driver", "names"]
 
 #: what an implementation can be asked to do (see the module docstring)
-CAPABILITIES = ("scripted", "fed", "in_loop", "workers", "pipeline")
+CAPABILITIES = ("scripted", "compare", "fed", "in_loop", "workers", "pipeline")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +69,18 @@ class Implementation:
     description: str
     factory: Callable[..., Driver]  #: ``factory(*args, name=..., **options)`` -> a driver, not started
     supports: frozenset[str]
+    #: features a comparison scenario may need (``Scenario.needs``) that it has no counterpart for -> why
+    lacks: Mapping[str, str] = field(default_factory=dict)
 
     def driver(self, *args: Any, **options: Any) -> Driver:
-        """A (not yet started) driver; ValueError if the options ask for what it does not support."""
+        """A (not yet started) driver; ValueError if the options ask for what it does not support.
+
+        A ``compare`` implementation takes misbehaving stages without ``scripted``: its
+        driver raises :class:`~bench.drivers.base.Unsupported` for a fault it cannot express.
+        """
         missing = _needs(options) - self.supports
+        if "compare" in self.supports:
+            missing.discard("scripted")
         if missing:
             raise ValueError(f"implementation {self.name!r} does not support {', '.join(sorted(missing))} "
                              f"(it supports {', '.join(sorted(self.supports))})")
@@ -88,7 +102,7 @@ def _needs(options: dict[str, Any]) -> set[str]:
 
 def _references() -> list[Implementation]:
     """The asyncio references: concrete AsyncioOrchestrator subclasses of bench/refs/, in module order."""
-    supports = frozenset({"scripted", "fed", "in_loop", "workers"})
+    supports = frozenset({"scripted", "compare", "fed", "in_loop", "workers"})
     found: list[Implementation] = []
     for info in sorted(pkgutil.iter_modules(bench.refs.__path__), key=lambda m: m.name):
         module = importlib.import_module(f"{bench.refs.__name__}.{info.name}")
@@ -102,14 +116,15 @@ def _references() -> list[Implementation]:
 
 def _vllm_omni() -> list[Implementation]:
     """The installed vLLM-Omni's orchestrator, event-driven and polling (its two orchestration loops)."""
-    fed = frozenset({"fed"})
+    supports = frozenset({"fed", "compare"})
+    lacks = VllmOmniDriver.LACKS
     return [
         Implementation("vllm-omni", "the installed vLLM-Omni: its Orchestrator and StagePool in a thread "
                        "with its own loop, janus queues, event-driven loop (reader task per replica)",
-                       partial(VllmOmniDriver, event_driven=True), fed),
+                       partial(VllmOmniDriver, event_driven=True), supports, lacks),
         Implementation("vllm-omni-poll", "the installed vLLM-Omni as above with its default orchestration "
                        "loop (polls every replica, 1 ms sleep when idle)",
-                       partial(VllmOmniDriver, event_driven=False), fed),
+                       partial(VllmOmniDriver, event_driven=False), supports, lacks),
     ]
 
 
@@ -138,11 +153,16 @@ def names(supporting: str) -> list[str]:
     return [n for n, i in IMPLEMENTATIONS.items() if supporting in i.supports]
 
 
-def make_driver(name: str, *args: Any, **options: Any) -> Driver:
-    """A (not yet started) driver for implementation ``name``; see :class:`~bench.drivers.base.Driver`."""
+def lookup(name: str) -> Implementation:
+    """Implementation ``name``; ValueError naming why where it is skipped here, or the choices."""
     impl = IMPLEMENTATIONS.get(name)
     if impl is None and name in SKIPPED:
         raise ValueError(f"implementation {name!r} is not available here: {SKIPPED[name]}")
     if impl is None:
         raise ValueError(f"unknown implementation {name!r}: choose from {', '.join(IMPLEMENTATIONS)}")
-    return impl.driver(*args, **options)
+    return impl
+
+
+def make_driver(name: str, *args: Any, **options: Any) -> Driver:
+    """A (not yet started) driver for implementation ``name``; see :class:`~bench.drivers.base.Driver`."""
+    return lookup(name).driver(*args, **options)

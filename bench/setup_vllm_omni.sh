@@ -5,6 +5,11 @@
 #
 #   bash bench/setup_vllm_omni.sh            # then: .venv-vllm/bin/trio-orch bench --impls vllm-omni,...
 #
+# and the cancellation comparison with the real vLLM-Omni as columns (a scenario it has no counterpart
+# for is an n/a cell with the reason; docs/vllm-omni.md has a run):
+#
+#   .venv-vllm/bin/trio-orch compare --impl trio --impl omni-event --impl vllm-omni --impl vllm-omni-poll
+#
 # vllm and vllm-omni are installed with --no-deps (their full dependency set pulls CUDA builds);
 # the list below is what their import chain needs on CPU.
 set -euo pipefail

@@ -15,6 +15,7 @@ import pytest
 from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
 from bench.compare.scenarios.base import CUT
 from bench.compare.scenarios.shutdown import judge_no_hang_no_leak
+from bench.drivers import vllm_omni
 from bench.refs.omni import OmniEventDriven
 from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.cli import main
@@ -264,3 +265,71 @@ def test_the_seed_shaped_rpc_is_judged_blocked(monkeypatch: pytest.MonkeyPatch) 
     out = run_scenario(by_number(16), "asyncio-taskgroup")
     assert out.verdict == "blocked", out.metrics
     assert out.metrics["answers"] == {0: "ok", 1: "timeout", 2: "ok"}
+
+
+# ---------------------------------------------------------------- cells an implementation cannot express
+def _fake_scenarios() -> list:
+    """Two scenarios a fake cannot express: one needs a feature it lacks, one hits Unsupported."""
+    from bench.compare.scenarios import Scenario
+    from bench.implementations import make_driver
+
+    def measure(impl: str) -> dict:
+        make_driver(impl, 1, {0}).add_request("r1", "p")  # the plain Driver offers no add_request
+        return {}
+
+    def never(impl: str) -> dict:
+        raise AssertionError("a scenario needing what the implementation lacks must not run")
+
+    return [
+        Scenario(901, "needs-teleport", "needs a teleporter", "?", "?", never, lambda m: ("ok", ""),
+                 lambda m: "", needs=frozenset({"teleport"})),
+        Scenario(902, "unsupported-call", "calls what the driver lacks", "?", "?", measure,
+                 lambda m: ("ok", ""), lambda m: ""),
+    ]
+
+
+def test_what_an_implementation_cannot_express_is_an_na_cell_not_an_error(tmp_path, monkeypatch) -> None:
+    """A lacking feature and a driver's Unsupported both give n/a with the reason; compare exits 0."""
+    import bench.compare.scenarios as scenarios
+    import bench.implementations as impls
+    from bench.drivers.base import Driver
+
+    fake = impls.Implementation("fake", "a fake implementation", Driver, frozenset({"compare"}),
+                                {"teleport": "the fake has no teleporter"})
+    monkeypatch.setitem(impls.IMPLEMENTATIONS, "fake", fake)
+    monkeypatch.setattr(scenarios, "SCENARIOS", _fake_scenarios())
+    js = tmp_path / "out.json"
+    assert main(["compare", "--impl", "fake", "-q", "--json", str(js)]) == 0
+    cells = {sc["number"]: sc["results"]["fake"] for sc in json.loads(js.read_text())["scenarios"]}
+    assert cells[901]["verdict"] == cells[902]["verdict"] == "n/a"
+    assert cells[901]["reason"] == "the fake has no teleporter" and cells[901]["headline"] == "no teleport"
+    assert "fake: add_request" in cells[902]["reason"]
+    assert cells[901]["driver_error"] is None and cells[902]["driver_error"] is None
+
+
+@pytest.mark.skipif(vllm_omni.available(), reason="vLLM-Omni is installed here")
+def test_compare_names_why_the_real_vllm_omni_is_not_there(capsys) -> None:
+    assert main(["compare", "--impl", "vllm-omni", "--only", "1", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "'vllm-omni' is not available here: vLLM-Omni is not installed" in err
+    assert "setup_vllm_omni.sh" in err
+
+
+def test_compare_refuses_an_implementation_that_does_not_run_it(capsys) -> None:
+    assert main(["compare", "--impl", "floor", "--only", "1", "-q"]) == 2
+    assert "'floor' does not run the comparison" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not vllm_omni.available(), reason="vLLM-Omni is not installed (bench/setup_vllm_omni.sh)")
+def test_the_real_vllm_omni_gets_measured_verdicts_and_honest_na_cells() -> None:
+    """Where it is installed: its own orchestrator evicts a dead stage and keeps serving (measured, ok);
+    the deadline scenario is n/a (it keeps no per-request deadline), not an error."""
+    broken = run_scenario(by_number(3), "vllm-omni")
+    assert broken.driver_error is None and broken.verdict == "ok", broken.reason
+    assert broken.metrics["sibling_served"] and broken.metrics["bound_request_terminal_before_shutdown"]
+    died = run_scenario(by_number(12), "vllm-omni")
+    assert died.driver_error is None and died.metrics["without_terminal_before_shutdown"] == 0
+    errors = run_scenario(by_number(4), "vllm-omni")  # its pool logs a failing client shutdown
+    assert errors.driver_error is None and {"E-close-0", "E-close-1"} <= set(errors.metrics["surfaced_which"])
+    na = run_scenario(by_number(9), "vllm-omni")
+    assert na.verdict == "n/a" and "deadline" in na.reason and na.driver_error is None

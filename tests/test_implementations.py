@@ -17,7 +17,8 @@ def test_every_job_finds_its_implementations_in_table_order() -> None:
     real_omni = ["vllm-omni", "vllm-omni-poll"] if vllm_omni.available() else []
     assert list(IMPLEMENTATIONS) == ["floor", "zmq-floor", "trio", "trio-engine", "omni-event", "omni-poll",
                                      "asyncio-taskgroup", *real_omni]
-    assert names("scripted") == ["trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # compare
+    assert names("scripted") == ["trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # routing tests
+    assert names("compare") == [*names("scripted"), *real_omni]  # compare (the real one on --impl)
     assert names("fed") == [n for n in IMPLEMENTATIONS if n != "zmq-floor"]  # bench, in-process
     assert set(SKIPPED).isdisjoint(IMPLEMENTATIONS)
     assert names("in_loop") == ["floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # loop_*

@@ -1,11 +1,13 @@
 """``trio-orch compare``: cancellation semantics measured side by side.
 
 Runs the scenario matrix (:mod:`bench.compare.scenarios`) against every
-implementation that supports scripted stages (:mod:`bench.implementations`:
-the Trio orchestrator and the asyncio references, all on the same routing
-core) and prints a table; ``--json`` and ``--markdown``
-write the full results.  Every cell is computed from measurements taken while
-the command runs: change an implementation and the table changes.
+implementation that runs the comparison (:mod:`bench.implementations`: the
+Trio orchestrator and the asyncio references, all on the same routing core;
+with ``--impl``, also the real vLLM-Omni where it is installed) and prints a
+table; ``--json`` and ``--markdown`` write the full results.  Every cell is
+computed from measurements taken while the command runs: change an
+implementation and the table changes.  A scenario an implementation cannot
+express is an ``n/a`` cell with the reason, not an error.
 """
 
 from __future__ import annotations
@@ -20,23 +22,35 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "markdown_report", "run", "run_matrix", "terminal_table", "write_markdown"]
+__all__ = ["configure", "default_impls", "markdown_report", "run", "run_matrix", "terminal_table",
+           "write_markdown"]
+
+
+def default_impls() -> list[str]:
+    """The columns of a plain run: the implementations on the project's routing core."""
+    from bench.implementations import names
+
+    return names("scripted")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from bench.implementations import names
+    from bench.implementations import SKIPPED, names
 
-    impls = names("scripted")
+    impls = [*names("compare"), *SKIPPED]
     parser.description = (
         "Run the cancellation/fault scenario matrix against the Trio orchestrator and the asyncio "
         "references (vLLM-Omni event-driven, vLLM-Omni polling, asyncio.TaskGroup), all driving the same "
         "routing core, and print what each one did. Verdicts are derived from measured numbers by each "
-        "scenario's stated rule; scenarios that hang are cut by a watchdog and reported as hangs."
+        "scenario's stated rule; scenarios that hang are cut by a watchdog and reported as hangs. "
+        "--impl vllm-omni adds the real vLLM-Omni where it is installed; a scenario it cannot express "
+        "is an n/a cell with the reason."
     )
     parser.add_argument("--only", type=int, action="append", metavar="N",
                         help="run only scenario N (see --list); repeat for several")
-    parser.add_argument("--impl", action="append", choices=impls, metavar="NAME",
-                        help=f"run only this implementation (repeatable): {', '.join(impls)}")
+    parser.add_argument("--impl", action="append", metavar="NAME",
+                        help=f"run this implementation (repeatable; default: {', '.join(default_impls())}); "
+                             f"any of {', '.join(impls)} (vllm-omni*: where vLLM-Omni is installed, "
+                             "bench/setup_vllm_omni.sh)")
     parser.add_argument("--json", type=Path, metavar="PATH", help="write every measurement as JSON here")
     parser.add_argument("--markdown", type=Path, metavar="PATH",
                         help="write the table and per-scenario details as markdown here; in an existing "
@@ -50,10 +64,10 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
     """Run the scenarios against the implementations; the JSON-able result."""
     from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
     from bench.compare.scenarios.base import CUT, GRACE
-    from bench.implementations import IMPLEMENTATIONS, names
+    from bench.implementations import IMPLEMENTATIONS
 
     scenarios = [by_number(n) for n in numbers] if numbers else SCENARIOS
-    impls = impls or names("scripted")
+    impls = impls or default_impls()
     t0 = time.perf_counter()
     rows = []
     total, done = len(scenarios) * len(impls), 0
@@ -172,8 +186,13 @@ def run(args: argparse.Namespace) -> int:
         for sc in SCENARIOS:
             print(f"{sc.number:2d}  {sc.key:<22} {sc.title}")
         return 0
+    from bench.implementations import lookup
+
     try:
         numbers = args.only and [by_number(n).number for n in args.only]
+        for name in args.impl or []:
+            if "compare" not in lookup(name).supports:
+                raise ValueError(f"implementation {name!r} does not run the comparison")
     except ValueError as exc:
         print(f"trio-orch compare: {exc}", file=sys.stderr)
         return 2
@@ -187,5 +206,6 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         write_markdown(args.markdown, markdown_report(result))
         print(f"wrote {args.markdown}")
+    # n/a cells are not errors: nothing failed, the scenario has no counterpart there
     errors = sum(1 for sc in result["scenarios"] for r in sc["results"].values() if r["driver_error"])
     return 1 if errors else 0

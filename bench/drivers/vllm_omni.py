@@ -3,24 +3,22 @@
 Runs ``vllm_omni.engine.orchestrator.Orchestrator`` -- the installed
 package's own code, nothing copied -- the way vLLM-Omni's engine runs it: a
 thread with its own asyncio loop, three janus queues (requests, bounded at
-256; outputs; RPC results), the serving thread putting messages on the
-request queue's sync side and taking outputs one ``sync_q.get`` at a time.
-Its stage pools are vLLM-Omni's own ``StagePool`` too.  What this module
-supplies is the stage side, the part a benchmark fakes on every
-implementation:
+256; outputs; RPC results), the serving thread putting vLLM-Omni's own
+messages (``vllm_omni.engine.messages``) on the request queue's sync side
+and taking outputs one ``sync_q.get`` at a time.  Its stage pools are
+vLLM-Omni's own ``StagePool`` too; the stage clients are the benchmark's
+(:mod:`bench.drivers.vllm_omni_stage`), fed from the thread like every
+implementation's stages.
 
-* :class:`FedEngineClient` -- one engine-core client per stage, the surface
-  the pool and the orchestrator call (``add_request_async``,
-  ``get_output_async``, ``abort_requests_async``, ``process_engine_inputs``,
-  ``shutdown``, ``client_addresses``, the ``stage_type`` / ``final_output``
-  flags).  The benchmark's ``emit_batch`` becomes one engine-core output
-  batch, awaited by ``get_output_async`` as vLLM's own client awaits its
-  output queue.
-* :class:`PassThroughOutputProcessor` -- the pool's output processor: one
-  request output per engine-core output, carrying the benchmark's data.  In
-  a real deployment vLLM's ``OutputProcessor`` (detokenisation, logprobs)
-  runs there; the stages of every implementation in the benchmark hand over
-  finished data instead, so it is left out on this side too.
+The serving-thread calls do what vLLM-Omni's engine does: ``add_request``
+and ``update_request`` put a message and return (the driver waits only to
+let a scenario look: until the submit reached the stage, the message was
+taken, or the orchestrator is gone); ``abort`` is fire-and-forget and a
+no-op once shutdown was asked for; shutdown puts ``ShutdownRequestMessage``
+and the request queue is closed once the orchestrator returned;
+``collective_rpc`` waits on the RPC queue for its result, raising
+``TimeoutError`` past its timeout.  What vLLM-Omni has no counterpart for
+(:attr:`VllmOmniDriver.LACKS`) makes the comparison's cell ``n/a``.
 
 ``event_driven`` picks the orchestration loop: ``True`` one reader task per
 replica awaiting ``get_output_async`` (what vLLM-Omni enables for qwen3-tts
@@ -37,17 +35,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import importlib.util
+import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.drivers.base import Driver, Unsupported
-from trio_orch.types import Message, OrchError, OrchOutput, StageOutput
+from bench.drivers.vllm_omni_stage import FedEngineClient, PassThroughOutputProcessor
+from trio_orch.types import Message, OrchError, OrchOutput, RpcResult
 
-__all__ = ["FedEngineClient", "PassThroughOutputProcessor", "VllmOmniDriver", "available", "missing_reason"]
+__all__ = ["VllmOmniDriver", "available", "missing_reason"]
 
 REQUEST_QUEUE_SIZE = 256  #: vLLM-Omni's engine bounds its request queue at this
 
@@ -64,135 +64,43 @@ def missing_reason() -> str:
             "`.venv-vllm/bin/python -m trio_orch.cli`")
 
 
-@dataclass(slots=True)
-class RawOutput:
-    """One engine-core output as the orchestrator reads it (request id, no raw finish: see below).
-
-    ``finish_reason`` stays None: the finish travels on the processed output,
-    as a stage that reports it through its output processor does.
-    """
-
-    request_id: str
-    data: Any
-    finished: bool
-    error: str | None = None
-    finish_reason: None = None
-    kv_transfer_params: None = None
-    new_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class FedRequestOutput:
-    """A processed (request-level) output: what reaches the serving thread in an ``OutputMessage``."""
-
-    request_id: str
-    data: Any
-    finished: bool
-    error: str | None = None
-    final_output_type: str = "text"
-    outputs: list[Any] = field(default_factory=list)
-    prompt_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class Processed:
-    request_outputs: list[FedRequestOutput]
-    reqs_to_abort: list[str]
-
-
-class PassThroughOutputProcessor:
-    """The stage pool's output processor: engine-core outputs -> request outputs, data untouched."""
-
-    tokenizer = None
-
-    def add_request(self, request: Any, prompt: Any = None, parent_req: Any = None, request_index: int = 0,
-                    queue: Any = None) -> None:
-        """Nothing to prepare: no detokeniser state."""
-
-    def remove_request(self, request_id: str) -> None:
-        pass
-
-    def abort_requests(self, request_ids: list[str], internal: bool) -> list[str]:
-        """The engine-core ids to abort: the same ids (no internal ids are made on this side)."""
-        return list(request_ids)
-
-    def process_outputs(self, outputs: list[RawOutput], timestamp: Any = None,
-                        iteration_stats: Any = None) -> Processed:
-        return Processed([FedRequestOutput(o.request_id, o.data, o.finished, o.error) for o in outputs], [])
-
-    def update_scheduler_stats(self, stats: Any) -> None:
-        pass
-
-
-class FedEngineClient:
-    """One stage replica's engine-core client, fed by the benchmark (see the module docstring)."""
-
-    stage_type = "llm"
-    final_output_type = "text"
-    custom_process_input_func = None
-    requires_multimodal_data = False
-
-    def __init__(self, stage_id: int, final_output: bool,
-                 on_submit: Callable[[int, str], None]) -> None:
-        self.stage_id = stage_id
-        self.final_output = final_output
-        self.client_addresses = {"input_address": f"inproc://bench-stage-{stage_id}"}
-        self.on_submit = on_submit
-        self.submissions: list[tuple[str, Any]] = []
-        self.aborts: list[str] = []
-        self._outputs: asyncio.Queue[Any] | None = None
-        self._shutting_down = False
-
-    def _queue(self) -> asyncio.Queue[Any]:
-        if self._outputs is None:  # bound to the orchestrator's loop on first use
-            self._outputs = asyncio.Queue()
-        return self._outputs
-
-    # -- what the pool and the orchestrator call
-    async def add_request_async(self, request: Any, **kwargs: Any) -> None:
-        rid = request.request_id
-        self.submissions.append((rid, request))
-        self.on_submit(self.stage_id, rid)
-
-    async def get_output_async(self) -> Any:
-        return await self._queue().get()
-
-    async def abort_requests_async(self, request_ids: list[str]) -> None:
-        self.aborts.extend(request_ids)
-
-    def process_engine_inputs(self, source_outputs: list[Any], prompt: Any, **kwargs: Any) -> list[Any]:
-        """The next stage's input from the previous stage's outputs: token ids, as a talker gets them."""
-        return [{"prompt_token_ids": [1]} for _ in source_outputs]
-
-    def shutdown(self) -> None:
-        self._shutting_down = True
-
-    # -- the benchmark's side (in the orchestrator's loop)
-    def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
-        """One engine-core output batch, as a worker's step returns it."""
-        from vllm.v1.engine import EngineCoreOutputs
-
-        raw = [RawOutput(o.request_id, o.data, o.finished, o.error) for o in outputs]
-        self._queue().put_nowait(EngineCoreOutputs(outputs=raw, timestamp=time.monotonic()))
-
-
 class VllmOmniDriver(Driver):
     """Drive the installed vLLM-Omni ``Orchestrator`` from a thread (see the module docstring)."""
 
     framework = "asyncio"
 
+    #: what the comparison's scenarios may need that this implementation has no counterpart for, and why
+    LACKS: ClassVar[dict[str, str]] = {
+        "async_chunk": "vLLM-Omni's async-chunk mode prewarms later stages through its chunk connectors and "
+                       "stage input processors, which fed stage clients do not have",
+        "in_loop": "vLLM-Omni's serving side takes outputs from the orchestrator thread (the output queue's "
+                   "sync side or a drain thread); nothing consumes inside its loop",
+        "deadline": "vLLM-Omni's orchestrator keeps no per-request deadline (its add_request takes none)",
+        "companions": "vLLM-Omni's CFG companions reach the next stage through its KV connectors, not "
+                      "through a forward hook a fed stage could observe",
+        "membership": "vLLM-Omni's replicas join through its MembershipController and coordination hub; no "
+                      "in-process timed handshake to drive",
+    }
+
     def __init__(self, *args: Any, event_driven: bool = True, **kwargs: Any) -> None:
         kwargs.pop("push", None)  # no push path over there
         super().__init__(*args, **kwargs)
-        if self.workers is not None or self.misbehaviour or self.in_loop_consumer or self.async_chunk:
-            raise Unsupported(f"{self.name}: only in-process fed stages")
+        if self.workers is not None or self.in_loop_consumer or self.async_chunk:
+            raise Unsupported(f"{self.name}: only in-process fed stages, consumed from the thread")
+        if any(m.hang_aclose for m in self.misbehaviour.values()):
+            raise Unsupported("vLLM's client shutdown() is synchronous: a hung one would block the loop "
+                              "thread for good, past any watchdog")
         self.event_driven = event_driven
         self.loop: asyncio.AbstractEventLoop | None = None
         self.orch: Any = None
         self.request_queue: Any = None
         self.output_queue: Any = None
+        self.rpc_queue: Any = None
+        self.shutdown_asked = False
         self._sampling: list[Any] = []
         self._submitted: dict[str, threading.Event] = {}
+        self._rpc_ids = itertools.count()
+        self._rpc_lock = threading.Lock()
 
     @property
     def startup_timeout(self) -> float:
@@ -201,6 +109,7 @@ class VllmOmniDriver(Driver):
 
     # ------------------------------------------------------------------ the loop thread
     def thread_main(self) -> None:
+        """The engine's orchestrator thread: a new loop; afterwards cancel and await what is left."""
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self.loop = loop
@@ -216,9 +125,15 @@ class VllmOmniDriver(Driver):
                     t.cancel()
                 if pending:
                     loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+                loop.run_until_complete(loop.shutdown_asyncgens())
+            except BaseException:
+                pass
             finally:
+                self.tasks_pending_at_loop_end = sum(1 for t in asyncio.all_tasks(loop) if not t.done())
                 asyncio.set_event_loop(None)
                 loop.close()
+                if self.request_queue is not None:
+                    self.request_queue.close()  # as the engine's shutdown does once the thread ended
                 self.set_started()
                 self.set_returned()
 
@@ -229,17 +144,19 @@ class VllmOmniDriver(Driver):
             from vllm_omni.engine.orchestrator import Orchestrator
             from vllm_omni.engine.stage_pool import StagePool
 
+            _route_vllm_logs()
             self.request_queue = janus.Queue(maxsize=min(self.request_queue_size, REQUEST_QUEUE_SIZE))
             self.output_queue = janus.Queue()
-            rpc_queue: janus.Queue[Any] = janus.Queue()
-            self.stages = [FedEngineClient(k, k in self.final_stage_ids, self._on_submit)
-                           for k in range(self.num_stages)]
+            self.rpc_queue = janus.Queue()
+            self.stages = [FedEngineClient(k, k in self.final_stage_ids, self._on_submit,
+                                           self.misbehaviour.get(k)) for k in range(self.num_stages)]
             stage_config = _StageConfig()
             pools = [StagePool(k, [c], output_processor=PassThroughOutputProcessor(),
                                stage_vllm_config=stage_config) for k, c in enumerate(self.stages)]
             self._sampling = [SamplingParams(max_tokens=16, detokenize=False) for _ in self.stages]
-            self.orch = Orchestrator(self.request_queue.async_q, self.output_queue.async_q, rpc_queue.async_q,
-                                     pools, event_driven_orch_default=self.event_driven)
+            self.orch = Orchestrator(self.request_queue.async_q, self.output_queue.async_q,
+                                     self.rpc_queue.async_q, pools,
+                                     event_driven_orch_default=self.event_driven)
         except BaseException as exc:
             self.set_started(exc)
             return
@@ -263,8 +180,18 @@ class VllmOmniDriver(Driver):
             if ev is not None:
                 ev.set()
 
+    def abandon(self) -> None:
+        """Stop the loop under the hung run(); the thread's cleanup then cancels what is left."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:
+                pass
+
     # ------------------------------------------------------------------ the serving thread
-    def _message(self, request_id: str, final_stage_id: int | None) -> Any:
+    def _message(self, request_id: str, final_stage_id: int | None, *, kind: str = "add_request",
+                 resumable: bool = False) -> Any:
         """An add as vLLM-Omni's engine builds it in the caller's thread (stage-0 request ready to submit)."""
         from vllm_omni.engine.messages import StageSubmissionMessage
         from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
@@ -274,9 +201,10 @@ class VllmOmniDriver(Driver):
         prompt = {"prompt_token_ids": [1]}
         request = build_engine_core_request_from_tokens(request_id, prompt, self._sampling[0])
         request.external_req_id = request_id
+        request.resumable = resumable
         now = time.time()
         return StageSubmissionMessage(
-            type="add_request", request_id=request_id, prompt=request, original_prompt=prompt,
+            type=kind, request_id=request_id, prompt=request, original_prompt=prompt,
             output_prompt_text=None, sampling_params_list=self._sampling, final_stage_id=final,
             preprocess_ms=0.0, request_timestamp=now, enqueue_ts=time.perf_counter(),
             final_output_stage_ids=outputs)
@@ -288,22 +216,76 @@ class VllmOmniDriver(Driver):
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                     wait: bool = True, timeout: float = 5.0, deadline: float | None = None,
                     **options: Any) -> None:
+        """The engine's add (put and return); with ``wait``, until stage 0 got it or the orchestrator ended.
+
+        Raises what the put raises once the request queue is closed.
+        """
+        resumable = bool(options.pop("resumable", False))
         if options or deadline is not None:
             raise Unsupported(f"{self.name}: add_request options {sorted(options)} / deadline")
         ev = self._submitted.setdefault(request_id, threading.Event()) if wait else None
-        self.post_request(request_id, prompt, final_stage_id)
-        if ev is not None and not ev.wait(timeout):
-            raise TimeoutError(f"request {request_id!r} was not submitted within {timeout}s")
+        self.request_queue.sync_q.put(self._message(request_id, final_stage_id, resumable=resumable))
+        if ev is None:
+            return
+        end = time.monotonic() + timeout
+        while not ev.wait(0.01):
+            if self.stopped:  # taken by a queue nobody reads any more: the engine's call had returned too
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(f"request {request_id!r} was not submitted within {timeout}s")
+
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float = 5.0) -> None:
+        """The engine's ``add_streaming_update``; returns once the orchestrator took and handled it."""
+        self.request_queue.sync_q.put(self._message(request_id, None, kind="streaming_update",
+                                                    resumable=not final))
+        end = time.monotonic() + timeout
+        while self.request_queue.sync_q.qsize() and not self.stopped:
+            if time.monotonic() > end:
+                raise TimeoutError(f"update of {request_id!r} was not taken within {timeout}s")
+            time.sleep(0.001)
+        for _ in range(3):  # the handler runs on: let it finish what it took
+            if self.stopped:
+                return
+            self.call(lambda: None, timeout=max(0.0, end - time.monotonic()))
 
     def abort(self, request_id: str) -> None:
+        """Fire-and-forget, as the engine's ``abort``: nothing once shutdown was asked for."""
         from vllm_omni.engine.messages import AbortRequestMessage
 
+        if self.shutdown_asked:
+            return
         self.request_queue.sync_q.put(AbortRequestMessage(request_ids=[request_id]))
 
     def send_shutdown(self, timeout: float | None) -> None:
+        """As the engine's shutdown: the message, put with a bound (it may wait behind a full queue)."""
         from vllm_omni.engine.messages import ShutdownRequestMessage
 
-        self.request_queue.sync_q.put(ShutdownRequestMessage())
+        self.shutdown_asked = True
+        self.request_queue.sync_q.put(ShutdownRequestMessage(), timeout=5.0)
+
+    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+                       stage_ids: Iterable[int] | None = None, timeout: float = 5.0) -> list[RpcResult]:
+        """The engine's ``collective_rpc``: request, then result from the RPC queue or TimeoutError."""
+        from vllm_omni.engine.messages import CollectiveRPCRequestMessage
+
+        rpc_id = f"bench-{next(self._rpc_ids)}"
+        ids = None if stage_ids is None else list(stage_ids)
+        self.request_queue.sync_q.put(CollectiveRPCRequestMessage(
+            rpc_id=rpc_id, method=method, timeout=timeout, args=tuple(args), kwargs=dict(kwargs or {}),
+            stage_ids=ids), timeout=timeout)
+        end = time.monotonic() + timeout
+        with self._rpc_lock:
+            while True:
+                try:
+                    msg = self.rpc_queue.sync_q.get(timeout=max(0.0, end - time.monotonic()))
+                except queue.Empty:
+                    raise TimeoutError(f"collective_rpc timed out after {timeout} seconds") from None
+                if getattr(msg, "type", None) == "error":
+                    raise RuntimeError(msg.error)
+                if getattr(msg, "rpc_id", None) == rpc_id:
+                    break
+        return [_rpc_result(k, v) for k, v in zip(msg.stage_ids, msg.results, strict=True)]
 
     def take_batch(self, timeout: float) -> list[Message] | None:
         """One message per ``sync_q.get``, as vLLM-Omni's serving side takes them; metrics-only skipped."""
@@ -332,15 +314,59 @@ class VllmOmniDriver(Driver):
                 fut.set_exception(exc)
 
         self.loop.call_soon_threadsafe(run)
-        return fut.result(timeout)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the loop did not run the call within {timeout}s") from None
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(fn, *args)
 
     @property
+    def router(self) -> Any:
+        """vLLM-Omni's request table, read as a scenario reads a routing core's (``requests``)."""
+        return RequestTable(self.orch)
+
+    @property
     def active_requests(self) -> int:
         return len(self.orch.request_states) if self.orch is not None else 0
+
+
+@dataclass(slots=True)
+class RequestTable:
+    """The orchestrator's ``request_states``: the requests it holds state for (registered, not ended)."""
+
+    orch: Any
+
+    @property
+    def requests(self) -> dict[str, Any]:
+        return dict(self.orch.request_states) if self.orch is not None else {}
+
+    @property
+    def live_count(self) -> int:
+        return len(self.requests)
+
+
+def _route_vllm_logs() -> None:
+    """Send vLLM's (and vLLM-Omni's) records through the root logger, as every implementation's go.
+
+    vLLM configures its ``vllm`` logger (vLLM-Omni's hang under it) not to
+    propagate and to print to stdout itself; the comparison reads warnings at
+    the root, so without this what vLLM-Omni reports would count as swallowed.
+    """
+    import logging
+
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.propagate = True
+    vllm_logger.handlers.clear()
+
+
+def _rpc_result(stage_id: int, value: Any) -> RpcResult:
+    """A replica's answer (the pool reports a failed call as ``{"supported": False, "error": ...}``)."""
+    if isinstance(value, dict) and value.get("supported") is False:
+        return RpcResult(stage_id, 0, None, str(value.get("error")))
+    return RpcResult(stage_id, 0, value, None)
 
 
 @dataclass(slots=True)

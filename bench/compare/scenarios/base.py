@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.drivers.base import Driver
-from bench.implementations import make_driver
+from bench.drivers.base import Driver, Unsupported
+from bench.implementations import lookup, make_driver
 
 __all__ = [
     "CUT",
     "GRACE",
+    "NA",
     "LogCapture",
     "Outcome",
     "Scenario",
@@ -89,16 +90,37 @@ class Scenario:
     measure: Callable[[str], dict[str, Any]]
     judge: Callable[[dict[str, Any]], tuple[str, str]]
     headline: Callable[[dict[str, Any]], str]
+    #: features beyond scripted stages it drives (``async_chunk``, ``deadline``, ``in_loop``, ``resumable``,
+    #: ``companions``, ``rpc``, ``membership``): an implementation that lacks one gets an ``n/a`` cell
+    needs: frozenset[str] = frozenset()
+
+
+#: the verdict of a scenario an implementation cannot express (not an error: nothing was measured)
+NA = "n/a"
 
 
 def run_scenario(sc: Scenario, impl: str) -> Outcome:
-    """Run one scenario against one implementation; never raises."""
+    """Run one scenario against one implementation; never raises.
+
+    ``n/a`` when the implementation lacks a feature the scenario needs, or its
+    driver raised :class:`~bench.drivers.base.Unsupported` (a call or a fault it
+    has no counterpart for): the reason says which.
+    """
     out = Outcome(sc.number, impl)
     t0 = time.perf_counter()
     try:
+        lacks = lookup(impl).lacks
+        missing = sorted(f for f in sc.needs if f in lacks)
+        if missing:
+            out.verdict, out.headline = NA, f"no {', '.join(missing)}"
+            out.reason = "; ".join(lacks[f] for f in missing)
+            return out
         out.metrics = sc.measure(impl)
         out.verdict, out.reason = sc.judge(out.metrics)
         out.headline = sc.headline(out.metrics)
+    except Unsupported as exc:
+        out.metrics = {}
+        out.verdict, out.reason, out.headline = NA, f"not expressible: {exc}", "not expressible"
     except Exception as exc:
         out.driver_error = "".join(traceback.format_exception(exc))[-2000:]
         out.verdict, out.reason, out.headline = "error", f"driver failed: {exc!r}", "driver error"

@@ -135,6 +135,7 @@ S7 = Scenario(
     "lost if any output never reached the consumer; dup if one came twice or out of order; else ok",
     measure_consumer_cancelled, judge_consumer,
     lambda m: f"{m['delivered']}/{m['sent']} delivered, {m['consumer_cancellations']} cancellations",
+    needs=frozenset({"in_loop"}),
 )
 
 
@@ -231,6 +232,7 @@ S9 = Scenario(
     measure_deadline, judge_deadline,
     lambda m: (f"client abort: {_ms(m['overrun_plain_s'])} alone, {_ms(m['overrun_s'])} saturated; "
                f"own deadline: {_ms(m['overrun_orchestrator_deadline_s'])}"),
+    needs=frozenset({"deadline"}),
 )
 
 
@@ -247,6 +249,8 @@ def measure_sigint(impl: str) -> dict[str, Any]:
     m: dict[str, Any] = {"in_flight": IN_FLIGHT10}
     assert proc.stdout is not None
     ready = proc.stdout.readline().strip()
+    while ready and ready != "READY":  # an implementation's library may log to stdout first (vLLM does)
+        ready = proc.stdout.readline().strip()
     if ready != "READY":
         proc.kill()
         _, err = proc.communicate()

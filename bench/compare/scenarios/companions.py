@@ -100,6 +100,7 @@ S14 = Scenario(
     measure_companion_after_abort, judge_companion_after_abort,
     lambda m: (f"terminal: {m['terminal_kind']}, companion aborted: {m['companion_aborted']}, "
                f"late output dropped: {m['late_output_counted']}, forwards: {m['forwards']}"),
+    needs=frozenset({"companions"}),
 )
 
 
@@ -175,4 +176,5 @@ S15 = Scenario(
     lambda m: (f"forwards early: {m['early_forwards']}, without companion: "
                f"{m['forwards_without_companion']}, extra: {m['extra_forwards']}, "
                f"missing: {m['missing_forwards']}"),
+    needs=frozenset({"companions"}),
 )

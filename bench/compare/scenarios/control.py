@@ -105,4 +105,5 @@ S16 = Scenario(
     + (f", request admitted after {m['admission_s'] * 1000:.1f} ms" if m["admission_s"] is not None
        else ", request never admitted")
     + f", answers {m['answers']}",
+    needs=frozenset({"rpc"}),
 )

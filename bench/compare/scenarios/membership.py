@@ -75,4 +75,5 @@ S17 = Scenario(
     lambda m: (
         f"shutdown {m['shutdown_s']:.3f} s, join: {m['outcome']}, tasks left: {m['tasks_alive_after_run']}"
     ),
+    needs=frozenset({"membership"}),
 )

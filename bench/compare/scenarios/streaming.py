@@ -98,4 +98,5 @@ S13 = Scenario(
     lambda m: (f"after abort: {'error' if m['update_after_abort_error'] else 'no error'}, unknown id: "
                f"{'error' if m['unknown_update_error'] else 'no error'}, started: "
                f"{m['requests_started_by_updates']}, after terminal: {m['after_terminal']}"),
+    needs=frozenset({"resumable"}),
 )
