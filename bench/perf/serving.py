@@ -1,33 +1,20 @@
-"""``python -m bench.perf.serving``: a real ``trio-orch serve`` under overload, idle floods and kill -9.
+"""The serving benchmark of the two fronts, and the raw HTTP/1.1 client both serving runs use.
 
-Loopback only, bounded in count and time.  Starts the server as a child
-process and measures it from client processes of its own (raw HTTP/1.1 over
-asyncio sockets: a client library would spend more CPU than the server on a
-2-core box):
+:func:`compare_fronts` (``trio-orch bench --serving``): ``serve --loop trio``
+and ``serve --loop asyncio`` started in turn (interleaved rounds) over the
+same pipeline, N concurrent streaming clients in client processes for a
+bounded time, and per front: time to first content chunk, inter-chunk gap
+p50/p99, requests/s, and server CPU per request (the serving process; its
+workers apart).  :mod:`bench.perf.operating` is the other serving run (a
+real ``serve`` under a burst, an idle flood and kill -9).
 
-* ``unloaded``: requests one at a time -- the reference latency;
-* ``burst``: N requests at once -- how many were admitted and shed (429),
-  and the latency of the admitted ones against the unloaded p99;
-* ``idle``: thousands of idle connections, then one normal request;
-* ``kill``: kill -9 a worker of a stage with one replica while polling
-  ``/health`` every 20 ms -- how long it said 503, and whether it ever said
-  200 while the replacement was not ready.
-
-Prints one JSON object (``--json PATH`` writes it too).  Nothing is
-asserted: the numbers go to docs/operating.md.
-
-:func:`compare_fronts` (``trio-orch bench --serving``) is the serving
-benchmark of the two fronts: ``serve --loop trio`` and ``serve --loop
-asyncio`` started in turn (interleaved rounds) over the same pipeline, N
-concurrent streaming clients in client processes for a bounded time, and
-per front: time to first content chunk, inter-chunk gap p50/p99,
-requests/s, and server CPU per request (the serving process; its workers
-apart).
+The clients speak raw HTTP/1.1 over asyncio sockets, loopback only, bounded
+in count and time: a client library would spend more CPU than the server on
+a 2-core box.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import multiprocessing
@@ -41,13 +28,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main"]
+__all__ = [
+    "BODY",
+    "bucket_p99_ms",
+    "compare_fronts",
+    "echo_pipeline_file",
+    "engine_durations",
+    "measure_front",
+    "pct",
+    "post",
+    "split_url",
+    "start_server",
+]
 
 BODY = {"messages": [{"role": "user", "content": "Say something about the weather."}],
         "modalities": ["text", "audio"], "max_tokens": 16}
 
 
-async def _post(host: str, port: int, path: str, body: bytes | None,
+async def post(host: str, port: int, path: str, body: bytes | None,
                 timeout: float = 120.0) -> tuple[int, float]:
     """One request on a fresh connection: (status, seconds to the end of the answer); status 0 if cut."""
     t = time.perf_counter()
@@ -66,41 +64,12 @@ async def _post(host: str, port: int, path: str, body: bytes | None,
     return (int(m.group(1)) if m else 0), time.perf_counter() - t
 
 
-def _client(url: str, n: int, body: bytes, out: Any) -> None:
-    """A client process: ``n`` concurrent requests; puts [(status, seconds), ...] on ``out``."""
-    host, port = _split(url)
-
-    async def run() -> list[tuple[int, float]]:
-        return await asyncio.gather(*(_post(host, port, "/v1/chat/completions", body) for _ in range(n)))
-
-    out.put(asyncio.run(run()))
-
-
-def _idle(url: str, n: int, ready: Any, done: Any) -> None:
-    """Hold ``n`` idle connections until told to stop."""
-    host, port = _split(url)
-
-    async def run() -> None:
-        conns = []
-        for _ in range(n):
-            try:
-                conns.append(await asyncio.open_connection(host, port))
-            except OSError:
-                break
-        ready.put(len(conns))
-        await asyncio.get_running_loop().run_in_executor(None, done.get)
-        for _, w in conns:
-            w.close()
-
-    asyncio.run(run())
-
-
-def _split(url: str) -> tuple[str, int]:
+def split_url(url: str) -> tuple[str, int]:
     host, port = url.removeprefix("http://").rsplit(":", 1)
     return host, int(port)
 
 
-def _pct(xs: list[float], p: float) -> float | None:
+def pct(xs: list[float], p: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
@@ -111,7 +80,7 @@ def engine_durations(url: str) -> list[tuple[float, float]]:
     """The engine's own ``request_duration_seconds{kind="finished"}`` buckets: (le, cumulative count)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    host, port = _split(url)
+    host, port = split_url(url)
 
     async def get() -> bytes:
         reader, writer = await asyncio.open_connection(host, port)
@@ -149,123 +118,6 @@ def start_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, m.group(1)
     raise RuntimeError("trio-orch serve exited before serving")
-
-
-def unloaded(url: str, n: int) -> dict[str, Any]:
-    host, port = _split(url)
-    body = json.dumps(BODY).encode()
-
-    async def run() -> list[tuple[int, float]]:
-        return [await _post(host, port, "/v1/chat/completions", body) for _ in range(n)]
-
-    res = asyncio.run(run())
-    lat = [t for code, t in res if code == 200]
-    return {"requests": n, "ok": len(lat), "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99)}
-
-
-def burst(url: str, n: int, procs: int) -> dict[str, Any]:
-    body = json.dumps(BODY).encode()
-    q: Any = multiprocessing.Queue()
-    workers = [multiprocessing.Process(target=_client, args=(url, n // procs, body, q)) for _ in range(procs)]
-    t = time.perf_counter()
-    for w in workers:
-        w.start()
-    res = [r for _ in workers for r in q.get()]
-    wall = time.perf_counter() - t
-    for w in workers:
-        w.join()
-    ok = [s for code, s in res if code == 200]
-    shed = [s for code, s in res if code == 429]
-    return {"requests": len(res), "admitted": len(ok), "shed_429": len(shed),
-            "other": sorted({code for code, _ in res} - {200, 429}), "admitted_p50_ms": _pct(ok, 0.5),
-            "admitted_p99_ms": _pct(ok, 0.99), "shed_p99_ms": _pct(shed, 0.99), "wall_s": round(wall, 2)}
-
-
-def idle(url: str, n: int, procs: int) -> dict[str, Any]:
-    ready: Any = multiprocessing.Queue()
-    done: Any = multiprocessing.Queue()
-    holders = [multiprocessing.Process(target=_idle, args=(url, n // procs, ready, done))
-               for _ in range(procs)]
-    for h in holders:
-        h.start()
-    opened = sum(ready.get() for _ in holders)
-    host, port = _split(url)
-    code, took = asyncio.run(_post(host, port, "/v1/chat/completions", json.dumps(BODY).encode()))
-    for _ in holders:
-        done.put(None)
-    for h in holders:
-        h.join()
-    return {"idle_connections_opened": opened, "normal_request_status": code,
-            "normal_request_ms": round(took * 1000, 1)}
-
-
-def kill_one(url: str, proc: subprocess.Popen[str], stage_kind: str) -> dict[str, Any]:
-    """kill -9 the worker of ``stage_kind``; poll /health every 20 ms until it is 200 again."""
-    from trio_orch.testing import child_pids
-
-    host, port = _split(url)
-    victim = next(p for p in child_pids(proc.pid)
-                  if f"--kind\x00{stage_kind}\x00" in Path(f"/proc/{p}/cmdline").read_text())
-    os.kill(victim, signal.SIGKILL)
-    t0 = time.perf_counter()
-    samples: list[tuple[float, int]] = []
-    while time.perf_counter() - t0 < 60:
-        code, _ = asyncio.run(_post(host, port, "/health", None))
-        samples.append((time.perf_counter() - t0, code))
-        if code == 200 and any(c == 503 for _, c in samples):
-            break
-        time.sleep(0.02)
-    first_503 = next((t for t, c in samples if c == 503), None)
-    back = samples[-1][0] if samples[-1][1] == 200 else None
-    between = [c for t, c in samples if first_503 is not None and first_503 <= t < (back or 1e9)]
-    return {"polls": len(samples),
-            "first_503_after_ms": None if first_503 is None else round(first_503 * 1000),
-            "503_for_s": None if back is None or first_503 is None else round(back - first_503, 2),
-            "200_during_outage": sum(c == 200 for c in between)}
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.perf.serving", description=__doc__.split("\n\n")[0])
-    p.add_argument("--serve-args", default="", help="extra trio-orch serve flags, e.g. '--in-process'")
-    p.add_argument("--unloaded", type=int, default=30, help="requests one at a time (default 30)")
-    p.add_argument("--burst", type=int, default=1024, help="requests at once (default 1024)")
-    p.add_argument("--idle", type=int, default=20000, help="idle connections (default 20000)")
-    p.add_argument("--kill", default="talker", help="stage kind to kill -9 (default talker; '' skips)")
-    p.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
-    args = p.parse_args(argv)
-    proc, url = start_server(args.serve_args.split())
-    out: dict[str, Any] = {"serve_args": args.serve_args, "cpus": os.cpu_count()}
-    try:
-        d0 = engine_durations(url)
-        out["unloaded"] = unloaded(url, args.unloaded)
-        d1 = engine_durations(url)
-        out["unloaded"]["engine_p99_ms_bucket"] = bucket_p99_ms(d0, d1)
-        out["burst"] = burst(url, args.burst, args.procs)
-        out["burst"]["engine_p99_ms_bucket"] = bucket_p99_ms(d1, engine_durations(url))
-        if out["burst"]["admitted_p99_ms"] and out["unloaded"]["p99_ms"]:
-            ratio = out["burst"]["admitted_p99_ms"] / out["unloaded"]["p99_ms"]
-            out["burst"]["p99_vs_unloaded"] = round(ratio, 2)
-        if args.idle:
-            out["idle"] = idle(url, args.idle, max(2, args.procs // 2))
-        if args.kill:
-            out["kill"] = kill_one(url, proc, args.kill)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out["exit_code"] = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out["exit_code"] = None
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
 
 
 # ---------------------------------------------------------------------------- the two fronts
@@ -322,7 +174,7 @@ async def _stream_one(host: str, port: int, body: bytes, ttfc: list[float], gaps
 
 def _front_client(url: str, conns: int, seconds: float, body: bytes, out: Any) -> None:
     """A client process: ``conns`` connections, each streaming requests back to back for ``seconds``."""
-    host, port = _split(url)
+    host, port = split_url(url)
 
     async def run() -> tuple[list[float], list[float], int, int]:
         ttfc: list[float] = []
@@ -390,7 +242,7 @@ def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, secon
                 proc, url = start_server([*flags, "--loop", loop, "--max-inflight", "0",
                                           "--request-queue-size", str(4 * concurrency)])
                 try:
-                    asyncio.run(_post(*_split(url), "/v1/chat/completions", body))  # warm-up
+                    asyncio.run(post(*split_url(url), "/v1/chat/completions", body))  # warm-up
                     runs[loop].append(measure_front(url, proc.pid, concurrency, seconds, procs, body))
                 finally:
                     proc.send_signal(signal.SIGTERM)

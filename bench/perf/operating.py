@@ -1,0 +1,250 @@
+"""``python -m bench.perf.operating``: a real ``trio-orch serve`` under overload, idle floods and kill -9.
+
+Loopback only, bounded in count and time.  Starts the server as a child
+process and measures it from client processes of its own (raw HTTP/1.1 over
+asyncio sockets: a client library would spend more CPU than the server on a
+2-core box):
+
+* ``unloaded``: requests one at a time -- the reference latency;
+* ``burst``: N requests at once -- how many were admitted and shed (429),
+  and the latency of the admitted ones against the unloaded p99;
+* ``idle``: thousands of idle connections, then one normal request;
+* ``kill``: kill -9 a worker of a stage with one replica while polling
+  ``/health`` every 20 ms -- how long it said 503, and whether it ever said
+  200 while the replacement was not ready.
+
+Prints one JSON object (``--json PATH`` writes it too).  Nothing is
+asserted.  ``--report A.json B.json ... --markdown docs/operating.md``
+renders runs (one table row each: the defaults, a tighter bound...) between
+the file's ``<!-- serving:begin -->`` / ``<!-- serving:end -->`` markers:
+every number in that table comes from a run's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.perf.serving import BODY, bucket_p99_ms, engine_durations, pct, post, split_url, start_server
+
+__all__ = ["burst", "idle", "kill_one", "main", "markdown_table", "unloaded", "write_markdown"]
+
+BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
+
+
+def burst_client(url: str, n: int, body: bytes, out: Any) -> None:
+    """A client process: ``n`` concurrent requests; puts [(status, seconds), ...] on ``out``."""
+    host, port = split_url(url)
+
+    async def run() -> list[tuple[int, float]]:
+        return await asyncio.gather(*(post(host, port, "/v1/chat/completions", body) for _ in range(n)))
+
+    out.put(asyncio.run(run()))
+
+
+def idle_client(url: str, n: int, ready: Any, done: Any) -> None:
+    """Hold ``n`` idle connections until told to stop."""
+    host, port = split_url(url)
+
+    async def run() -> None:
+        conns = []
+        for _ in range(n):
+            try:
+                conns.append(await asyncio.open_connection(host, port))
+            except OSError:
+                break
+        ready.put(len(conns))
+        await asyncio.get_running_loop().run_in_executor(None, done.get)
+        for _, w in conns:
+            w.close()
+
+    asyncio.run(run())
+
+
+def unloaded(url: str, n: int) -> dict[str, Any]:
+    host, port = split_url(url)
+    body = json.dumps(BODY).encode()
+
+    async def run() -> list[tuple[int, float]]:
+        return [await post(host, port, "/v1/chat/completions", body) for _ in range(n)]
+
+    res = asyncio.run(run())
+    lat = [t for code, t in res if code == 200]
+    return {"requests": n, "ok": len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99)}
+
+
+def burst(url: str, n: int, procs: int) -> dict[str, Any]:
+    body = json.dumps(BODY).encode()
+    q: Any = multiprocessing.Queue()
+    workers = [multiprocessing.Process(target=burst_client, args=(url, n // procs, body, q))
+               for _ in range(procs)]
+    t = time.perf_counter()
+    for w in workers:
+        w.start()
+    res = [r for _ in workers for r in q.get()]
+    wall = time.perf_counter() - t
+    for w in workers:
+        w.join()
+    ok = [s for code, s in res if code == 200]
+    shed = [s for code, s in res if code == 429]
+    return {"requests": len(res), "admitted": len(ok), "shed_429": len(shed),
+            "other": sorted({code for code, _ in res} - {200, 429}), "admitted_p50_ms": pct(ok, 0.5),
+            "admitted_p99_ms": pct(ok, 0.99), "shed_p99_ms": pct(shed, 0.99), "wall_s": round(wall, 2)}
+
+
+def idle(url: str, n: int, procs: int) -> dict[str, Any]:
+    ready: Any = multiprocessing.Queue()
+    done: Any = multiprocessing.Queue()
+    holders = [multiprocessing.Process(target=idle_client, args=(url, n // procs, ready, done))
+               for _ in range(procs)]
+    for h in holders:
+        h.start()
+    opened = sum(ready.get() for _ in holders)
+    host, port = split_url(url)
+    code, took = asyncio.run(post(host, port, "/v1/chat/completions", json.dumps(BODY).encode()))
+    for _ in holders:
+        done.put(None)
+    for h in holders:
+        h.join()
+    return {"idle_connections_opened": opened, "normal_request_status": code,
+            "normal_request_ms": round(took * 1000, 1)}
+
+
+def kill_one(url: str, proc: subprocess.Popen[str], stage_kind: str) -> dict[str, Any]:
+    """kill -9 the worker of ``stage_kind``; poll /health every 20 ms until it is 200 again."""
+    from trio_orch.testing import child_pids
+
+    host, port = split_url(url)
+    victim = next(p for p in child_pids(proc.pid)
+                  if f"--kind\x00{stage_kind}\x00" in Path(f"/proc/{p}/cmdline").read_text())
+    os.kill(victim, signal.SIGKILL)
+    t0 = time.perf_counter()
+    samples: list[tuple[float, int]] = []
+    while time.perf_counter() - t0 < 60:
+        code, _ = asyncio.run(post(host, port, "/health", None))
+        samples.append((time.perf_counter() - t0, code))
+        if code == 200 and any(c == 503 for _, c in samples):
+            break
+        time.sleep(0.02)
+    first_503 = next((t for t, c in samples if c == 503), None)
+    back = samples[-1][0] if samples[-1][1] == 200 else None
+    between = [c for t, c in samples if first_503 is not None and first_503 <= t < (back or 1e9)]
+    return {"polls": len(samples),
+            "first_503_after_ms": None if first_503 is None else round(first_503 * 1000),
+            "503_for_s": None if back is None or first_503 is None else round(back - first_503, 2),
+            "200_during_outage": sum(c == 200 for c in between)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.perf.serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--serve-args", default="", help="extra trio-orch serve flags, e.g. '--in-process'")
+    p.add_argument("--unloaded", type=int, default=30, help="requests one at a time (default 30)")
+    p.add_argument("--burst", type=int, default=1024, help="requests at once (default 1024)")
+    p.add_argument("--idle", type=int, default=20000, help="idle connections (default 20000)")
+    p.add_argument("--kill", default="talker", help="stage kind to kill -9 (default talker; '' skips)")
+    p.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
+    p.add_argument("--report", nargs="+", metavar="JSON", help="no run: render these runs' JSON (one table "
+                   "row each) into --markdown")
+    p.add_argument("--markdown", default=None, metavar="PATH",
+                   help=f"with --report: the file whose {BEGIN} ... {END} block gets the table")
+    args = p.parse_args(argv)
+    if args.report:
+        runs = [json.loads(Path(f).read_text()) for f in args.report]
+        table = markdown_table(runs)
+        if args.markdown:
+            write_markdown(Path(args.markdown), table)
+            print(f"wrote {args.markdown}")
+        else:
+            print(table)
+        return 0
+    proc, url = start_server(args.serve_args.split())
+    out: dict[str, Any] = {"serve_args": args.serve_args, "cpus": os.cpu_count()}
+    try:
+        d0 = engine_durations(url)
+        out["unloaded"] = unloaded(url, args.unloaded)
+        d1 = engine_durations(url)
+        out["unloaded"]["engine_p99_ms_bucket"] = bucket_p99_ms(d0, d1)
+        out["burst"] = burst(url, args.burst, args.procs)
+        out["burst"]["engine_p99_ms_bucket"] = bucket_p99_ms(d1, engine_durations(url))
+        if out["burst"]["admitted_p99_ms"] and out["unloaded"]["p99_ms"]:
+            ratio = out["burst"]["admitted_p99_ms"] / out["unloaded"]["p99_ms"]
+            out["burst"]["p99_vs_unloaded"] = round(ratio, 2)
+        if args.idle:
+            out["idle"] = idle(url, args.idle, max(2, args.procs // 2))
+        if args.kill:
+            out["kill"] = kill_one(url, proc, args.kill)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out["exit_code"] = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out["exit_code"] = None
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
+def markdown_table(runs: list[dict[str, Any]]) -> str:
+    """The runs as the table of docs/operating.md (a row per run), then the idle and kill results."""
+    out = ["| settings | unloaded p50 / p99 (ms) | unloaded p99, engine (ms) | burst: requests -> admitted "
+           "/ 429 / other | admitted p50 / p99 (ms) | admitted p99, engine (ms) | 429 p99 (ms) |",
+           "|---|---|---|---|---|---|---|"]
+    for run in runs:
+        u, b = run["unloaded"], run["burst"]
+        label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
+        ratio = f" ({b['p99_vs_unloaded']:.2f}x)" if b.get("p99_vs_unloaded") else ""
+        out.append(f"| {label} | {_ms(u['p50_ms'])} / {_ms(u['p99_ms'])} "
+                   f"| ≤ {_ms(u['engine_p99_ms_bucket'])} "
+                   f"| {b['requests']} -> {b['admitted']} / {b['shed_429']} / {len(b['other'])} "
+                   f"| {_ms(b['admitted_p50_ms'])} / {_ms(b['admitted_p99_ms'])}{ratio} "
+                   f"| ≤ {_ms(b['engine_p99_ms_bucket'])} | {_ms(b['shed_p99_ms'])} |")
+    out.append("")
+    for run in runs:
+        label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
+        if "idle" in run:
+            i = run["idle"]
+            out.append(f"- {label}: {i['idle_connections_opened']} idle connections, then a normal request: "
+                       f"HTTP {i['normal_request_status']} in {i['normal_request_ms']:.0f} ms.")
+        if "kill" in run:
+            k = run["kill"]
+            out.append(f"- {label}: kill -9 the only talker, `/health` polled every 20 ms "
+                       f"({k['polls']} polls): first 503 after {k['first_503_after_ms']} ms, "
+                       f"503 `degraded` for {k['503_for_s']} s "
+                       f"until the replacement was ready, {k['200_during_outage']} answers of 200 during the "
+                       "outage.")
+        out.append(f"- {label}: `serve` exited {run['exit_code']} after the SIGTERM that ended the run; "
+                   f"{run['cpus']} CPUs.")
+    out.append("")
+    out.append("(engine columns: the bucket of `trio_orch_request_duration_seconds` holding the 99th "
+               "percentile, so an upper bound; client columns: measured by the client processes, connection "
+               "set-up to the last byte.)")
+    return "\n".join(out) + "\n"
+
+
+def write_markdown(path: Path, table: str) -> None:
+    """Replace what is between the markers of ``path`` with ``table``."""
+    text = path.read_text()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{path} has no {BEGIN} ... {END} block")
+    head, rest = text.split(BEGIN, 1)
+    path.write_text(f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
