@@ -136,8 +136,8 @@ def test_the_operating_table_is_rendered_from_runs_json(tmp_path: Path) -> None:
     run = {"serve_args": "--max-inflight 2", "cpus": 2, "exit_code": 130,
            "unloaded": {"p50_ms": 81.0, "p99_ms": 170.0, "engine_p99_ms_bucket": 250.0},
            "burst": {"requests": 1024, "admitted": 13, "shed_429": 1011, "other": [],
-                     "admitted_p50_ms": 190.0, "admitted_p99_ms": 333.0, "shed_p99_ms": 41.0, "engine_p99_ms_bucket": 500.0,
-                     "p99_vs_unloaded": 1.96},
+                     "admitted_p50_ms": 190.0, "admitted_p99_ms": 333.0, "shed_p99_ms": 41.0,
+                     "engine_p99_ms_bucket": 500.0, "p99_vs_unloaded": 1.96},
            "kill": {"polls": 90, "first_503_after_ms": 20, "503_for_s": 2.5, "200_during_outage": 0}}
     table = markdown_table([run])
     row = "| `--max-inflight 2` | 81 / 170 | ≤ 250 | 1024 -> 13 / 1011 / 0 | 190 / 333 (1.96x) | ≤ 500 | 41 |"
