@@ -12,10 +12,13 @@ whose path has a stage with no live replica is refused at once with the
 ``stage_unavailable`` terminal the core would give it later, rather than
 queue behind requests it could never follow.
 
-While it sheds, the admitter keeps ``shedding_until`` a short ``shed_window``
-ahead (a plain float, readable from any thread): an HTTP front may refuse a
-new request at once while it is in the future, before reading or parsing
-it, so that under a flood its own CPU goes to the requests it admitted.
+Once it sheds, ``shedding_until`` (a plain float, readable from any thread)
+stays in the future until the request channel has room again (watched every
+``room_poll`` seconds while it sheds, at most ``shed_hint_max`` seconds in
+all): an HTTP front may refuse a new request at once while it is, before
+reading or parsing it, so that under a flood its own CPU goes to the
+requests it admitted.  The hint ends the moment room appears, so it never
+turns away a request the core would have taken for longer than one poll.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Admitter:
     """
 
     def __init__(self, demux: Demux, *, timeout: float | None = None, max_waiting: int | None = None,
-                 retry_after: float = 1.0, shed_window: float = 0.05) -> None:
+                 retry_after: float = 1.0, shed_hint_max: float = 1.0, room_poll: float = 0.002) -> None:
         if timeout is not None and timeout < 0:
             raise ValueError(f"admission timeout must be >= 0 seconds, got {timeout!r}")
         if max_waiting is not None and max_waiting < 0:
@@ -68,8 +71,10 @@ class Admitter:
         self.timeout = timeout
         self.max_waiting = max_waiting
         self.retry_after = retry_after
-        self.shed_window = shed_window
+        self.shed_hint_max = shed_hint_max
+        self.room_poll = room_poll
         self.shedding_until = 0.0  # time.monotonic(): a request now would most likely be shed
+        self._shed_started = trio.Event()  # wakes the room watcher
         self.orch: Orchestrator | None = None
         self.on_admitted: Callable[[str], None] = lambda rid: None
         self.on_dropped: Callable[[str, str], None] = lambda rid, why: None
@@ -78,8 +83,27 @@ class Admitter:
         self._sending: _Sending | None = None
 
     async def run(self, orch: Orchestrator) -> None:
-        """Admit, in FIFO order, the requests that found the request channel full."""
+        """Admit, in FIFO order, the requests that found the request channel full; end the shedding
+        hint when room appears."""
         self.orch = orch
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_room, orch)
+            await self._admit_waiting(orch)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_room(self, orch: Orchestrator) -> None:
+        """While shedding: end the hint as soon as the request channel has room (poll, no hook on
+        the hot path); asleep otherwise."""
+        while True:
+            await self._shed_started.wait()
+            self._shed_started = trio.Event()
+            while time.monotonic() < self.shedding_until:
+                if orch.has_room():
+                    self.shedding_until = 0.0
+                    break
+                await trio.sleep(self.room_poll)
+
+    async def _admit_waiting(self, orch: Orchestrator) -> None:
         async for s, admit_by in self._recv:
             try:
                 if s.state != PENDING:
@@ -170,7 +194,8 @@ class Admitter:
 
     def shed(self, s: Stream, why: str) -> None:
         self.on_dropped(s.request_id, f"it was shed: {why}")
-        self.shedding_until = time.monotonic() + self.shed_window
+        self.shedding_until = time.monotonic() + self.shed_hint_max  # until room appears (_watch_room)
+        self._shed_started.set()
         self.demux.count_shed("overloaded")
         self.demux.fail(s, Overloaded(f"overloaded: request not accepted ({why}); retry later",
                                       retry_after=self.retry_after))

@@ -327,7 +327,7 @@ class Engine(EngineControl):
 
     @property
     def shedding(self) -> bool:
-        """The engine shed a request moments ago: a new one now would most likely be shed too.
+        """The engine shed a request and has had no room since: a new one now would be shed too.
 
         A hint for a front that wants to refuse cheaply under a flood (any thread);
         the admission decision itself stays with the core and the admitter.

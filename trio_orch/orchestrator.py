@@ -311,6 +311,11 @@ class Orchestrator:
             self.abort_nowait(request_id)
             raise
 
+    def has_room(self) -> bool:
+        """Whether the request channel has space now (an add would not wait); a hint for admission."""
+        stats = self._req_send.statistics()
+        return stats.current_buffer_used < stats.max_buffer_size
+
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                            timeout: float | None = None, resumable: bool = False,
                            sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
