@@ -249,3 +249,43 @@ async def test_the_trio_engine_sheds_after_its_admission_timeout(
         stats = engine.stats()
         assert stats.admitted == 3 and stats.shed_by_reason == {"overloaded": 1}
         assert len(stage.submissions) == 1 and stage.submissions[0][1] in ("a", "b", "c")
+
+
+def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room() -> None:
+    """What an HTTP front reads to refuse cheaply: on while full (not a fixed window), off once room."""
+    stage = ScriptedStage(0)
+    engine = Engine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
+                    admission_timeout=0.0, max_waiting=0).start()
+    try:
+        async def main() -> None:
+            async def room() -> None:  # the request handler took the last one out of the channel
+                for _ in range(2000):
+                    if engine.run_sync_in_trio(lambda: engine.orchestrator.has_room()):
+                        return
+                    await asyncio.sleep(0.005)
+
+            a = await engine.add_request_async("a")
+            await room()
+            b = await engine.add_request_async("b")
+            await room()
+            c = await engine.add_request_async("c")  # a started, b waits for room, c in the channel
+            assert not engine.shedding
+            with pytest.raises(Overloaded):
+                await engine.add_request_async("d")
+            assert engine.shedding
+            await asyncio.sleep(0.2)  # nothing ended: still no room, still shedding
+            assert engine.shedding
+            engine.call_soon(stage.emit_nowait, a.request_id, "x", True)  # a ends: c leaves the channel
+            for _ in range(2000):
+                if not engine.shedding:
+                    break
+                await asyncio.sleep(0.005)
+            assert not engine.shedding
+            d = await engine.add_request_async("d")  # and the engine takes the next one again
+            for h in (a, b, c, d):
+                h.close()
+
+        run_async(main)
+        assert dict(engine.stats().shed_by_reason) == {"overloaded": 1}
+    finally:
+        engine.close()
