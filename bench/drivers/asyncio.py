@@ -19,7 +19,7 @@ import contextlib
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import janus
@@ -33,14 +33,77 @@ from trio_orch.types import Message, RpcResult
 __all__ = ["AsyncioDriver"]
 
 
-class AsyncioDriver(Driver):
+class AsyncioLoopDriver(Driver):
+    """What every driver of an orchestrator running in an asyncio loop of its thread shares.
+
+    Calls into that loop from the serving thread (:meth:`call`, :meth:`call_soon`,
+    :meth:`run_in_loop`), stopping it under a hung run (:meth:`abandon`), and the
+    end of the orchestrator's run as every scenario measures it (:meth:`run_orchestrator`).
+    """
+
+    framework = "asyncio"
+    loop: asyncio.AbstractEventLoop | None = None
+
+    async def run_orchestrator(self, run: Callable[[], Awaitable[Any]], output_queue: Any) -> None:
+        """Say it started, await ``run()``, then record what it left alive and shut its output queue."""
+        self.set_started()
+        me = asyncio.current_task()
+        try:
+            await run()
+        except BaseException as exc:
+            self.run_error = exc
+        finally:
+            output_queue.shutdown()
+            alive = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+            self.tasks_alive_after_run = len(alive)
+            self.alive_after_run_names = [t.get_name() for t in alive]
+            self.set_returned()
+
+    def abandon(self) -> None:
+        """Stop the loop under the hung run()."""
+        loop = self.loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:
+                pass
+
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
+        assert self.loop is not None
+        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"the loop did not run the call within {timeout}s") from None
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    def run_in_loop(self, afn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
+        assert self.loop is not None
+        fut = asyncio.run_coroutine_threadsafe(afn(*args), self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"the coroutine did not finish within {timeout}s") from None
+
+
+class AsyncioDriver(AsyncioLoopDriver):
     """Drive an :class:`AsyncioOrchestrator` subclass (``orchestrator_cls``) from a thread.
 
     The thread runs the loop the way the reference says (its ``use_runner``).
     The references have no push fast path: ``push`` changes nothing here.
     """
-
-    framework = "asyncio"
 
     def __init__(self, *args: Any, orchestrator_cls: type[AsyncioOrchestrator], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -97,28 +160,12 @@ class AsyncioDriver(Driver):
             except BaseException as exc:
                 self.set_started(exc)
                 return
-            self.set_started()
-            me = asyncio.current_task()
-            try:
-                await self.orch.run()
-            except BaseException as exc:
-                self.run_error = exc
-            finally:
-                self.orch.output_queue.shutdown()
-                alive = [t for t in asyncio.all_tasks(self.loop) if t is not me and not t.done()]
-                self.tasks_alive_after_run = len(alive)
-                self.alive_after_run_names = [t.get_name() for t in alive]
-                self.set_returned()
+            await self.run_orchestrator(self.orch.run, self.orch.output_queue)
 
     def abandon(self) -> None:
         """Stop the loop under the hung run() (its pending tasks are left unfinished)."""
         self._abandoned = True
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:
-                pass
+        super().abandon()
 
     def take_batch(self, timeout: float) -> list[Message] | None:
         assert self.orch is not None
@@ -185,35 +232,6 @@ class AsyncioDriver(Driver):
         """The serving thread's call: through the request queue, as the reference takes it."""
         assert self.orch is not None
         return self.orch.collective_rpc(method, args, kwargs, stage_ids, timeout)
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
-        assert self.loop is not None
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(run)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the loop did not run the call within {timeout}s") from None
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    def run_in_loop(self, afn: Callable[..., Any], *args: Any, timeout: float = 10.0) -> Any:
-        assert self.loop is not None
-        fut = asyncio.run_coroutine_threadsafe(afn(*args), self.loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise TimeoutError(f"the coroutine did not finish within {timeout}s") from None
 
     @property
     def router(self) -> Any:

@@ -33,17 +33,17 @@ seconds).  :func:`available` says whether the package is installed here.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import importlib.util
 import itertools
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.drivers.base import Driver, Unsupported
+from bench.drivers.asyncio import AsyncioLoopDriver
+from bench.drivers.base import Unsupported
 from bench.drivers.vllm_omni_stage import FedEngineClient, PassThroughOutputProcessor
 from trio_orch.types import Message, OrchError, OrchOutput, RpcResult
 
@@ -64,10 +64,8 @@ def missing_reason() -> str:
             "`.venv-vllm/bin/python -m trio_orch.cli`")
 
 
-class VllmOmniDriver(Driver):
+class VllmOmniDriver(AsyncioLoopDriver):
     """Drive the installed vLLM-Omni ``Orchestrator`` from a thread (see the module docstring)."""
-
-    framework = "asyncio"
 
     #: what the comparison's scenarios may need that this implementation has no counterpart for, and why
     LACKS: ClassVar[dict[str, str]] = {
@@ -160,18 +158,7 @@ class VllmOmniDriver(Driver):
         except BaseException as exc:
             self.set_started(exc)
             return
-        self.set_started()
-        me = asyncio.current_task()
-        try:
-            await self.orch.run()
-        except BaseException as exc:
-            self.run_error = exc
-        finally:
-            self.output_queue.shutdown()
-            alive = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
-            self.tasks_alive_after_run = len(alive)
-            self.alive_after_run_names = [t.get_name() for t in alive]
-            self.set_returned()
+        await self.run_orchestrator(self.orch.run, self.output_queue)
 
     def _on_submit(self, stage_id: int, request_id: str) -> None:
         self.record_submission(stage_id, request_id)
@@ -179,15 +166,6 @@ class VllmOmniDriver(Driver):
             ev = self._submitted.pop(request_id, None)
             if ev is not None:
                 ev.set()
-
-    def abandon(self) -> None:
-        """Stop the loop under the hung run(); the thread's cleanup then cancels what is left."""
-        loop = self.loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(loop.stop)
-            except RuntimeError:
-                pass
 
     # ------------------------------------------------------------------ the serving thread
     def _message(self, request_id: str, final_stage_id: int | None, *, kind: str = "add_request",
@@ -302,26 +280,6 @@ class VllmOmniDriver(Driver):
             out = _to_message(msg)
             if out is not None:
                 return [out]
-
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 5.0) -> Any:
-        assert self.loop is not None
-        fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as exc:
-                fut.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(run)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"the loop did not run the call within {timeout}s") from None
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn, *args)
 
     @property
     def router(self) -> Any:
