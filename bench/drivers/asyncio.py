@@ -48,13 +48,14 @@ class AsyncioLoopDriver(Driver):
         """Say it started, await ``run()``, then record what it left alive and shut its output queue."""
         self.set_started()
         me = asyncio.current_task()
+        loop = asyncio.get_running_loop()  # this finally may run at garbage collection, off the loop
         try:
             await run()
         except BaseException as exc:
             self.run_error = exc
         finally:
             output_queue.shutdown()
-            alive = [t for t in asyncio.all_tasks() if t is not me and not t.done()]
+            alive = [t for t in asyncio.all_tasks(loop) if t is not me and not t.done()]
             self.tasks_alive_after_run = len(alive)
             self.alive_after_run_names = [t.get_name() for t in alive]
             self.set_returned()
