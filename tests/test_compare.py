@@ -333,3 +333,14 @@ def test_the_real_vllm_omni_gets_measured_verdicts_and_honest_na_cells() -> None
     assert errors.driver_error is None and {"E-close-0", "E-close-1"} <= set(errors.metrics["surfaced_which"])
     na = run_scenario(by_number(9), "vllm-omni")
     assert na.verdict == "n/a" and "deadline" in na.reason and na.driver_error is None
+
+
+def test_the_committed_comparison_has_every_scenario() -> None:
+    """docs/cancellation.md is regenerated when a scenario is added (its documented command)."""
+    from pathlib import Path
+
+    from bench.compare.scenarios import SCENARIOS
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "cancellation.md").read_text()
+    missing = [sc.number for sc in SCENARIOS if f"### {sc.number}. {sc.title}" not in doc]
+    assert not missing, f"regenerate docs/cancellation.md (trio-orch compare --markdown ...): rows {missing}"
