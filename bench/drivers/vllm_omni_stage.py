@@ -38,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from bench.refs.testing import misbehaving_get
 from trio_orch.testing import Misbehaviour, StageRecord
 from trio_orch.types import StageOutput
 
@@ -152,18 +153,7 @@ class FedEngineClient(StageRecord):
             task.add_done_callback(self.helpers.discard)
 
     async def get_output_async(self) -> Any:
-        mb = self.misbehaviour
-        while True:
-            try:
-                item = await self._queue().get()
-                break
-            except asyncio.CancelledError:
-                if mb.cancel_error is not None:
-                    raise mb.cancel_error from None
-                if mb.swallow_cancel_once and self.swallowed_cancels == 0:
-                    self.swallowed_cancels += 1
-                    continue
-                raise
+        item = await misbehaving_get(self._queue(), self)
         if isinstance(item, BaseException):
             if item is self._dead:
                 self._queue().put_nowait(item)  # a dead engine stays dead: every later read raises too

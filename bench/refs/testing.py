@@ -21,7 +21,7 @@ from typing import Any
 from trio_orch.testing import Misbehaviour, StageRecord, SubmitHook
 from trio_orch.types import StageOutput, StageUnavailable
 
-__all__ = ["AsyncScriptedStage"]
+__all__ = ["AsyncScriptedStage", "misbehaving_get"]
 
 
 class _ClosedUnder:
@@ -31,6 +31,26 @@ class _ClosedUnder:
 _CLOSED_UNDER = _ClosedUnder()
 
 _Item = list[StageOutput] | BaseException | _ClosedUnder
+
+
+async def misbehaving_get(queue: asyncio.Queue[Any], stage: Any) -> Any:
+    """``queue.get()`` as a stage whose ``misbehaviour`` mishandles cancellation does it.
+
+    ``cancel_error``: a cancellation comes out as that exception instead;
+    ``swallow_cancel_once``: the first cancellation is ignored (counted in
+    ``stage.swallowed_cancels``) and the get goes on.
+    """
+    mb = stage.misbehaviour
+    while True:
+        try:
+            return await queue.get()
+        except asyncio.CancelledError:
+            if mb.cancel_error is not None:
+                raise mb.cancel_error from None
+            if mb.swallow_cancel_once and stage.swallowed_cancels == 0:
+                stage.swallowed_cancels += 1
+                continue
+            raise
 
 
 class AsyncScriptedStage(StageRecord):
@@ -150,18 +170,7 @@ class AsyncScriptedStage(StageRecord):
 
     async def receive(self) -> list[StageOutput]:
         """Wait for at least one output; return everything already emitted."""
-        mb = self.misbehaviour
-        while True:
-            try:
-                item = await self._queue.get()
-                break
-            except asyncio.CancelledError:
-                if mb.cancel_error is not None:
-                    raise mb.cancel_error from None
-                if mb.swallow_cancel_once and self.swallowed_cancels == 0:
-                    self.swallowed_cancels += 1
-                    continue
-                raise
+        item = await misbehaving_get(self._queue, self)
         batch: list[StageOutput] = []
         while True:
             if isinstance(item, _ClosedUnder):
