@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.drivers.base import Driver, Unsupported
+from bench.drivers.base import Driver, EndOfStream, Unsupported
 from bench.implementations import lookup, make_driver
 
 __all__ = [
@@ -36,6 +36,7 @@ __all__ = [
     "stop_and_drain",
     "surfaced",
     "terminal_stats",
+    "until_terminal",
 ]
 
 #: watchdog: seconds we wait for anything that may hang before calling it a hang
@@ -221,3 +222,16 @@ def shut_fmt(m: dict[str, Any]) -> str:
     if m.get("hung"):
         return f"cut at {m['cut_s']:.1f} s"
     return f"{m['shutdown_s']:.3f} s"
+
+
+def until_terminal(h: Driver, rid: str, seconds: float = CUT) -> None:
+    """Consume messages until ``rid``'s terminal, the end of the stream, or ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not any(x.request_id == rid and x.finished for x in h.received):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        try:
+            h.next_output(timeout=left)
+        except (TimeoutError, EndOfStream):
+            return

@@ -13,8 +13,16 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.compare.scenarios.base import CUT, LogCapture, Scenario, start, stop_and_drain, terminal_stats
-from bench.drivers.base import Driver, EndOfStream
+from bench.compare.scenarios.base import (
+    CUT,
+    LogCapture,
+    Scenario,
+    start,
+    stop_and_drain,
+    terminal_stats,
+    until_terminal,
+)
+from bench.drivers.base import Driver
 from trio_orch.types import StageOutput
 
 #: how long we watch for something that must not happen (a forward, a message) before calling it absent
@@ -31,18 +39,6 @@ def _finished_stage0(h: Driver, rid: str) -> bool:
     return req is not None and 0 in req.finished
 
 
-def _until_terminal(h: Driver, rid: str) -> None:
-    deadline = time.monotonic() + CUT
-    while not any(x.request_id == rid and x.finished for x in h.received):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            h.next_output(timeout=left)
-        except (TimeoutError, EndOfStream):
-            return
-
-
 # ---------------------------------------------------------------- 14
 def measure_companion_after_abort(impl: str) -> dict[str, Any]:
     """The parent is aborted while its companion still runs stage 0; then the companion finishes."""
@@ -52,7 +48,7 @@ def measure_companion_after_abort(impl: str) -> dict[str, Any]:
         h.emit(0, "r1", "enc", finished=True)  # the parent is encoded, its companion is not
         h.wait_until(lambda: _finished_stage0(h, "r1"), CUT)
         h.abort("r1")
-        _until_terminal(h, "r1")
+        until_terminal(h, "r1")
         companion_aborted = h.wait_until(lambda: "r1:neg" in h.aborts(0), CUT)
         dropped = h.dropped_outputs
         h.emit(0, "r1:neg", "late", finished=True)  # it finishes anyway (the abort raced it)

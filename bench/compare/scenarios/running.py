@@ -14,8 +14,8 @@ from bench.compare.scenarios.base import (
     stop_and_drain,
     surfaced,
     terminal_stats,
+    until_terminal,
 )
-from bench.drivers.base import EndOfStream
 from trio_orch.types import OrchOutput
 
 
@@ -25,19 +25,6 @@ def _kinds(msgs: list[Any], rid: str) -> list[str]:
 
 #: how long we wait for a terminal that should come at once before calling it missing
 SILENCE = 1.0
-
-
-def _until_terminal(h: Any, rid: str, seconds: float) -> None:
-    """Consume messages until ``rid``'s terminal, the end of the stream, or ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while any(x.request_id == rid and x.finished for x in h.received) is False:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return
-        try:
-            h.next_output(timeout=left)
-        except (TimeoutError, EndOfStream):
-            return
 
 
 # ---------------------------------------------------------------- 3
@@ -58,13 +45,13 @@ def measure_reader_raises(impl: str) -> dict[str, Any]:
         h.add_request("on0", "p", final_stage_id=0)  # only needs stage 0 (the sibling)
         time.sleep(0.05)
         h.close_under_reader(1)
-        _until_terminal(h, "on1", SILENCE)  # the broken stage's request should end now
+        until_terminal(h, "on1", SILENCE)  # the broken stage's request should end now
         running = not h.stopped
         try:
             h.emit(0, "on0", "ok", finished=True)
         except RuntimeError:  # the loop is already closed
             pass
-        _until_terminal(h, "on0", SILENCE)
+        until_terminal(h, "on0", SILENCE)
         before = list(h.received)
         # shutdown terminals before we asked for shutdown: it stopped by itself
         running = running and not h.stopped and not any(
