@@ -48,18 +48,22 @@ class Served:
         self.engine = engine
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
-        self.limiter = ConnectionLimiter(max_connections, self.limits.header_timeout)
+        self.limiter = ConnectionLimiter(max_connections, self.limits.header_timeout,
+                                         max_accept_wait=self.limits.max_accept_wait)
         more = app_kwargs.pop("extra_metrics", None)
         app = create_app(engine, model_name=model_name, limits=self.limits, front=self.front,
                          extra_metrics=lambda: {**(more() if more else {}), **self.limiter.counters()},
                          **app_kwargs)
         config = uvicorn_config(app, self.limits, self.limiter, log_level="warning")
-        config.host, config.port = "127.0.0.1", 0
-        self.server = DrainingServer(config, lambda signum: None)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.sock = socket.socket()  # as the serve command does: its socket, accepted on by the acceptor
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(2048)
+        self.server = DrainingServer(config, lambda signum: None, self.limiter)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, "uvicorn started")
-        port = self.server.servers[0].sockets[0].getsockname()[1]
+        port = self.sock.getsockname()[1]
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
 
@@ -68,6 +72,8 @@ class Served:
         self.thread.join(HANG)
         self.engine.close()
         assert not self.thread.is_alive()
+        assert self.server.acceptors and not any(a.running for a in self.server.acceptors), "acceptor left"
+        assert self.sock.fileno() == -1, "the listening socket was left open"
 
 
 class TrioServed:

@@ -289,3 +289,48 @@ def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room(
         assert dict(engine.stats().shed_by_reason) == {"overloaded": 1}
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------- capacity, and no queue at all
+async def test_without_a_request_queue_nothing_waits_a_request_starts_at_once_or_is_refused() -> None:
+    stage = ScriptedStage(0)
+    async with open_orchestrator([stage], {0}, max_inflight=[1], request_queue_size=0) as orch:
+        assert orch.has_room()  # the request handler waits for one
+        orch.add_request_nowait("r1", "a")
+        await trio.testing.wait_all_tasks_blocked()
+        assert stage.submissions == [("r1", "a")]
+        assert orch.has_room()  # the handler is free again, but the stage is at its bound:
+        with pytest.raises(trio.WouldBlock):
+            orch.add_request_nowait("r2", "b")  # it could not start: refused, not held
+        assert not orch.router.is_live("r2")  # nothing was registered
+        await stage.emit("r1", "x", finished=True)
+        await trio.testing.wait_all_tasks_blocked()
+        orch.add_request_nowait("r2", "b")  # room again
+        await trio.testing.wait_all_tasks_blocked()
+        assert [rid for rid, _ in stage.submissions] == ["r1", "r2"]
+        await stage.emit("r2", "y", finished=True)
+
+
+async def test_capacity_is_what_the_stages_hold_plus_the_one_in_hand_and_the_channel() -> None:
+    stages = [CountedStage(0, 2, 2), CountedStage(1, 1, 1)]
+    async with open_orchestrator(stages, {1}, max_inflight=[3, 2], request_queue_size=5) as orch:
+        assert orch.router.capacity() == 3 * 2 + 2 * 1  # per live replica, summed over the stages
+        assert orch.capacity() == 8 + 1 + 5
+        stages[0].set_live(1)  # a replica died: the estimate follows
+        assert orch.router.capacity() == 3 + 2
+    async with open_orchestrator([ScriptedStage(0), ScriptedStage(1)], {1}, max_inflight=[3, None]) as orch:
+        assert orch.router.capacity() is None and orch.capacity() == float("inf")  # a stage has no bound
+
+
+def test_the_engine_reports_its_capacity_to_any_thread() -> None:
+    stage = ScriptedStage(0)
+    cases = ((0.0, 4, 2 + 1 + 3), (1.0, 4, 2 + 1 + 3 + 4), (None, None, float("inf")))
+    for timeout, waiting, expected in cases:  # nobody waits / four may wait / any number may
+        engine = Engine(static_pipeline([stage], {0}), max_inflight=[2], request_queue_size=3,
+                        admission_timeout=timeout, max_waiting=waiting)
+        assert engine.capacity == float("inf")  # not started: no bound known yet
+        engine.start()
+        try:
+            assert engine.capacity == expected
+        finally:
+            engine.close()

@@ -199,3 +199,52 @@ def test_a_log_flood_becomes_one_line_per_interval_with_a_count() -> None:
     nxt = logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
                             None, None)
     assert flt.filter(nxt) and "999 more like this" in nxt.getMessage()
+
+
+async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engines_capacity() -> None:
+    """Sans-I/O: the ASGI middleware alone, with an app that holds its requests until released."""
+    import trio
+    import trio.testing
+
+    from trio_orch.http_limits import LimitsMiddleware, Shedder
+    from trio_orch.metrics import FrontMetrics
+
+    release = trio.Event()
+    entered: list[int] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        entered.append(scope["n"])
+        await release.wait()
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"{}"})  # type: ignore[operator]
+
+    front = FrontMetrics()
+    shedder = Shedder(lambda: False, frozenset({"/v1/chat/completions"}), front, capacity=lambda: 2)
+    mw = LimitsMiddleware(app, HTTPLimits(), front, shedder)
+    sent: dict[int, list[dict[str, object]]] = {}
+    bodies_read: list[int] = []
+
+    async def call(n: int) -> None:
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions", "n": n,
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]}
+
+        async def receive() -> dict[str, object]:
+            bodies_read.append(n)
+            return {"type": "http.request", "body": b"{}", "more_body": False}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.setdefault(n, []).append(message)
+
+        await mw(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        for n in range(3):
+            nursery.start_soon(call, n)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(entered) == 2 and mw.pending == 2  # the third found the capacity taken
+        (refused,) = [n for n in range(3) if n not in entered]
+        assert sent[refused][0]["status"] == 429 and refused not in bodies_read  # before its body
+        release.set()
+    assert mw.pending == 0 and front.shed == 1
+    await call(3)  # the first two answered: room again
+    assert sent[3][0]["status"] == 200

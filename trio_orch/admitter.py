@@ -82,6 +82,13 @@ class Admitter:
         self._send, self._recv = trio.open_memory_channel[tuple[Stream, float]](math.inf)
         self._sending: _Sending | None = None
 
+    @property
+    def waiting_bound(self) -> float:
+        """How many requests may wait here for room (any thread)."""
+        if self.timeout == 0:
+            return 0
+        return math.inf if self.max_waiting is None else self.max_waiting
+
     async def run(self, orch: Orchestrator) -> None:
         """Admit, in FIFO order, the requests that found the request channel full; end the shedding
         hint when room appears."""

@@ -32,6 +32,7 @@ import asyncio
 import atexit
 import itertools
 import logging
+import math
 import os
 import queue
 import threading
@@ -333,6 +334,20 @@ class Engine(EngineControl):
         the admission decision itself stays with the core and the admitter.
         """
         return monotonic() < self._admitter.shedding_until
+
+    @property
+    def capacity(self) -> float:
+        """At most how many requests it can hold now without shedding (``math.inf``: no bound).
+
+        The orchestrator's capacity plus the requests that may wait for room;
+        it follows the live replicas.  Read from any thread without a lock: an
+        estimate for a front (:class:`~trio_orch.http_limits.Shedder`), which
+        refuses a new request once as many are already on their way.
+        """
+        orch = self.orchestrator
+        if orch is None:
+            return math.inf
+        return orch.capacity() + self._admitter.waiting_bound
 
     @property
     def retry_after(self) -> float:

@@ -341,7 +341,8 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         assert isinstance(exc, HTTPException)
         return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
 
-    shedder = Shedder(lambda: engine.shedding, frozenset({CHAT}), front, engine.retry_after)
+    shedder = Shedder(lambda: engine.shedding, frozenset({CHAT}), front, engine.retry_after,
+                      capacity=lambda: engine.capacity)
     app = Starlette(routes=[
         Route(CHAT, chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),

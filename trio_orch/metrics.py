@@ -13,6 +13,7 @@ the tests read it).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -107,17 +108,26 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 @dataclass
 class FrontMetrics:
-    """What the HTTP front counts itself (on its event loop)."""
+    """What the HTTP front counts itself (on its event loop, and its acceptor thread)."""
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
     shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
     rtf: Histogram = field(default_factory=lambda: Histogram(RTF_BUCKETS))
     draining: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
-        self.requests[key] = self.requests.get(key, 0) + 1
+        with self._lock:  # a front's acceptor thread counts too
+            self.requests[key] = self.requests.get(key, 0) + 1
+
+    def count_shed(self, route: str) -> None:
+        """A request the front refused itself because the engine would shed it (a 429)."""
+        with self._lock:
+            self.shed += 1
+            key = (route, 429)
+            self.requests[key] = self.requests.get(key, 0) + 1
 
 
 def _gauge(name: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:

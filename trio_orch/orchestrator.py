@@ -163,7 +163,8 @@ class Orchestrator:
     to stage k+1; with ``async_chunk`` every stage is submitted at add time
     (``prewarm_fn(k, prompt)`` for k >= 1) and the terminal is gated until all
     of them finished.  ``request_queue_size`` bounds the admission channel
-    (``add_request`` waits when it is full).  ``shutdown_grace`` bounds, in
+    (``add_request`` waits when it is full; 0: a request is only taken when
+    the request handler is free to take it, so at most one waits for room).  ``shutdown_grace`` bounds, in
     seconds, the stage aborts and ``aclose`` calls made while stopping.
     ``output_sink``, if given, receives each batch of messages instead of the
     channel read by :meth:`next_output` (the thread bridge uses it).
@@ -197,8 +198,8 @@ class Orchestrator:
         rpc_timeout: float = 5.0,
         max_inflight: Sequence[int | None] | None = None,
     ) -> None:
-        if request_queue_size < 1:
-            raise ValueError(f"request_queue_size must be >= 1, got {request_queue_size}")
+        if request_queue_size < 0:
+            raise ValueError(f"request_queue_size must be >= 0, got {request_queue_size}")
         Router.check_timeout(request_timeout)
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
@@ -311,20 +312,32 @@ class Orchestrator:
             self.abort_nowait(request_id)
             raise
 
+    def capacity(self) -> float:
+        """At most how many accepted requests it holds at once: started, the one the request handler
+        holds until there is room, and a full request channel (``math.inf``: no stage bound)."""
+        stages = self.router.capacity()
+        if stages is None:
+            return math.inf
+        return stages + 1 + self._req_send.statistics().max_buffer_size
+
     def has_room(self) -> bool:
         """Whether the request channel has space now (an add would not wait); a hint for admission."""
         stats = self._req_send.statistics()
-        return stats.current_buffer_used < stats.max_buffer_size
+        return stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
 
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                            timeout: float | None = None, resumable: bool = False,
                            sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
-        Synchronous, so a thread bridge can call it via the Trio token.
+        Synchronous, so a thread bridge can call it via the Trio token.  With
+        no request queue (``request_queue_size=0``) nothing waits for room: a
+        request that could not start at once is refused the same way.
         """
         ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         try:
+            if self._req_send.statistics().max_buffer_size == 0 and not self.router.can_start(ticket):
+                raise trio.WouldBlock
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
             self._withdraw(ticket)

@@ -113,7 +113,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "every stage (default: each stage's max_inflight, else its max_batch, 32; "
                         "0: no bound)")
     a.add_argument("--request-queue-size", type=int, default=32,
-                   help="admitted requests that may wait for room to start (default 32)")
+                   help="admitted requests that may wait for room to start (default 32; 0: none -- a "
+                        "request that cannot start at once is shed)")
     a.add_argument("--admission-timeout", type=float, default=0.0,
                    help="seconds a request may wait for a place in that queue before it is shed with "
                         "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
@@ -130,6 +131,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"seconds to send a request head (default {d.header_timeout:g})")
     h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
+    h.add_argument("--max-accept-wait", type=float, default=d.max_accept_wait, metavar="S",
+                   help="while the server sheds load, a request that already waited longer than S seconds "
+                        "in the accept queue is shed too, even if there is room by then: serving it now "
+                        f"would serve it late (default {d.max_accept_wait:g}; --loop asyncio)")
     h.add_argument("--max-connections", type=int, default=None,
                    help="open connections; past it the longest-idle one is closed, or the new one "
                         "refused with 503 if all are busy (default: the file-descriptor limit minus 1024)")
@@ -137,9 +142,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> HTTPLimits:
     """The HTTP limits from the command line; ValueError for any bad value."""
-    for name in ("request_queue_size",):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.request_queue_size < 0:
+        raise ValueError("--request-queue-size must be >= 0")
     if args.max_inflight is not None and args.max_inflight < 0:
         raise ValueError("--max-inflight must be >= 0 (0: no bound)")
     for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
@@ -149,7 +153,8 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--replicas must be >= 1")
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
-                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections)
+                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                      max_accept_wait=args.max_accept_wait)
 
 
 class _Pipeline:
@@ -252,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_SIGNAL
     host, port = sock.getsockname()[:2]
     front = FrontMetrics()
-    limiter = ConnectionLimiter(max_connections, limits.header_timeout)
+    limiter = ConnectionLimiter(max_connections, limits.header_timeout,
+                                max_accept_wait=limits.max_accept_wait)
     app = create_app(engine, model_name=args.model_name,
                      extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
                      outputs=pipeline.outputs, limits=limits, front=front,
@@ -285,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
 
     server = DrainingServer(uvicorn_config(app, limits, limiter,
                                            log_level="info" if level <= logging.INFO else "warning"),
-                            on_signal)
+                            on_signal, limiter)
     for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
         signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,

@@ -25,8 +25,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import resource
 import signal
+import socket
+import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from trio_orch.acceptor import Acceptor
 from trio_orch.http_limits import HTTPLimits, RateLimitFilter, Shedder
 
 __all__ = ["ConnectionLimiter", "DrainingServer", "default_max_connections", "quiet_floods", "uvicorn_config"]
@@ -60,21 +64,60 @@ def default_max_connections(reserve: int = 1024) -> int:
 def quiet_floods(interval: float = 10.0) -> None:
     """At most one line per ``interval`` for each kind of log flood (asyncio accept errors, bad requests)."""
     flt = RateLimitFilter(_FLOODS, interval)
-    for name in ("asyncio", "uvicorn.error"):
+    for name in ("asyncio", "uvicorn.error", "trio_orch.accept"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
             logger.addFilter(flt)
 
 
+class LingeringClose:
+    """A transport whose ``close()`` lingers: half-close, drop what the client still sends, then close.
+
+    A server that closes a socket with request bytes still unread makes the
+    kernel reset the connection, and the client can lose the answer it was
+    sent (a 413 for a body over the limit, a 429 answered before the body was
+    read).  Like nginx's lingering close: FIN after the answer, reading on
+    (the protocol drops it) until the client closes or ``linger`` seconds
+    pass.  Everything else goes to the real transport.
+    """
+
+    def __init__(self, transport: asyncio.Transport, linger: float) -> None:
+        self.transport = transport
+        self.linger = linger
+        self.lingering = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
+
+    def is_closing(self) -> bool:
+        return self.lingering or self.transport.is_closing()
+
+    def close(self) -> None:
+        t = self.transport
+        if self.lingering or t.is_closing() or not t.can_write_eof():
+            t.close()
+            return
+        self.lingering = True
+        t.write_eof()  # after what was written
+        t.resume_reading()  # the protocol drops what arrives (it sees ``lingering``)
+        asyncio.get_running_loop().call_later(self.linger, t.close)
+
+
 class ConnectionLimiter:
     """Open connections of one server, oldest first; see the module docstring.  Event loop only."""
 
-    def __init__(self, max_connections: int, header_timeout: float, min_idle: float = 1.0) -> None:
+    def __init__(self, max_connections: int, header_timeout: float, min_idle: float = 1.0,
+                 max_accept_wait: float | None = None) -> None:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
+        self.max_accept_wait = max_accept_wait  #: see :class:`~trio_orch.acceptor.Acceptor` ``max_wait``
+        self.linger = min(2.0, header_timeout)  #: seconds a closing connection drains (LingeringClose)
         self.min_idle = min(min_idle, header_timeout)
         self.open: OrderedDict[Any, float] = OrderedDict()  # connection -> when it was opened
         self.closed: dict[str, int] = {"idle_evicted": 0, "refused": 0, "header_timeout": 0, "shed": 0}
+        self.held = 0  #: first requests to a shed path let through at their request line, not yet answered
+        #: ``held`` and ``closed`` change in the acceptor's thread too
+        self.lock = threading.Lock()
         #: the app's shed decision (``uvicorn_config`` sets it): a fresh connection whose request
         #: line is a POST to a shed path gets its 429 before any HTTP parsing
         self.shedder: Shedder | None = None
@@ -85,22 +128,32 @@ class ConnectionLimiter:
 
         class LimitedH11Protocol(H11Protocol):
             def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-                super().connection_made(transport)
+                super().connection_made(LingeringClose(transport, limiter.linger))  # type: ignore[arg-type]
                 limiter.opened(self)
+                if self.shed_on_open and not self.transport.is_closing():
+                    limiter.answer_shed(self)
 
             def connection_lost(self, exc: Exception | None) -> None:
                 limiter.open.pop(self, None)
+                limiter.release(self)
                 super().connection_lost(exc)
 
+            line_seen = False  # its first request line was decided on (see line_decision)
             shed = False  # answered 429 at its request line: what the client sends after is dropped
+            held = False  # its first request was let through and counts in limiter.held until answered
+            shed_on_open = False  # the acceptor decided to shed it before its body arrived
 
             def data_received(self, data: bytes) -> None:
-                if self.shed:
+                if self.shed or self.transport.lingering:  # answered and closing: drop the rest
                     return
-                if self.cycle is None and limiter.shed_early(self, data):
-                    self.shed = True
+                if not self.line_seen and limiter.at_request_line(self, data) == "shed":
+                    limiter.answer_shed(self)
                     return
                 super().data_received(data)
+
+            def on_response_complete(self) -> None:
+                limiter.release(self)
+                super().on_response_complete()
 
         return LimitedH11Protocol
 
@@ -124,13 +177,13 @@ class ConnectionLimiter:
                 self.refuse(proto)
                 return
             self.open.pop(victim, None)
-            self.closed["idle_evicted"] += 1
+            self.count_closed("idle_evicted")
             victim.transport.close()
         self.open[proto] = now
         self._arm(proto, proto.cycle, False)
 
     def refuse(self, proto: Any) -> None:
-        self.closed["refused"] += 1
+        self.count_closed("refused")
         body = json.dumps({"error": {"message": f"the server is at its limit of {self.max_connections} "
                                                 "connections, none idle; retry later",
                                      "type": "server_error", "param": None, "code": "too_many_connections"}})
@@ -139,32 +192,70 @@ class ConnectionLimiter:
         proto.transport.write(head.encode() + body.encode())
         proto.transport.close()
 
-    def shed_early(self, proto: Any, data: bytes) -> bool:
-        """Answer a connection's first request with the shedder's 429 if its request line says so.
+    def line_decision(self, data: bytes, shed: bool = False) -> str | None:
+        """What a connection's first request line asks for: ``"shed"`` (answer 429 now), ``"held"``
+        (a request to a shed path let through: it counts in ``held`` until answered), or None
+        (not a POST to a shed path, or the line is not complete yet: the normal path decides).
 
         Only the request line is looked at (``POST /path``): no headers parsed,
-        no body read.  The answer is followed by a half-close (FIN after it),
-        not a full close: a close with the body still unread would reset the
-        connection and the client could lose the answer.  What it sends after
-        is dropped; the header timeout closes the socket if the client does not.
+        no body read.  The shedder refuses once the requests already let
+        through fill the engine's capacity, so a burst read in one go cannot
+        all reach the full HTTP path.  ``shed``: refuse it regardless (the
+        acceptor sheds a request that waited too long during a flood).  Any
+        thread.
         """
         shedder = self.shedder
         if shedder is None or not data.startswith(b"POST "):
-            return False
+            return None
         end = data.find(b" ", 5)
         if end < 0:
-            return False  # a request line in pieces: the normal path decides
+            return None
         route = data[5:end].split(b"?", 1)[0].decode("latin-1")
-        if not shedder.refuse(route):
-            return False
-        self.closed["shed"] += 1
-        transport = proto.transport
-        transport.write(shedder.raw_response())
-        if transport.can_write_eof():
-            transport.write_eof()
-        else:
-            transport.close()
-        return True
+        if route not in shedder.paths:
+            return None
+        with self.lock:
+            if shedder.refuse(route, math.inf if shed else self.held):
+                return "shed"
+            self.held += 1
+        return "held"
+
+    def at_request_line(self, proto: Any, data: bytes) -> str | None:
+        """:meth:`line_decision` for the first data of ``proto``'s connection (a line in pieces:
+        the normal path decides)."""
+        proto.line_seen = True
+        decision = self.line_decision(data)
+        proto.held = decision == "held"
+        return decision
+
+    def full(self) -> bool:
+        """Whether a request to a shed path would be refused now."""
+        return self.shedder is not None and self.shedder.full(self.held)
+
+    def flooded(self) -> bool:
+        """Full now, or refused a request within the last second."""
+        return self.shedder is not None and self.shedder.flooded(self.held)
+
+    def shed_response(self) -> bytes:
+        assert self.shedder is not None
+        return self.shedder.raw_response()
+
+    def count_closed(self, reason: str) -> None:
+        with self.lock:
+            self.closed[reason] += 1
+
+    def answer_shed(self, proto: Any) -> None:
+        """Answer ``proto``'s connection 429 and close it (lingering: the client gets the answer)."""
+        proto.shed = True
+        self.count_closed("shed")
+        proto.transport.write(self.shed_response())
+        proto.transport.close()  # a lingering close (LingeringClose)
+
+    def release(self, proto: Any) -> None:
+        """``proto``'s first request was answered or its connection lost: it no longer counts."""
+        if proto.held:
+            proto.held = False
+            with self.lock:
+                self.held -= 1
 
     def _arm(self, proto: Any, seen_cycle: Any, was_busy: bool) -> None:
         """Check in ``header_timeout`` seconds that ``proto`` started a request since ``seen_cycle``."""
@@ -179,7 +270,7 @@ class ConnectionLimiter:
             self._arm(proto, cycle, busy)  # a request came or runs: a full period for the next head
             return
         self.open.pop(proto, None)
-        self.closed["header_timeout"] += 1
+        self.count_closed("header_timeout")
         proto.transport.close()
 
     def counters(self) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
@@ -192,19 +283,80 @@ class ConnectionLimiter:
 
 
 class DrainingServer(uvicorn.Server):
-    """A uvicorn server whose SIGINT/SIGTERM handling is ``on_signal(signum)``.
+    """A uvicorn server whose SIGINT/SIGTERM handling is ``on_signal(signum)``, accepting through
+    :class:`~trio_orch.acceptor.Acceptor`.
 
     uvicorn would stop accepting and give connections a fixed grace period;
     the serve command instead keeps answering (``/health`` says draining)
-    while in-flight requests finish, then sets ``should_exit`` itself.
+    while in-flight requests finish, then sets ``should_exit`` itself.  With
+    a ``limiter``, each listening socket it is given is accepted on by an
+    acceptor thread (under a flood, refusals cost a few system calls and stay
+    off the event loop); uvicorn makes the protocols and shuts them down as
+    usual.
     """
 
-    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None]) -> None:
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None],
+                 limiter: ConnectionLimiter | None = None) -> None:
         super().__init__(config)
         self.on_signal = on_signal
+        self.limiter = limiter
+        self.acceptors: list[Acceptor] = []
+        self._handovers: set[asyncio.Task[Any]] = set()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.on_signal(sig)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.limiter is None or not sockets:
+            await super().startup(sockets)
+            return
+        await super().startup([])  # uvicorn's state without a listener of its own
+        loop = asyncio.get_running_loop()
+
+        def hand_over(conn: socket.socket, decision: str | None) -> None:  # the acceptor's thread
+            try:
+                loop.call_soon_threadsafe(self._serve_connection, loop, conn, decision)
+            except RuntimeError:  # the loop is closed: nobody will serve it
+                conn.close()
+
+        for sock in sockets:
+            acceptor = Acceptor(sock, self.limiter, hand_over, max_wait=self.limiter.max_accept_wait)
+            acceptor.start()
+            self.acceptors.append(acceptor)
+
+    def _serve_connection(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
+                          decision: str | None) -> None:
+        """Give an accepted connection uvicorn's protocol, with the acceptor's request-line decision."""
+        config = self.config
+        made: list[Any] = []
+
+        def make_protocol() -> asyncio.Protocol:
+            proto = config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop)
+            if decision is not None:
+                proto.line_seen = True  # type: ignore[attr-defined]
+                proto.held = decision == "held"  # type: ignore[attr-defined]
+                proto.shed_on_open = decision == "shed"  # type: ignore[attr-defined]
+            made.append(proto)
+            return proto
+
+        task = loop.create_task(loop.connect_accepted_socket(make_protocol, conn))
+        self._handovers.add(task)
+
+        def done(t: asyncio.Task[Any]) -> None:
+            self._handovers.discard(t)
+            if t.cancelled() or t.exception() is not None:
+                conn.close()
+                for proto in made:
+                    assert self.limiter is not None
+                    self.limiter.release(proto)
+
+        task.add_done_callback(done)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for acceptor in self.acceptors:
+            await asyncio.to_thread(acceptor.stop)
+        await super().shutdown(sockets)
 
 
 def uvicorn_config(app: Any, limits: HTTPLimits, limiter: ConnectionLimiter, *, log_level: str,

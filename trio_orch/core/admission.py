@@ -234,6 +234,22 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
             return None
         return per_replica * max(1, self.replicas_live[stage_id])
 
+    def capacity(self) -> int | None:
+        """At most how many started requests the stages can hold at once (None: no bound).
+
+        Every started request holds room on at least one stage -- the first of
+        its path it has not finished -- so the sum of the bounds caps them.  A
+        front uses it (with the shell's queue) to refuse cheaply what could
+        only be shed.
+        """
+        total = 0
+        for k in range(self.num_stages):
+            limit = self.stage_limit(k)
+            if limit is None:
+                return None
+            total += limit
+        return total
+
     def has_room(self, final_stage_id: int) -> bool:
         """May one more request with this path start now?
 
