@@ -137,15 +137,49 @@ def test_the_operating_table_is_rendered_from_runs_json(tmp_path: Path) -> None:
 
     run = {"serve_args": "--max-inflight 2", "cpus": 2, "exit_code": 130,
            "unloaded": {"p50_ms": 81.0, "p99_ms": 170.0, "engine_p99_ms_bucket": 250.0},
-           "burst": {"requests": 1024, "admitted": 13, "shed_429": 1011, "other": [],
+           "burst": {"rounds": 5, "requests": 5120, "admitted": 13, "shed_429": 5107, "other": [],
                      "admitted_p50_ms": 190.0, "admitted_p99_ms": 333.0, "shed_p99_ms": 41.0,
                      "engine_p99_ms_bucket": 500.0, "p99_vs_unloaded": 1.96},
            "kill": {"polls": 90, "first_503_after_ms": 20, "503_for_s": 2.5, "200_during_outage": 0}}
     table = markdown_table([run])
-    row = "| `--max-inflight 2` | 81 / 170 | ≤ 250 | 1024 -> 13 / 1011 / 0 | 190 / 333 (1.96x) | ≤ 500 | 41 |"
+    row = ("| `--max-inflight 2` | 81 / 170 | ≤ 250 | 5 x 1024 -> 13 / 5107 / 0 | 190 / 333 (1.96x) "
+           "| ≤ 500 | 41 |")
     assert row in table
     assert "(90 polls): first 503 after 20 ms, 503 `degraded` for 2.5 s" in table
     doc = tmp_path / "operating.md"
     doc.write_text(f"before\n{BEGIN}\nold\n{END}\nafter\n")
     write_markdown(doc, table)
     assert doc.read_text() == f"before\n{BEGIN}\n{table}{END}\nafter\n"
+
+
+def test_the_burst_client_times_each_answer_from_its_request_and_reports_cut_ones() -> None:
+    """``at_once`` against a real loopback server that answers some requests and cuts the others."""
+    import socket
+    import threading
+
+    from bench.perf.operating import at_once
+
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+
+    def serve() -> None:
+        for i in range(6):
+            conn, _ = ls.accept()
+            with conn:
+                conn.recv(65536)
+                if i % 3 == 2:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    continue  # closed with a reset, no answer
+                status = b"200 OK" if i % 3 == 0 else b"429 Too Many Requests"
+                conn.sendall(b"HTTP/1.1 " + status + b"\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        got = at_once("127.0.0.1", ls.getsockname()[1], 6, b"GET / HTTP/1.1\r\nhost: x\r\n\r\n", timeout=30)
+    finally:
+        t.join(30)
+        ls.close()
+    assert sorted(code for code, _ in got) == [0, 0, 200, 200, 429, 429]
+    assert all(seconds >= 0 for _, seconds in got)
