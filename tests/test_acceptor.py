@@ -59,6 +59,15 @@ class Rig:
             c.sendall(data)
         return c
 
+    def sent_before_accept(self, data: bytes) -> socket.socket:
+        """A connection whose request is in the socket buffer before the acceptor looks at it."""
+        if self.acceptor.running:
+            self.acceptor.stop()
+        c = self.connect(data)
+        time.sleep(0.01)  # loopback: the bytes are in the server's buffer
+        self.acceptor.start()
+        return c
+
     def next_handed(self) -> tuple[socket.socket, str | None]:
         return self.handed.get(timeout=HANG)
 
@@ -118,11 +127,11 @@ def test_waited_tells_how_long_the_bytes_sat_unread() -> None:
 
 
 def test_with_room_a_chat_request_is_handed_over_and_held_until_answered(rig: Rig) -> None:
-    with rig.connect(POST + BODY):
+    with rig.sent_before_accept(POST + BODY):
         conn, decision = rig.next_handed()
         assert decision == "held" and rig.limiter.held == 1
         conn.close()
-    with rig.connect(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"):
+    with rig.sent_before_accept(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"):
         conn, decision = rig.next_handed()
         assert decision is None and rig.limiter.held == 1  # not a request that takes the engine's room
         conn.close()
@@ -192,22 +201,22 @@ def test_stop_closes_the_parked_connections_and_ends_the_thread() -> None:
 
 
 def test_during_a_flood_a_request_that_waited_too_long_is_shed_even_with_room() -> None:
-    r = Rig(max_wait=0.05)
+    r = Rig(max_wait=0.5)
     try:
         late = r.connect(POST + BODY)
-        time.sleep(0.15)  # it sits in the accept queue: nobody accepts yet
+        time.sleep(0.8)  # it sits in the accept queue: nobody accepts yet
         r.limiter.shedder.last_refusal = time.monotonic()  # a flood: the front just refused one
         r.acceptor.start()
         assert read_all(late).startswith(b"HTTP/1.1 429 ")
         late.close()
-        with r.connect(POST + BODY):  # fresh: let through
+        with r.sent_before_accept(POST + BODY):  # fresh: let through
             conn, decision = r.next_handed()
             assert decision == "held"
             conn.close()
         r.limiter.shedder.last_refusal = -1e9  # no flood: waiting alone sheds nothing
-        late = r.connect(POST + BODY)
         r.acceptor.stop()
-        time.sleep(0.15)
+        late = r.connect(POST + BODY)
+        time.sleep(0.8)
         r.acceptor.start()
         conn, decision = r.next_handed()
         assert decision == "held"

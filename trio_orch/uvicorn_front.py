@@ -94,7 +94,7 @@ class LingeringClose:
 
     def close(self) -> None:
         t = self.transport
-        if self.lingering or t.is_closing() or not t.can_write_eof():
+        if self.lingering or t.is_closing() or not self.linger or not t.can_write_eof():
             t.close()
             return
         self.lingering = True
@@ -154,6 +154,10 @@ class ConnectionLimiter:
             def on_response_complete(self) -> None:
                 limiter.release(self)
                 super().on_response_complete()
+
+            def shutdown(self) -> None:
+                self.transport.linger = 0  # the server is stopping: it does not wait for stragglers
+                super().shutdown()
 
         return LimitedH11Protocol
 
