@@ -295,6 +295,7 @@ def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room(
 async def test_without_a_request_queue_nothing_waits_a_request_starts_at_once_or_is_refused() -> None:
     stage = ScriptedStage(0)
     async with open_orchestrator([stage], {0}, max_inflight=[1], request_queue_size=0) as orch:
+        await trio.testing.wait_all_tasks_blocked()
         assert orch.has_room()  # the request handler waits for one
         orch.add_request_nowait("r1", "a")
         await trio.testing.wait_all_tasks_blocked()

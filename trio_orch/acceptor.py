@@ -29,9 +29,10 @@ import contextlib
 import errno
 import logging
 import os
-import select
+import selectors
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -140,25 +141,26 @@ class Acceptor:
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
-        if self.nice and hasattr(os, "setpriority"):
+        if self.nice and sys.platform.startswith("linux"):  # per-thread niceness is Linux's
             with contextlib.suppress(OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
-        ep = select.epoll()
+        ep = selectors.DefaultSelector()
         listen_fd = self.sock.fileno()
-        ep.register(self._wake_r, select.EPOLLIN)
-        ep.register(listen_fd, select.EPOLLIN)
+        ep.register(self._wake_r, selectors.EVENT_READ)
+        ep.register(listen_fd, selectors.EVENT_READ)
         paused_until = 0.0
         try:
             while not self._stop:
                 now = time.monotonic()
                 if paused_until and now >= paused_until:
-                    ep.register(listen_fd, select.EPOLLIN)
+                    ep.register(listen_fd, selectors.EVENT_READ)
                     paused_until = 0.0
-                deadlines = [d for _, d in self.waiting.values()]
-                if paused_until:
-                    deadlines.append(paused_until)
-                timeout = max(0.0, min(deadlines) - now) if deadlines else -1
-                for fd, _ in ep.poll(timeout):
+                deadlines = [paused_until] if paused_until else []
+                if self.waiting:  # parked in order, all for the same time: the first ends first
+                    deadlines.append(next(iter(self.waiting.values()))[1])
+                timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                for key, _ in ep.select(timeout):
+                    fd = key.fd
                     if fd == listen_fd:
                         if not self._accept_all(ep):
                             ep.unregister(listen_fd)
@@ -174,7 +176,7 @@ class Acceptor:
             self.waiting.clear()
             ep.close()
 
-    def _accept_all(self, ep: select.epoll) -> bool:
+    def _accept_all(self, ep: selectors.BaseSelector) -> bool:
         """Accept until the backlog is empty; False when out of resources (pause accepting)."""
         while not self._stop:
             try:
@@ -194,7 +196,7 @@ class Acceptor:
             self._take(ep, conn)
         return True
 
-    def _take(self, ep: select.epoll, conn: socket.socket) -> None:
+    def _take(self, ep: selectors.BaseSelector, conn: socket.socket) -> None:
         try:
             data: bytes | None = conn.recv(self.peek_bytes, socket.MSG_PEEK)
         except (BlockingIOError, InterruptedError):
@@ -207,7 +209,7 @@ class Acceptor:
         if data is None:
             if self.limiter.full() and len(self.waiting) < self.max_waiting:
                 self.waiting[conn.fileno()] = (conn, time.monotonic() + self.limiter.header_timeout)
-                ep.register(conn.fileno(), select.EPOLLIN)  # a flood: wait cheaply for its request line
+                ep.register(conn.fileno(), selectors.EVENT_READ)  # a flood: wait for its request line
             else:
                 self.hand_over(conn, None)  # the protocol decides at the request line
             return
@@ -218,16 +220,19 @@ class Acceptor:
             return
         self.hand_over(conn, decision)
 
-    def _sent_something(self, ep: select.epoll, fd: int) -> None:
+    def _sent_something(self, ep: selectors.BaseSelector, fd: int) -> None:
         entry = self.waiting.pop(fd, None)
         if entry is None:
             return
         ep.unregister(fd)
         self._take(ep, entry[0])
 
-    def _expire(self, ep: select.epoll, now: float) -> None:
-        for fd in [fd for fd, (_, deadline) in self.waiting.items() if deadline <= now]:
-            conn, _ = self.waiting.pop(fd)
+    def _expire(self, ep: selectors.BaseSelector, now: float) -> None:
+        while self.waiting:
+            fd, (conn, deadline) = next(iter(self.waiting.items()))  # the oldest first
+            if deadline > now:
+                return
+            del self.waiting[fd]
             ep.unregister(fd)
             self.limiter.count_closed("header_timeout")
             conn.close()

@@ -7,17 +7,24 @@ Everything uvicorn-specific lives here (the app itself is server-neutral):
   connection would pass it, the oldest connection that is idle (no request
   in progress) and has been open for at least ``min_idle`` seconds is
   closed to make room; if there is none (a burst of fresh connections, or
-  every connection busy) the new one gets a plain ``503`` and is closed.  Idle sockets can
-  therefore never use up the file descriptors a real request needs.  A
+  every connection busy) the new one gets a plain ``503`` and is closed.
+  Idle sockets can therefore never use up the file descriptors a real
+  request needs.  A
   connection that has not sent a complete request head within
   ``header_timeout`` seconds of connecting (or of its previous answer) is
   closed: a slow-header client cannot hold a socket forever.  uvicorn's own
-  ``timeout_keep_alive`` closes idle keep-alive connections.
+  ``timeout_keep_alive`` closes idle keep-alive connections.  The limiter
+  also makes the request-line decision of the shedder (``line_decision``)
+  and counts the requests it let through (``held``).
+* :class:`LingeringClose` wraps each connection's transport: a close sends
+  FIN after the answer and drops what the client still sends, so unread
+  request bytes never turn into a reset that loses the answer.
 * :class:`DrainingServer` takes over SIGINT and SIGTERM from uvicorn: the
   first calls ``on_signal`` (the serve command starts its drain), a second
-  ends the drain at once, a third exits without waiting.
-* :func:`quiet_floods` rate-limits the accept-error lines asyncio logs when
-  the process runs out of file descriptors.
+  ends the drain at once, a third exits without waiting.  It accepts through
+  :class:`~trio_orch.acceptor.Acceptor` threads instead of the event loop.
+* :func:`quiet_floods` rate-limits the accept-error lines logged when the
+  process runs out of file descriptors.
 """
 
 from __future__ import annotations
