@@ -224,3 +224,70 @@ def test_during_a_flood_a_request_that_waited_too_long_is_shed_even_with_room() 
         late.close()
     finally:
         r.close()
+
+
+CHILD = r"""
+import logging, queue, resource, socket, sys, time
+from trio_orch.acceptor import Acceptor
+from trio_orch.uvicorn_front import ConnectionLimiter, quiet_floods
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s %(message)s")
+quiet_floods()  # as the serve command does
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))
+ls = socket.socket()
+ls.bind(("127.0.0.1", 0))
+ls.listen(256)
+handed = queue.Queue()
+acceptor = Acceptor(ls, ConnectionLimiter(1000, 10.0), lambda c, d: handed.put(c), retry_delay=0.3)
+acceptor.start()
+print(ls.getsockname()[1], flush=True)
+held = []
+while len(held) < 60:
+    try:
+        held.append(handed.get(timeout=2.0))
+    except queue.Empty:  # out of descriptors: accepting paused; free them, it must resume
+        print("stalled", len(held), flush=True)
+        for c in held:
+            c.close()
+        held.clear()
+        break
+n = 0
+while n < 5:
+    handed.get(timeout=10.0).close()
+    n += 1
+print("resumed", acceptor.running, flush=True)
+acceptor.stop()
+"""
+
+
+def test_out_of_file_descriptors_the_acceptor_pauses_logs_once_and_resumes() -> None:
+    """A child process with 48 descriptors takes 60 connections: accepting stalls (one log line, not
+    a flood), and resumes once descriptors are free again."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    clients: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        for _ in range(60):
+            clients.append(socket.create_connection(("127.0.0.1", port), timeout=HANG))
+        stalled = proc.stdout.readline().split()
+        assert stalled[0] == "stalled" and 0 < int(stalled[1]) < 60
+        assert proc.stdout.readline().split() == ["resumed", "True"]
+        _, err = proc.communicate(timeout=HANG)
+    finally:
+        for c in clients:
+            c.close()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if "out of system resource" in line]
+    assert len(lines) == 1, err  # paused and retried every 0.3 s, logged once per 10 s
+    assert "the acceptor failed" not in err
