@@ -13,8 +13,8 @@ request-line decision
 (:meth:`~trio_orch.uvicorn_front.ConnectionLimiter.line_decision`):
 
 * a request the engine would shed, complete in the socket buffer, is read,
-  answered 429, half-closed and closed right here -- the request was
-  consumed, so the close resets nothing and the client gets its answer;
+  answered 429 and closed right here -- the request was consumed, so the
+  close resets nothing and the client gets its answer;
 * while the engine is full, a connection that has not sent anything yet is
   watched as a raw socket (bounded in number and in time: the header
   timeout) so that it can be refused the same way;
@@ -95,7 +95,7 @@ class Acceptor:
     """
 
     def __init__(self, sock: socket.socket, limiter: Any,
-                 hand_over: Callable[[socket.socket, str | None], None], *, nice: int = 5,
+                 hand_over: Callable[[socket.socket, str | None], None], *, nice: int = 10,
                  max_wait: float | None = None, retry_delay: float = 1.0, peek_bytes: int = 8192,
                  max_waiting: int = 4096) -> None:
         self.sock = sock
@@ -238,12 +238,15 @@ class Acceptor:
             conn.close()
 
     def _refuse(self, conn: socket.socket, consumed: int) -> None:
-        """Answer 429 on the raw socket: consume the request, answer, half-close, close."""
+        """Answer 429 on the raw socket: consume the request, answer, close.
+
+        With the request read, the close sends a FIN after the answer (no
+        reset): the client reads the whole answer, then the end.
+        """
         self.limiter.count_closed("shed")
         try:
             conn.recv(consumed)
             conn.send(self.limiter.shed_response())
-            conn.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the client went away: nothing to answer
         finally:

@@ -114,6 +114,8 @@ class Shedder:
         self.headers, self.body = json_response(
             429, error_body(self.MESSAGE, "rate_limit_error", None, "overloaded"),
             {"retry-after": str(max(1, math.ceil(retry_after)))})
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in self.headers)
+        self._raw = b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"connection: close\r\n\r\n" + self.body
 
     def flooded(self, pending: int = 0, window: float = 1.0) -> bool:
         """Full now, or refused a request within the last ``window`` seconds."""
@@ -134,8 +136,7 @@ class Shedder:
 
     def raw_response(self) -> bytes:
         """The refusal as HTTP/1.1 bytes, closing the connection (for a front that answers itself)."""
-        head = b"".join(k + b": " + v + b"\r\n" for k, v in self.headers)
-        return b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"connection: close\r\n\r\n" + self.body
+        return self._raw
 
 
 class _Refused(Exception):

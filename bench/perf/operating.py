@@ -42,7 +42,8 @@ from typing import Any
 
 from bench.perf.serving import BODY, bucket_p99_ms, engine_durations, pct, post, split_url, start_server
 
-__all__ = ["at_once", "burst", "idle", "kill_one", "main", "markdown_table", "unloaded", "write_markdown"]
+__all__ = ["at_once", "burst", "idle", "kill_one", "main", "markdown_table", "measure", "unloaded",
+           "write_markdown"]
 
 BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
 
@@ -129,44 +130,83 @@ def idle_client(url: str, n: int, ready: Any, done: Any) -> None:
     asyncio.run(run())
 
 
-def unloaded(url: str, n: int) -> dict[str, Any]:
-    """``n`` requests one after the other, with the burst's client."""
+def unloaded(url: str, n: int) -> list[float]:
+    """``n`` requests one after the other, with the burst's client: the seconds of those answered 200."""
     host, port = split_url(url)
     request = raw_request(host, json.dumps(BODY).encode())
-    res = [r for _ in range(n) for r in at_once(host, port, 1, request)]
-    lat = [t for code, t in res if code == 200]
-    return {"requests": n, "ok": len(lat), "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99)}
+    return [t for _ in range(n) for code, t in at_once(host, port, 1, request) if code == 200]
 
 
-def burst(url: str, n: int, procs: int, rounds: int = 1, pause: float = 1.0) -> dict[str, Any]:
-    """``rounds`` bursts of ``n`` requests at once from ``procs`` client processes, ``pause`` s apart;
-    the admitted requests' latencies are pooled over the rounds."""
+def burst(url: str, n: int, procs: int) -> list[tuple[int, float]]:
+    """``n`` requests at once from ``procs`` client processes: [(status, seconds), ...]."""
     body = json.dumps(BODY).encode()
+    q: Any = multiprocessing.Queue()
+    workers = [multiprocessing.Process(target=burst_client, args=(url, n // procs, body, q))
+               for _ in range(procs)]
+    for w in workers:
+        w.start()
+    got = [x for _ in workers for x in q.get()]
+    for w in workers:
+        w.join()
+    return got
+
+
+def measure(url: str, *, unloaded_n: int, burst_n: int, procs: int, rounds: int, repeat: int,
+            pause: float = 1.0) -> dict[str, Any]:
+    """``repeat`` times: ``unloaded_n`` requests one at a time, then ``rounds`` bursts ``pause`` s apart.
+
+    Latencies are pooled over everything (the p99 of the admitted requests
+    against the p99 of the unloaded ones); the ratio of each repeat is kept
+    too, to show the spread between runs.
+    """
+    lat: list[float] = []
     res: list[tuple[int, float]] = []
-    admitted_per_round = []
-    wall = 0.0
-    for r in range(rounds):
-        if r:
-            time.sleep(pause)  # the engine drains and stops shedding
-        q: Any = multiprocessing.Queue()
-        workers = [multiprocessing.Process(target=burst_client, args=(url, n // procs, body, q))
-                   for _ in range(procs)]
-        t = time.perf_counter()
-        for w in workers:
-            w.start()
-        got = [x for _ in workers for x in q.get()]
-        wall = max(wall, time.perf_counter() - t)
-        for w in workers:
-            w.join()
+    per_round: list[int] = []
+    ratios: list[float | None] = []
+    d_unloaded: list[tuple[float, float]] = []
+    d_burst: list[tuple[float, float]] = []
+    for _ in range(repeat):
+        a = engine_durations(url)
+        mine = unloaded(url, unloaded_n)
+        b = engine_durations(url)
+        d_unloaded = _add(d_unloaded, a, b)
+        got: list[tuple[int, float]] = []
+        for r in range(rounds):
+            if r:
+                time.sleep(pause)  # the engine drains and stops shedding
+            one = burst(url, burst_n, procs)
+            per_round.append(sum(code == 200 for code, _ in one))
+            got += one
+        d_burst = _add(d_burst, b, engine_durations(url))
+        ok = [t for code, t in got if code == 200]
+        u99, a99 = pct(mine, 0.99), pct(ok, 0.99)
+        ratios.append(round(a99 / u99, 2) if u99 and a99 else None)
+        lat += mine
         res += got
-        admitted_per_round.append(sum(code == 200 for code, _ in got))
-    ok = [s for code, s in res if code == 200]
-    shed = [s for code, s in res if code == 429]
-    return {"rounds": rounds, "requests": len(res), "admitted": len(ok),
-            "admitted_per_round": admitted_per_round, "shed_429": len(shed),
-            "other": sorted({code for code, _ in res} - {200, 429}),
-            "admitted_p50_ms": pct(ok, 0.5), "admitted_p99_ms": pct(ok, 0.99), "shed_p99_ms": pct(shed, 0.99),
-            "wall_s": round(wall, 2)}
+        time.sleep(pause)
+    ok = [t for code, t in res if code == 200]
+    shed = [t for code, t in res if code == 429]
+    out = {"unloaded": {"requests": unloaded_n * repeat, "ok": len(lat), "p50_ms": pct(lat, 0.5),
+                        "p99_ms": pct(lat, 0.99), "engine_p99_ms_bucket": bucket_p99_ms([], d_unloaded)},
+           "burst": {"repeat": repeat, "rounds": rounds * repeat, "requests": len(res), "admitted": len(ok),
+                     "admitted_per_round": per_round, "shed_429": len(shed),
+                     "other": sorted({code for code, _ in res} - {200, 429}),
+                     "admitted_ms": [round(x * 1000, 1) for x in ok] if len(ok) <= 64 else None,
+                     "admitted_p50_ms": pct(ok, 0.5), "admitted_p99_ms": pct(ok, 0.99),
+                     "shed_p99_ms": pct(shed, 0.99), "engine_p99_ms_bucket": bucket_p99_ms([], d_burst),
+                     "p99_vs_unloaded_per_repeat": ratios}}
+    u99, a99 = out["unloaded"]["p99_ms"], out["burst"]["admitted_p99_ms"]
+    if u99 and a99:
+        out["burst"]["p99_vs_unloaded"] = round(a99 / u99, 2)
+    return out
+
+
+def _add(total: list[tuple[float, float]], before: list[tuple[float, float]],
+         after: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Cumulative histogram buckets: ``total`` plus what was counted between ``before`` and ``after``."""
+    prior = dict(before)
+    mine = dict(total)
+    return [(le, mine.get(le, 0.0) + n - prior.get(le, 0.0)) for le, n in after]
 
 
 def idle(url: str, n: int, procs: int) -> dict[str, Any]:
@@ -219,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst", type=int, default=1024, help="requests at once (default 1024)")
     p.add_argument("--rounds", type=int, default=5,
                    help="bursts, a second apart; admitted latencies are pooled over them (default 5)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="unloaded requests then bursts, this many times, pooled; the ratio of each "
+                        "repeat is reported too (default 1)")
     p.add_argument("--idle", type=int, default=20000, help="idle connections (default 20000)")
     p.add_argument("--kill", default="talker", help="stage kind to kill -9 (default talker; '' skips)")
     p.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
@@ -240,15 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(args.serve_args.split())
     out: dict[str, Any] = {"serve_args": args.serve_args, "cpus": os.cpu_count()}
     try:
-        d0 = engine_durations(url)
-        out["unloaded"] = unloaded(url, args.unloaded)
-        d1 = engine_durations(url)
-        out["unloaded"]["engine_p99_ms_bucket"] = bucket_p99_ms(d0, d1)
-        out["burst"] = burst(url, args.burst, args.procs, args.rounds)
-        out["burst"]["engine_p99_ms_bucket"] = bucket_p99_ms(d1, engine_durations(url))
-        if out["burst"]["admitted_p99_ms"] and out["unloaded"]["p99_ms"]:
-            ratio = out["burst"]["admitted_p99_ms"] / out["unloaded"]["p99_ms"]
-            out["burst"]["p99_vs_unloaded"] = round(ratio, 2)
+        out.update(measure(url, unloaded_n=args.unloaded, burst_n=args.burst, procs=args.procs,
+                           rounds=args.rounds, repeat=args.repeat))
         if args.idle:
             out["idle"] = idle(url, args.idle, max(2, args.procs // 2))
         if args.kill:
@@ -281,7 +317,11 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     for run in runs:
         u, b = run["unloaded"], run["burst"]
         label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
-        ratio = f" ({b['p99_vs_unloaded']:.2f}x)" if b.get("p99_vs_unloaded") else ""
+        ratio = f" ({b['p99_vs_unloaded']:.2f}x" if b.get("p99_vs_unloaded") else ""
+        each = [r for r in b.get("p99_vs_unloaded_per_repeat") or [] if r is not None]
+        if ratio and len(each) > 1:
+            ratio += f"; {len(each)} repeats: {min(each):.2f}-{max(each):.2f}x"
+        ratio += ")" if ratio else ""
         out.append(f"| {label} | {_ms(u['p50_ms'])} / {_ms(u['p99_ms'])} "
                    f"| ≤ {_ms(u['engine_p99_ms_bucket'])} "
                    f"| {b.get('rounds', 1)} x {b['requests'] // b.get('rounds', 1)} -> {b['admitted']} / "
