@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -248,3 +249,38 @@ async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engin
     assert mw.pending == 0 and front.shed == 1
     await call(3)  # the first two answered: room again
     assert sent[3][0]["status"] == 200
+
+
+def test_a_websocket_session_outlives_the_header_timeout_and_leaves_the_connection_count(
+        served: Served) -> None:
+    """After the upgrade the connection belongs to the WebSocket: never closed as a slow request head,
+    never evicted as idle, and no longer counted once the session ends."""
+    from websockets.sync.client import connect
+
+    before = len(served.limiter.open)
+    closed_before = dict(served.limiter.closed)
+    with connect(f"ws://127.0.0.1:{served.port}/v1/realtime", open_timeout=HANG) as ws:
+        assert json.loads(ws.recv(timeout=HANG))["type"] == "session.created"
+        time.sleep(3 * LIMITS.header_timeout)  # idle, well past the header timeout
+        ws.send(json.dumps({"type": "input_text_buffer.append", "text": "still here"}))
+        ws.send(json.dumps({"type": "input_text_buffer.commit"}))
+        assert json.loads(ws.recv(timeout=HANG))["type"] == "input_text_buffer.committed"
+        assert served.limiter.busy(next(p for p in served.limiter.open if served.limiter.upgraded(p)))
+    wait_until(lambda: len(served.limiter.open) == before, "the ended session no longer counted")
+    assert served.limiter.closed == closed_before  # nothing was closed by a limit
+
+
+def test_a_realtime_client_that_vanishes_mid_response_costs_no_traceback(
+        served: Served, caplog: pytest.LogCaptureFixture) -> None:
+    from websockets.sync.client import connect
+
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            with connect(f"ws://127.0.0.1:{served.port}/v1/realtime", open_timeout=HANG) as ws:
+                assert json.loads(ws.recv(timeout=HANG))["type"] == "session.created"
+                ws.send(json.dumps({"type": "input_text_buffer.append", "text": "long " * 50}))
+                ws.send(json.dumps({"type": "input_text_buffer.commit"}))
+                ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                ws.socket.shutdown(socket.SHUT_RDWR)  # gone, no close frame, while the server answers
+        wait_until(lambda: served.engine.stats().active_requests == 0, "every session's request aborted")
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR], caplog.text

@@ -92,8 +92,8 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                     elif type(a) is Cancel and handle is not None:
                         handle.abort()
             tg.cancel_scope.cancel()
-    except WebSocketDisconnect:
-        pass
+    except* WebSocketDisconnect:
+        pass  # the client left while we sent (or read): the line below says so, no traceback
     finally:
         if handle is not None and not handle.finished:
             handle.close()  # the client left before the end: abort the request on every stage

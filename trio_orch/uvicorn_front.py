@@ -88,9 +88,10 @@ class LingeringClose:
     pass.  Everything else goes to the real transport.
     """
 
-    def __init__(self, transport: asyncio.Transport, linger: float) -> None:
+    def __init__(self, transport: asyncio.Transport, linger: float, owner: Any) -> None:
         self.transport = transport
         self.linger = linger
+        self.owner = owner  # the HTTP protocol; after a WebSocket upgrade another one reads
         self.lingering = False
 
     def __getattr__(self, name: str) -> Any:
@@ -101,7 +102,8 @@ class LingeringClose:
 
     def close(self) -> None:
         t = self.transport
-        if self.lingering or t.is_closing() or not self.linger or not t.can_write_eof():
+        if (self.lingering or t.is_closing() or not self.linger or not t.can_write_eof()
+                or t.get_protocol() is not self.owner):
             t.close()
             return
         self.lingering = True
@@ -135,7 +137,7 @@ class ConnectionLimiter:
 
         class LimitedH11Protocol(H11Protocol):
             def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-                super().connection_made(LingeringClose(transport, limiter.linger))  # type: ignore[arg-type]
+                super().connection_made(LingeringClose(transport, limiter.linger, self))  # type: ignore[arg-type]
                 limiter.opened(self)
                 if self.shed_on_open and not self.transport.is_closing():
                     limiter.answer_shed(self)
@@ -169,7 +171,15 @@ class ConnectionLimiter:
         return LimitedH11Protocol
 
     @staticmethod
-    def busy(proto: Any) -> bool:
+    def upgraded(proto: Any) -> bool:
+        """The connection became a WebSocket: another protocol reads it, with timeouts of its own."""
+        transport = proto.transport
+        return transport is not None and transport.get_protocol() is not proto
+
+    @classmethod
+    def busy(cls, proto: Any) -> bool:
+        if cls.upgraded(proto):
+            return True  # a WebSocket session is never an idle connection to evict
         cycle = proto.cycle
         return cycle is not None and not cycle.response_complete
 
@@ -275,6 +285,12 @@ class ConnectionLimiter:
     def _check(self, proto: Any, seen_cycle: Any, was_busy: bool) -> None:
         if proto not in self.open:
             return  # closed meanwhile
+        if self.upgraded(proto):  # its connection_lost goes to the WebSocket protocol, not ours:
+            if proto.transport.is_closing():
+                self.open.pop(proto, None)  # the session ended
+            else:
+                self._arm(proto, proto.cycle, True)  # look again later
+            return
         cycle = proto.cycle
         busy = self.busy(proto)
         if busy or was_busy or cycle is not seen_cycle:
