@@ -476,6 +476,29 @@ def test_startup_timeout_stops_the_thread() -> None:
         engine.add_request("x")
 
 
+@pytest.mark.parametrize("started", [False, True])
+def test_a_signal_inside_thread_start_still_lets_close_stop_cleanly(
+        monkeypatch: pytest.MonkeyPatch, started: bool) -> None:
+    """SIGTERM during ``serve``'s start-up can land inside ``Thread.start()`` (KeyboardInterrupt from
+    the signal handler), before or after the thread began: close() must neither raise nor hang."""
+    original = threading.Thread.start
+
+    def interrupted(self: threading.Thread) -> None:
+        if started:
+            original(self)
+        raise KeyboardInterrupt("SIGTERM")
+
+    engine = Engine(static_pipeline([ScriptedStage(0)], {0}), close_timeout=HANG)
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.start()
+    monkeypatch.setattr(threading.Thread, "start", original)
+    engine.close()  # the serve command's clean-up path
+    assert not engine.thread_alive and engine.closed_reason is not None
+    with pytest.raises(EngineClosed):
+        engine.add_request("x")
+
+
 def test_close_is_bounded_when_the_pipeline_will_not_stop() -> None:
     release = threading.Event()
     stages = [ScriptedStage(0)]

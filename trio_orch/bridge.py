@@ -263,7 +263,13 @@ class Engine(EngineControl):
             return
         atexit.unregister(self.close)
         self._request_stop(drain)
-        self._thread.join(self.close_timeout + (drain or 0.0))
+        try:
+            self._thread.join(self.close_timeout + (drain or 0.0))
+        except RuntimeError:  # a signal interrupted start() inside Thread.start(): did it start?
+            if not self._ready.wait(1.0):  # a thread that runs sees the stop flag and ends at once
+                self._mark_dead("the engine was closed before its thread started")
+                return
+            self._thread.join(self.close_timeout)
         if self._thread.is_alive():
             log.warning("engine thread did not stop within %.1fs; abandoning it", self.close_timeout)
             self._mark_dead(f"its thread did not stop within {self.close_timeout}s")
