@@ -208,6 +208,7 @@ class Orchestrator:
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
+        self._queue_size = request_queue_size
         self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
             request_queue_size)
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
@@ -318,7 +319,7 @@ class Orchestrator:
         stages = self.router.capacity()
         if stages is None:
             return math.inf
-        return stages + 1 + self._req_send.statistics().max_buffer_size
+        return stages + 1 + self._queue_size
 
     def has_room(self) -> bool:
         """Whether the request channel has space now (an add would not wait); a hint for admission."""
@@ -336,7 +337,7 @@ class Orchestrator:
         """
         ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         try:
-            if self._req_send.statistics().max_buffer_size == 0 and not self.router.can_start(ticket):
+            if not self._queue_size and not self.router.can_start(ticket):
                 raise trio.WouldBlock
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
