@@ -261,6 +261,28 @@ def test_a_burst_on_fresh_connections_is_refused_by_the_acceptor_and_nothing_adm
         s.stop()
 
 
+def test_the_acceptor_is_a_process_of_its_own_and_if_it_dies_the_server_accepts_itself(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """kill -9 the acceptor process: one error line, and the event loop accepts on the socket
+    instead -- requests are served, shedding still works (the middleware's check)."""
+    engine = Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start()
+    s = Served(engine)
+    try:
+        acceptor = s.server.acceptors[0]
+        assert acceptor.proc is not None and acceptor.proc.pid in child_pids(os.getpid())
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            assert c.post("/v1/chat/completions", json=chat("one")).status_code == 200
+            os.kill(acceptor.proc.pid, signal.SIGKILL)
+            wait_until(lambda: bool(s.server.servers), "the loop accepting itself")
+            assert c.post("/v1/chat/completions", json=chat("two")).status_code == 200
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:  # a fresh connection, accepted by the loop
+            assert c.get("/health").status_code == 200
+        assert "accepting on the event loop instead" in caplog.text
+        assert not acceptor.running
+    finally:
+        s.stop()
+
+
 @pytest.mark.slow
 def test_load_a_1024_request_burst_is_partly_shed_and_every_admitted_request_completes() -> None:
     """The load test: bounded in count and time, loopback only; latencies printed, not asserted."""

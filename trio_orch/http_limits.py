@@ -35,6 +35,7 @@ from typing import Any
 
 import anyio
 
+from trio_orch.acceptor import refuses
 from trio_orch.metrics import FrontMetrics
 from trio_orch.openai_chat import error_body
 
@@ -121,9 +122,9 @@ class Shedder:
         """Full now, or refused a request within the last ``window`` seconds."""
         return self.full(pending) or time.monotonic() - self.last_refusal < window
 
-    def full(self, pending: int = 0) -> bool:
+    def full(self, pending: float = 0) -> bool:
         """Whether a request now would be shed: the engine sheds, or ``pending`` fill its capacity."""
-        return self.shedding() or pending >= self.capacity()
+        return refuses(self.shedding(), pending, self.capacity())
 
     def refuse(self, route: str, pending: int = 0) -> bool:
         """Whether a POST to ``route`` is refused now, ``pending`` requests being on their way
@@ -133,6 +134,10 @@ class Shedder:
         self.last_refusal = time.monotonic()
         self.front.count_shed(route)
         return True
+
+    def refused_elsewhere(self, route: str, n: int = 1) -> None:
+        """``n`` POSTs to ``route`` that another process (the acceptor) refused: counted as ours."""
+        self.front.count_shed(route, n)
 
     def raw_response(self) -> bytes:
         """The refusal as HTTP/1.1 bytes, closing the connection (for a front that answers itself)."""

@@ -108,7 +108,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 @dataclass
 class FrontMetrics:
-    """What the HTTP front counts itself (on its event loop, and its acceptor thread)."""
+    """What the HTTP front counts itself (on its event loop; its acceptor's counts are folded in)."""
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
@@ -119,15 +119,15 @@ class FrontMetrics:
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
-        with self._lock:  # a front's acceptor thread counts too
+        with self._lock:  # a front may count from more than one thread
             self.requests[key] = self.requests.get(key, 0) + 1
 
-    def count_shed(self, route: str) -> None:
-        """A request the front refused itself because the engine would shed it (a 429)."""
+    def count_shed(self, route: str, n: int = 1) -> None:
+        """``n`` requests the front refused itself because the engine would shed them (429s)."""
         with self._lock:
-            self.shed += 1
+            self.shed += n
             key = (route, 429)
-            self.requests[key] = self.requests.get(key, 0) + 1
+            self.requests[key] = self.requests.get(key, 0) + n
 
 
 def _gauge(name: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:

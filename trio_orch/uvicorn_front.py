@@ -22,7 +22,8 @@ Everything uvicorn-specific lives here (the app itself is server-neutral):
 * :class:`DrainingServer` takes over SIGINT and SIGTERM from uvicorn: the
   first calls ``on_signal`` (the serve command starts its drain), a second
   ends the drain at once, a third exits without waiting.  It accepts through
-  :class:`~trio_orch.acceptor.Acceptor` threads instead of the event loop.
+  an :class:`~trio_orch.acceptor.AcceptorProcess` instead of the event loop
+  (falling back to the loop if that process dies).
 * :func:`quiet_floods` rate-limits the accept-error lines logged when the
   process runs out of file descriptors.
 """
@@ -44,7 +45,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trio_orch.acceptor import Acceptor
+from trio_orch.acceptor import AcceptorProcess, shed_route
 from trio_orch.http_limits import HTTPLimits, RateLimitFilter, Shedder
 
 __all__ = ["ConnectionLimiter", "DrainingServer", "default_max_connections", "quiet_floods", "uvicorn_config"]
@@ -120,13 +121,14 @@ class ConnectionLimiter:
         self.max_connections = max_connections
         self.header_timeout = header_timeout
         self.max_accept_wait = max_accept_wait  #: see :class:`~trio_orch.acceptor.Acceptor` ``max_wait``
+        #: the acceptor processes deciding with this limiter's numbers (they read ``held`` on their board)
+        self.acceptors: list[AcceptorProcess] = []
         self.linger = min(2.0, header_timeout)  #: seconds a closing connection drains (LingeringClose)
         self.min_idle = min(min_idle, header_timeout)
         self.open: OrderedDict[Any, float] = OrderedDict()  # connection -> when it was opened
         self.closed: dict[str, int] = {"idle_evicted": 0, "refused": 0, "header_timeout": 0, "shed": 0}
         self.held = 0  #: first requests to a shed path let through at their request line, not yet answered
-        #: ``held`` and ``closed`` change in the acceptor's thread too
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  #: ``held`` and ``closed`` (line decisions may come from any thread)
         #: the app's shed decision (``uvicorn_config`` sets it): a fresh connection whose request
         #: line is a POST to a shed path gets its 429 before any HTTP parsing
         self.shedder: Shedder | None = None
@@ -218,27 +220,49 @@ class ConnectionLimiter:
         (a request to a shed path let through: it counts in ``held`` until answered), or None
         (not a POST to a shed path, or the line is not complete yet: the normal path decides).
 
-        Only the request line is looked at (``POST /path``): no headers parsed,
-        no body read.  The shedder refuses once the requests already let
-        through fill the engine's capacity, so a burst read in one go cannot
-        all reach the full HTTP path.  ``shed``: refuse it regardless (the
-        acceptor sheds a request that waited too long during a flood).  Any
-        thread.
+        Only the request line is looked at (:func:`~trio_orch.acceptor.shed_route`).
+        The shedder refuses once the requests already let through fill the
+        engine's capacity, so a burst read in one go cannot all reach the
+        full HTTP path.  ``shed``: refuse it regardless.  Any thread.
         """
         shedder = self.shedder
-        if shedder is None or not data.startswith(b"POST "):
+        route = None if shedder is None else shed_route(data, shedder.paths)
+        if route is None:
             return None
-        end = data.find(b" ", 5)
-        if end < 0:
-            return None
-        route = data[5:end].split(b"?", 1)[0].decode("latin-1")
-        if route not in shedder.paths:
-            return None
+        assert shedder is not None
         with self.lock:
             if shedder.refuse(route, math.inf if shed else self.held):
                 return "shed"
             self.held += 1
+            self._publish_held()
         return "held"
+
+    def took_over(self, acceptor: AcceptorProcess, decision: str | None) -> None:
+        """A connection ``acceptor`` passed over with ``decision``: a "held" one counts from now."""
+        if decision == "held":
+            with self.lock:
+                self.held += 1
+                self._publish_held()
+            acceptor.acknowledge_held()
+
+    def _publish_held(self) -> None:
+        for acceptor in self.acceptors:
+            acceptor.publish(held=self.held)
+
+    def refresh(self) -> None:
+        """Give the acceptors the engine's numbers; fold what they counted into ours (on the loop)."""
+        shedder = self.shedder
+        for acceptor in self.acceptors:
+            if shedder is not None:
+                acceptor.publish(capacity=shedder.capacity(), shedding=shedder.shedding(),
+                                 last_refusal=shedder.last_refusal)
+            answered, timed_out, refused = acceptor.counts()
+            with self.lock:
+                self.closed["shed"] += answered
+                self.closed["header_timeout"] += timed_out
+            if shedder is not None:
+                for route, n in refused.items():
+                    shedder.refused_elsewhere(route, n)
 
     def at_request_line(self, proto: Any, data: bytes) -> str | None:
         """:meth:`line_decision` for the first data of ``proto``'s connection (a line in pieces:
@@ -248,17 +272,6 @@ class ConnectionLimiter:
         proto.held = decision == "held"
         return decision
 
-    def full(self) -> bool:
-        """Whether a request to a shed path would be refused now."""
-        return self.shedder is not None and self.shedder.full(self.held)
-
-    def flooded(self) -> bool:
-        """Full now, or refused a request within the last second."""
-        return self.shedder is not None and self.shedder.flooded(self.held)
-
-    def shed_response(self) -> bytes:
-        assert self.shedder is not None
-        return self.shedder.raw_response()
 
     def count_closed(self, reason: str) -> None:
         with self.lock:
@@ -268,15 +281,21 @@ class ConnectionLimiter:
         """Answer ``proto``'s connection 429 and close it (lingering: the client gets the answer)."""
         proto.shed = True
         self.count_closed("shed")
-        proto.transport.write(self.shed_response())
+        assert self.shedder is not None
+        proto.transport.write(self.shedder.raw_response())
         proto.transport.close()  # a lingering close (LingeringClose)
 
     def release(self, proto: Any) -> None:
         """``proto``'s first request was answered or its connection lost: it no longer counts."""
         if proto.held:
             proto.held = False
-            with self.lock:
-                self.held -= 1
+            self.release_held()
+
+    def release_held(self) -> None:
+        """A request let through at its request line was answered, or never served."""
+        with self.lock:
+            self.held -= 1
+            self._publish_held()
 
     def _arm(self, proto: Any, seen_cycle: Any, was_busy: bool) -> None:
         """Check in ``header_timeout`` seconds that ``proto`` started a request since ``seen_cycle``."""
@@ -301,7 +320,8 @@ class ConnectionLimiter:
         proto.transport.close()
 
     def counters(self) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
-        """For ``/metrics`` (the ``extra_counters`` shape)."""
+        """For ``/metrics`` (the ``extra_counters`` shape); the acceptors' counts folded in first."""
+        self.refresh()
         return {"trio_orch_http_connections_closed": (
             "connections the server closed itself: idle ones evicted at the connection limit, new ones "
             "refused with 503 when all were busy, ones that sent no complete request head in time, "
@@ -311,45 +331,90 @@ class ConnectionLimiter:
 
 class DrainingServer(uvicorn.Server):
     """A uvicorn server whose SIGINT/SIGTERM handling is ``on_signal(signum)``, accepting through
-    :class:`~trio_orch.acceptor.Acceptor`.
+    an :class:`~trio_orch.acceptor.AcceptorProcess`.
 
     uvicorn would stop accepting and give connections a fixed grace period;
     the serve command instead keeps answering (``/health`` says draining)
     while in-flight requests finish, then sets ``should_exit`` itself.  With
     a ``limiter``, each listening socket it is given is accepted on by an
-    acceptor thread (under a flood, refusals cost a few system calls and stay
-    off the event loop); uvicorn makes the protocols and shuts them down as
-    usual.
+    acceptor process (under a flood, refusals cost a few system calls in a
+    process of their own, at a low CPU priority); the connections it
+    passes over get uvicorn's protocol here, and uvicorn shuts them down as
+    usual.  Every ``refresh`` seconds the limiter gives the acceptors the
+    engine's numbers.  Should an acceptor die, this process accepts on the
+    socket itself (the event loop's accept, the limiter's checks).
     """
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[int], None],
-                 limiter: ConnectionLimiter | None = None) -> None:
+                 limiter: ConnectionLimiter | None = None, *, acceptor_nice: int = 10,
+                 refresh: float = 0.01) -> None:
         super().__init__(config)
         self.on_signal = on_signal
         self.limiter = limiter
-        self.acceptors: list[Acceptor] = []
+        self.acceptor_nice = acceptor_nice
+        self.refresh = refresh
+        self.acceptors: list[AcceptorProcess] = []
         self._handovers: set[asyncio.Task[Any]] = set()
+        self._refresher: asyncio.TimerHandle | None = None
+        self._stopping = False
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.on_signal(sig)
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        if self.limiter is None or not sockets:
+        limiter = self.limiter
+        if limiter is None or not sockets:
             await super().startup(sockets)
             return
         await super().startup([])  # uvicorn's state without a listener of its own
         loop = asyncio.get_running_loop()
-
-        def hand_over(conn: socket.socket, decision: str | None) -> None:  # the acceptor's thread
-            try:
-                loop.call_soon_threadsafe(self._serve_connection, loop, conn, decision)
-            except RuntimeError:  # the loop is closed: nobody will serve it
-                conn.close()
-
+        shedder = limiter.shedder
         for sock in sockets:
-            acceptor = Acceptor(sock, self.limiter, hand_over, max_wait=self.limiter.max_accept_wait)
-            acceptor.start()
+            acceptor = AcceptorProcess(
+                sock, paths=sorted(shedder.paths) if shedder else [],
+                response=shedder.raw_response() if shedder else b"", header_timeout=limiter.header_timeout,
+                max_wait=limiter.max_accept_wait, nice=self.acceptor_nice)
             self.acceptors.append(acceptor)
+            limiter.acceptors.append(acceptor)
+            limiter.refresh()  # its board shows the engine's numbers before it decides anything
+            acceptor.start()
+            assert acceptor.channel is not None
+            loop.add_reader(acceptor.channel.fileno(), self._take_over, loop, acceptor)
+        self._refresher = loop.call_later(self.refresh, self._tick, loop)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
+        assert self.limiter is not None
+        self.limiter.refresh()
+        self._refresher = loop.call_later(self.refresh, self._tick, loop)
+
+    def _take_over(self, loop: asyncio.AbstractEventLoop, acceptor: AcceptorProcess) -> None:
+        """The acceptor passed connections over: serve them, with its decisions."""
+        assert self.limiter is not None
+        for conn, decision in acceptor.received():
+            self.limiter.took_over(acceptor, decision)
+            self._serve_connection(loop, conn, decision)
+        if acceptor.lost:
+            assert acceptor.channel is not None
+            loop.remove_reader(acceptor.channel.fileno())
+            if not self._stopping:
+                task = loop.create_task(self._accept_here(acceptor))
+                self._handovers.add(task)
+                task.add_done_callback(self._handovers.discard)
+
+    async def _accept_here(self, acceptor: AcceptorProcess) -> None:
+        """The acceptor process died: accept on its socket in this process (the loop's accept)."""
+        sock = acceptor.sock
+        code = None if acceptor.proc is None else acceptor.proc.poll()
+        await asyncio.to_thread(acceptor.stop)  # its board stays: what it counted is still folded
+        log.error("the acceptor process exited (%s); accepting on the event loop instead", code)
+        loop = asyncio.get_running_loop()
+        config = self.config
+
+        def make_protocol() -> asyncio.Protocol:
+            return config.http_protocol_class(  # type: ignore[call-arg]
+                config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop)
+
+        self.servers.append(await loop.create_server(make_protocol, sock=sock, backlog=config.backlog))
 
     def _serve_connection(self, loop: asyncio.AbstractEventLoop, conn: socket.socket,
                           decision: str | None) -> None:
@@ -374,15 +439,28 @@ class DrainingServer(uvicorn.Server):
             self._handovers.discard(t)
             if t.cancelled() or t.exception() is not None:
                 conn.close()
+                assert self.limiter is not None
+                if not made and decision == "held":  # counted at the hand-over, never served
+                    self.limiter.release_held()
                 for proto in made:
-                    assert self.limiter is not None
                     self.limiter.release(proto)
 
         task.add_done_callback(done)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self._stopping = True
+        if self._refresher is not None:
+            self._refresher.cancel()
+        loop = asyncio.get_running_loop()
         for acceptor in self.acceptors:
+            if acceptor.channel is not None:
+                loop.remove_reader(acceptor.channel.fileno())
             await asyncio.to_thread(acceptor.stop)
+        if self.limiter is not None:
+            self.limiter.refresh()  # the last of their counts
+            self.limiter.acceptors.clear()
+        for acceptor in self.acceptors:
+            acceptor.close()
         await super().shutdown(sockets)
 
 

@@ -105,8 +105,10 @@ def raw_request(host: str, body: bytes) -> bytes:
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
 
 
-def burst_client(url: str, n: int, body: bytes, out: Any) -> None:
+def burst_client(url: str, n: int, body: bytes, out: Any, cpus: set[int] | None = None) -> None:
     """A client process: ``n`` requests at once; puts [(status, seconds), ...] on ``out``."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     host, port = split_url(url)
     out.put(at_once(host, port, n, raw_request(host, body)))
 
@@ -137,11 +139,11 @@ def unloaded(url: str, n: int) -> list[float]:
     return [t for _ in range(n) for code, t in at_once(host, port, 1, request) if code == 200]
 
 
-def burst(url: str, n: int, procs: int) -> list[tuple[int, float]]:
-    """``n`` requests at once from ``procs`` client processes: [(status, seconds), ...]."""
+def burst(url: str, n: int, procs: int, cpus: set[int] | None = None) -> list[tuple[int, float]]:
+    """``n`` requests at once from ``procs`` client processes (on ``cpus``): [(status, seconds), ...]."""
     body = json.dumps(BODY).encode()
     q: Any = multiprocessing.Queue()
-    workers = [multiprocessing.Process(target=burst_client, args=(url, n // procs, body, q))
+    workers = [multiprocessing.Process(target=burst_client, args=(url, n // procs, body, q, cpus))
                for _ in range(procs)]
     for w in workers:
         w.start()
@@ -152,7 +154,7 @@ def burst(url: str, n: int, procs: int) -> list[tuple[int, float]]:
 
 
 def measure(url: str, *, unloaded_n: int, burst_n: int, procs: int, rounds: int, repeat: int,
-            pause: float = 1.0) -> dict[str, Any]:
+            pause: float = 1.0, client_cpus: set[int] | None = None) -> dict[str, Any]:
     """``repeat`` times: ``unloaded_n`` requests one at a time, then ``rounds`` bursts ``pause`` s apart.
 
     Latencies are pooled over everything (the p99 of the admitted requests
@@ -174,7 +176,7 @@ def measure(url: str, *, unloaded_n: int, burst_n: int, procs: int, rounds: int,
         for r in range(rounds):
             if r:
                 time.sleep(pause)  # the engine drains and stops shedding
-            one = burst(url, burst_n, procs)
+            one = burst(url, burst_n, procs, client_cpus)
             per_round.append(sum(code == 200 for code, _ in one))
             got += one
         d_burst = _add(d_burst, b, engine_durations(url))
@@ -252,6 +254,18 @@ def kill_one(url: str, proc: subprocess.Popen[str], stage_kind: str) -> dict[str
             "200_during_outage": sum(c == 200 for c in between)}
 
 
+def cpu_list(text: str) -> set[int]:
+    """``"0,2-3"`` -> {0, 2, 3}: the CPUs a process may run on."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        try:
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. '0' or '0,2-3')") from None
+    return cpus
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.perf.serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-args", default="", help="extra trio-orch serve flags, e.g. '--in-process'")
@@ -265,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=int, default=20000, help="idle connections (default 20000)")
     p.add_argument("--kill", default="talker", help="stage kind to kill -9 (default talker; '' skips)")
     p.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
+    p.add_argument("--server-cpus", type=cpu_list, default=None, metavar="LIST",
+                   help="pin the server and its workers to these CPUs, e.g. '0' (Linux)")
+    p.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
+                   help="pin the load generator (this process and its clients) to these CPUs, e.g. '1'")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.add_argument("--report", nargs="+", metavar="JSON", help="no run: render these runs' JSON (one table "
                    "row each) into --markdown")
@@ -280,11 +298,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(table)
         return 0
-    proc, url = start_server(args.serve_args.split())
-    out: dict[str, Any] = {"serve_args": args.serve_args, "cpus": os.cpu_count()}
+    proc, url = start_server(args.serve_args.split(), args.server_cpus)
+    if args.client_cpus:
+        os.sched_setaffinity(0, args.client_cpus)
+    out: dict[str, Any] = {"serve_args": args.serve_args, "cpus": os.cpu_count(),
+                           "server_cpus": sorted(args.server_cpus or ()),
+                           "client_cpus": sorted(args.client_cpus or ())}
     try:
         out.update(measure(url, unloaded_n=args.unloaded, burst_n=args.burst, procs=args.procs,
-                           rounds=args.rounds, repeat=args.repeat))
+                           rounds=args.rounds, repeat=args.repeat, client_cpus=args.client_cpus))
         if args.idle:
             out["idle"] = idle(url, args.idle, max(2, args.procs // 2))
         if args.kill:

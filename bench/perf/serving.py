@@ -16,6 +16,7 @@ a 2-core box.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import multiprocessing
 import os
@@ -107,9 +108,11 @@ def bucket_p99_ms(before: list[tuple[float, float]], after: list[tuple[float, fl
     return next(le * 1000 for le, n in counts if n >= 0.99 * total)
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen[str], str]:
+def start_server(args: list[str], cpus: set[int] | None = None) -> tuple[subprocess.Popen[str], str]:
+    """``trio-orch serve`` as a child process (on ``cpus`` only, workers included, when given)."""
+    pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"serving on (http://\S+)", line)
