@@ -243,11 +243,32 @@ def test_when_full_a_silent_connection_is_parked_and_refused_once_it_asks(rig: R
         c.sendall(POST + BODY)
         assert read_all(c).startswith(b"HTTP/1.1 429 ")
     assert rig.handed.empty()
-    rig.engine.capacity = 4  # room again: a silent connection goes to the server at once
+    rig.engine.capacity = 4  # room again, the flood still on: decided at its line, let through
     rig.published()
-    with rig.connect():
+    with rig.connect() as c:
+        c.sendall(POST + BODY)
         conn, decision = rig.next_handed()
-        assert decision is None
+        assert decision == "held"
+        conn.close()
+
+
+def test_with_room_a_silent_connection_settles_briefly_and_during_a_flood_waits_for_its_line(
+        rig: Rig) -> None:
+    """Room and no flood: silent past the settle time, it goes to the server undecided (its limits
+    apply).  Room during a flood (a refusal just now): it stays with the acceptor until it asks."""
+    with rig.connect():
+        conn, decision = rig.next_handed()  # after the settle time (0.1 s)
+        assert decision == "silent"
+        conn.close()
+    rig.limiter.shedder.last_refusal = time.monotonic()  # the server just refused one: a flood
+    wait_for(lambda: rig.acceptor.board is not None and rig.acceptor.board[Board.LAST_REFUSAL] > 0,
+             "the flood published")
+    with rig.connect() as c:
+        with pytest.raises(queue.Empty):
+            rig.handed.get(timeout=0.4)  # well past the settle time: still with the acceptor
+        c.sendall(POST + BODY)
+        conn, decision = rig.next_handed()
+        assert decision == "held"  # there is room: decided at its line
         conn.close()
 
 

@@ -18,9 +18,14 @@ decides at the request line (:meth:`Gate.line_decision`):
 * a request the engine would shed, complete in the socket buffer, is read,
   answered 429 and closed right here -- the request was consumed, so the
   close resets nothing and the client gets its answer;
-* while the engine is full, a connection that has not sent anything yet is
-  watched as a raw socket (bounded in number and in time: the header
-  timeout) so that it can be refused the same way;
+* a connection that has not sent anything yet is watched as a raw socket
+  (bounded in number): for ``settle`` seconds (0.1) if there is room -- a
+  client sends its request right after connecting, and a burst's
+  connections accepted early must not reach the server undecided -- and,
+  while the engine is full, until the header timeout, so that it can be
+  refused the same way; a connection still silent after its settle time
+  goes to the server, whose connection limits apply to it (during a flood
+  it waits here for its line instead);
 * every other connection is passed to the server over a Unix socket
   (``SCM_RIGHTS``), the decision already made, and gets uvicorn's protocol
   there (a request shed with its body still on the way is answered by the
@@ -63,8 +68,10 @@ log = logging.getLogger("trio_orch.accept")
 #: accept errors that mean "out of resources": pause accepting instead of spinning on them
 _RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
-#: a connection's decision on the Unix socket: one byte
-DECISIONS: dict[str | None, bytes] = {None: b"-", "held": b"h", "shed": b"s"}
+#: a connection's decision on the Unix socket, one byte: let through and counted ("held"), to
+#: be answered 429 ("shed"), for the server to decide at its request line (None), or that too
+#: but nothing was sent yet ("silent": an idle connection, which the server's limits may close)
+DECISIONS: dict[str | None, bytes] = {None: b"-", "held": b"h", "shed": b"s", "silent": b"0"}
 _DECODE = {v: k for k, v in DECISIONS.items()}
 
 
@@ -217,7 +224,7 @@ def refuses(shedding: bool, pending: float, capacity: float) -> bool:
 class Acceptor:
     """The accept loop of the acceptor process; see the module docstring.
 
-    ``hand_over(conn, decision)`` passes a connection the server must serve.
+    ``hand_over(conn, decision)`` passes a connection the server must serve (see ``DECISIONS``).
     ``max_wait``: during a flood (:meth:`Gate.flooded`), a request whose
     bytes already waited longer than this many seconds before the acceptor
     got to it is shed even if there is room now -- the server is behind, and
@@ -227,7 +234,7 @@ class Acceptor:
     def __init__(self, sock: socket.socket, gate: Gate,
                  hand_over: Callable[[socket.socket, str | None], None], *, max_wait: float | None = None,
                  retry_delay: float = 1.0, peek_bytes: int = 8192,
-                 max_waiting: int = 4096, log_every: float = 10.0) -> None:
+                 max_waiting: int = 4096, settle: float = 0.1, log_every: float = 10.0) -> None:
         self.sock = sock
         self.gate = gate
         self.hand_over = hand_over
@@ -235,10 +242,14 @@ class Acceptor:
         self.retry_delay = retry_delay
         self.peek_bytes = peek_bytes
         self.max_waiting = max_waiting
+        self.settle = settle
         self.log_every = log_every
         self._logged = -math.inf
         #: while the engine is full: connections accepted before they sent anything -> give-up time
         self.waiting: dict[int, tuple[socket.socket, float]] = {}
+        #: connections accepted with room and nothing sent yet, given ``settle`` seconds to send
+        #: their request line before they go to the server undecided -> that time
+        self.settling: dict[int, tuple[socket.socket, float]] = {}
 
     def run(self, stop_fd: int) -> None:
         """Accept until ``stop_fd`` becomes readable (the server closed its end, or died)."""
@@ -255,8 +266,9 @@ class Acceptor:
                     ep.register(listen_fd, selectors.EVENT_READ)
                     paused_until = 0.0
                 deadlines = [paused_until] if paused_until else []
-                if self.waiting:  # parked in order, all for the same time: the first ends first
-                    deadlines.append(next(iter(self.waiting.values()))[1])
+                for parked in (self.waiting, self.settling):  # in order, one duration each:
+                    if parked:  # the first ends first
+                        deadlines.append(next(iter(parked.values()))[1])
                 timeout = max(0.0, min(deadlines) - now) if deadlines else None
                 for key, _ in ep.select(timeout):
                     fd = key.fd
@@ -270,9 +282,10 @@ class Acceptor:
                         self._sent_something(ep, fd)
                 self._expire(ep, time.monotonic())
         finally:
-            for conn, _ in self.waiting.values():
-                conn.close()
-            self.waiting.clear()
+            for parked in (self.waiting, self.settling):
+                for conn, _ in parked.values():
+                    conn.close()
+                parked.clear()
             ep.close()
 
     def _accept_all(self, ep: selectors.BaseSelector) -> bool:
@@ -308,11 +321,14 @@ class Acceptor:
             return
         gate = self.gate
         if data is None:
-            if gate.full() and len(self.waiting) < self.max_waiting:
+            if len(self.waiting) + len(self.settling) >= self.max_waiting:
+                self.hand_over(conn, "silent")  # the server decides at the request line
+            elif gate.full():  # a flood: wait for its request line
                 self.waiting[conn.fileno()] = (conn, time.monotonic() + gate.header_timeout)
-                ep.register(conn.fileno(), selectors.EVENT_READ)  # a flood: wait for its request line
-            else:
-                self.hand_over(conn, None)  # the server decides at the request line
+                ep.register(conn.fileno(), selectors.EVENT_READ)
+            else:  # a client sends its request right after connecting: decide here if it does
+                self.settling[conn.fileno()] = (conn, time.monotonic() + self.settle)
+                ep.register(conn.fileno(), selectors.EVENT_READ)
             return
         late = self.max_wait is not None and gate.flooded() and waited(conn) > self.max_wait
         decision = gate.line_decision(data, late)
@@ -322,13 +338,23 @@ class Acceptor:
         self.hand_over(conn, decision)
 
     def _sent_something(self, ep: selectors.BaseSelector, fd: int) -> None:
-        entry = self.waiting.pop(fd, None)
+        entry = self.waiting.pop(fd, None) or self.settling.pop(fd, None)
         if entry is None:
             return
         ep.unregister(fd)
         self._take(ep, entry[0])
 
     def _expire(self, ep: selectors.BaseSelector, now: float) -> None:
+        while self.settling:  # silent since it connected: the server's limits apply to it now
+            fd, (conn, deadline) = next(iter(self.settling.items()))  # the oldest first
+            if deadline > now:
+                break
+            del self.settling[fd]
+            if self.gate.flooded():  # a flood is on: it waits for its line here
+                self.waiting[fd] = (conn, now + self.gate.header_timeout)
+            else:
+                ep.unregister(fd)
+                self.hand_over(conn, "silent")
         while self.waiting:
             fd, (conn, deadline) = next(iter(self.waiting.items()))  # the oldest first
             if deadline > now:

@@ -45,7 +45,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trio_orch.acceptor import AcceptorProcess, shed_route
+from trio_orch.acceptor import AcceptorProcess, shed_route, waited
 from trio_orch.http_limits import HTTPLimits, RateLimitFilter, Shedder
 
 __all__ = ["ConnectionLimiter", "DrainingServer", "default_max_connections", "quiet_floods", "uvicorn_config"]
@@ -153,6 +153,7 @@ class ConnectionLimiter:
             shed = False  # answered 429 at its request line: what the client sends after is dropped
             held = False  # its first request was let through and counts in limiter.held until answered
             shed_on_open = False  # the acceptor decided to shed it before its body arrived
+            spoke = False  # its request had begun to arrive when the acceptor passed it over
 
             def data_received(self, data: bytes) -> None:
                 if self.shed or self.transport.lingering:  # answered and closing: drop the rest
@@ -185,6 +186,12 @@ class ConnectionLimiter:
         cycle = proto.cycle
         return cycle is not None and not cycle.response_complete
 
+    @classmethod
+    def idle(cls, proto: Any) -> bool:
+        """Evictable: no request in progress, and none already on its way (the acceptor saw its
+        first bytes before the protocol has read them)."""
+        return not cls.busy(proto) and not (proto.cycle is None and proto.spoke)
+
     def opened(self, proto: Any) -> None:
         now = proto.loop.time()
         if len(self.open) >= self.max_connections:
@@ -193,7 +200,7 @@ class ConnectionLimiter:
             for p, t_open in self.open.items():  # oldest first
                 if t_open > old_enough:
                     break
-                if not self.busy(p):
+                if self.idle(p):
                     victim = p
                     break
             if victim is None:
@@ -268,9 +275,19 @@ class ConnectionLimiter:
         """:meth:`line_decision` for the first data of ``proto``'s connection (a line in pieces:
         the normal path decides)."""
         proto.line_seen = True
-        decision = self.line_decision(data)
+        decision = self.line_decision(data, self.late(proto, data))
         proto.held = decision == "held"
         return decision
+
+    def late(self, proto: Any, data: bytes) -> bool:
+        """The acceptor's ``max_accept_wait`` rule, for a connection it passed over undecided: during
+        a flood, a POST whose bytes waited longer than that before the loop read them is shed."""
+        shedder = self.shedder
+        if (self.max_accept_wait is None or shedder is None or not data.startswith(b"POST ")
+                or not shedder.flooded(self.held)):
+            return False
+        sock = proto.transport.get_extra_info("socket")
+        return sock is not None and waited(sock) > self.max_accept_wait
 
 
     def count_closed(self, reason: str) -> None:
@@ -425,7 +442,8 @@ class DrainingServer(uvicorn.Server):
         def make_protocol() -> asyncio.Protocol:
             proto = config.http_protocol_class(  # type: ignore[call-arg]
                 config=config, server_state=self.server_state, app_state=self.lifespan.state, _loop=loop)
-            if decision is not None:
+            proto.spoke = decision != "silent"  # type: ignore[attr-defined]
+            if decision in ("held", "shed"):
                 proto.line_seen = True  # type: ignore[attr-defined]
                 proto.held = decision == "held"  # type: ignore[attr-defined]
                 proto.shed_on_open = decision == "shed"  # type: ignore[attr-defined]
