@@ -152,6 +152,19 @@ def test_the_operating_table_is_rendered_from_runs_json(tmp_path: Path) -> None:
     assert doc.read_text() == f"before\n{BEGIN}\n{table}{END}\nafter\n"
 
 
+def test_a_pinned_run_says_where_its_processes_ran_and_cpu_lists_parse() -> None:
+    import argparse
+
+    from bench.perf.operating import cpu_list, run_label
+
+    assert cpu_list("0,2-3") == {0, 2, 3} and cpu_list("1") == {1}
+    with pytest.raises(argparse.ArgumentTypeError, match="not a CPU list"):
+        cpu_list("one")
+    assert run_label({"serve_args": ""}) == "defaults"
+    assert run_label({"serve_args": "--max-inflight 1", "server_cpus": [0], "client_cpus": [1]}) == (
+        "`--max-inflight 1` (server on CPU 0, load generator on CPU 1)")
+
+
 def test_the_burst_client_times_each_answer_from_its_request_and_reports_cut_ones() -> None:
     """``at_once`` against a real loopback server that answers some requests and cuts the others."""
     import socket

@@ -331,6 +331,17 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
+def run_label(run: dict[str, Any]) -> str:
+    """A run's settings, and where its processes ran when they were pinned."""
+    label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
+    server, clients = run.get("server_cpus"), run.get("client_cpus")
+    if server or clients:
+        def cpus(xs: list[int] | None) -> str:
+            return ",".join(map(str, xs)) if xs else "any"
+        label += f" (server on CPU {cpus(server)}, load generator on CPU {cpus(clients)})"
+    return label
+
+
 def markdown_table(runs: list[dict[str, Any]]) -> str:
     """The runs as the table of docs/operating.md (a row per run), then the idle and kill results."""
     out = ["| settings | unloaded p50 / p99 (ms) | unloaded p99, engine (ms) | bursts x requests -> admitted "
@@ -338,7 +349,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
            "|---|---|---|---|---|---|---|"]
     for run in runs:
         u, b = run["unloaded"], run["burst"]
-        label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
+        label = run_label(run)
         ratio = f" ({b['p99_vs_unloaded']:.2f}x" if b.get("p99_vs_unloaded") else ""
         each = [r for r in b.get("p99_vs_unloaded_per_repeat") or [] if r is not None]
         if ratio and len(each) > 1:
@@ -352,7 +363,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
                    f"| ≤ {_ms(b['engine_p99_ms_bucket'])} | {_ms(b['shed_p99_ms'])} |")
     out.append("")
     for run in runs:
-        label = f"`{run['serve_args']}`" if run["serve_args"] else "defaults"
+        label = run_label(run)
         if "idle" in run:
             i = run["idle"]
             out.append(f"- {label}: {i['idle_connections_opened']} idle connections, then a normal request: "
