@@ -170,7 +170,7 @@ def test_the_burst_client_times_each_answer_from_its_request_and_reports_cut_one
     import socket
     import threading
 
-    from bench.perf.operating import at_once
+    from bench.perf.http_clients import at_once
 
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
@@ -196,3 +196,38 @@ def test_the_burst_client_times_each_answer_from_its_request_and_reports_cut_one
         ls.close()
     assert sorted(code for code, _ in got) == [0, 0, 200, 200, 429, 429]
     assert all(seconds >= 0 for _, seconds in got)
+
+
+def test_one_request_returns_the_answer_s_json_and_runs_the_hook_once_the_request_is_written() -> None:
+    """What the probe relies on: the hook runs after the request left (the server already has it),
+    and the answer's JSON comes back with its status."""
+    import json
+    import socket
+    import threading
+
+    from bench.perf.http_clients import one_request
+
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(4)
+    seen: list[bytes] = []
+
+    def serve() -> None:
+        conn, _ = ls.accept()
+        with conn:
+            seen.append(conn.recv(65536))
+            body = json.dumps({"timings": {"stages": [{"compute_ms": 5.0}]}}).encode()
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: " + str(len(body)).encode()
+                         + b"\r\nconnection: close\r\n\r\n" + body)
+
+    t = threading.Thread(target=serve)
+    t.start()
+    hooked: list[int] = []
+    try:
+        code, took, answer = one_request("127.0.0.1", ls.getsockname()[1], b"GET / HTTP/1.1\r\n\r\n",
+                                         lambda: hooked.append(len(seen)))
+    finally:
+        t.join(30)
+        ls.close()
+    assert code == 200 and took >= 0 and answer["timings"]["stages"][0]["compute_ms"] == 5.0
+    assert hooked == [hooked[0]] and seen == [b"GET / HTTP/1.1\r\n\r\n"]

@@ -1,17 +1,19 @@
 """``python -m bench.perf.operating``: a real ``trio-orch serve`` under overload, idle floods and kill -9.
 
 Loopback only, bounded in count and time.  Starts the server as a child
-process and measures it from client processes of its own, which speak raw
-HTTP/1.1 over non-blocking sockets on one epoll (:func:`at_once`): on a
-2-core box the load generator shares the cores with the server, and an
-asyncio client spent as much CPU on a burst as the server and its workers
-together.  A request's latency runs from the moment the client wrote it to
+process and measures it from client processes of its own
+(:mod:`bench.perf.http_clients`; ``--server-cpus``/``--client-cpus`` pin
+the two apart).  A request's latency runs from the moment the client wrote it to
 the last byte of the answer: the wait in the server's accept queue counts,
 the client's own delay between connecting and writing does not.
 
 * ``unloaded``: requests one at a time -- the reference latency;
 * ``burst``: N requests at once -- how many were admitted and shed (429),
   and the latency of the admitted ones against the unloaded p99;
+* ``probe`` (``--probe N``): one request alone, then one with a burst
+  released the moment it was written -- its latency and its workers'
+  compute time (the answer's ``timings``): where an admitted request's
+  extra time goes;
 * ``idle``: thousands of idle connections, then one normal request;
 * ``kill``: kill -9 a worker of a stage with one replica while polling
   ``/health`` every 20 ms -- how long it said 503, and whether it ever said
@@ -31,105 +33,26 @@ import asyncio
 import json
 import multiprocessing
 import os
-import re
-import select
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.perf.http_clients import (
+    at_once,
+    burst_client,
+    idle_client,
+    one_request,
+    raw_request,
+    waiting_client,
+)
 from bench.perf.serving import BODY, bucket_p99_ms, engine_durations, pct, post, split_url, start_server
 
-__all__ = ["at_once", "burst", "idle", "kill_one", "main", "markdown_table", "measure", "unloaded",
-           "write_markdown"]
+__all__ = ["burst", "cpu_list", "idle", "kill_one", "main", "markdown_table", "measure", "probe",
+           "run_label", "unloaded", "write_markdown"]
 
 BEGIN, END = "<!-- serving:begin -->", "<!-- serving:end -->"
-
-
-def at_once(host: str, port: int, n: int, request: bytes, timeout: float = 120.0) -> list[tuple[int, float]]:
-    """``n`` fresh connections at once, each writing ``request``: [(status, seconds), ...], 0 if cut.
-
-    Seconds run from writing the request to the end of the answer (the
-    server's FIN).  Minimal Python per connection, so that the client takes
-    little of the CPU it shares with the server.
-    """
-    ep = select.epoll()
-    conns: dict[int, list[Any]] = {}  # fd -> [socket, time written (0: not yet), answer]
-    out: list[tuple[int, float]] = []
-    for _ in range(n):
-        s = socket.socket()
-        s.setblocking(False)
-        s.connect_ex((host, port))
-        conns[s.fileno()] = [s, 0.0, bytearray()]
-        ep.register(s.fileno(), select.EPOLLOUT)
-    end = time.perf_counter() + timeout
-
-    def done(fd: int, status: int) -> None:
-        c = conns.pop(fd)
-        out.append((status, time.perf_counter() - (c[1] or time.perf_counter())))
-        ep.unregister(fd)
-        c[0].close()
-
-    while conns and time.perf_counter() < end:
-        for fd, _ev in ep.poll(1.0):
-            c = conns[fd]
-            if not c[1]:  # connected (or failed): write the request
-                try:
-                    c[0].sendall(request)
-                except OSError:
-                    done(fd, 0)
-                    continue
-                c[1] = time.perf_counter()
-                ep.modify(fd, select.EPOLLIN)
-                continue
-            try:
-                data = c[0].recv(65536)
-            except OSError:
-                done(fd, 0)
-                continue
-            if data:
-                c[2] += data
-                continue
-            m = re.match(rb"HTTP/1\.1 (\d+)", bytes(c[2][:12]))
-            done(fd, int(m.group(1)) if m else 0)
-    for fd in list(conns):
-        done(fd, 0)
-    ep.close()
-    return out
-
-
-def raw_request(host: str, body: bytes) -> bytes:
-    return (f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n").encode() + body
-
-
-def burst_client(url: str, n: int, body: bytes, out: Any, cpus: set[int] | None = None) -> None:
-    """A client process: ``n`` requests at once; puts [(status, seconds), ...] on ``out``."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    host, port = split_url(url)
-    out.put(at_once(host, port, n, raw_request(host, body)))
-
-
-def idle_client(url: str, n: int, ready: Any, done: Any) -> None:
-    """Hold ``n`` idle connections until told to stop."""
-    host, port = split_url(url)
-
-    async def run() -> None:
-        conns = []
-        for _ in range(n):
-            try:
-                conns.append(await asyncio.open_connection(host, port))
-            except OSError:
-                break
-        ready.put(len(conns))
-        await asyncio.get_running_loop().run_in_executor(None, done.get)
-        for _, w in conns:
-            w.close()
-
-    asyncio.run(run())
 
 
 def unloaded(url: str, n: int) -> list[float]:
@@ -211,6 +134,52 @@ def _add(total: list[tuple[float, float]], before: list[tuple[float, float]],
     return [(le, mine.get(le, 0.0) + n - prior.get(le, 0.0)) for le, n in after]
 
 
+def probe(url: str, rounds: int, burst_n: int, procs: int, cpus: set[int] | None = None,
+          pause: float = 0.5) -> dict[str, Any]:
+    """Where an admitted request's time goes under a burst.
+
+    ``rounds`` times: one request alone, then one request with a burst of
+    ``burst_n`` released the moment it was written (so it is admitted and
+    the burst is shed around it).  For each: the latency at the client, and
+    the workers' compute time from the answer's own ``timings``.
+    """
+    host, port = split_url(url)
+    body = json.dumps(BODY).encode()
+    request = raw_request(host, body)
+    gos = [multiprocessing.Event() for _ in range(procs)]
+    q: Any = multiprocessing.Queue()
+    clients = [multiprocessing.Process(target=waiting_client, args=(url, burst_n // procs, body, g, q, cpus),
+                                       daemon=True) for g in gos]
+    for c in clients:
+        c.start()
+
+    def release() -> None:
+        for g in gos:
+            g.set()
+
+    seen: dict[str, list[tuple[float, float]]] = {"alone": [], "burst": []}
+    try:
+        for _ in range(rounds):
+            for kind, after in (("alone", None), ("burst", release)):
+                time.sleep(pause)
+                code, took, answer = one_request(host, port, request, after)
+                if after is not None:
+                    for _ in clients:
+                        q.get()
+                if code == 200 and answer and "timings" in answer:
+                    compute = sum(st["compute_ms"] for st in answer["timings"]["stages"]) / 1000
+                    seen[kind].append((took, compute))
+    finally:
+        for c in clients:
+            c.terminate()
+            c.join()
+    return {"rounds": rounds, **{kind: {"ok": len(xs), "client_p50_ms": pct([x for x, _ in xs], 0.5),
+                                        "client_max_ms": pct([x for x, _ in xs], 1.0),
+                                        "compute_p50_ms": pct([c for _, c in xs], 0.5),
+                                        "compute_max_ms": pct([c for _, c in xs], 1.0)}
+                                 for kind, xs in seen.items()}}
+
+
 def idle(url: str, n: int, procs: int) -> dict[str, Any]:
     ready: Any = multiprocessing.Queue()
     done: Any = multiprocessing.Queue()
@@ -267,7 +236,7 @@ def cpu_list(text: str) -> set[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.perf.serving", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.perf.operating", description=__doc__.split("\n\n")[0])
     p.add_argument("--serve-args", default="", help="extra trio-orch serve flags, e.g. '--in-process'")
     p.add_argument("--unloaded", type=int, default=30, help="requests one at a time (default 30)")
     p.add_argument("--burst", type=int, default=1024, help="requests at once (default 1024)")
@@ -279,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=int, default=20000, help="idle connections (default 20000)")
     p.add_argument("--kill", default="talker", help="stage kind to kill -9 (default talker; '' skips)")
     p.add_argument("--procs", type=int, default=4, help="client processes (default 4)")
+    p.add_argument("--probe", type=int, default=0, metavar="N",
+                   help="N rounds of: one request alone, one with a burst released as it is written; "
+                        "reports its latency and its workers' compute time (default 0: skip)")
     p.add_argument("--server-cpus", type=cpu_list, default=None, metavar="LIST",
                    help="pin the server and its workers to these CPUs, e.g. '0' (Linux)")
     p.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
@@ -307,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out.update(measure(url, unloaded_n=args.unloaded, burst_n=args.burst, procs=args.procs,
                            rounds=args.rounds, repeat=args.repeat, client_cpus=args.client_cpus))
+        if args.probe:
+            out["probe"] = probe(url, args.probe, args.burst, args.procs, args.client_cpus)
         if args.idle:
             out["idle"] = idle(url, args.idle, max(2, args.procs // 2))
         if args.kill:
@@ -364,6 +338,14 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
     out.append("")
     for run in runs:
         label = run_label(run)
+        if "probe" in run:
+            pr = run["probe"]
+            a, b = pr["alone"], pr["burst"]
+            out.append(f"- {label}: where an admitted request's time goes ({pr['rounds']} rounds): alone, "
+                       f"{_ms(a['client_p50_ms'])} ms at the client (median; max {_ms(a['client_max_ms'])}), "
+                       f"{_ms(a['compute_p50_ms'])} ms of it computing in the workers; with a burst "
+                       f"released as it was written, {_ms(b['client_p50_ms'])} ms (max "
+                       f"{_ms(b['client_max_ms'])}), {_ms(b['compute_p50_ms'])} ms computing.")
         if "idle" in run:
             i = run["idle"]
             out.append(f"- {label}: {i['idle_connections_opened']} idle connections, then a normal request: "
