@@ -4,8 +4,8 @@
 and ``serve --loop asyncio`` started in turn (interleaved rounds) over the
 same pipeline, N concurrent streaming clients in client processes for a
 bounded time, and per front: time to first content chunk, inter-chunk gap
-p50/p99, requests/s, and server CPU per request (the serving process; its
-workers apart).  :mod:`bench.perf.operating` is the other serving run (a
+p50/p99, requests/s, and server CPU per request (the serving process and
+its acceptor process; its workers apart).  :mod:`bench.perf.operating` is the other serving run (a
 real ``serve`` under a burst, an idle flood and kill -9).
 
 The clients speak raw HTTP/1.1 over asyncio sockets, loopback only, bounded
@@ -202,6 +202,21 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def front_cpu(pid: int) -> float:
+    """CPU seconds of the serving process and of its acceptor process (``--loop asyncio`` accepts in
+    one of its own), the workers apart: what serving HTTP costs, whichever process does it."""
+    from trio_orch.testing import child_pids
+
+    total = _proc_cpu(pid)
+    for child in child_pids(pid):
+        try:
+            if b"trio_orch.acceptor" in Path(f"/proc/{child}/cmdline").read_bytes():
+                total += _proc_cpu(child)
+        except OSError:
+            continue  # gone meanwhile
+    return total
+
+
 def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,
                   body: bytes) -> dict[str, Any]:
     """N concurrent streaming clients for ``seconds``: TTFC, inter-chunk gaps, req/s, server CPU."""
@@ -209,12 +224,12 @@ def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: i
     per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     clients = [multiprocessing.Process(target=_front_client, args=(url, n, seconds, body, q))
                for n in per if n]
-    cpu0, t0 = _proc_cpu(pid), time.perf_counter()
+    cpu0, t0 = front_cpu(pid), time.perf_counter()
     for c in clients:
         c.start()
     res = [q.get() for _ in clients]
     wall = time.perf_counter() - t0
-    cpu = _proc_cpu(pid) - cpu0
+    cpu = front_cpu(pid) - cpu0
     for c in clients:
         c.join()
     ttfc = [x for r in res for x in r[0]]
