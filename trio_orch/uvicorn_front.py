@@ -72,7 +72,7 @@ def default_max_connections(reserve: int = 1024) -> int:
 def quiet_floods(interval: float = 10.0) -> None:
     """At most one line per ``interval`` for each kind of log flood (asyncio accept errors, bad requests)."""
     flt = RateLimitFilter(_FLOODS, interval)
-    for name in ("asyncio", "uvicorn.error", "trio_orch.accept"):
+    for name in ("asyncio", "uvicorn.error"):  # the acceptor process limits its own lines
         logger = logging.getLogger(name)
         if not any(isinstance(f, RateLimitFilter) for f in logger.filters):
             logger.addFilter(flt)
