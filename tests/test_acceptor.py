@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from trio_orch.acceptor import AcceptorProcess, Board, Gate, request_complete, shed_route, waited
+from trio_orch.accept_gate import Board, Gate, request_complete, shed_route, waited
+from trio_orch.acceptor_process import AcceptorProcess
+from trio_orch.connection_limits import ConnectionLimiter
 from trio_orch.http_limits import Shedder
 from trio_orch.metrics import FrontMetrics
-from trio_orch.uvicorn_front import ConnectionLimiter
 
 HANG = 10.0
 CHAT = "/v1/chat/completions"
@@ -401,7 +402,7 @@ def test_the_server_collects_what_the_acceptor_counted_once() -> None:
 
 CHILD = r"""
 import resource, select, socket
-from trio_orch.acceptor import AcceptorProcess
+from trio_orch.acceptor_process import AcceptorProcess
 
 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 resource.setrlimit(resource.RLIMIT_NOFILE, (48, hard))  # the acceptor process inherits it

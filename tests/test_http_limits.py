@@ -295,8 +295,8 @@ def test_a_connection_passed_over_undecided_is_shed_at_its_line_if_it_waited_lon
     sat unread longer than that during a flood is refused even with room; without a flood it is not."""
     from types import SimpleNamespace
 
+    from trio_orch.connection_limits import ConnectionLimiter
     from trio_orch.http_limits import Shedder
-    from trio_orch.uvicorn_front import ConnectionLimiter
 
     limiter = ConnectionLimiter(10, 10.0, max_accept_wait=0.1)
     limiter.shedder = shedder = Shedder(lambda: False, frozenset({"/v1/chat/completions"}), FrontMetrics(),

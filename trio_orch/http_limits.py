@@ -18,7 +18,7 @@ once.  Every refusal has OpenAI's ``{"error": {...}}`` body.
 Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
 Trio ASGI server.  Limits on connections (how many, how long an idle one
 or a slow header may hold a socket) belong to the server: see
-:mod:`trio_orch.uvicorn_front`.  :class:`RateLimitFilter` keeps floods of
+:mod:`trio_orch.connection_limits`.  :class:`RateLimitFilter` keeps floods of
 identical log lines (accept errors when out of file descriptors) to one
 line per interval.
 """
@@ -35,7 +35,7 @@ from typing import Any
 
 import anyio
 
-from trio_orch.acceptor import refuses
+from trio_orch.accept_gate import refuses
 from trio_orch.metrics import FrontMetrics
 from trio_orch.openai_chat import error_body
 
@@ -54,7 +54,7 @@ class HTTPLimits:
     """Every limit of the HTTP front, with defaults for a small serving box.
 
     ``header_timeout``, ``keep_alive_timeout``, ``max_connections`` and
-    ``max_accept_wait`` are applied by the server (see :mod:`trio_orch.uvicorn_front`); the others by
+    ``max_accept_wait`` are applied by the server (see :mod:`trio_orch.connection_limits`); the others by
     :class:`LimitsMiddleware` and the request parser.  ``max_connections``
     None: derived from the process's file-descriptor limit.
     """
@@ -97,7 +97,7 @@ class Shedder:
     of a burst -- every request read before the engine shed its first --
     would take the full HTTP path.  :class:`LimitsMiddleware` asks before
     reading a body; a server front may ask as soon as it has a request line
-    (:mod:`trio_orch.uvicorn_front` does, before any HTTP parsing: under a
+    (:mod:`trio_orch.connection_limits` does, before any HTTP parsing: under a
     flood, even parsing the requests that will be refused starves the
     admitted ones of CPU).  Either way the refusal is counted once, by
     route, as shed.

@@ -35,19 +35,13 @@ from trio_orch.admin_http import TOKEN_ENV
 from trio_orch.bridge import Engine, EngineStartupError
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.config import PIPELINES
+from trio_orch.connection_limits import ConnectionLimiter, default_max_connections, quiet_floods
 from trio_orch.distributed import add_arguments as add_distributed_arguments
 from trio_orch.http_app import create_app
 from trio_orch.http_limits import HTTPLimits
 from trio_orch.metrics import FrontMetrics
 from trio_orch.openai_images import add_image_routes
-from trio_orch.uvicorn_front import (
-    ConnectionLimiter,
-    DrainingServer,
-    default_max_connections,
-    quiet_floods,
-    signal_name,
-    uvicorn_config,
-)
+from trio_orch.uvicorn_front import DrainingServer, signal_name, uvicorn_config
 
 __all__ = ["DEFAULT_LOOP", "EXIT_SIGNAL", "configure", "create_app", "run", "watch_engine"]
 
