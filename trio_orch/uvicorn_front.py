@@ -67,6 +67,7 @@ class DrainingServer(uvicorn.Server):
             await super().startup(sockets)
             return
         await super().startup([])  # uvicorn's state without a listener of its own
+        self.started = False  # not until the acceptors run (a test thread may be watching it)
         loop = asyncio.get_running_loop()
         shedder = limiter.shedder
         for sock in sockets:
@@ -81,6 +82,7 @@ class DrainingServer(uvicorn.Server):
             assert acceptor.channel is not None
             loop.add_reader(acceptor.channel.fileno(), self._take_over, loop, acceptor)
         self._refresher = loop.call_later(self.refresh, self._tick, loop)
+        self.started = True
 
     def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         assert self.limiter is not None
