@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
@@ -295,8 +296,7 @@ def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room(
 async def test_without_a_request_queue_nothing_waits_a_request_starts_at_once_or_is_refused() -> None:
     stage = ScriptedStage(0)
     async with open_orchestrator([stage], {0}, max_inflight=[1], request_queue_size=0) as orch:
-        await trio.testing.wait_all_tasks_blocked()
-        assert orch.has_room()  # the request handler waits for one
+        assert orch.has_room()  # the request handler waits for one from the moment it is ready
         orch.add_request_nowait("r1", "a")
         await trio.testing.wait_all_tasks_blocked()
         assert stage.submissions == [("r1", "a")]
@@ -310,6 +310,44 @@ async def test_without_a_request_queue_nothing_waits_a_request_starts_at_once_or
         await trio.testing.wait_all_tasks_blocked()
         assert [rid for rid, _ in stage.submissions] == ["r1", "r2"]
         await stage.emit("r2", "y", finished=True)
+
+
+async def test_without_a_request_queue_a_startable_request_waits_for_a_busy_handler_not_refused() -> None:
+    """The handler is doing a start's stage I/O: the next startable request is its next (one such),
+    and its own input update still reaches the stage after its start."""
+    stage = ScriptedStage(0)
+    async with open_orchestrator([stage], {0}, max_inflight=[3], request_queue_size=0) as orch:
+        stage.hold_submits()
+        orch.add_request_nowait("r1", "a")
+        await trio.testing.wait_all_tasks_blocked()  # the handler is in r1's submit
+        assert orch.has_room()
+        orch.add_request_nowait("r2", "b", resumable=True)  # could start: the handler's next
+        assert not orch.has_room()
+        with pytest.raises(trio.WouldBlock):
+            orch.add_request_nowait("r3", "c")  # one next at most: refused, not held
+        assert not orch.router.is_live("r3")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(partial(orch.update_request, "r2", "b2", final=True))
+            await trio.testing.wait_all_tasks_blocked()
+            stage.release_submits()
+        assert [rid for rid, _ in stage.submissions] == ["r1", "r2"]
+        assert [u[0] for u in stage.updates] == ["r2"]
+        await stage.emit("r1", "x", finished=True)
+        await stage.emit("r2", "y", finished=True)
+
+
+async def test_without_a_request_queue_the_handlers_next_gets_its_terminal_at_shutdown() -> None:
+    stage = ScriptedStage(0)
+    ledger: list[Any] = []
+    async with open_orchestrator([stage], {0}, max_inflight=[3], request_queue_size=0,
+                                 output_sink=ledger.extend) as orch:
+        stage.hold_submits()
+        orch.add_request_nowait("r1", "a")
+        await trio.testing.wait_all_tasks_blocked()
+        orch.add_request_nowait("r2", "b")
+        orch.request_shutdown()
+    ends = {m.request_id: m.kind for m in ledger if isinstance(m, OrchError)}
+    assert ends == {"r1": "shutdown", "r2": "shutdown"}
 
 
 async def test_capacity_is_what_the_stages_hold_plus_the_one_in_hand_and_the_channel() -> None:

@@ -225,6 +225,10 @@ class Orchestrator:
         self._drain_timeout: float | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._room: trio.Event | None = None  # set when the request handler waits for room
+        #: the request handler is doing stage I/O (a start or an update), and, with no request
+        #: queue, the one startable request given to it meanwhile, its next (add_request_nowait)
+        self._busy = False
+        self._next: Ticket | None = None
         self._pause_waiter: trio.Event | None = None  # set once a pause asked for is complete
         self._stop_requested = trio.Event()
         self._drained = trio.Event()
@@ -324,7 +328,12 @@ class Orchestrator:
     def has_room(self) -> bool:
         """Whether the request channel has space now (an add would not wait); a hint for admission."""
         stats = self._req_send.statistics()
-        return stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
+        return (stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
+                or self._hand_free())
+
+    def _hand_free(self) -> bool:
+        """No request queue, and the handler is busy with stage I/O and nobody is next in line."""
+        return not self._queue_size and self._busy and self._next is None
 
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                            timeout: float | None = None, resumable: bool = False,
@@ -333,12 +342,19 @@ class Orchestrator:
 
         Synchronous, so a thread bridge can call it via the Trio token.  With
         no request queue (``request_queue_size=0``) nothing waits for room: a
-        request that could not start at once is refused the same way.
+        request that could not start at once is refused the same way.  One
+        that could start while the handler is busy with stage I/O (starting
+        another, or an input update) is the handler's next: it is not refused for want of a
+        taker, and it still precedes any later input update of its own.
         """
         ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
         try:
-            if not self._queue_size and not self.router.can_start(ticket):
-                raise trio.WouldBlock
+            if not self._queue_size:
+                if not self.router.can_start(ticket):
+                    raise trio.WouldBlock
+                if self._hand_free() and not self._req_send.statistics().tasks_waiting_receive:
+                    self._next = ticket
+                    return
             self._req_send.send_nowait((ticket, None))
         except BaseException as exc:
             self._withdraw(ticket)
@@ -545,7 +561,9 @@ class Orchestrator:
                 for k, stage in enumerate(self.stages):
                     nursery.start_soon(self._reader, k, stage, name=f"trio_orch.reader[{k}]")
                 nursery.start_soon(self._dispatcher, name="trio_orch.dispatcher")
-                nursery.start_soon(self._request_handler, name="trio_orch.request_handler")
+                # started, not start_soon: it waits on the request channel before we report ready,
+                # so that with no request queue the first request is not refused for want of a taker
+                await nursery.start(self._request_handler, name="trio_orch.request_handler")
                 nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
                 self._watch_replicas()
                 task_status.started(self)
@@ -682,18 +700,30 @@ class Orchestrator:
                 for ev in waiters:  # no abort I/O was needed (or we are being cancelled)
                     ev.set()
 
-    async def _request_handler(self) -> None:
+    async def _request_handler(self, *,
+                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Start accepted requests and apply input updates, in order: the core decides."""
-        async for item in self._req_recv:
+        task_status.started()  # no checkpoint until the loop below parks in receive
+        while True:
+            item: tuple[Ticket, trio.Event | None] | _Update
+            if self._next is not None:
+                item, self._next = (self._next, None), None
+            else:
+                try:
+                    item = await self._req_recv.receive()
+                except trio.EndOfChannel:
+                    return
             if type(item) is _Update:
                 try:
                     actions = self.router.update(item.request_id, item.segment, final=item.final)
                 except ValueError as exc:  # it ended (or got its final segment) after the call
                     item.error = exc
                     actions = []
+                self._busy = True
                 try:
                     await self._perform(actions)
                 finally:
+                    self._busy = False
                     item.done.set()
                 continue
             ticket, done = item
@@ -701,8 +731,10 @@ class Orchestrator:
                 while not self.router.can_start(ticket):  # admission bound: wait for room
                     self._room = room = trio.Event()
                     await room.wait()
+                self._busy = True
                 await self._perform(self.router.start(ticket))
             finally:
+                self._busy = False
                 if done is not None:
                     done.set()
 
