@@ -21,6 +21,8 @@ applies them in call order, after the request's own admission.
 :meth:`Engine.add_request_async` returns once the request was accepted, so
 its updates can follow at once.
 
+The handles a caller holds per request (:class:`RequestHandle`,
+:class:`AsyncRequestHandle`) are in :mod:`trio_orch.engine_handles`.
 :func:`open_trio_engine` (:mod:`trio_orch.trio_engine`) is the same API for
 Trio code, without a thread; :mod:`trio_orch.engine_base` holds the errors,
 the pipeline factory contract and the metrics snapshot they share.
@@ -36,10 +38,10 @@ import math
 import os
 import queue
 import threading
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
-from time import monotonic, perf_counter
+from contextlib import aclosing
+from time import monotonic
 from typing import Any
 
 import trio
@@ -70,10 +72,11 @@ from trio_orch.engine_base import (
     unwrap,
 )
 from trio_orch.engine_control import ControlError, EngineControl
+from trio_orch.engine_handles import AsyncRequestHandle, RequestHandle, observe_latency
 from trio_orch.engine_updates import UpdateForwarder
 from trio_orch.orchestrator import Orchestrator
 from trio_orch.trio_engine import TrioEngine, open_trio_engine
-from trio_orch.types import Message, OrchError, RpcResult, StageClient
+from trio_orch.types import Message, RpcResult, StageClient
 
 # The engine API in one import: the shared pieces and the Trio engine are re-exported.
 __all__ = ["AsyncRequestHandle", "ControlError", "Engine", "EngineClosed", "EngineStartupError", "Overloaded",
@@ -81,101 +84,6 @@ __all__ = ["AsyncRequestHandle", "ControlError", "Engine", "EngineClosed", "Engi
            "static_pipeline"]
 
 log = logging.getLogger("trio_orch.bridge")
-
-
-def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
-    """Dispatch latency of each message the consumer just took (see docs/design.md).
-
-    From the stage's production timestamp (``OrchOutput.t_produced``, the
-    system-wide monotonic clock, so a worker's stamp compares) when there is
-    one; from the dispatcher's hand-over otherwise (errors, unstamped stages).
-    """
-    now = perf_counter()
-    for m in msgs:
-        tp = getattr(m, "t_produced", 0.0)
-        observe(now - (tp if tp else t_handover))
-
-
-class RequestHandle:
-    """A sync caller's view of one request: iterate it to get its messages, terminal last.
-
-    Leaving the iteration early (``break``, an exception, ``close()``) aborts
-    the request in the orchestrator.
-    """
-
-    def __init__(self, engine: Engine, stream: SyncStream) -> None:
-        self._engine = engine
-        self._s = stream
-        self._msgs: deque[Message] = deque()
-        self._ended = False  # the terminal (or an exception) reached the handle
-        self.finished = False  # the caller has taken the terminal
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
-
-    def _take(self, item: Any) -> bool:
-        """Absorb one item from the queue; True when it carried messages."""
-        if item is ACK or item is WITHDRAWN:
-            return False
-        if isinstance(item, BaseException):
-            self._ended = self.finished = True
-            raise item
-        t, msgs = item
-        observe_latency(self._engine._demux.latency.observe, t, msgs)
-        self._msgs.extend(msgs)
-        if msgs[-1].finished:
-            self._ended = True
-        return True
-
-    def get(self, timeout: float | None = None) -> Message:
-        """The next message; ``TimeoutError`` after ``timeout`` seconds without one."""
-        if not self._msgs:
-            if self.finished:
-                raise RuntimeError(f"request {self.request_id!r} already delivered its terminal")
-            q = self._s.q
-            deadline = None if timeout is None else monotonic() + timeout
-            while not self._msgs:
-                if deadline is None:
-                    item = q.get()
-                else:
-                    try:
-                        item = q.get(timeout=max(0.0, deadline - monotonic()))
-                    except queue.Empty:
-                        raise TimeoutError(f"no output for request {self.request_id!r} "
-                                           f"within {timeout}s") from None
-                self._take(item)
-        m = self._msgs.popleft()
-        if m.finished:
-            self.finished = True
-        return m
-
-    def __iter__(self) -> Iterator[Message]:
-        try:
-            while not self.finished:
-                yield self.get()
-        finally:
-            self.close()
-
-    def abort(self) -> None:
-        """Abort the request; iterating on yields its ``aborted`` terminal."""
-        self._engine.abort(self.request_id)
-
-    def update(self, segment: Any, *, final: bool = False, timeout: float | None = None) -> None:
-        """More input for this resumable request: :meth:`Engine.update_request`."""
-        self._engine.update_request(self.request_id, segment, final=final, timeout=timeout)
-
-    def close(self) -> None:
-        """Stop listening; aborts the request if it has not ended."""
-        if not self._ended:
-            self._ended = self.finished = True
-            self._engine._client_gone(self._s)
-
-    def __enter__(self) -> RequestHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class Engine(EngineControl):
@@ -510,8 +418,8 @@ class Engine(EngineControl):
         return self._open(AsyncioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
                           loop=asyncio.get_running_loop(), **kw)
 
-    def _client_gone(self, s: Stream) -> None:
-        """The consumer stopped listening before the terminal: abort the request."""
+    def client_gone(self, s: Stream) -> None:
+        """A consumer (a handle, a generator) stopped listening before the terminal: abort the request."""
         if s.state != DONE:
             s.detached = True
             self._post_quiet(self._abort_cb, s)
@@ -551,8 +459,8 @@ class Engine(EngineControl):
                 return h
             if item is WITHDRAWN:
                 raise TimeoutError(f"request channel stayed full for {timeout}s; request not submitted")
-            h._take(item)  # outputs (or the terminal) overtook the acknowledgement
-            if h._ended:
+            h.take(item)  # outputs (or the terminal) overtook the acknowledgement
+            if h.ended:
                 return h
 
     def _withdraw_cb(self, s: Stream) -> None:
@@ -687,38 +595,25 @@ class Engine(EngineControl):
         The request is registered when the iteration starts; to send a
         resumable request's updates right away, use :meth:`add_request_async`.
         """
-        s = self._open_async(prompt, request_id, final_stage_id, request_timeout, resumable,
-                             sampling=sampling, companions=dict(companions) if companions else None)
-        observe = self._demux.latency.observe
-        ended = False
-        try:
-            while True:
-                item = await s.next_item()
-                if isinstance(item, BaseException):
-                    ended = True
-                    raise item
-                t, msgs = item
-                observe_latency(observe, t, msgs)
+        batches = self.generate_batches(prompt, request_id=request_id, final_stage_id=final_stage_id,
+                                        request_timeout=request_timeout, sampling=sampling,
+                                        resumable=resumable, companions=companions)
+        async with aclosing(batches):  # leaving early closes it now: the request is aborted at once
+            async for msgs in batches:
                 for m in msgs:
-                    if m.finished:
-                        ended = True
                     yield m
-                if ended:
-                    return
-        finally:
-            if not ended:
-                self._client_gone(s)
 
     async def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                                final_stage_id: int | None = None, request_timeout: float | None = None,
-                               sampling: Any = None, resumable: bool = False) -> AsyncIterator[list[Message]]:
+                               sampling: Any = None, resumable: bool = False,
+                               companions: Mapping[str, Any] | None = None) -> AsyncIterator[list[Message]]:
         """Like :meth:`generate`, but one list of messages per wake-up (per dispatcher batch).
 
         For consumers that write in bulk (one HTTP chunk per batch) or count
         every microsecond; the terminal is the last message of the last list.
         """
         s = self._open_async(prompt, request_id, final_stage_id, request_timeout, resumable,
-                             sampling=sampling)
+                             sampling=sampling, companions=dict(companions) if companions else None)
         observe = self._demux.latency.observe
         ended = False
         try:
@@ -733,7 +628,7 @@ class Engine(EngineControl):
                 yield msgs
         finally:
             if not ended:
-                self._client_gone(s)
+                self.client_gone(s)
 
     async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
                                 final_stage_id: int | None = None, request_timeout: float | None = None,
@@ -786,107 +681,3 @@ class Engine(EngineControl):
             return await asyncio.wait_for(fut, timeout)
         except (EngineClosed, TimeoutError):
             return collect_stats(None, self._demux, 0, False)
-
-
-class AsyncRequestHandle:
-    """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
-
-    ``async for m in handle``: its messages, terminal last (:meth:`batches`:
-    one list per dispatcher batch).  ``await handle.update(segment)`` sends
-    more input to a resumable request.  Leaving an ``async with handle`` block
-    (or :meth:`close`) before the terminal aborts the request.  ``rejection``
-    is the terminal error of a request the engine ended before admitting it;
-    ``t_open`` when it was asked for (``time.perf_counter``); ``timings`` each
-    stage's timing, once the terminal was taken (asked for with ``want_timings``).
-    """
-
-    def __init__(self, engine: Engine, stream: Any) -> None:
-        self._engine = engine
-        self._s = stream
-        self._msgs: deque[Message] = deque()
-        self._ended = False  # the terminal (or an exception) reached the handle
-        self.finished = False  # the caller has taken the terminal
-        self.rejection: OrchError | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
-
-    @property
-    def t_open(self) -> float:
-        return self._s.t_open
-
-    @property
-    def timings(self) -> tuple[Any, ...] | None:
-        return self._s.timings
-
-    async def wait_accepted(self) -> None:
-        """Wait for the admission acknowledgement (or an early end, whose terminal is kept)."""
-        while True:
-            item = await self._s.next_item()
-            if item is ACK:
-                return
-            if self._take(item):
-                if len(self._msgs) == 1 and isinstance(self._msgs[0], OrchError):
-                    self.rejection = self._msgs[0]  # ended before anything else: refused at admission
-                return
-
-    async def batches(self) -> AsyncIterator[list[Message]]:
-        """The messages, one list per dispatcher batch, the terminal last; leaving early aborts."""
-        try:
-            while not self.finished:
-                while not self._msgs:
-                    self._take(await self._s.next_item())
-                batch = list(self._msgs)
-                self._msgs.clear()
-                self.finished = batch[-1].finished
-                yield batch
-        finally:
-            self.close()
-
-    def _take(self, item: Any) -> bool:
-        """Absorb one item; True once the request ended."""
-        if item is ACK or item is WITHDRAWN:
-            return self._ended
-        if isinstance(item, BaseException):
-            self._ended = self.finished = True
-            raise item
-        t, msgs = item
-        observe_latency(self._engine._demux.latency.observe, t, msgs)
-        self._msgs.extend(msgs)
-        if msgs[-1].finished:
-            self._ended = True
-        return self._ended
-
-    def __aiter__(self) -> AsyncRequestHandle:
-        return self
-
-    async def __anext__(self) -> Message:
-        if self.finished:
-            raise StopAsyncIteration
-        while not self._msgs:
-            self._take(await self._s.next_item())
-        m = self._msgs.popleft()
-        if m.finished:
-            self.finished = True
-        return m
-
-    async def update(self, segment: Any, *, final: bool = False) -> None:
-        """More input for this resumable request: :meth:`Engine.update_request_async`."""
-        await self._engine.update_request_async(self.request_id, segment, final=final)
-
-    def abort(self) -> None:
-        """Abort the request; iterating on yields its ``aborted`` terminal."""
-        self._engine.abort(self.request_id)
-
-    def close(self) -> None:
-        """Stop listening; aborts the request if it has not ended."""
-        if not self._ended:
-            self._ended = self.finished = True
-            self._engine._client_gone(self._s)
-
-    async def __aenter__(self) -> AsyncRequestHandle:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
