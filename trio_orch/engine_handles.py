@@ -20,7 +20,7 @@ from trio_orch.types import Message, OrchError
 if TYPE_CHECKING:
     from trio_orch.bridge import Engine
 
-__all__ = ["AsyncRequestHandle", "RequestHandle", "observe_latency"]
+__all__ = ["AsyncRequestHandle", "HandleBase", "RequestHandle", "observe_latency"]
 
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
@@ -36,14 +36,10 @@ def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: l
         observe(now - (tp if tp else t_handover))
 
 
-class RequestHandle:
-    """A sync caller's view of one request: iterate it to get its messages, terminal last.
+class HandleBase:
+    """What both handles share: the stream they read, the messages taken but not yet handed out."""
 
-    Leaving the iteration early (``break``, an exception, ``close()``) aborts
-    the request in the orchestrator.
-    """
-
-    def __init__(self, engine: Engine, stream: SyncStream) -> None:
+    def __init__(self, engine: Engine, stream: Any) -> None:
         self._engine = engine
         self._s = stream
         self._msgs: deque[Message] = deque()
@@ -60,13 +56,13 @@ class RequestHandle:
         return self._ended
 
     def take(self, item: Any) -> bool:
-        """Absorb one item of the request's stream; True when it carried messages.
+        """Absorb one item of the request's stream; True once the request ended.
 
-        The engine gives it what arrived before the acknowledgement; the
-        handle's own :meth:`get` takes the rest.
+        An exception item is raised (the request ended with it); a batch of
+        messages is kept, its dispatch latency observed.
         """
         if item is ACK or item is WITHDRAWN:
-            return False
+            return self._ended
         if isinstance(item, BaseException):
             self._ended = self.finished = True
             raise item
@@ -75,7 +71,33 @@ class RequestHandle:
         self._msgs.extend(msgs)
         if msgs[-1].finished:
             self._ended = True
-        return True
+        return self._ended
+
+    def _next_message(self) -> Message:
+        m = self._msgs.popleft()
+        if m.finished:
+            self.finished = True
+        return m
+
+    def abort(self) -> None:
+        """Abort the request; iterating on yields its ``aborted`` terminal."""
+        self._engine.abort(self.request_id)
+
+    def close(self) -> None:
+        """Stop listening; aborts the request if it has not ended."""
+        if not self._ended:
+            self._ended = self.finished = True
+            self._engine.client_gone(self._s)
+
+
+class RequestHandle(HandleBase):
+    """A sync caller's view of one request: iterate it to get its messages, terminal last.
+
+    Leaving the iteration early (``break``, an exception, ``close()``) aborts
+    the request in the orchestrator.
+    """
+
+    _s: SyncStream
 
     def get(self, timeout: float | None = None) -> Message:
         """The next message; ``TimeoutError`` after ``timeout`` seconds without one."""
@@ -94,10 +116,7 @@ class RequestHandle:
                         raise TimeoutError(f"no output for request {self.request_id!r} "
                                            f"within {timeout}s") from None
                 self.take(item)
-        m = self._msgs.popleft()
-        if m.finished:
-            self.finished = True
-        return m
+        return self._next_message()
 
     def __iter__(self) -> Iterator[Message]:
         try:
@@ -106,19 +125,9 @@ class RequestHandle:
         finally:
             self.close()
 
-    def abort(self) -> None:
-        """Abort the request; iterating on yields its ``aborted`` terminal."""
-        self._engine.abort(self.request_id)
-
     def update(self, segment: Any, *, final: bool = False, timeout: float | None = None) -> None:
         """More input for this resumable request: :meth:`Engine.update_request`."""
         self._engine.update_request(self.request_id, segment, final=final, timeout=timeout)
-
-    def close(self) -> None:
-        """Stop listening; aborts the request if it has not ended."""
-        if not self._ended:
-            self._ended = self.finished = True
-            self._engine.client_gone(self._s)
 
     def __enter__(self) -> RequestHandle:
         return self
@@ -127,7 +136,7 @@ class RequestHandle:
         self.close()
 
 
-class AsyncRequestHandle:
+class AsyncRequestHandle(HandleBase):
     """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
 
     ``async for m in handle``: its messages, terminal last (:meth:`batches`:
@@ -140,16 +149,8 @@ class AsyncRequestHandle:
     """
 
     def __init__(self, engine: Engine, stream: Any) -> None:
-        self._engine = engine
-        self._s = stream
-        self._msgs: deque[Message] = deque()
-        self._ended = False  # the terminal (or an exception) reached the handle
-        self.finished = False  # the caller has taken the terminal
+        super().__init__(engine, stream)
         self.rejection: OrchError | None = None
-
-    @property
-    def request_id(self) -> str:
-        return self._s.request_id
 
     @property
     def t_open(self) -> float:
@@ -165,7 +166,7 @@ class AsyncRequestHandle:
             item = await self._s.next_item()
             if item is ACK:
                 return
-            if self._take(item):
+            if self.take(item):
                 if len(self._msgs) == 1 and isinstance(self._msgs[0], OrchError):
                     self.rejection = self._msgs[0]  # ended before anything else: refused at admission
                 return
@@ -175,27 +176,13 @@ class AsyncRequestHandle:
         try:
             while not self.finished:
                 while not self._msgs:
-                    self._take(await self._s.next_item())
+                    self.take(await self._s.next_item())
                 batch = list(self._msgs)
                 self._msgs.clear()
                 self.finished = batch[-1].finished
                 yield batch
         finally:
             self.close()
-
-    def _take(self, item: Any) -> bool:
-        """Absorb one item; True once the request ended."""
-        if item is ACK or item is WITHDRAWN:
-            return self._ended
-        if isinstance(item, BaseException):
-            self._ended = self.finished = True
-            raise item
-        t, msgs = item
-        observe_latency(self._engine.demux.latency.observe, t, msgs)
-        self._msgs.extend(msgs)
-        if msgs[-1].finished:
-            self._ended = True
-        return self._ended
 
     def __aiter__(self) -> AsyncRequestHandle:
         return self
@@ -204,25 +191,12 @@ class AsyncRequestHandle:
         if self.finished:
             raise StopAsyncIteration
         while not self._msgs:
-            self._take(await self._s.next_item())
-        m = self._msgs.popleft()
-        if m.finished:
-            self.finished = True
-        return m
+            self.take(await self._s.next_item())
+        return self._next_message()
 
     async def update(self, segment: Any, *, final: bool = False) -> None:
         """More input for this resumable request: :meth:`Engine.update_request_async`."""
         await self._engine.update_request_async(self.request_id, segment, final=final)
-
-    def abort(self) -> None:
-        """Abort the request; iterating on yields its ``aborted`` terminal."""
-        self._engine.abort(self.request_id)
-
-    def close(self) -> None:
-        """Stop listening; aborts the request if it has not ended."""
-        if not self._ended:
-            self._ended = self.finished = True
-            self._engine.client_gone(self._s)
 
     async def __aenter__(self) -> AsyncRequestHandle:
         return self
