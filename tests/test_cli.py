@@ -82,3 +82,17 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("trio-orch 0.")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--request-queue-size", "-1"], "--request-queue-size must be >= 0"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--loop", "trio", "--max-connections", "100"], "--max-connections applies to --loop asyncio"),
+])
+def test_serve_refuses_bad_arguments_before_it_listens_or_starts_a_worker(
+        argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--port", "0", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+    assert "starting" not in captured.out

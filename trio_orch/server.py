@@ -131,7 +131,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"would serve it late (default {d.max_accept_wait:g}; --loop asyncio)")
     h.add_argument("--max-connections", type=int, default=None,
                    help="open connections; past it the longest-idle one is closed, or the new one "
-                        "refused with 503 if all are busy (default: the file-descriptor limit minus 1024)")
+                        "refused with 503 if all are busy (default: the file-descriptor limit minus 1024; "
+                        "--loop asyncio)")
 
 
 def _check_args(args: argparse.Namespace) -> HTTPLimits:
@@ -145,6 +146,9 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if args.loop == "trio" and args.max_connections is not None:  # an explicit limit must hold or be refused
+        raise ValueError("--max-connections applies to --loop asyncio: hypercorn's Trio worker has no "
+                         "connection limit")
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
