@@ -23,8 +23,8 @@ from typing import Any
 
 import zmq
 
-from trio_orch.auth import DOMAIN, Authenticator, Security
-from trio_orch.wire import Chunk, WireCodec, WireError
+from stages.auth import DOMAIN, Authenticator, Security
+from stages.wire import Chunk, WireCodec, WireError
 
 __all__ = ["ChunkInbox", "ChunkOutbox"]
 

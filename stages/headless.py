@@ -3,7 +3,7 @@
 It loads its keys (its own key pair, and the head's public key: a head that
 cannot prove it holds the matching secret key is refused by the CurveZMQ
 handshake), registers for ``--stage K`` at ``--head tcp://HOST:PORT``
-(:mod:`trio_orch.membership_wire`), and once accepted builds the stage's
+(:mod:`stages.membership_wire`), and once accepted builds the stage's
 model from ``--config`` (the same pipeline TOML the head reads), connects to
 the control port the head gave it, sends ``Ready`` and serves like a local
 worker (:class:`stages.worker.Worker`), streaming async-chunk data to the
@@ -40,12 +40,12 @@ import msgspec
 import zmq
 import zmq.utils.monitor as zmq_monitor
 
+from stages import membership_wire as mw
+from stages.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
 from stages.registry import build_model, model_class
+from stages.wire import Dying, Peers, Ready
 from stages.worker import StopServing, Worker
 from stages.worker import build_parser as build_worker_parser
-from trio_orch import membership_wire as mw
-from trio_orch.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
-from trio_orch.wire import Dying, Peers, Ready
 
 __all__ = ["CONFIG_ENV", "KEYS_ENV", "HeadlessWorker", "build_parser", "main"]
 
@@ -246,7 +246,7 @@ def say(line: str) -> None:
 
 def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) -> int:
     args = args if args is not None else build_parser().parse_args(argv)
-    from trio_orch.config import builtin_config, from_dict, load_config
+    from stages.config import builtin_config, from_dict, load_config
 
     try:
         keypair, head_key = _keys(args)

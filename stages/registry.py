@@ -67,8 +67,8 @@ from stages.sampling_params import (
 )
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "last_output",
-           "model_class", "outputs_of", "pcm_of", "placeholder_input", "prewarm_fn", "source_root",
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of",
+           "model_class", "outputs_of", "pcm_of", "prewarm_fn", "source_root",
            "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.

@@ -34,14 +34,14 @@ from typing import Any
 
 import zmq
 
+from stages.auth import Authenticator, Security
 from stages.base import ReqState, StageModel, StepResult
 from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
 from stages.segments import SegmentTracker
-from trio_orch.auth import Authenticator, Security
-from trio_orch.wire import (
+from stages.wire import (
     Abort,
     Cordoned,
     Dying,
@@ -515,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m stages.worker",
         description="One stage replica of a trio-orch pipeline, served over ZeroMQ. Normally started "
-                    "by trio_orch.launcher (open_pipeline), which binds --connect and waits for Ready.",
+                    "by the orchestrator's launcher, which binds --connect and waits for Ready.",
     )
     p.add_argument("--connect", required=True, help="ZMQ address of the orchestrator's socket (DEALER)")
     p.add_argument("--stage-id", type=int, default=0, help="stage index in the pipeline")

@@ -1,9 +1,47 @@
-"""Shared helpers for the pytest-trio suite."""
+"""Shared helpers and rules for the whole suite.
+
+Tests that start processes (stage workers, servers, a Ray head, a CLI run)
+carry the ``processes`` mark -- every test under the folders in
+:data:`PROCESS_FOLDERS`, and elsewhere the modules that set ``pytestmark``.
+The quick loop, ``pytest -m "not processes"``, runs the rest; a test without
+the mark that starts a process fails with a message saying so, so the quick
+loop stays quick and honest.
+"""
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 import trio
 import trio.lowlevel
+
+#: test folders whose every test starts processes (workers, servers, command lines)
+PROCESS_FOLDERS = frozenset({"cluster", "serve", "bench"})
+
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        rel = Path(str(item.fspath)).resolve().relative_to(TESTS)
+        if rel.parts[0] in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.processes)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_marked(request: pytest.FixtureRequest,
+                              monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A test without the ``processes`` mark may not start one (the quick loop must not)."""
+    if request.node.get_closest_marker("processes") is None:
+        def refuse(self: subprocess.Popen, *args: object, **kwargs: object) -> None:
+            raise AssertionError(f"{request.node.nodeid} starts a process: mark it "
+                                 "pytest.mark.processes (tests/conftest.py)")
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    yield
 
 
 def live_task_names() -> list[str]:

@@ -21,14 +21,14 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_orch.bridge import Engine
-from trio_orch.connection_limits import ConnectionLimiter
-from trio_orch.http_app import create_app
-from trio_orch.http_limits import HTTPLimits
-from trio_orch.hypercorn_front import hypercorn_config, serve_http
-from trio_orch.inloop_engine import InLoopEngine
-from trio_orch.metrics import FrontMetrics
-from trio_orch.uvicorn_front import DrainingServer, uvicorn_config
+from trio_orch.engine import Engine
+from trio_orch.engine.inloop import InLoopEngine
+from trio_orch.http.app import create_app
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.metrics import FrontMetrics
+from trio_orch.serve.connection_limits import ConnectionLimiter
+from trio_orch.serve.hypercorn_front import hypercorn_config, serve_http
+from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
 HANG = 10.0  # seconds before a wait is declared a hang (it asserts nothing about timing)
 

@@ -2,7 +2,7 @@
 
 The public API is exported lazily: ``from trio_orch import Orchestrator``
 imports the Trio shell on first use, so that a stage worker process, which
-imports only ``trio_orch.wire``, never imports Trio.
+imports only ``stages.wire``, never imports Trio.
 """
 
 from __future__ import annotations
@@ -22,27 +22,53 @@ _EXPORTS: dict[str, str] = {
     "StageDied": "trio_orch.types",
     "StageOutput": "trio_orch.types",
     "StageUnavailable": "trio_orch.types",
-    "Orchestrator": "trio_orch.orchestrator",
-    "OrchestratorStatistics": "trio_orch.orchestrator",
-    "open_orchestrator": "trio_orch.orchestrator",
+    "Orchestrator": "trio_orch.shell.orchestrator",
+    "OrchestratorStatistics": "trio_orch.shell.orchestrator",
+    "open_orchestrator": "trio_orch.shell.orchestrator",
+    "Engine": "trio_orch.engine",
+    "TrioEngine": "trio_orch.engine",
+    "open_trio_engine": "trio_orch.engine",
+    "EngineClosed": "trio_orch.engine",
+    "EngineStartupError": "trio_orch.engine",
+    "Overloaded": "trio_orch.engine",
+    "ControlError": "trio_orch.engine",
+    "static_pipeline": "trio_orch.engine",
 }
 
 __all__ = [
+    "ControlError",
+    "Engine",
+    "EngineClosed",
+    "EngineStartupError",
     "Message",
     "OrchError",
     "OrchOutput",
     "Orchestrator",
     "OrchestratorStatistics",
+    "Overloaded",
     "RpcResult",
     "StageClient",
     "StageDied",
     "StageOutput",
     "StageUnavailable",
+    "TrioEngine",
     "open_orchestrator",
+    "open_trio_engine",
+    "static_pipeline",
 ]
 
 if TYPE_CHECKING:
-    from trio_orch.orchestrator import Orchestrator, OrchestratorStatistics, open_orchestrator
+    from trio_orch.engine import (
+        ControlError,
+        Engine,
+        EngineClosed,
+        EngineStartupError,
+        Overloaded,
+        TrioEngine,
+        open_trio_engine,
+        static_pipeline,
+    )
+    from trio_orch.shell.orchestrator import Orchestrator, OrchestratorStatistics, open_orchestrator
     from trio_orch.types import (
         Message,
         OrchError,

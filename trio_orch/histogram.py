@@ -2,7 +2,7 @@
 
 Observations happen where the event is (the orchestrator's dispatcher, a
 consumer thread, the HTTP front) without a lock; :meth:`Histogram.snapshot`
-copies the counts once per scrape, and :mod:`trio_orch.metrics` exposes the
+copies the counts once per scrape, and :mod:`trio_orch.http.metrics` exposes the
 snapshots through ``prometheus_client``.  No ``prometheus_client`` import
 here: the stage pools and the engine record into these without it.
 """

@@ -35,8 +35,8 @@ import trio
 from bench.chaos.remote import RemoteWorkers
 from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
 from bench.chaos.server import HttpFault
-from trio_orch.auth import Keypair
-from trio_orch.config import PipelineConfig
+from stages.auth import Keypair
+from stages.config import PipelineConfig
 from trio_orch.types import StageOutput
 
 __all__ = ["FAULTS", "Fault", "GatedStage", "PipelineFault"]

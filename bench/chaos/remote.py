@@ -25,11 +25,11 @@ from pathlib import Path
 
 import trio
 
+from stages.auth import Keypair
+from stages.config import to_dict
 from stages.headless import CONFIG_ENV, KEYS_ENV
-from trio_orch.auth import Keypair
-from trio_orch.config import to_dict
-from trio_orch.launcher import Pipeline
-from trio_orch.membership import HeadKeys, Member, Registrar, open_registrar
+from trio_orch.cluster.launcher import Pipeline
+from trio_orch.cluster.registrar import HeadKeys, Member, Registrar, open_registrar
 
 __all__ = ["ALLOWED", "LISTEN_HOST", "RemoteWorkers", "open_remote_workers"]
 

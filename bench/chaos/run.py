@@ -1,7 +1,7 @@
 """One chaos run: a pipeline under load, one fault, and the numbers that judge it.
 
 :func:`run_fault` starts a fresh pipeline (>= 2 replicas per stage) under a
-:class:`~trio_orch.supervisor.Supervisor`, an orchestrator and a consumer,
+:class:`~trio_orch.cluster.supervisor.Supervisor`, an orchestrator and a consumer,
 drives ``requests`` requests through it with at most ``concurrency`` in
 flight, lets the fault's ``inject`` coroutine do its damage at the chosen
 moment, then checks that the orchestrator still serves (fresh probe requests
@@ -31,10 +31,10 @@ import trio
 
 from bench.chaos.remote import LISTEN_HOST, RemoteWorkers, open_remote_workers
 from bench.implementations import names
-from trio_orch.config import PipelineConfig, default_config, echo_config
-from trio_orch.launcher import Pipeline, open_pipeline
-from trio_orch.orchestrator import Orchestrator
-from trio_orch.supervisor import RestartPolicy, Supervisor, open_supervisor
+from stages.config import PipelineConfig, default_config, echo_config
+from trio_orch.cluster.launcher import Pipeline, open_pipeline
+from trio_orch.cluster.supervisor import RestartPolicy, Supervisor, open_supervisor
+from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import LeakProbe, TerminalLedger
 from trio_orch.types import Message
 

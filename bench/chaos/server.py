@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from bench.chaos.run import ChaosOptions, ChaosResult
-from trio_orch.server import EXIT_SIGNAL
+from trio_orch.serve.signals import EXIT_SIGNAL
 from trio_orch.testing import child_pids, fd_count, worker_alive
 
 if TYPE_CHECKING:

@@ -41,7 +41,7 @@ from typing import Any
 
 import sniffio
 
-from trio_orch.config import PipelineConfig
+from stages.config import PipelineConfig
 from trio_orch.testing import Misbehaviour
 from trio_orch.types import Message, RpcResult, StageOutput
 
@@ -85,7 +85,7 @@ class Driver:
     ``push``: scripted stages offer the push fast path where the implementation
     has one.  ``in_loop_consumer=True`` leaves outputs in the implementation's
     own output channel/queue, for a consumer running inside its loop.
-    ``workers`` (a :class:`~trio_orch.config.PipelineConfig`, e.g.
+    ``workers`` (a :class:`~stages.config.PipelineConfig`, e.g.
     ``echo_config(2)``) replaces the scripted stages by real worker processes;
     the config then sets the number of stages, the final stages and
     async-chunk mode, and the stage-side calls are not available.
@@ -114,8 +114,7 @@ class Driver:
         workers: PipelineConfig | None = None,
     ) -> None:
         if workers is not None:  # real stage workers: the pipeline config decides the shape
-            from trio_orch import launcher
-
+            from trio_orch.cluster import launcher
             num_stages, final_stage_ids = len(workers.stages), workers.final_stage_ids
             async_chunk = workers.async_chunk
             forward_fn = forward_fn or launcher.forward_fn_for(workers.kinds(), workers.roles())

@@ -1,8 +1,8 @@
-"""The production thread bridge, :class:`trio_orch.bridge.Engine`, behind a driver.
+"""The production thread bridge, :class:`trio_orch.engine.bridge.Engine`, behind a driver.
 
 Where :class:`bench.drivers.trio.TrioDriver` reads the orchestrator's whole
 output stream through one queue, this driver consumes through the Engine's
-public sync API: one :class:`~trio_orch.bridge.RequestHandle` per request (the
+public sync API: one :class:`~trio_orch.engine.bridge.RequestHandle` per request (the
 per-request demultiplexing a serving front gets).  :meth:`EngineDriver.next_batch`
 serves the open handles round-robin, so with many concurrent requests a
 message can wait behind its siblings in the consumer: that wait is part of
@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.drivers.base import Driver, ShutdownReport
-from trio_orch.bridge import Engine, RequestHandle
-from trio_orch.engine_base import static_pipeline
+from trio_orch.engine import Engine, RequestHandle
+from trio_orch.engine.base import static_pipeline
 from trio_orch.testing import PushScriptedStage
 from trio_orch.types import Message
 

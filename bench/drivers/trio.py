@@ -5,7 +5,7 @@ token (``trio.from_thread.run``/``run_sync`` when the caller needs the result,
 ``TrioToken.run_sync_soon`` when it does not), and the orchestrator's
 ``output_sink`` puts each batch of messages on a queue, so the consumer thread
 wakes once per batch.  Self-contained on purpose: the production bridge
-(``trio_orch/bridge.py``) has its own driver, :mod:`bench.drivers.engine`.
+(``trio_orch/engine/bridge.py``) has its own driver, :mod:`bench.drivers.engine`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import trio
 
 from bench.drivers.base import Driver
+from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.core import JoinRefused
-from trio_orch.launcher import open_pipeline
-from trio_orch.orchestrator import Orchestrator
+from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import PushScriptedStage, ScriptedStage
 from trio_orch.types import Message, RpcResult
 

@@ -1,7 +1,7 @@
 """The ZMQ floor behind a :class:`~bench.drivers.base.Driver`: a bare pyzmq round trip, no event loop.
 
 The same ``stages.worker`` process, the same DEALER socket and wire framing
-(:mod:`trio_orch.wire`) as a replica pool's client, but the benchmark's own
+(:mod:`stages.wire`) as a replica pool's client, but the benchmark's own
 thread sends the ``Submit`` and blocks in ``recv_multipart`` for the
 outputs: no orchestrator, no event loop, no thread hand-off.  What the ZMQ
 workloads measure above it is what the orchestrator and its transport add.
@@ -19,9 +19,7 @@ from typing import Any
 import zmq
 
 from bench.drivers.base import Driver, thread_cpu_seconds
-from trio_orch.launcher import worker_argv
-from trio_orch.types import Message, OrchError, OrchOutput
-from trio_orch.wire import (
+from stages.wire import (
     Heartbeat,
     InboundMsg,
     OutboundMsg,
@@ -32,6 +30,8 @@ from trio_orch.wire import (
     Submit,
     WireCodec,
 )
+from trio_orch.cluster.launcher import worker_argv
+from trio_orch.types import Message, OrchError, OrchOutput
 
 __all__ = ["ZmqFloorDriver"]
 

@@ -116,7 +116,7 @@ def inproc(rounds: int, n: int) -> None:
 
 def zmq(rounds: int, n: int) -> None:
     """a_seq over ZMQ echo workers: ReplicaPool.pump (push) vs pool.receive()."""
-    from trio_orch.pool import ReplicaPool
+    from trio_orch.cluster.pool import ReplicaPool
 
     pump = ReplicaPool.pump
     res: dict[str, list[float]] = {"push (pool.pump)": [], "receive loop": []}

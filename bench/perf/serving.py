@@ -210,7 +210,7 @@ def front_cpu(pid: int) -> float:
     total = _proc_cpu(pid)
     for child in child_pids(pid):
         try:
-            if b"trio_orch.acceptor" in Path(f"/proc/{child}/cmdline").read_bytes():
+            if b"trio_orch.serve.acceptor" in Path(f"/proc/{child}/cmdline").read_bytes():
                 total += _proc_cpu(child)
         except OSError:
             continue  # gone meanwhile

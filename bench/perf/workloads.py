@@ -27,7 +27,7 @@ from typing import Any
 from bench.drivers.base import Driver
 from bench.implementations import make_driver
 from bench.perf.loop_workloads import loop_chain, loop_concurrent, loop_seq
-from trio_orch.config import PipelineConfig, default_config, echo_config
+from stages.config import PipelineConfig, default_config, echo_config
 from trio_orch.types import Message, StageOutput
 
 __all__ = ["WORKLOADS", "Workload", "run_workload"]

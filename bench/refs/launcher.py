@@ -1,9 +1,9 @@
-"""The asyncio references' worker launcher: the twin of :func:`trio_orch.launcher.open_pipeline`.
+"""The asyncio references' worker launcher: the twin of :func:`trio_orch.cluster.launcher.open_pipeline`.
 
 :func:`open_worker_stages` starts the same ``python -m stages.worker``
-processes as :func:`trio_orch.launcher.open_pipeline` (one replica per stage:
+processes as :func:`trio_orch.cluster.launcher.open_pipeline` (one replica per stage:
 the references have no replica pool; command lines from
-:func:`trio_orch.launcher.worker_argv`), each behind an
+:func:`trio_orch.cluster.launcher.worker_argv`), each behind an
 :class:`~bench.refs.transport.AsyncZmqStageClient`, waits for their ``Ready``
 and stops them, always, on the way out.
 """
@@ -22,8 +22,8 @@ from collections.abc import AsyncIterator
 import zmq.asyncio
 
 from bench.refs.transport import AsyncZmqStageClient
-from trio_orch.config import PipelineConfig
-from trio_orch.launcher import worker_argv
+from stages.config import PipelineConfig
+from trio_orch.cluster.launcher import worker_argv
 
 __all__ = ["open_worker_stages"]
 

@@ -1,8 +1,8 @@
 """The asyncio references' ZMQ stage client (pyzmq's asyncio sockets).
 
-The twin of :class:`trio_orch.transport.ZmqStageClient` for the asyncio
+The twin of :class:`trio_orch.cluster.transport.ZmqStageClient` for the asyncio
 orchestrators: one DEALER socket per worker replica, bound here (the worker
-connects), speaking :mod:`trio_orch.wire`.  ``receive`` awaits one multipart
+connects), speaking :mod:`stages.wire`.  ``receive`` awaits one multipart
 message, then takes whatever else is already queued without waiting, so a
 burst comes back as one batch; pyzmq's asyncio socket handles the
 edge-triggered ZMQ fd.  The replica is dead when it sends ``Dying``, when its
@@ -21,9 +21,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from trio_orch.transport import ReplicaDied
-from trio_orch.types import StageOutput, StageUnavailable
-from trio_orch.wire import (
+from stages.wire import (
     Abort,
     Dying,
     Heartbeat,
@@ -38,8 +36,10 @@ from trio_orch.wire import (
     WireCodec,
     WireError,
 )
+from trio_orch.cluster.transport import ReplicaDied
+from trio_orch.types import StageOutput, StageUnavailable
 
-__all__ = ["AsyncZmqStageClient", "ReplicaDied"]
+__all__ = ["AsyncZmqStageClient"]
 
 log = logging.getLogger("bench.refs.transport")
 

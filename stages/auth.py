@@ -1,0 +1,408 @@
+"""Who may talk to whom: the pipeline secret on ipc, CurveZMQ keys on TCP, one ZAP handler.
+
+Every socket that *binds* (the orchestrator's control sockets, the
+registration socket, a worker's async-chunk inbox) is a ZMQ security server;
+every socket that connects is a client:
+
+* ``ipc://`` endpoints use ZMQ's PLAIN mechanism with the *pipeline secret*
+  (random, made when the pipeline starts, handed to local workers through
+  the environment, never on a command line).  Checked once, when a peer
+  connects: a process without the secret never becomes a peer of the socket,
+  so it can neither take messages meant for the worker (a DEALER
+  round-robins to every peer) nor inject any (forged outputs, heartbeats,
+  ``Dying``).  After the handshake the messages flow as before: no per-message
+  cost on the hot path.  Unix sockets cannot be sniffed, so the password
+  travelling in clear inside the handshake is not exposed.
+* ``tcp://`` endpoints use CurveZMQ: the server proves it holds the secret key
+  matching the public key its client was given (a worker refuses any other
+  head), the client's public key is checked against the server's allow-list
+  (the head accepts only listed workers), and every message is encrypted.
+
+The checks run in a :class:`Authenticator`: one ZAP handler thread per ZMQ
+context, started before any server socket binds (libzmq accepts everyone on
+a socket whose ZAP handler is missing).  Refusals are counted by reason and
+logged.  Key pairs are pyzmq's certificate files (``name.key`` public,
+``name.key_secret`` both): :func:`generate_keys` writes them, :func:`load_keypair`
+reads them.  Nothing here unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import zmq
+import zmq.auth
+import zmq.utils.monitor as zmq_monitor
+import zmq.utils.z85
+
+__all__ = [
+    "ENV",
+    "Authenticator",
+    "Keypair",
+    "KeysError",
+    "Security",
+    "generate_keys",
+    "load_keypair",
+    "load_public_keys",
+    "worker_key_names",
+]
+
+log = logging.getLogger("stages.auth")
+
+#: the environment variable that carries a pipeline's secret and key pair to its local workers
+ENV = "TRIO_ORCH_PIPELINE_AUTH"
+#: ZAP domain of sockets whose clients prove the pipeline secret (ipc) or an allowed key (tcp)
+DOMAIN = "trio-orch"
+ZAP_ADDRESS = "inproc://zeromq.zap.01"
+#: failed handshakes ZAP never sees (no security, wrong mechanism); AUTH failures are ZAP's own
+_HANDSHAKE_EVENTS = zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class KeysError(ValueError):
+    """A key directory or key file that cannot be used (the message says which and why)."""
+
+
+@dataclass(frozen=True)
+class Keypair:
+    """A CurveZMQ key pair, both halves Z85-encoded (40 bytes each)."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def generate(cls) -> Keypair:
+        public, secret = zmq.curve_keypair()
+        return cls(public, secret)
+
+
+def load_keypair(path: str | os.PathLike[str]) -> Keypair:
+    """The key pair in ``path`` (a ``.key_secret`` certificate file); KeysError if unusable."""
+    p = Path(path)
+    try:
+        public, secret = zmq.auth.load_certificate(p)
+    except (OSError, ValueError) as exc:
+        raise KeysError(f"cannot read key pair {p}: {exc}") from None
+    if not secret:
+        raise KeysError(f"{p} holds no secret key (use the .key_secret file)")
+    return Keypair(public, secret)
+
+
+def load_public_keys(directory: str | os.PathLike[str]) -> set[bytes]:
+    """Every public key of the ``*.key`` files in ``directory`` (an allow-list)."""
+    d = Path(directory)
+    if not d.is_dir():
+        raise KeysError(f"no key directory {d}")
+    keys: set[bytes] = set()
+    for f in sorted(d.glob("*.key")):
+        try:
+            public, _ = zmq.auth.load_certificate(f)
+        except (OSError, ValueError) as exc:
+            raise KeysError(f"cannot read public key {f}: {exc}") from None
+        keys.add(public)
+    return keys
+
+
+def worker_key_names(directory: str | os.PathLike[str]) -> list[str]:
+    """Names of the worker key pairs in a key directory (``workers/NAME.key_secret``)."""
+    return sorted(p.name[: -len(".key_secret")] for p in (Path(directory) / "workers").glob("*.key_secret"))
+
+
+def generate_keys(directory: str | os.PathLike[str], workers: int = 2, *, force: bool = False) -> list[Path]:
+    """Write a head key pair and ``workers`` worker key pairs under ``directory``; return the files.
+
+    Layout: ``head.key`` / ``head.key_secret``; ``workers/worker-N.key`` /
+    ``workers/worker-N.key_secret``.  The head's allow-list is the
+    ``workers/*.key`` files; a worker needs ``head.key`` and its own
+    ``.key_secret``.  Refuses to overwrite existing keys unless ``force``.
+    """
+    d = Path(directory)
+    if workers < 0:
+        raise KeysError(f"need workers >= 0, got {workers}")
+    if not force and (d / "head.key_secret").exists():
+        raise KeysError(f"{d} already holds keys (head.key_secret); pass force to replace them")
+    (d / "workers").mkdir(parents=True, exist_ok=True)
+    os.chmod(d, 0o700)
+    written = [Path(p) for p in zmq.auth.create_certificates(d, "head")]
+    for i in range(1, workers + 1):
+        written += [Path(p) for p in zmq.auth.create_certificates(d / "workers", f"worker-{i}")]
+    for p in written:
+        if p.name.endswith(".key_secret"):
+            os.chmod(p, 0o600)
+    return written
+
+
+class Security:
+    """How one process secures its sockets (see the module docstring).
+
+    ``secret``: the pipeline secret (PLAIN on ipc).  ``keypair``: this
+    process's CurveZMQ key pair (TCP).  ``server_key``: the public key of the
+    head this process talks to (a worker's control link).
+    """
+
+    def __init__(
+        self, secret: bytes, keypair: Keypair | None = None, *, server_key: bytes | None = None
+    ) -> None:
+        self.secret = secret
+        self.keypair = keypair
+        self.server_key = server_key
+
+    @classmethod
+    def new_pipeline(cls) -> Security:
+        """A fresh pipeline secret and key pair (the head, at pipeline start)."""
+        return cls(secrets.token_hex(32).encode(), Keypair.generate())
+
+    def to_env(self) -> str:
+        """The value of :data:`ENV` for a local worker (secret and pipeline key pair)."""
+        assert self.keypair is not None
+        return json.dumps(
+            {
+                "secret": self.secret.decode(),
+                "public": self.keypair.public.decode(),
+                "secret_key": self.keypair.secret.decode(),
+            }
+        )
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> Security | None:
+        """What a local worker got in :data:`ENV` (None: not set: an unsecured test setup)."""
+        raw = (os.environ if environ is None else environ).get(ENV)
+        if not raw:
+            return None
+        try:
+            d = json.loads(raw)
+            return cls(
+                d["secret"].encode(),
+                Keypair(d["public"].encode(), d["secret_key"].encode()),
+                server_key=d["public"].encode(),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise KeysError(f"malformed {ENV}: {exc}") from None
+
+    def server(self, sock: zmq.Socket, address: str, *, domain: str = DOMAIN) -> None:
+        """Make ``sock`` a security server for its next ``bind(address)``.
+
+        Options are read when ``bind`` creates the listener, so one socket may
+        listen on ipc (PLAIN) and on tcp (CURVE) with a call before each bind.
+        """
+        sock.zap_domain = domain.encode()
+        if address.startswith("tcp://"):
+            if self.keypair is None:
+                raise KeysError(f"cannot listen on {address}: no key pair (give --keys)")
+            sock.plain_server = False
+            sock.curve_server = True
+            sock.curve_publickey = self.keypair.public
+            sock.curve_secretkey = self.keypair.secret
+        else:
+            sock.curve_server = False
+            sock.plain_server = True
+
+    def client(self, sock: zmq.Socket, address: str, server_key: bytes | None = None) -> None:
+        """Make ``sock`` a security client for its next ``connect(address)``.
+
+        ``server_key``: the public key the server must prove it holds (TCP;
+        default: this process's head).
+        """
+        if address.startswith("tcp://"):
+            key = server_key or self.server_key
+            if self.keypair is None or key is None:
+                raise KeysError(f"cannot connect to {address}: no key pair or no server key")
+            sock.curve_serverkey = key
+            sock.curve_publickey = self.keypair.public
+            sock.curve_secretkey = self.keypair.secret
+        else:
+            sock.plain_username = b"pipeline"
+            sock.plain_password = self.secret
+
+
+class Authenticator:
+    """The ZAP handler of one ZMQ context: a thread that answers every security handshake.
+
+    PLAIN (ipc) passes with the pipeline secret; CURVE (tcp) passes with a
+    client key allowed for the socket's ZAP domain (:meth:`allow`; the domain
+    :data:`DOMAIN` holds the keys allowed everywhere).  Anything else is
+    refused, counted in :attr:`refused` by reason and logged (the first few,
+    then every 100th).  Use as a context manager, entered before any server
+    socket binds and left after they closed.
+    """
+
+    def __init__(self, ctx: zmq.Context, secret: bytes | None = None) -> None:
+        self.ctx = ctx
+        self.secret = secret
+        self.refused: Counter[str] = Counter()
+        self.accepted = 0
+        self._allowed: dict[str, set[bytes]] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop_addr = f"inproc://trio-orch-zap-stop-{id(self)}"
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._watch_seq = 0
+
+    def allow(self, keys: Iterable[bytes], domain: str = DOMAIN) -> None:
+        """Allow these client public keys on sockets of ``domain`` (added to those allowed)."""
+        with self._lock:
+            self._allowed.setdefault(domain, set()).update(keys)
+
+    def set_allowed(self, keys: Iterable[bytes], domain: str) -> None:
+        """Replace the client keys allowed on sockets of ``domain``."""
+        with self._lock:
+            self._allowed[domain] = set(keys)
+
+    def forget(self, domain: str) -> None:
+        with self._lock:
+            self._allowed.pop(domain, None)
+
+    def watch(self, sock: zmq.Socket) -> None:
+        """Also count (and log) the failed handshakes on a server socket that never reach ZAP.
+
+        A peer with no security at all (a plain DEALER, say) fails on the
+        mechanism mismatch before any ZAP request; the socket's monitor reports it.
+        """
+        if self._thread is None:
+            return
+        with self._lock:
+            self._watch_seq += 1
+            addr = f"inproc://trio-orch-zap-mon-{id(self)}-{self._watch_seq}"
+        sock.monitor(addr, _HANDSHAKE_EVENTS | zmq.EVENT_MONITOR_STOPPED)
+        self._command(b"watch " + addr.encode())
+
+    def _command(self, cmd: bytes) -> None:
+        s = self.ctx.socket(zmq.PUSH)  # PUSH/PULL: any number of short-lived senders
+        s.linger = 1000
+        s.sndtimeo = 5000
+        try:
+            s.connect(self._stop_addr)
+            s.send(cmd)
+        finally:
+            s.close()
+
+    @property
+    def refusals(self) -> int:
+        return sum(self.refused.values())
+
+    def start(self) -> Authenticator:
+        self._thread = threading.Thread(target=self._serve, name="trio-orch-zap", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise RuntimeError(f"ZAP handler failed to start: {self._error}") from self._error
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._command(b"stop")
+        self._thread.join(5.0)
+        self._thread = None
+
+    def __enter__(self) -> Authenticator:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ the thread
+    def _serve(self) -> None:
+        try:
+            zap = self.ctx.socket(zmq.REP)
+            zap.linger = 0
+            zap.bind(ZAP_ADDRESS)
+            stop = self.ctx.socket(zmq.PULL)
+            stop.linger = 0
+            stop.bind(self._stop_addr)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        poller = zmq.Poller()
+        poller.register(zap, zmq.POLLIN)
+        poller.register(stop, zmq.POLLIN)
+        monitors: dict[zmq.Socket, str] = {}
+        try:
+            while True:
+                events = dict(poller.poll())
+                if stop in events:
+                    cmd = stop.recv()
+                    if cmd == b"stop":
+                        return
+                    if cmd.startswith(b"watch "):
+                        mon = self.ctx.socket(zmq.PAIR)
+                        mon.linger = 0
+                        mon.connect(cmd[6:].decode())
+                        monitors[mon] = cmd[6:].decode()
+                        poller.register(mon, zmq.POLLIN)
+                if zap in events:
+                    zap.send_multipart(self._answer(zap.recv_multipart()))
+                for mon in [m for m in monitors if m in events]:
+                    if self._monitor_event(mon.recv_multipart()):
+                        poller.unregister(mon)
+                        mon.close()
+                        del monitors[mon]
+        finally:
+            zap.close()
+            stop.close()
+            for mon in monitors:
+                mon.close()
+
+    def _monitor_event(self, frames: list[bytes]) -> bool:
+        """Count a failed handshake; True when the monitor stopped (its socket closed)."""
+        event = zmq_monitor.parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+            return True
+        if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
+            endpoint = event["endpoint"].decode(errors="replace")
+            reason = f"handshake:{endpoint.split(':', 1)[0]}"
+            n = self.refused[reason] = self.refused[reason] + 1
+            if n <= 5 or n % 100 == 0:
+                log.warning(
+                    "refused a connection on %s: its security handshake failed (code %s; %d such so far)",
+                    endpoint,
+                    event["value"],
+                    n,
+                )
+        return False
+
+    def _answer(self, msg: list[bytes]) -> list[bytes]:
+        """One ZAP request -> its reply (RFC 27)."""
+        if len(msg) < 6:
+            return [b"1.0", b"", b"400", b"malformed ZAP request", b"", b""]
+        version, request_id, domain_b, address, _identity, mechanism = msg[:6]
+        creds = msg[6:]
+        domain = domain_b.decode(errors="replace")
+        ok, user, why = False, b"", ""
+        if mechanism == b"PLAIN" and len(creds) == 2:
+            ok = self.secret is not None and hmac.compare_digest(creds[1], self.secret)
+            user, why = b"pipeline", "wrong pipeline secret"
+        elif mechanism == b"CURVE" and len(creds) == 1:
+            key = zmq.utils.z85.encode(creds[0])
+            with self._lock:
+                ok = key in self._allowed.get(domain, ()) or key in self._allowed.get(DOMAIN, ())
+            user, why = key, f"client key {key.decode()} is not allowed"
+        else:
+            why = f"mechanism {mechanism.decode(errors='replace')} is refused"
+        if ok:
+            self.accepted += 1
+            return [version, request_id, b"200", b"OK", user, b""]
+        parts = domain.split(":")
+        reason = f"{mechanism.decode(errors='replace').lower()}:{parts[1] if len(parts) > 1 else 'pipeline'}"
+        n = self.refused[reason] = self.refused[reason] + 1
+        if n <= 5 or n % 100 == 0:
+            log.warning(
+                "refused a %s connection on %s from %s: %s (%d refused so far)",
+                mechanism.decode(errors="replace"),
+                domain,
+                address.decode(errors="replace") or "?",
+                why,
+                n,
+            )
+        return [version, request_id, b"400", why.encode(), b"", b""]

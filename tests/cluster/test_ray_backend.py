@@ -1,0 +1,59 @@
+"""``--worker-backend ray``: a local Ray cluster (``ray.init()`` on this machine, loopback only)
+places every replica as an actor whose worker joins over TCP; a request goes through end to end
+and everything stops."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+import trio
+
+from stages.config import echo_config
+from trio_orch import OrchOutput, open_orchestrator
+from trio_orch.cluster.distributed import HeadOptions, open_head_pipeline
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_ray_placed_pipeline_serves_a_request_and_stops() -> None:
+    temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's unix socket paths must fit 107 bytes
+    await trio.to_thread.run_sync(lambda: ray.init(
+        num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
+        _node_ip_address="127.0.0.1"))
+    try:
+        cfg = echo_config(2, heartbeat_interval=0.2, heartbeat_timeout=2.0)
+        local = echo_config(2, replicas=0, heartbeat_interval=0.2, heartbeat_timeout=2.0)
+        opts = HeadOptions(listen="tcp://127.0.0.1:0", backend="ray")
+        pids: list[int] = []
+        async with open_head_pipeline(local, opts, full_config=cfg, supervised=False) as pipe:
+            reg = pipe.registrar
+            assert reg is not None and pipe.workers == []  # no local worker: every replica is an actor
+            async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+                with trio.fail_after(120):
+                    while reg.counters["joined"] < 2:
+                        await trio.sleep(0.1)
+                await orch.add_request("r1", "hello")
+                with trio.fail_after(30):
+                    msg = await orch.next_output()
+                    while not msg.finished:
+                        msg = await orch.next_output()
+                assert isinstance(msg, OrchOutput) and msg.stage_id == 1
+                pids = [m.client.ready.pid for m in reg.members.values() if m.client.ready is not None]
+                assert len(pids) == 2
+        assert not any(_pid_alive(p) for p in pids)  # every actor's worker is gone
+    finally:
+        await trio.to_thread.run_sync(ray.shutdown)
+        shutil.rmtree(temp, ignore_errors=True)

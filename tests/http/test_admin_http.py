@@ -1,0 +1,153 @@
+"""``/admin/...`` and ``trio-orch ctl``: off without a token, 401 without the right one, and the
+control plane end to end -- in-process (the toy pipeline) and as a user runs it (``serve`` with
+worker processes, driven by ``ctl``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from stages.registry import build_model
+from stages.weights import state_of
+from tests.http_helpers import HANG, Served, chat, metrics, wait_until
+from tests.serve.test_service import start_serve
+from trio_orch.engine import Engine
+from trio_orch.testing.toy_pipeline import toy_pipeline
+
+pytestmark = pytest.mark.processes  # real worker processes or servers
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "s3cret-token"
+
+
+@pytest.fixture()
+def admin() -> Iterator[Served]:
+    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), admin_token=TOKEN)
+    yield s
+    s.stop()
+
+
+def auth(token: str = TOKEN) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def test_without_a_token_there_is_no_admin_route() -> None:
+    s = Served(Engine(toy_pipeline()).start())
+    try:
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            assert c.post("/admin/pause", headers=auth(), json={}).status_code == 404
+            assert c.get("/admin/stats", headers=auth()).status_code == 404
+        assert s.engine.paused is None
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize("headers", [{}, auth("wrong"), {"Authorization": TOKEN}, auth(TOKEN + "x")],
+                         ids=["missing", "wrong", "not-bearer", "longer"])
+def test_a_missing_or_wrong_token_gets_401_and_changes_nothing(admin: Served,
+                                                               headers: dict[str, str]) -> None:
+    with httpx.Client(base_url=admin.url, timeout=HANG) as c:
+        r = c.post("/admin/pause", headers=headers, json={"mode": "wait"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert "token" in r.json()["error"]
+        assert admin.engine.paused is None
+        assert c.post("/v1/chat/completions", json=chat("still served")).status_code == 200
+
+
+def test_pause_and_resume_over_http_with_requests_waiting_meanwhile(admin: Served) -> None:
+    with httpx.Client(base_url=admin.url, timeout=HANG) as c, ThreadPoolExecutor(1) as pool:
+        r = c.post("/admin/pause", headers=auth(), json={"mode": "wait"})
+        assert r.status_code == 200 and r.json()["paused"] == "wait"
+        waiting = pool.submit(c.post, "/v1/chat/completions", json=chat("after the pause"))
+        assert metrics(c)["trio_orch_paused{mode=wait}"] == 1
+        wait_until(lambda: admin.engine.stats().queued_requests == 1, "the request accepted and queued")
+        assert not waiting.done()  # accepted, not started while paused (it waits, no error)
+        assert c.post("/admin/resume", headers=auth(), json={}).json()["paused"] is None
+        answer = waiting.result(HANG)
+        assert answer.status_code == 200
+        assert answer.json()["choices"][0]["message"]["content"] == "You said: after the pause"
+
+
+def test_rpc_answers_per_stage_and_bad_calls_are_400(admin: Served) -> None:
+    with httpx.Client(base_url=admin.url, timeout=HANG) as c:
+        r = c.get("/admin/stats", headers=auth())
+        assert r.status_code == 200  # the toy stages take no RPC: one error result per stage
+        results = r.json()["results"]
+        assert [x["stage_id"] for x in results] == [0, 1, 2]
+        assert all("takes no rpc calls" in x["error"] for x in results)
+        for body in ({"method": "stats", "stage_ids": [7]}, {"args": []}, [1, 2]):
+            bad = c.post("/admin/rpc", headers=auth(), json=body)
+            assert bad.status_code == 400, body
+            assert bad.json()["error"]
+        bad_json = {**auth(), "Content-Type": "application/json"}
+        assert c.post("/admin/rpc", headers=bad_json, content=b"{nope").status_code == 400
+        assert c.post("/admin/pause", headers=auth(), json={"mode": "later"}).status_code == 400
+        assert c.post("/admin/sleep", headers=auth(), json={}).status_code == 502  # no stage can sleep
+        assert admin.engine.paused is None  # the failed sleep resumed
+        m = metrics(c)
+    assert m["trio_orch_rpc_calls_total{method=stats}"] == 1
+    assert m["trio_orch_rpc_errors_total{method=stats}"] == 3
+    assert m["trio_orch_paused{mode=wait}"] == 0
+
+
+def ctl(url: str, *args: str, token: str | None = TOKEN) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "trio_orch.cli", "ctl", "--url", url, *(["--token", token] if token else []),
+           *args]
+    env = {k: v for k, v in os.environ.items() if k != "TRIO_ORCH_ADMIN_TOKEN"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def greedy(c: httpx.Client, prompt: str = "Hello!") -> str:
+    r = c.post("/v1/chat/completions", json=chat(prompt, temperature=0))
+    assert r.status_code == 200, r.text
+    return str(r.json()["choices"][0]["message"]["content"])
+
+
+@pytest.mark.slow
+def test_serve_with_an_admin_token_driven_by_ctl(tmp_path: Path) -> None:
+    weights = tmp_path / "thinker.pt"
+    torch.save(state_of(build_model("thinker", {}, seed=42)), weights)  # fits the default thinker
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc, url = start_serve("--admin-token", TOKEN, env=env)
+    try:
+        stats = ctl(url, "stats")
+        assert stats.returncode == 0, stats.stderr
+        lines = stats.stdout.splitlines()
+        assert [ln.split(":")[0] for ln in lines[:3]] == [f"stage {k} replica 0" for k in range(3)]
+        assert '"steps"' in lines[0] and lines[-1] == "paused: no"
+        refused = ctl(url, "stats", token="wrong")
+        assert refused.returncode == 1 and "HTTP 401" in refused.stderr
+        with httpx.Client(base_url=url, timeout=60) as c:
+            before = greedy(c)
+            slept = ctl(url, "sleep", "--level", "1")
+            assert slept.returncode == 0, slept.stdout + slept.stderr
+            assert slept.stdout.count('"asleep": 1') == 3 and "paused: wait" in slept.stdout
+            woke = ctl(url, "wake")
+            assert woke.returncode == 0 and "paused: no" in woke.stdout
+            assert greedy(c) == before  # same outputs after sleep and wake
+            with ThreadPoolExecutor(6) as pool:  # requests in flight while the weights change
+                load = [pool.submit(greedy, c, f"Hello {i}!") for i in range(6)]
+                reload = ctl(url, "reload-weights", "--stage", "0", str(weights))
+                answers = [f.result(120) for f in load]
+            assert reload.returncode == 0, reload.stdout + reload.stderr
+            assert reload.stdout.startswith("stage 0 replica 0:") and "paused: no" in reload.stdout
+            assert all(answers)  # none lost
+            assert greedy(c) != before  # the new thinker weights answer now
+            bad = ctl(url, "reload-weights", "--stage", "0", str(tmp_path / "missing.pt"))
+            assert bad.returncode == 1 and "no weights file" in bad.stdout
+            assert c.get("/health").json()["status"] == "ok"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

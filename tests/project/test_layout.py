@@ -1,0 +1,309 @@
+"""The project's modules: each bench module imports on its own, no import cycle, no private reach-ins.
+
+Imports are read with ``ast`` (module-level and lazy ones inside functions;
+``if TYPE_CHECKING:`` blocks never run and are left out), and every bench
+module is imported in a fresh interpreter of its own, so a module that only
+works after some other module happened to be imported first fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("bench", "trio_orch", "stages")
+
+
+def module_files(package: str) -> dict[str, Path]:
+    """Dotted module name -> file, for every module of ``package`` (packages by their __init__)."""
+    out: dict[str, Path] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node, except those under ``if TYPE_CHECKING:`` (imports for the type checker only)."""
+    nodes: list[ast.AST] = []
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        nodes.append(node)
+        todo.extend(ast.iter_child_nodes(node))
+    return nodes
+
+
+def imported_modules(path: Path, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports (the longest known prefix of each imported name)."""
+    names: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    found: set[str] = set()
+    for name in names:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        if name:
+            found.add(name)
+    return found
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle (a list of modules, first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(v: str) -> list[str] | None:
+        state[v] = 1
+        path.append(v)
+        for w in sorted(graph[v]):
+            if state.get(w) == 1:
+                return [*path[path.index(w):], w]
+            if w not in state and (cycle := visit(w)) is not None:
+                return cycle
+        path.pop()
+        state[v] = 2
+        return None
+
+    for v in sorted(graph):
+        if v not in state and (cycle := visit(v)) is not None:
+            return cycle
+    return None
+
+
+def project_graph() -> dict[str, set[str]]:
+    files = {m: p for pkg in PACKAGES for m, p in module_files(pkg).items()}
+    return {m: imported_modules(p, set(files)) - {m} for m, p in files.items()}
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycle_in_the_project() -> None:
+    graph = project_graph()
+    assert {"bench.implementations", "bench.drivers.base", "bench.chaos.faults"} <= set(graph)
+    assert find_cycle(graph) is None
+
+
+def test_the_asyncio_references_and_the_drivers_do_not_import_the_jobs() -> None:
+    """The layers point one way: refs <- drivers <- implementations <- compare / perf / chaos."""
+    graph = project_graph()
+    for module, deps in graph.items():
+        if module.startswith(("bench.refs", "bench.drivers")):
+            bad = {d for d in deps if d.startswith(("bench.compare", "bench.perf", "bench.chaos",
+                                                    "bench.implementations"))}
+            assert not bad, f"{module} imports {bad}"
+        if module.startswith(("trio_orch", "stages")):
+            assert not {d for d in deps if d.startswith("bench")}, f"{module} imports bench"
+
+
+@pytest.mark.slow
+@pytest.mark.processes
+def test_every_bench_module_imports_on_its_own() -> None:
+    modules = list(module_files("bench"))
+
+    def load(module: str) -> tuple[str, int, str]:
+        proc = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=120)
+        return module, proc.returncode, proc.stderr[-800:]
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failed = [(m, err) for m, rc, err in pool.map(load, modules) if rc != 0]
+    assert len(modules) > 20 and not failed, failed
+
+
+#: documented public API of the standard library despite the underscore
+PUBLIC_UNDERSCORE = {"os._exit", "sys._getframe"}
+
+
+def _defined_privates(tree: ast.AST) -> set[str]:
+    """Private names a module defines itself: functions, classes, attributes it assigns, slots."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names.add(node.value)  # __slots__ entries
+    return {n for n in names if n.startswith("_")}
+
+
+def _private_reach_ins(path: Path) -> list[str]:
+    """``from m import _x``, and ``obj._x`` for a private name the module does not define itself.
+
+    Inside its own module a class may touch the private state of another
+    instance of itself (or of a sibling class it defines); anything else is
+    a reach-in.
+    """
+    tree = ast.parse(path.read_text())
+    own = _defined_privates(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+        elif (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+              and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+              and node.attr not in own and ast.unparse(node) not in PUBLIC_UNDERSCORE):
+            found.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
+    return found
+
+
+def test_no_private_name_used_outside_its_module() -> None:
+    files = [p for pkg in PACKAGES for p in module_files(pkg).values()]
+    files += sorted((ROOT / "tests").rglob("*.py"))
+    assert any(p.name == "test_compare.py" for p in files) and any(p.name == "bridge.py" for p in files)
+    found = [hit for p in files for hit in _private_reach_ins(p)]
+    assert not found, found
+
+
+# ---------------------------------------------------------------------- the tree's import rules
+#: each package of trio_orch and its layer: a module imports only from its own layer or lower ones
+LAYERS: dict[str, int] = {
+    "trio_orch.types": 0, "trio_orch.histogram": 0,
+    "trio_orch.core": 1,
+    "trio_orch.shell": 2,
+    "trio_orch.cluster": 3, "trio_orch.engine": 3,
+    "trio_orch.testing": 4,
+    "trio_orch.http": 5,
+    "trio_orch.serve": 6,
+    "trio_orch.cli": 7,
+}
+#: same layer, never each other: the worker processes' clients and the engine meet only in a factory
+APART = {("trio_orch.cluster", "trio_orch.engine"), ("trio_orch.engine", "trio_orch.cluster")}
+
+
+def package_of(module: str) -> str | None:
+    """The layered package (a key of LAYERS) that ``module`` belongs to; None for the root package."""
+    for pkg in LAYERS:
+        if module == pkg or module.startswith(pkg + "."):
+            return pkg
+    return None
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, deps in graph.items():
+        if not module.startswith("trio_orch."):
+            continue
+        own = package_of(module)
+        assert own is not None, f"{module} is in no layer: add its package to LAYERS"
+        for dep in deps:
+            other = package_of(dep)
+            if other is None or other == own:
+                continue
+            if LAYERS[other] > LAYERS[own] or (own, other) in APART:
+                bad.append(f"{module} imports {dep}")
+    return sorted(bad)
+
+
+def test_layering_violations_are_found() -> None:
+    graph = {"trio_orch.core.x": {"trio_orch.shell.y"}, "trio_orch.shell.y": {"trio_orch.core.x"},
+             "trio_orch.engine.z": {"trio_orch.cluster.w"}, "trio_orch.cluster.w": set()}
+    assert layering_violations(graph) == ["trio_orch.core.x imports trio_orch.shell.y",
+                                          "trio_orch.engine.z imports trio_orch.cluster.w"]
+
+
+def test_trio_orch_imports_go_one_way() -> None:
+    """types < core < shell < {cluster, engine} < testing < http < serve < cli (lazy imports too)."""
+    graph = project_graph()
+    assert {"trio_orch.shell.orchestrator", "trio_orch.engine.bridge", "trio_orch.cli.main"} <= set(graph)
+
+    assert layering_violations(graph) == []
+
+
+def test_the_worker_side_imports_nothing_from_trio_orch() -> None:
+    """stages/ holds the worker and the contract it needs (wire, auth, config): the head depends on it."""
+    graph = project_graph()
+    bad = {m: deps for m, deps in graph.items() if m.startswith("stages")
+           and any(d.startswith("trio_orch") for d in deps)}
+    assert bad == {}
+    text = "\n".join(p.read_text() for p in (ROOT / "stages").rglob("*.py"))
+    assert "trio_orch" not in text  # not even in a string (an import by name, a dotted path)
+
+
+def test_trio_orch_has_few_top_level_modules() -> None:
+    top = sorted(p.name for p in (ROOT / "trio_orch").glob("*.py"))
+    assert len(top) <= 8, top
+    packages = {p.name for p in (ROOT / "trio_orch").iterdir() if (p / "__init__.py").exists()}
+    assert packages >= {"core", "shell", "cluster", "engine", "http", "serve", "cli", "testing"}
+
+
+def _exported(tree: ast.Module) -> list[str]:
+    for node in tree.body:
+        if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                 for t in node.targets)
+                and isinstance(node.value, (ast.List, ast.Tuple))):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def reexports(path: Path) -> list[str]:
+    """Names in ``__all__`` that the module imports instead of defining (only ``__init__`` may)."""
+    tree = ast.parse(path.read_text())
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                for a in node.names}
+    return [n for n in _exported(tree) if n in imported]
+
+
+def test_only_package_init_files_reexport() -> None:
+    files = [p for pkg in PACKAGES for p in module_files(pkg).values() if p.name != "__init__.py"]
+    found = {str(p.relative_to(ROOT)): names for p in files if (names := reexports(p))}
+    assert found == {}
+
+
+def _private_methods(cls: ast.ClassDef) -> set[str]:
+    return {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.name.startswith("_") and not n.name.startswith("__")}
+
+
+def hooks_overridden_across_packages() -> list[str]:
+    """A subclass in one package that overrides a private method of its base class from another one."""
+    files = {m: p for pkg in PACKAGES for m, p in module_files(pkg).items()}
+    classes: dict[tuple[str, str], ast.ClassDef] = {}
+    trees = {m: ast.parse(p.read_text()) for m, p in files.items()}
+    for m, tree in trees.items():
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                classes[(m, node.name)] = node
+    bad = []
+    for m, tree in trees.items():
+        origin = {a.asname or a.name: node.module for node in ast.walk(tree)
+                  if isinstance(node, ast.ImportFrom) and node.module for a in node.names}
+        for node in tree.body:
+            if not isinstance(node, ast.ClassDef):
+                continue
+            for base in node.bases:
+                name = ast.unparse(base)
+                src = origin.get(name)
+                if src is None or (src, name) not in classes:
+                    continue
+                if package_of(src) == package_of(m) and src.split(".")[0] == m.split(".")[0]:
+                    continue
+                if common := _private_methods(node) & _private_methods(classes[(src, name)]):
+                    bad.append(f"{m}.{node.name} overrides {sorted(common)} of {src}.{name}")
+    return bad
+
+
+def test_no_private_hook_is_overridden_across_packages() -> None:
+    assert hooks_overridden_across_packages() == []

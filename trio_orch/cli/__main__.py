@@ -1,0 +1,8 @@
+"""``python -m trio_orch.cli``: the ``trio-orch`` command."""
+
+import sys
+
+from trio_orch.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

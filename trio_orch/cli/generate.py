@@ -1,0 +1,352 @@
+"""``trio-orch generate "text"``: run a pipeline once, end to end.
+
+Starts the stage workers of the pipeline (default: thinker -> talker ->
+code2wav, one process per replica), sends one request through the Trio
+orchestrator, streams the thinker's text to the terminal as it is generated,
+writes the vocoder's audio to a WAV file and prints per-stage timings.  With
+``--async-chunk`` the stages stream to each other chunk by chunk, so the
+first audio comes long before the text is finished.  Sampling flags
+(``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
+as the same fields of a chat request do (:mod:`trio_orch.http.openai_sampling`);
+``--stage-param`` sets any stage's parameter explicitly.  With
+``--stream-input`` the prompt comes from standard input, one input segment
+per line, into one resumable request (:mod:`trio_orch.cli.generate_stream`).  A
+pipeline whose output is an image (``--pipeline text2image``) draws the
+denoising progress and writes a PNG instead (:mod:`trio_orch.http.text2image`;
+``--seed`` is then the image's seed).  With ``--listen`` replicas may join
+over TCP (docs/distributed.md); a stage with no local replica is waited for
+(``--join-timeout``) before the request goes in.
+
+Everything that can be checked is checked before a worker starts (the
+prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
+SIGINT and SIGTERM stop it cleanly (workers stopped, ipc files removed)
+with exit code 130, like ``trio-orch serve``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import wave
+from typing import Any
+
+import numpy as np
+import trio
+
+from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
+from stages.sampling_params import VOICES
+from trio_orch.cli import EXIT_SIGNAL
+from trio_orch.cli.generate_stream import stream_input
+from trio_orch.cluster import distributed
+from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
+from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
+from trio_orch.cluster.pool import StageTiming
+from trio_orch.http import text2image
+from trio_orch.http.openai_chat import BadRequest, check_max_tokens
+from trio_orch.http.openai_sampling import SamplingError, map_sampling
+from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
+from trio_orch.types import OrchError
+
+__all__ = ["configure", "run", "write_wav"]
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Generate text and speech for a prompt with the stage-worker pipeline "
+        "(thinker -> talker -> code2wav by default; torch models with seeded dummy weights, "
+        "so the text is gibberish but every stage really computes). Streams the text, "
+        "writes a WAV file, prints per-stage timings. With --pipeline text2image: an image "
+        "(encoder -> diffusion with classifier-free guidance), written as a PNG.")
+    parser.add_argument("text", nargs="?", default="Hello", help="the prompt (default: Hello)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
+                             "prefill and decode stages), text2image")
+    parser.add_argument("--out", default=None,
+                        help="file to write: the WAV (default out.wav), or the PNG (default out.png)")
+    parser.add_argument("--async-chunk", action="store_true", default=None,
+                        help="stream chunks stage to stage (first audio comes earlier)")
+    parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="torch device of the workers (default: cpu, or the config's)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    parser.add_argument("--stream-input", action="store_true",
+                        help="read the prompt from standard input, one segment per line, into one "
+                             "request that takes more input while it answers (end of input ends it); "
+                             "each segment's answer streams as it comes")
+    s = parser.add_argument_group(
+        "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
+                    "text, --seed and --voice to every stage that takes them (see the README)")
+    s.add_argument("--max-tokens", type=int, default=None,
+                   help="most text tokens the thinker generates (default and cap: its config, 48)")
+    s.add_argument("--temperature", type=float, default=None, help="text temperature (0: greedy)")
+    s.add_argument("--top-p", type=float, default=None, help="text nucleus sampling mass (0, 1]")
+    s.add_argument("--top-k", type=int, default=None, help="sample the text from the k most likely tokens")
+    s.add_argument("--seed", type=int, default=None,
+                   help="per-request seed: the same seed and parameters give the same text and audio")
+    s.add_argument("--stop", action="append", default=None, metavar="STR",
+                   help="end the text before this string (repeatable)")
+    s.add_argument("--voice", default=None, choices=VOICES, metavar="VOICE",
+                   help=f"speaker of the talker and vocoder: {', '.join(VOICES)} (default alloy)")
+    s.add_argument("--stage-param", action="append", default=[], metavar="STAGE.KEY=VALUE",
+                   help="one parameter of one stage, the stage by kind or index, the value as JSON "
+                        "(e.g. talker.temperature=0.7, 1.seed=3, thinker.stop='[\"x\"]'; repeatable)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the prompt twice, stage by stage and then with --async-chunk, "
+                             "and compare the time to first audio")
+    text2image.add_arguments(parser)
+    distributed.add_arguments(parser)
+    parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
+                        help="with --listen: seconds to wait until every stage has a replica (a stage "
+                             "with no local one waits for one to join) before sending the request")
+
+
+def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
+    """Write mono float PCM in [-1, 1] as a 16-bit WAV file."""
+    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(path, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(sample_rate)
+        w.writeframes(data.tobytes())
+
+
+def _config(args: argparse.Namespace) -> PipelineConfig:
+    if args.config and args.pipeline:
+        raise ValueError("give --config or --pipeline, not both")
+    cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    if _makes_images(cfg):
+        if cfg.async_chunk or args.compare or args.stream_input:
+            raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "
+                             "--compare and --stream-input are for streaming pipelines")
+        if not takes_companions(spec_for(cfg.stages[0].kind, cfg.stages[0].role)):
+            raise ValueError(f"stage 0 ({cfg.stages[0].label}) does not condition on companion requests: "
+                             "classifier-free guidance needs an encoder there")
+    elif args.negative is not None:
+        raise ValueError("--negative is for image pipelines (--pipeline text2image)")
+    return cfg
+
+
+def _makes_images(cfg: PipelineConfig) -> bool:
+    return any(cfg.outputs()[k] == "image" for k in cfg.final_stage_ids)
+
+
+def request_sampling(args: argparse.Namespace, cfg: PipelineConfig) -> dict[int, dict[str, Any]]:
+    """The per-stage sampling parameters asked for on the command line (ValueError if one does not fit)."""
+    fields: dict[str, Any] = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                              "max_tokens": args.max_tokens, "seed": args.seed, "stop": args.stop,
+                              "voice": args.voice}
+    explicit: dict[str, dict[str, Any]] = {}
+    for item in args.stage_param:
+        where, eq, raw = item.partition("=")
+        stage, dot, key = where.rpartition(".")  # a plug-in's kind may have dots, a key has none
+        if not (eq and dot and stage and key):
+            raise ValueError(f"--stage-param {item!r}: expected STAGE.KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            value = raw  # a bare word: a string (voice=nova)
+        explicit.setdefault(stage, {})[key] = value
+    fields["stage_sampling"] = explicit or None
+    kinds = [st.kind for st in cfg.stages]
+    try:
+        return map_sampling(fields, stage_params(kinds), text_stage=text_stage(cfg.final_stage_ids,
+                            cfg.outputs()), last_stage=max(cfg.final_stage_ids))
+    except SamplingError as exc:
+        flag = ("--stage-param" if exc.param.startswith("stage_sampling") else "--voice"
+                if exc.param == "audio.voice" else "--" + exc.param.replace("_", "-"))
+        raise ValueError(f"{flag}: {exc}") from None
+
+
+def _ms(t: float | None, t0: float) -> str:
+    return f"{(t - t0) * 1000:9.1f}" if t is not None else "        -"
+
+
+def _dur(seconds: float | None) -> str:
+    return f"{seconds * 1000:9.1f}" if seconds is not None else "        -"
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """What can be wrong before any worker starts; ValueError saying what."""
+    if not args.text.strip():
+        raise ValueError("the prompt is empty: give some text, e.g. trio-orch generate \"Hello\"")
+    if args.max_tokens is not None:
+        try:
+            check_max_tokens(args.max_tokens, "--max-tokens")
+        except BadRequest as exc:
+            raise ValueError(str(exc).replace("'--max-tokens'", "--max-tokens")) from None
+    if args.replicas is not None and args.replicas < (0 if args.listen else 1):
+        raise ValueError("--replicas must be >= 1 (0 only with --listen: replicas join over TCP)")
+    if args.join_timeout <= 0:
+        raise ValueError("--join-timeout must be > 0")
+    out = os.path.abspath(args.out or "out.wav")  # the default lands in the current directory
+    folder = os.path.dirname(out)
+    if os.path.isdir(out):
+        raise ValueError(f"--out {args.out} is a directory: name the file to write")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--out {args.out}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--out {args.out}: the directory {folder} is not writable")
+
+
+async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipeline,
+                    orch: Orchestrator) -> tuple[int, float | None]:
+    """Run the prompt once; return (exit code, time to first audio in ms or None)."""
+    payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
+    outputs = cfg.outputs()  # how each stage's outputs are shown
+    rid = "generate-1"
+    pcm: list[np.ndarray] = []
+    rate = 24000
+    t_text = t_audio = t_last_audio = None
+    t0 = time.perf_counter()
+    await orch.add_request(rid, payload, sampling=args.sampling)
+    print("text: ", end="", flush=True)
+    while True:
+        msg = await orch.next_output()
+        now = time.perf_counter()
+        if isinstance(msg, OrchError):
+            print(f"\nerror: request failed at stage {msg.stage_id} ({msg.kind}): {msg.message}",
+                  file=sys.stderr)
+            return 1, None
+        data = msg.data
+        text = as_text(outputs[msg.stage_id], data)
+        audio = as_audio(outputs[msg.stage_id], data) if text is None else None
+        if text is not None:
+            t_text = t_text or now
+            print(text, end="", flush=True)
+        elif audio is not None:
+            samples, rate = audio
+            if len(samples):
+                t_audio = t_audio or now
+                t_last_audio = now
+                pcm.append(samples)
+        elif data is not None:
+            t_text = t_text or now
+            print(f"[stage {msg.stage_id}] {data!r}", flush=True)
+        if msg.finished:
+            break
+    t_end = time.perf_counter()
+    print()
+    mode = "async-chunk" if cfg.async_chunk else "normal (stage by stage)"
+    print(f"\ntimings, {mode} mode, ms after the request was added (queued / in batch: as the "
+          "worker reports them):")
+    print(f"  {'stage':<22} {'submitted':>9} {'first out':>9} {'finished':>9} {'queued':>9} {'in batch':>9}")
+    for k, pool in enumerate(pipe.stages):
+        tm: StageTiming | None = pool.timing_of(rid)
+        label = f"{k} {cfg.stages[k].label}"
+        if tm is None:
+            print(f"  {label:<22} (not run)")
+            continue
+        print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)} "
+              f"{_dur(tm.queue_s)} {_dur(tm.compute_s)}")
+    print(f"  time to first token: {_ms(t_text, t0).strip()} ms")
+    if any(outputs[k] == "audio" for k in cfg.final_stage_ids):
+        print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
+    print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
+    seconds = sum(len(p) for p in pcm) / rate
+    if seconds and t_last_audio is not None:
+        print(f"  real-time factor:    {(t_last_audio - t0) / seconds:.2f} "
+              f"(seconds to the last audio per second of audio; < 1 is faster than real time)")
+    if not cfg.async_chunk and len(cfg.stages) > 1:
+        print("  (each stage starts when the previous one finished; --async-chunk streams chunks "
+              "stage to stage, so audio starts while the text is still being generated)")
+    if pcm:
+        audio = np.concatenate(pcm)
+        out = args.out or "out.wav"
+        try:
+            write_wav(out, audio, rate)
+        except OSError as exc:
+            print(f"error: cannot write {out}: {exc}", file=sys.stderr)
+            return 1, None
+        print(f"wrote {out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
+              f"{len(audio)} samples")
+    return 0, (t_audio - t0) * 1000 if t_audio is not None else None
+
+
+async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int, float | None]:
+    head, local = head_options(args, cfg)  # checked in _job: no error here
+    kinds = ", ".join(f"{s.label} x{s.replicas}" for s in local.stages)
+    print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    try:
+        # _main handles SIGTERM; a one-shot job restarts no worker
+        async with (open_head_pipeline(local, head, full_config=cfg, supervised=False, handle_sigterm=False)
+                    as pipe, open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch):
+            print(f"workers ready in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)
+            await wait_for_replicas(pipe, args.join_timeout)  # replicas join through the orchestrator
+            if _makes_images(cfg):
+                return await text2image.generate_image(orch, args.image, args.out or "out.png"), None
+            if args.stream_input:
+                out = args.out or "out.wav"
+                rc, pcm, rate = await stream_input(cfg, orch, args.sampling)
+                if pcm is not None:
+                    write_wav(out, pcm, rate)
+                    print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
+                return rc, None
+            return await _generate(args, cfg, pipe, orch)
+    except (WorkerStartupError, ReplicasMissing) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1, None
+
+
+async def _main(args: argparse.Namespace) -> int:
+    """Run the job; SIGINT or SIGTERM cancels it (workers are stopped on the way out): exit 130."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        result: list[int] = []
+        async with trio.open_nursery() as nursery:
+            async def job() -> None:
+                result.append(await _job(args))
+                nursery.cancel_scope.cancel()
+
+            async def on_signal() -> None:
+                async for signum in signals:
+                    print(f"\n{signal.Signals(signum).name}: stopping ...", file=sys.stderr, flush=True)
+                    nursery.cancel_scope.cancel()
+                    return
+
+            nursery.start_soon(job)
+            nursery.start_soon(on_signal)
+    return result[0] if result else EXIT_SIGNAL
+
+
+async def _job(args: argparse.Namespace) -> int:
+    try:
+        _check_args(args)
+        cfg = _config(args)
+        if _makes_images(cfg):
+            args.image, args.sampling = text2image.request_from_args(args), None
+        else:
+            args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
+        head_options(args, cfg)  # --listen, --keys, stages without a local replica
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.stream_input and args.compare:
+        print("error: --stream-input and --compare do not go together", file=sys.stderr)
+        return 2
+    if not args.compare:
+        return (await _run_once(args, cfg))[0]
+    results = []
+    for async_chunk in (False, True):
+        print(f"\n=== {'async-chunk' if async_chunk else 'stage by stage'} ===", flush=True)
+        rc, ttfa = await _run_once(args, cfg.with_overrides(async_chunk=async_chunk))
+        if rc:
+            return rc
+        results.append(ttfa)
+    if None not in results:
+        normal, chunked = results
+        verdict = (f"{normal / max(chunked, 1e-3):.1f}x earlier with async-chunk" if chunked < normal
+                   else "async-chunk was not earlier this time: is the machine overloaded?")
+        print(f"\ntime to first audio: stage by stage {normal:.1f} ms, async-chunk {chunked:.1f} ms "
+              f"({verdict})")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return trio.run(_main, args)

@@ -1,0 +1,142 @@
+"""The ``trio-orch`` command line: one subcommand per job, each loaded only when it runs.
+
+A command is a :class:`Command`: the module that provides ``configure(parser)``
+(add its options) and ``run(args) -> int``, and a one-line help.  The
+product's own commands are listed in :data:`COMMANDS`; other packages add
+theirs through the ``trio_orch.commands`` entry-point group (the benchmark,
+comparison and chaos commands come from ``bench`` that way), naming a
+``Command`` in a module that imports nothing heavy.  ``trio-orch --help``
+imports no command module; ``trio-orch NAME ...`` imports that one alone, so
+a broken or slow command never gets in the way of another.
+
+Exit codes, the same for every command: 0 done, 1 failed, 2 bad command
+line or config, :data:`EXIT_SIGNAL` (130) stopped by Ctrl-C -- and, for
+``generate`` and ``serve``, by SIGTERM too (``serve`` drains first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+from trio_orch.serve.signals import EXIT_SIGNAL
+
+__all__ = ["COMMANDS", "Command", "build_parser", "commands", "main"]
+
+ENTRY_POINT_GROUP = "trio_orch.commands"
+
+log = logging.getLogger("trio_orch.cli")
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """A subcommand: the module that implements it and its one-line help."""
+
+    module: str
+    help: str
+
+
+#: the product's own subcommands
+COMMANDS: dict[str, Command] = {
+    "ctl": Command("trio_orch.cli.ctl",
+                   "control a running server (--admin-token): stats, pause, sleep/wake, reload weights"),
+    "demo": Command("trio_orch.cli.demo",
+                    "in-process 3-stage pipeline, no processes or torch: print routed outputs"),
+    "generate": Command("trio_orch.cli.generate",
+                        "text + speech (WAV) for a prompt through the ZMQ stage workers"),
+    "serve": Command("trio_orch.serve.command",
+                     "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
+    "worker": Command("trio_orch.cli.worker",
+                      "a stage replica that joins a running orchestrator over TCP (--head)"),
+    "keys": Command("trio_orch.cli.keys", "make the CurveZMQ key pairs of a head and its workers"),
+}
+
+
+def commands() -> dict[str, Command]:
+    """The product's commands, then those registered by installed packages (entry points)."""
+    found = dict(COMMANDS)
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        if ep.name in found:
+            continue
+        try:
+            cmd = ep.load()
+        except Exception as exc:  # a broken plug-in must not break the other commands
+            log.warning("command %r (%s) could not be loaded: %r", ep.name, ep.value, exc)
+            continue
+        if isinstance(cmd, Command):
+            found[ep.name] = cmd
+        else:
+            log.warning("entry point %r (%s) is not a trio_orch.cli.Command", ep.name, ep.value)
+    return found
+
+
+def build_parser(available: dict[str, Command], configure: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``configure`` (a command name) gets its options, by importing its module."""
+    parser = argparse.ArgumentParser(
+        prog="trio-orch",
+        description=(
+            "trio-orch: a Trio (structured concurrency) orchestrator for multi-stage inference "
+            "pipelines (thinker -> talker -> vocoder), with ZeroMQ stage workers, an asyncio "
+            "reference, and benchmarks comparing the two."
+        ),
+        epilog="Run 'trio-orch COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0,
+                        help="more log output (-v info, -vv debug)")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, cmd in available.items():
+        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p.add_argument("-v", "--verbose", action="count", default=0, dest="sub_verbose",
+                       help=argparse.SUPPRESS)
+        if name == configure:
+            importlib.import_module(cmd.module).configure(p)
+    return parser
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("trio-orch")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        from trio_orch import __version__
+
+        return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not with
+    # a bare kill.  Each command then handles SIGTERM its own way (serve drains).
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
+    try:
+        try:
+            argv = list(sys.argv[1:] if argv is None else argv)
+            available = commands()
+            chosen = next((a for a in argv if not a.startswith("-")), None)
+            parser = build_parser(available, configure=chosen if chosen in available else None)
+            args = parser.parse_args(argv)
+            if not args.command:
+                parser.print_help()
+                return 2
+            verbosity = args.verbose + getattr(args, "sub_verbose", 0)
+            level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
+            logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            module = importlib.import_module(available[args.command].module)
+        finally:
+            if main_thread:
+                signal.signal(signal.SIGTERM, previous)
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_SIGNAL
+
+
+def _sigterm_as_ctrl_c(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt("SIGTERM")
+

@@ -1,0 +1,133 @@
+"""``--worker-backend ray``: every configured replica as a Ray actor that joins over TCP.
+
+Each actor (:class:`ReplicaActor`, placed with the stage's ``resources``
+from the config, e.g. ``num_gpus``; ``num_cpus`` defaults to 1) runs one
+``python -m stages.headless`` process that registers with the head like any
+remote worker.  The head makes an ephemeral key pair for itself and one for
+its Ray workers (the workers' public key is allowed, the secret travels to
+the actors as an argument, never written to disk); the pipeline config
+travels the same way.  Leaving the block stops every actor's worker
+(SIGTERM, then SIGKILL) and kills the actors.  An actor that dies (killed,
+its node lost) takes its worker with it: the worker exits when its parent
+goes, and the head sees a lost replica (``replica_died`` for its requests).
+
+Ray is an optional dependency: ``pip install -e '.[ray]'``.  The cluster is
+an existing one (``ray start --head`` locally; ``--ray-address`` or
+``RAY_ADDRESS`` otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from stages.auth import Keypair
+from stages.config import PipelineConfig, to_dict
+
+__all__ = ["CONFIG_ENV", "RayKeys", "ReplicaActor", "ephemeral_keys", "open_ray_replicas"]
+
+log = logging.getLogger("trio_orch.cluster.ray_backend")
+
+#: the pipeline config (JSON of the TOML layout) handed to a worker started by an actor
+CONFIG_ENV = "TRIO_ORCH_WORKER_CONFIG"
+
+
+@dataclass(frozen=True)
+class RayKeys:
+    """The head's ephemeral key pair and the one its Ray workers share."""
+
+    head: Keypair
+    worker: Keypair
+
+
+def ephemeral_keys() -> RayKeys:
+    return RayKeys(Keypair.generate(), Keypair.generate())
+
+
+class ReplicaActor:
+    """A Ray actor that runs one worker process (wrapped with ``ray.remote`` when used)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """SIGTERM (a graceful leave), SIGKILL after ``grace`` seconds; the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--worker-backend ray needs Ray: pip install -e '.[ray]'") from None
+    return ray
+
+
+@asynccontextmanager
+async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, address: str | None,
+                            *, stop_grace: float = 5.0) -> AsyncIterator[list[Any]]:
+    """Place ``cfg``'s replicas as Ray actors that join ``head``; yield the actor handles."""
+    ray = _import_ray()
+    started_ray = False
+    if not ray.is_initialized():
+        addr = address or os.environ.get("RAY_ADDRESS") or "auto"
+        await trio.to_thread.run_sync(lambda: ray.init(address=addr, log_to_driver=False,
+                                                       include_dashboard=False))
+        started_ray = True
+    actor_cls = ray.remote(ReplicaActor)
+    env = {
+        "TRIO_ORCH_WORKER_KEYS": json.dumps({"public": keys.worker.public.decode(),
+                                             "secret": keys.worker.secret.decode(),
+                                             "head": keys.head.public.decode()}),
+        CONFIG_ENV: json.dumps(to_dict(cfg)),
+    }
+    actors: list[Any] = []
+    try:
+        for k, st in enumerate(cfg.stages):
+            res = dict(st.resources)
+            opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
+            if res:
+                opts["resources"] = res
+            for r in range(st.replicas):
+                argv = [sys.executable, "-m", "stages.headless", "--stage", str(k), "--head", head,
+                        "--device", cfg.device]
+                actors.append(actor_cls.options(name=None, **opts).remote(argv, env))
+                log.info("stage %d replica %d: placed as a Ray actor (%s)", k, r, opts)
+        pids = await trio.to_thread.run_sync(lambda: ray.get([a.pid.remote() for a in actors], timeout=120))
+        log.info("Ray actors started %d workers (pids %s)", len(pids), pids)
+        yield actors
+    finally:
+        with trio.CancelScope(shield=True):
+            def stop_all() -> None:
+                try:
+                    ray.get([a.stop.remote(stop_grace) for a in actors], timeout=stop_grace + 10)
+                except Exception as exc:  # an actor already dead: killing it below is enough
+                    log.warning("stopping Ray workers: %r", exc)
+                for a in actors:
+                    ray.kill(a)
+                if started_ray:
+                    ray.shutdown()
+
+            await trio.to_thread.run_sync(stop_all)

@@ -1,0 +1,21 @@
+"""The engine: the orchestrator with admission, per-request streams and the control plane,
+for Trio code, for plain threads and for asyncio.
+"""
+
+from trio_orch.engine.base import (
+    EngineClosed,
+    EngineStartupError,
+    EngineStatistics,
+    Overloaded,
+    PipelineFactory,
+    PipelineSpec,
+    static_pipeline,
+)
+from trio_orch.engine.bridge import Engine
+from trio_orch.engine.control import ControlError
+from trio_orch.engine.handles import AsyncRequestHandle, RequestHandle
+from trio_orch.engine.trio_engine import TrioEngine, open_trio_engine
+
+__all__ = ["AsyncRequestHandle", "ControlError", "Engine", "EngineClosed", "EngineStartupError",
+           "EngineStatistics", "Overloaded", "PipelineFactory", "PipelineSpec", "RequestHandle", "TrioEngine",
+           "open_trio_engine", "static_pipeline"]

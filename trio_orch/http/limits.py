@@ -1,0 +1,303 @@
+"""HTTP limits that any ASGI server can apply: body size and time, content type, errors as JSON.
+
+:class:`LimitsMiddleware` wraps the app (Starlette puts it inside its own
+error middleware, so it sees the route's exceptions first).  Before a POST
+reaches a route it checks the ``Content-Type`` (JSON only: a browser cannot
+send that cross-origin without a CORS preflight), refuses a declared body
+over ``max_body_bytes`` at once (413), reads the body within
+``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
+forever) and stops reading as soon as it passes the limit (413); the route
+then gets the buffered body.  A POST to a shed path is refused with 429
+before its body is read while the engine sheds, or once the requests
+already let in fill its capacity (:class:`Shedder`: under a flood, parsing
+requests that would be shed anyway would starve the admitted ones of CPU).
+A client that disconnects during its upload costs one log line.  An
+exception from a route becomes an OpenAI-shaped 500, counted and logged
+once.  Every refusal has OpenAI's ``{"error": {...}}`` body.
+
+Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
+Trio ASGI server.  Limits on connections (how many, how long an idle one
+or a slow header may hold a socket) belong to the server: see
+:mod:`trio_orch.serve.connection_limits`.  :class:`RateLimitFilter` keeps floods of
+identical log lines (accept errors when out of file descriptors) to one
+line per interval.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from trio_orch.http.metrics import FrontMetrics
+from trio_orch.http.openai_chat import error_body
+from trio_orch.serve.accept_gate import refuses
+
+__all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Shedder", "json_response"]
+
+log = logging.getLogger("trio_orch.serve.command")
+
+Scope = dict[str, Any]
+AsgiMessage = dict[str, Any]
+Receive = Callable[[], Awaitable[AsgiMessage]]
+Send = Callable[[AsgiMessage], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class HTTPLimits:
+    """Every limit of the HTTP front, with defaults for a small serving box.
+
+    ``header_timeout``, ``keep_alive_timeout``, ``max_connections`` and
+    ``max_accept_wait`` are applied by the server (see
+    :mod:`trio_orch.serve.connection_limits`); the others by :class:`LimitsMiddleware`
+    and the request parser.  ``max_connections`` None: derived from the process's file-descriptor limit.
+    """
+
+    max_body_bytes: int = 4 << 20
+    max_prompt_chars: int = 32_000
+    max_json_depth: int = 32
+    body_timeout: float = 30.0
+    header_timeout: float = 10.0
+    max_accept_wait: float = 0.05
+    keep_alive_timeout: float = 5.0
+    max_connections: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_prompt_chars", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("body_timeout", "header_timeout", "keep_alive_timeout", "max_accept_wait"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+
+
+def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> tuple[list[Any], bytes]:
+    """(raw ASGI headers, body bytes) of a JSON response."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+    raw += [(k.encode(), v.encode()) for k, v in (headers or {}).items()]
+    return raw, data
+
+
+class Shedder:
+    """The one decision to refuse a POST with 429 because the engine would shed it, and its answer.
+
+    Refused while the engine sheds (its hint), and also once the requests a
+    layer has already let through and not yet answered (``pending``, which
+    that layer counts) reach the engine's capacity: they get there first, so
+    a new one could only be shed.  Without that count the whole first wave
+    of a burst -- every request read before the engine shed its first --
+    would take the full HTTP path.  :class:`LimitsMiddleware` asks before
+    reading a body; a server front may ask as soon as it has a request line
+    (:mod:`trio_orch.serve.connection_limits` does, before any HTTP parsing: under a
+    flood, even parsing the requests that will be refused starves the
+    admitted ones of CPU).  Either way the refusal is counted once, by
+    route, as shed.
+    """
+
+    MESSAGE = "overloaded: request not accepted (the server is shedding load); retry later"
+
+    def __init__(self, shedding: Callable[[], bool], paths: frozenset[str], front: FrontMetrics,
+                 retry_after: float = 1.0, capacity: Callable[[], float] = lambda: math.inf) -> None:
+        self.shedding = shedding
+        self.capacity = capacity
+        self.last_refusal = -math.inf  #: time.monotonic() of the last refusal
+        self.paths = paths
+        self.front = front
+        self.headers, self.body = json_response(
+            429, error_body(self.MESSAGE, "rate_limit_error", None, "overloaded"),
+            {"retry-after": str(max(1, math.ceil(retry_after)))})
+        head = b"".join(k + b": " + v + b"\r\n" for k, v in self.headers)
+        self._raw = b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"connection: close\r\n\r\n" + self.body
+
+    def flooded(self, pending: int = 0, window: float = 1.0) -> bool:
+        """Full now, or refused a request within the last ``window`` seconds."""
+        return self.full(pending) or time.monotonic() - self.last_refusal < window
+
+    def full(self, pending: float = 0) -> bool:
+        """Whether a request now would be shed: the engine sheds, or ``pending`` fill its capacity."""
+        return refuses(self.shedding(), pending, self.capacity())
+
+    def refuse(self, route: str, pending: int = 0) -> bool:
+        """Whether a POST to ``route`` is refused now, ``pending`` requests being on their way
+        (counted when it is)."""
+        if route not in self.paths or not self.full(pending):
+            return False
+        self.last_refusal = time.monotonic()
+        self.front.count_shed(route)
+        return True
+
+    def refused_elsewhere(self, route: str, n: int = 1) -> None:
+        """``n`` POSTs to ``route`` that another process (the acceptor) refused: counted as ours."""
+        self.front.count_shed(route, n)
+
+    def raw_response(self) -> bytes:
+        """The refusal as HTTP/1.1 bytes, closing the connection (for a front that answers itself)."""
+        return self._raw
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, code: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+class _ClientLeft(Exception):
+    pass
+
+
+class LimitsMiddleware:
+    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
+                 shedder: Shedder | None = None) -> None:
+        self.app = app
+        self.limits = limits
+        self.front = front
+        self.shedder = shedder
+        self.pending = 0  #: POSTs to a shed path let in and not answered yet (the shedder's estimate)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope.get("path", "")
+        shedder = self.shedder
+        counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
+        if counted:
+            assert shedder is not None
+            if shedder.refuse(route, self.pending):
+                await send({"type": "http.response.start", "status": 429, "headers": shedder.headers})
+                await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
+                return
+            self.pending += 1
+        try:
+            await self._serve(scope, receive, send, route)
+        finally:
+            if counted:
+                self.pending -= 1
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        if scope.get("method") == "POST":
+            try:
+                body = await self._read_body(scope, receive)
+            except _Refused as exc:
+                await self._refuse(send, route, exc.status, str(exc), exc.code)
+                return
+            except _ClientLeft:
+                self.front.disconnects += 1
+                log.info("a client disconnected during its upload to %s", route)
+                return
+            receive = self._replay(body, receive)
+        started = False
+
+        async def tracking_send(message: AsgiMessage) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:
+            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"), route,
+                      type(exc).__name__, exc, exc_info=exc)
+            if not started:
+                await self._refuse(send, route, 500, "internal server error: the error was logged",
+                                   "internal_error", "server_error")
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        headers = dict(scope.get("headers") or [])
+        ctype = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+        if ctype != b"application/json":
+            shown = ctype.decode("latin-1")[:100] or "none"
+            raise _Refused(415, f"the request body must be JSON: send 'Content-Type: application/json' "
+                                f"(got {shown})", "unsupported_media_type")
+        limit = self.limits.max_body_bytes
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _Refused(413, f"the request body is {int(declared)} bytes, over the limit of {limit} bytes",
+                           "request_too_large")
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            with anyio.fail_after(self.limits.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientLeft()
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise _Refused(413, f"the request body is over the limit of {limit} bytes",
+                                       "request_too_large")
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
+                           "request_timeout") from None
+
+    @staticmethod
+    def _replay(body: bytes, receive: Receive) -> Receive:
+        """The app's receive: the buffered body first, then the real one (to see a disconnect)."""
+        sent = False
+
+        async def replay() -> AsgiMessage:
+            nonlocal sent
+            if not sent:
+                sent = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        return replay
+
+    async def _refuse(self, send: Send, route: str, status: int, message: str, code: str,
+                      kind: str = "invalid_request_error", extra: dict[str, str] | None = None) -> None:
+        self.front.count(route, status)
+        if status < 500 and status != 429:  # shedding is counted, not logged line by line
+            log.warning("refused a request to %s (%d): %s", route, status, message)
+        headers, data = json_response(status, error_body(message, kind, None, code),
+                                      {"connection": "close"} if status in (408, 413) else extra)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+
+
+class RateLimitFilter(logging.Filter):
+    """Let through at most one record per ``interval`` seconds for each message in ``floods``.
+
+    The next one that passes says how many were suppressed.  Other records
+    pass untouched.
+    """
+
+    def __init__(self, floods: tuple[str, ...], interval: float = 10.0) -> None:
+        super().__init__()
+        self.floods = floods
+        self.interval = interval
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        key = next((f for f in self.floods if f in text), None)
+        if key is None:
+            return True
+        now = time.monotonic()
+        if now - self._last.get(key, -self.interval) < self.interval:
+            self._suppressed[key] = self._suppressed.get(key, 0) + 1
+            return False
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        if n:
+            record.msg = f"{text} ({n} more like this in the last {self.interval:g}s were not logged)"
+            record.args = ()
+        return True

@@ -1,0 +1,394 @@
+"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http.app`) over the Trio engine, on one of two fronts.
+
+``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
+orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.Engine`'s
+Trio thread.  ``--loop trio``: hypercorn's Trio worker and the
+:class:`~trio_orch.engine.inloop.InLoopEngine` in one Trio run
+(:mod:`trio_orch.serve.hypercorn_front`), no thread between them.
+
+Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
+requests answer 503 ``draining``; the listening socket stays open so a load
+balancer sees it), lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, gives the rest their ``shutdown`` terminal,
+stops the workers, then the HTTP server.  A second signal ends the drain at
+once; a third exits without waiting.  Exit codes: 0 normal end, 1 the engine
+failed (at startup or on its own while serving), 2 bad command line or
+config, 130 stopped by SIGINT or SIGTERM (the same for both, and the same
+as ``trio-orch generate``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from stages.config import PIPELINES
+from stages.registry import outputs_of, text_stage
+from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
+from trio_orch.engine import Engine, EngineStartupError
+from trio_orch.http.admin import TOKEN_ENV
+from trio_orch.http.app import create_app
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.metrics import FrontMetrics
+from trio_orch.http.openai_images import add_image_routes
+from trio_orch.serve.connection_limits import ConnectionLimiter, default_max_connections, quiet_floods
+from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
+from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
+
+__all__ = ["DEFAULT_LOOP", "configure", "run", "watch_engine"]
+
+#: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
+DEFAULT_LOOP = "asyncio"
+
+log = logging.getLogger("trio_orch.serve.command")
+
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
+        "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
+        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
+        "streams out), GET /health, GET /metrics (Prometheus). --loop trio: the HTTP server "
+        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
+        "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
+        "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
+        "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
+        "a signal.")
+    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
+                        help="trio: the HTTP server (hypercorn's Trio worker) runs inside the "
+                             "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
+                             "asyncio in the main thread, the orchestrator in a Trio thread behind the "
+                             f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
+    parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
+                        help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
+                             "/v1/images/generations); one pipeline per server process")
+    parser.add_argument("--in-process", action="store_true",
+                        help="serve a toy in-process pipeline instead (no worker processes, no torch)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                        help="torch device of the workers (default: cpu, or the config's)")
+    parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
+    parser.add_argument("--async-chunk", action="store_true", default=None,
+                        help="stream chunks stage to stage (first audio comes earlier)")
+    parser.add_argument("--model-name", default="trio-orch", help="model id reported to clients")
+    parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
+                        help="serve the control plane under /admin/... (stats, pause, sleep, weight "
+                             "reload, profiling; 'trio-orch ctl' is its client), each call needing "
+                             f"'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; unset: no /admin)")
+    parser.add_argument("--request-timeout", type=float, default=300.0,
+                        help="seconds a request may take in the orchestrator before it ends with a "
+                             "timeout error and is aborted on every stage (default 300; 0: no limit)")
+    parser.add_argument("--startup-timeout", type=float, default=120.0,
+                        help="seconds to wait for the pipeline to become ready (default 120)")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM/SIGINT, seconds in-flight requests may still take before they "
+                             "get their shutdown error (default 30)")
+    parser.add_argument("--max-restarts", type=int, default=5,
+                        help="restarts of one worker replica within --restart-window before it is "
+                             "given up (default 5; see docs/fault-tolerance.md)")
+    parser.add_argument("--restart-window", type=float, default=60.0,
+                        help="seconds of the restart-intensity window (default 60)")
+    add_distributed_arguments(parser)
+    a = parser.add_argument_group("admission control (see README: Operating it)")
+    a.add_argument("--max-inflight", type=int, default=None, metavar="N",
+                   help="admitted requests per live replica that may still have to pass a stage, for "
+                        "every stage (default: each stage's max_inflight, else its max_batch, 32; "
+                        "0: no bound)")
+    a.add_argument("--request-queue-size", type=int, default=32,
+                   help="admitted requests that may wait for room to start (default 32; 0: none -- a "
+                        "request that cannot start at once is shed)")
+    a.add_argument("--admission-timeout", type=float, default=0.0,
+                   help="seconds a request may wait for a place in that queue before it is shed with "
+                        "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
+                        "pay for it in latency)")
+    h = parser.add_argument_group("HTTP limits")
+    d = HTTPLimits()
+    h.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"largest request body, else 413 (default {d.max_body_bytes})")
+    h.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
+                   help=f"longest prompt built from the messages, else 400 (default {d.max_prompt_chars})")
+    h.add_argument("--body-timeout", type=float, default=d.body_timeout,
+                   help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
+    h.add_argument("--header-timeout", type=float, default=d.header_timeout,
+                   help=f"seconds to send a request head (default {d.header_timeout:g})")
+    h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+                   help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
+    h.add_argument("--max-accept-wait", type=float, default=d.max_accept_wait, metavar="S",
+                   help="while the server sheds load, a request that already waited longer than S seconds "
+                        "in the accept queue is shed too, even if there is room by then: serving it now "
+                        f"would serve it late (default {d.max_accept_wait:g}; --loop asyncio)")
+    h.add_argument("--max-connections", type=int, default=None,
+                   help="open connections; past it the longest-idle one is closed, or the new one "
+                        "refused with 503 if all are busy (default: the file-descriptor limit minus 1024; "
+                        "--loop asyncio)")
+
+
+def _check_args(args: argparse.Namespace) -> HTTPLimits:
+    """The HTTP limits from the command line; ValueError for any bad value."""
+    if args.request_queue_size < 0:
+        raise ValueError("--request-queue-size must be >= 0")
+    if args.max_inflight is not None and args.max_inflight < 0:
+        raise ValueError("--max-inflight must be >= 0 (0: no bound)")
+    for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError("--replicas must be >= 1")
+    if args.loop == "trio" and args.max_connections is not None:  # an explicit limit must hold or be refused
+        raise ValueError("--max-connections applies to --loop asyncio: hypercorn's Trio worker has no "
+                         "connection limit")
+    return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+                      body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                      max_accept_wait=args.max_accept_wait)
+
+
+class _Pipeline:
+    """What serve runs: the factory, its description and what the front needs to know of it."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.supervisor: Any = None
+        self.registrar: Any = None
+        if args.in_process:
+            from trio_orch.testing.toy_pipeline import toy_pipeline
+
+            self.factory: Any = toy_pipeline()
+            self.what = "in-process toy pipeline (thinker -> talker -> vocoder, no workers)"
+            self.outputs: list[str] | None = None
+            self.names: list[str] | None = ["toy thinker", "toy talker", "toy vocoder"]
+            bound = 32 if args.max_inflight is None else args.max_inflight or None
+            self.max_inflight: list[int | None] = [bound] * 3
+            return
+        from stages.config import builtin_config, load_config
+        from trio_orch.cluster.distributed import head_options, open_head_pipeline
+        from trio_orch.cluster.supervisor import RestartPolicy
+
+        if args.config and args.pipeline:
+            raise ValueError("give --config or --pipeline, not both")
+        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+        policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
+        opts, local_cfg = head_options(args, cfg)
+        self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"
+        self.outputs = outputs_of(s.kind for s in cfg.stages)
+        self.names = [s.label for s in cfg.stages]
+        self.max_inflight = (cfg.admission_bounds(serving=True) if args.max_inflight is None
+                             else [args.max_inflight or None] * len(cfg.stages))
+
+        @asynccontextmanager
+        async def factory() -> AsyncIterator[Any]:
+            # dead or hung local workers are restarted; with --listen, replicas may join over TCP;
+            # --loop trio takes SIGTERM in its own run (a drain)
+            async with open_head_pipeline(local_cfg, opts, full_config=cfg, policy=policy,
+                                          handle_sigterm=args.loop != "trio") as pipe:
+                self.supervisor = pipe.supervisor
+                self.registrar = pipe.registrar
+                yield pipe
+
+        self.factory = factory
+
+    def extra_metrics(self) -> dict[str, Any]:
+        out = self.supervisor.prometheus_counters() if self.supervisor is not None else {}
+        if self.registrar is not None:
+            from trio_orch.cluster.registrar import prometheus_counters
+
+            out.update(prometheus_counters(self.registrar))
+        return out
+
+    def token_limit(self, engine: Engine) -> int | None:
+        """The text stage's own cap on generated tokens, from its workers' ready handshake."""
+        k = text_stage(engine.final_stage_ids, self.outputs)
+        if k is None:
+            return None
+        for client in getattr(engine.stages[k], "replicas", ()):
+            ready = getattr(client, "ready", None)
+            limit = ready.info.get("max_new_tokens") if ready is not None else None
+            if isinstance(limit, int):
+                return limit
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)  # until serving: a SIGTERM is a Ctrl-C (exit 130)
+    try:
+        limits = _check_args(args)
+        pipeline = _Pipeline(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    max_connections = limits.max_connections or default_max_connections()
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+        sock.listen(2048)  # connections queue from now on, before uvicorn starts accepting
+    except OSError as exc:
+        print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    print(f"starting {pipeline.what} ...", flush=True)
+    if args.loop == "trio":
+        return _run_trio(args, pipeline, limits, sock)
+    engine = Engine(pipeline.factory, **_engine_options(args, pipeline))
+    try:
+        engine.start()
+    except EngineStartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sock.close()
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted while starting: stopping the engine ...", file=sys.stderr, flush=True)
+        _close(engine)
+        sock.close()
+        return EXIT_SIGNAL
+    host, port = sock.getsockname()[:2]
+    front = FrontMetrics()
+    limiter = ConnectionLimiter(max_connections, limits.header_timeout,
+                                max_accept_wait=limits.max_accept_wait)
+    app = create_app(engine, model_name=args.model_name,
+                     extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
+                     outputs=pipeline.outputs, limits=limits, front=front,
+                     token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
+                     admin_token=args.admin_token)
+    add_image_routes(app, engine, model_name=args.model_name, outputs=pipeline.outputs)
+    level = logging.getLogger().getEffectiveLevel()
+    quiet_floods()
+    stopping = threading.Event()
+    stopped_by: list[str] = []
+    died: list[str] = []
+
+    def drain() -> None:
+        engine.close(drain=args.shutdown_timeout)
+        server.should_exit = True
+
+    def on_signal(signum: int, frame: Any = None) -> None:
+        # Runs in a signal handler: set flags, start a thread, return.
+        stopped_by.append(signal_name(signum))
+        if len(stopped_by) == 1:
+            stopping.set()
+            front.draining = True
+            print(f"{signal_name(signum)}: draining (up to {args.shutdown_timeout:g}s; again to stop "
+                  "at once) ...", flush=True)
+            threading.Thread(target=drain, name="trio-orch-drain", daemon=True).start()
+        elif len(stopped_by) == 2:
+            engine.end_drain()
+        else:  # the operator insists: uvicorn's own forced exit
+            server.should_exit = server.force_exit = True
+
+    server = DrainingServer(uvicorn_config(app, limits, limiter,
+                                           log_level="info" if level <= logging.INFO else "warning"),
+                            on_signal, limiter)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
+        signal.signal(sig, on_signal)
+    threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
+                     name="trio-orch-engine-watch").start()
+    images = pipeline.outputs is not None and "image" in pipeline.outputs
+    route = "/v1/images/generations" if images else "/v1/chat/completions"
+    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
+          "GET /metrics; Ctrl-C or SIGTERM drains and stops)", flush=True)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        stopping.set()
+        print("stopping the engine ...", flush=True)
+        _close(engine)
+        sock.close()
+    if died:
+        print(f"error: the engine stopped on its own ({died[0]}); the server stopped with it",
+              file=sys.stderr)
+        return 1
+    print("stopped", flush=True)
+    return EXIT_SIGNAL if stopped_by else 0
+
+
+def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:
+    return {"startup_timeout": args.startup_timeout, "request_queue_size": args.request_queue_size,
+            "request_timeout": args.request_timeout or None, "admission_timeout": args.admission_timeout,
+            "max_waiting": args.request_queue_size, "max_inflight": pipeline.max_inflight}
+
+
+def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, sock: socket.socket) -> int:
+    """``--loop trio``: one Trio run owns the server, the orchestrator and the workers."""
+    import trio
+
+    from trio_orch.engine.inloop import InLoopEngine
+    from trio_orch.serve.hypercorn_front import hypercorn_config, serve_trio
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until Trio takes the signals over
+    engine = InLoopEngine(pipeline.factory, **_engine_options(args, pipeline))
+    front = FrontMetrics()
+    level = logging.getLogger().getEffectiveLevel()
+    config = hypercorn_config(limits, log_level="info" if level <= logging.INFO else "warning")
+
+    def make_app(eng: InLoopEngine) -> Any:
+        app = create_app(eng, model_name=args.model_name, extra_metrics=pipeline.extra_metrics,
+                         outputs=pipeline.outputs, limits=limits, front=front,
+                         token_limit=pipeline.token_limit(eng), stage_names=pipeline.names)
+        add_image_routes(app, eng, model_name=args.model_name, outputs=pipeline.outputs)
+        return app
+
+    def announce(host: str, port: int) -> None:
+        images = pipeline.outputs is not None and "image" in pipeline.outputs
+        route = "/v1/images/generations" if images else "/v1/chat/completions"
+        print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
+              "GET /metrics; Trio front; Ctrl-C or SIGTERM drains and stops)", flush=True)
+
+    try:
+        out = trio.run(lambda: serve_trio(engine, make_app, sock, config, front,
+                                          startup_timeout=args.startup_timeout,
+                                          shutdown_timeout=args.shutdown_timeout, announce=announce))
+    except KeyboardInterrupt:
+        print("interrupted: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
+    finally:
+        sock.close()
+    if out.startup_error is not None:
+        print(f"error: {out.startup_error}", file=sys.stderr)
+        return 1
+    if not out.served:
+        print("interrupted while starting: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
+    if out.died is not None:
+        print(f"error: the engine stopped on its own ({out.died}); the server stopped with it",
+              file=sys.stderr)
+        return 1
+    print("stopped", flush=True)
+    return EXIT_SIGNAL if out.stopped_by else 0
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _close(engine: Engine) -> None:
+    """Close the engine; meanwhile SIGINT/SIGTERM only cut a drain short: the bounded cleanup must finish."""
+    previous = {sig: signal.signal(sig, lambda signum, frame: engine.end_drain())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        engine.close()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: list[str]) -> None:
+    """If the engine thread ends while we serve (a crash), stop the HTTP server too: exit 1.
+
+    Serving only 503s would hide the failure from whoever restarts the process.
+    """
+    engine.join()
+    if not stopping.is_set():
+        died.append(engine.closed_reason or "its thread exited")
+        server.should_exit = True

@@ -1,0 +1,143 @@
+"""``serve --loop trio``: the HTTP app under hypercorn's Trio worker, in the orchestrator's own Trio run.
+
+One Trio run, one root nursery: the engine task (pipeline, worker pools,
+orchestrator: :class:`~trio_orch.engine.inloop.InLoopEngine`), the HTTP
+server (hypercorn's Trio worker serving the same Starlette app, which runs
+on AnyIO's Trio backend) and the signal watcher.  No thread sits between a
+request handler and the orchestrator: a request is admitted by a function
+call and each dispatcher batch wakes the handler's task directly.  A client
+that disconnects cancels its handler's scope (the request is aborted on
+every stage); a hard stop is one cancel of the root nursery.
+
+Drain, as the threaded front does it: the first SIGINT/SIGTERM stops
+accepting work (``/health`` and new requests answer 503 ``draining``),
+lets in-flight requests finish for up to ``shutdown_timeout`` seconds,
+gives the rest their ``shutdown`` terminal and stops the workers; then the
+HTTP server shuts down the hypercorn way (stop accepting, a deadline of
+``graceful_timeout`` on its connection nursery's cancel scope).  A second
+signal ends the drain at once; a third cancels everything.
+
+What is hypercorn's here and not uvicorn's (see docs/operating.md): an idle
+connection -- including one that has not finished its request head -- is
+closed after ``keep_alive_timeout`` (hypercorn's idle timer), so
+``header_timeout`` is capped by it; there is no connection-count limit
+(``--max-connections`` is the threaded front's).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from hypercorn.config import Config, Sockets
+from hypercorn.trio.run import worker_serve
+from hypercorn.utils import wrap_app
+
+from trio_orch.engine.base import EngineStartupError
+from trio_orch.engine.inloop import InLoopEngine
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.metrics import FrontMetrics
+
+__all__ = ["TrioServeOutcome", "hypercorn_config", "serve_http", "serve_trio"]
+
+log = logging.getLogger("trio_orch.serve.command")
+
+
+def hypercorn_config(limits: HTTPLimits, *, log_level: str = "warning", graceful_timeout: float = 5.0
+                     ) -> Config:
+    """hypercorn's settings for ``limits``: idle/keep-alive timeout, graceful shutdown, no access log."""
+    config = Config()
+    config.keep_alive_timeout = min(limits.keep_alive_timeout, limits.header_timeout)
+    config.graceful_timeout = graceful_timeout
+    config.loglevel = log_level.upper()
+    config.accesslog = None
+    config.include_server_header = False
+    config.h11_max_incomplete_size = 64 * 1024  # a request head; bodies are bounded by LimitsMiddleware
+    config.websocket_max_message_size = limits.max_body_bytes
+    return config
+
+
+async def serve_http(app: Any, sock: socket.socket, config: Config, *,
+                     shutdown_trigger: Callable[[], Any] | None = None,
+                     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve ``app`` on the listening ``sock`` until ``shutdown_trigger()`` returns (or a cancel)."""
+    await worker_serve(wrap_app(app, config.wsgi_max_body_size, "asgi"), config,
+                       sockets=Sockets([], [sock], []), shutdown_trigger=shutdown_trigger,
+                       task_status=task_status)
+
+
+@dataclass
+class TrioServeOutcome:
+    """How :func:`serve_trio` ended."""
+
+    stopped_by: list[str] = field(default_factory=list)  #: the signals received, in order
+    died: str | None = None  #: the engine stopped on its own while serving: why
+    startup_error: BaseException | None = None  #: the pipeline did not start
+    served: bool = False  #: the HTTP server was started
+
+
+async def serve_trio(engine: InLoopEngine, make_app: Callable[[InLoopEngine], Any], sock: socket.socket,
+                     config: Config, front: FrontMetrics, *, startup_timeout: float,
+                     shutdown_timeout: float, announce: Callable[[str, int], None]) -> TrioServeOutcome:
+    """The whole ``serve --loop trio`` run; see the module docstring."""
+    out = TrioServeOutcome()
+    engine_done = trio.Event()
+    stop_server = trio.Event()
+
+    async def run_engine(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await engine.run(task_status=task_status)
+        finally:
+            engine_done.set()
+            if not out.stopped_by and out.served and out.died is None:
+                out.died = engine.closed_reason or "its orchestrator stopped"
+            stop_server.set()  # the engine is gone: the server follows it
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as root:
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    name = signal.Signals(signum).name
+                    out.stopped_by.append(name)
+                    if not out.served or len(out.stopped_by) >= 3:  # starting, or the operator insists
+                        root.cancel_scope.cancel()
+                    elif len(out.stopped_by) == 1:
+                        front.draining = True
+                        print(f"{name}: draining (up to {shutdown_timeout:g}s; again to stop at once) ...",
+                              flush=True)
+                        engine.request_stop(shutdown_timeout)
+                    else:
+                        engine.end_drain()
+
+            root.start_soon(watch_signals)
+            try:
+                with trio.fail_after(startup_timeout):
+                    await root.start(run_engine)
+            except (EngineStartupError, trio.TooSlowError) as exc:
+                out.startup_error = (exc if isinstance(exc, EngineStartupError) else EngineStartupError(
+                    f"engine did not become ready within {startup_timeout}s"))
+                root.cancel_scope.cancel()
+                return out
+            app = make_app(engine)
+            server_done = trio.Event()
+
+            async def http(task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
+                try:
+                    await serve_http(app, sock, config, shutdown_trigger=stop_server.wait,
+                                     task_status=task_status)
+                finally:
+                    server_done.set()
+
+            await root.start(http)
+            out.served = True
+            host, port = sock.getsockname()[:2]
+            announce(host, port)
+            await engine_done.wait()
+            await server_done.wait()  # stop_server is set: hypercorn bounds this by graceful_timeout
+            root.cancel_scope.cancel()  # the signal watcher
+    return out
