@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 import zmq
 
 from stages.config import PipelineConfig, StageConfig, echo_config
@@ -83,6 +84,11 @@ def test_policy_backoff_and_validation() -> None:
     assert classify_death("no message for 1.0s (missed heartbeats)") == "heartbeat_timeout"
     assert classify_death("worker process 7 exited with code -9; stderr") == "exited"
     assert classify_death("worker is dying: shutdown requested: leaving the pool") == "left"
+    # A replica asked to leave: its clean exit may reach the head before its Dying sentinel.
+    exited_first = "worker process 7 exited with code 0; stderr"
+    assert classify_death(exited_first, exit_code=0, leaving=True) == "left"
+    assert classify_death(exited_first, exit_code=0) == "exited"  # not asked to leave: a death
+    assert classify_death("worker process 7 exited with code -9", exit_code=-9, leaving=True) == "exited"
 
 
 async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
@@ -309,7 +315,8 @@ async def test_replace_replica_evicts_an_unhandled_death_and_ignores_the_old_cli
     assert [o.request_id for o in await pool.receive()] == ["b"]
 
 
-async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervision_stops() -> None:
+async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervision_stops(
+        autojump_clock: trio.testing.MockClock) -> None:
     from trio_orch.cluster.transport import ReplicaDied
     from trio_orch.types import StageDied, StageUnavailable
 
@@ -317,7 +324,7 @@ async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervisio
     pool.supervised = True
     r0.alive = False
     pool.sink(r0, ReplicaDied("gone"))  # type: ignore[arg-type]
-    with trio.move_on_after(0.2) as scope:
+    with trio.move_on_after(0.2) as scope:  # autojump clock: fires only once every task waits
         while True:
             await pool.receive()  # the death has no request to report: keeps waiting
     assert scope.cancelled_caught
@@ -328,7 +335,8 @@ async def test_pool_waits_while_supervised_and_raises_stage_dead_when_supervisio
         await pool.receive()
 
 
-async def test_stray_outputs_are_classified_counted_and_never_routed() -> None:
+async def test_stray_outputs_are_classified_counted_and_never_routed(
+        autojump_clock: trio.testing.MockClock) -> None:
     from trio_orch.types import StageOutput
 
     pool, (r0, r1) = fake_pool()
@@ -342,7 +350,7 @@ async def test_stray_outputs_are_classified_counted_and_never_routed() -> None:
     await pool.abort(["b"])
     pool.sink(r1, [StageOutput("b", 5, True), StageOutput("a", 6, False)])  # type: ignore[arg-type]
     pool.sink(r1, [StageOutput("ok?", 7, True)])  # type: ignore[arg-type]
-    with trio.move_on_after(0.1):
+    with trio.move_on_after(0.1):  # autojump clock: fires only once every task waits
         got = await pool.receive()
         pytest.fail(f"stray outputs were routed: {got}")
     assert pool.stray_outputs == {"unknown": 4, "duplicate_finish": 1, "late": 1}

@@ -87,9 +87,15 @@ class RestartPolicy:
         return min(self.backoff_max, self.backoff_initial * self.backoff_factor ** max(0, attempt - 1))
 
 
-def classify_death(reason: str | None) -> str:
-    """The cause label of a replica death from its client's ``dead_reason``."""
+def classify_death(reason: str | None, *, exit_code: int | None = None, leaving: bool = False) -> str:
+    """The cause label of a replica death from its client's ``dead_reason``.
+
+    ``leaving``: the supervisor asked the replica to leave.  Its ``Dying`` sentinel and its exit (code 0)
+    race to the head, so a clean exit seen first is a leave as well, not a death to restart.
+    """
     r = reason or ""
+    if leaving and exit_code == 0:
+        return "left"
     if "missed heartbeats" in r:
         return "heartbeat_timeout"
     if "is dying" in r:
@@ -262,7 +268,8 @@ class Supervisor:
             if self._closing or pool.closed:
                 return
             reason = h.client.dead_reason or "unknown"
-            cause = classify_death(reason)
+            exit_code = h.process.returncode if h.process is not None else None
+            cause = classify_death(reason, exit_code=exit_code, leaving=slot.leaving)
             ev = RestartEvent(k, r, cause, reason, h.pid, trio.current_time())
             self.events.append(ev)
             self._count("deaths", k, cause)
@@ -271,7 +278,7 @@ class Supervisor:
                 slot.left.set()
                 self._notify()
                 await slot.rejoin.wait()
-                if await self._restart(slot, ev, counted=False):
+                if await self._restart(slot, ev, counted=False, rejoin=True):
                     slot.leaving = False
                     pool.uncordon(r)
                     self._count("rejoined", k, "left")
@@ -283,8 +290,11 @@ class Supervisor:
             if not await self._restart(slot, ev, counted=True):
                 return
 
-    async def _restart(self, slot: _Slot, ev: RestartEvent, *, counted: bool) -> bool:
-        """Attempt restarts under the policy; True once a replacement is ready."""
+    async def _restart(self, slot: _Slot, ev: RestartEvent, *, counted: bool, rejoin: bool = False) -> bool:
+        """Attempt restarts under the policy; True once a replacement is ready.
+
+        ``rejoin``: a replica that left starts again on request; that is no restart.
+        """
         k, r = slot.stage_id, slot.replica
         pool = self.pipeline.stages[k]
         policy = self.policy
@@ -318,7 +328,7 @@ class Supervisor:
             ev.t_ready = trio.current_time()
             ev.new_pid = h.pid
             ev.outcome = "restarted"
-            if ev.cause != "left":
+            if not rejoin:
                 self._count("restarts", k, ev.cause)
             log.warning("stage %d replica %d restarted as pid %s after %.2fs (%s)", k, r, h.pid,
                         ev.t_ready - ev.t_dead, ev.cause)
