@@ -201,8 +201,9 @@ def test_asyncio_generate_and_one_wake_per_batch(monkeypatch: pytest.MonkeyPatch
         rids = [f"r{i}" for i in range(8)]
         tasks = [asyncio.create_task(consume(r)) for r in rids]
         streams = engine.demux.streams
-        await await_until(lambda: all(r in streams and streams[r].waiter is not None for r in rids),
-                          "every consumer waiting")
+        await await_until(lambda: all(r in streams and streams[r].waiter is not None for r in rids)
+                          and len(stages[0].submissions) == len(rids),
+                          "every request at the stage and its consumer waiting")  # else outputs are unrouted
 
         def burst() -> None:  # one Trio callback: one reader batch, one dispatcher batch
             for r in rids:

@@ -1,5 +1,8 @@
-"""The engine: the orchestrator with admission, per-request streams and the control plane,
-for Trio code, for plain threads and for asyncio.
+"""The engine: the orchestrator with admission, per-request streams and the control plane.
+
+One engine, :class:`TrioEngine`, runs in the caller's Trio run
+(:func:`open_trio_engine`); :class:`Engine` is its thread adapter, for plain
+threads and asyncio.
 """
 
 from trio_orch.engine.base import (

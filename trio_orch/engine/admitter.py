@@ -37,7 +37,7 @@ from trio_orch.types import OrchError
 
 __all__ = ["Admitter"]
 
-log = logging.getLogger("trio_orch.engine.bridge")
+log = logging.getLogger("trio_orch.engine")
 
 
 class _Sending:

@@ -1,12 +1,12 @@
-"""The control plane on the engines: collective RPC, pause, sleep, weight sync, profiling, aborts.
+"""The control plane: collective RPC, pause, sleep, weight sync, profiling, acknowledged aborts.
 
-The recipes are Trio functions of an :class:`~trio_orch.shell.orchestrator.Orchestrator`,
-so the three engine flavours share them: :class:`TrioControl` (mixed into
-:class:`~trio_orch.engine.trio_engine.TrioEngine`: ``await engine.sleep()``) calls
-them directly; :class:`EngineControl` (mixed into the thread bridge
-:class:`~trio_orch.engine.bridge.Engine`) runs them in the engine's Trio thread, from
-plain threads (``engine.sleep()``, blocking) or from asyncio
-(``await engine.sleep_async()``, on an executor thread, never blocking the loop).
+Written once.  The recipes are Trio functions of an
+:class:`~trio_orch.shell.orchestrator.Orchestrator`; :class:`ControlPlane`
+makes them async methods of the engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`:
+``await engine.sleep()``).  The thread adapter (:class:`~trio_orch.engine.bridge.Engine`)
+derives its two forms from those methods by name, with the descriptors
+:class:`blocking` (``engine.sleep()`` from a plain thread) and
+:class:`on_asyncio` (``await engine.sleep_async()`` on an asyncio loop).
 
 ``collective_rpc`` returns every replica's answer and never raises for a
 replica's error.  The recipes raise :class:`ControlError` (with every
@@ -29,9 +29,9 @@ pipeline back where it can serve when they can:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
 import trio
 
@@ -39,11 +39,13 @@ from trio_orch.engine.base import EngineClosed
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.types import RpcResult
 
-__all__ = ["ControlError", "EngineControl", "TrioControl", "sleep", "start_profile", "stop_profile",
-           "update_weights", "wake_up"]
+__all__ = ["ControlError", "ControlPlane", "Hosting", "blocking", "on_asyncio", "sleep", "start_profile",
+           "stop_profile", "update_weights", "wake_up"]
 
 StageIds = Iterable[int] | None  #: the stages a call goes to (None: every stage)
 Seconds = float | None
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class ControlError(RuntimeError):
@@ -145,88 +147,18 @@ async def stop_profile(orch: Orchestrator, stage_ids: StageIds = None,
     return results
 
 
-async def _rpc(orch: Orchestrator, method: str, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
-               stage_ids: Iterable[int] | None, timeout: float | None) -> list[RpcResult]:
-    return await orch.collective_rpc(method, args, kwargs, stage_ids, timeout)
+class ControlPlane:
+    """The control plane, written once: async methods of the engine, run in its Trio run.
 
-
-async def _pause(orch: Orchestrator, mode: str) -> None:
-    await orch.pause(mode)
-
-
-async def _resume(orch: Orchestrator) -> None:
-    await orch.resume()
-
-
-class TrioControl:
-    """The control plane for Trio code (mixed into ``TrioEngine``, which sets ``orchestrator``)."""
-
-    orchestrator: Orchestrator
-
-    @property
-    def paused(self) -> str | None:
-        """The pause mode in effect (None: not paused)."""
-        return self.orchestrator.paused
-
-    async def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                             kwargs: Mapping[str, Any] | None = None, stage_ids: StageIds = None,
-                             timeout: Seconds = None) -> list[RpcResult]:
-        """:meth:`Orchestrator.collective_rpc`: every replica's answer, errors included."""
-        return await _rpc(self.orchestrator, method, args, kwargs, stage_ids, timeout)
-
-    async def pause(self, mode: str = "wait") -> None:
-        await self.orchestrator.pause(mode)
-
-    async def resume(self) -> None:
-        await self.orchestrator.resume()
-
-    async def sleep(self, level: int = 1, stage_ids: StageIds = None, timeout: Seconds = None,
-                    drain_timeout: Seconds = None) -> list[RpcResult]:
-        return await sleep(self.orchestrator, level, stage_ids, timeout, drain_timeout)
-
-    async def wake_up(self, stage_ids: StageIds = None, timeout: Seconds = None
-                      ) -> list[RpcResult]:
-        return await wake_up(self.orchestrator, stage_ids, timeout)
-
-    async def update_weights(self, path: str, stage_ids: StageIds = None,
-                             timeout: Seconds = None, drain_timeout: Seconds = None
-                             ) -> list[RpcResult]:
-        return await update_weights(self.orchestrator, path, stage_ids, timeout, drain_timeout)
-
-    async def start_profile(self, dir: str, stage_ids: StageIds = None,
-                            timeout: Seconds = None) -> list[RpcResult]:
-        return await start_profile(self.orchestrator, dir, stage_ids, timeout)
-
-    async def stop_profile(self, stage_ids: StageIds = None, timeout: Seconds = None
-                           ) -> list[RpcResult]:
-        return await stop_profile(self.orchestrator, stage_ids, timeout)
-
-
-class EngineControl:
-    """The control plane on the thread bridge: blocking methods and ``*_async`` ones for asyncio.
-
-    The host class provides ``run_in_trio(async_fn, *args)``,
-    ``control_orchestrator()`` (the running orchestrator, or EngineClosed) and
-    ``confirmed_abort(request_id, timeout)`` (Trio side of an acknowledged abort).
-    An asyncio caller cancelled while a recipe runs does not stop it (it runs
-    to its end in the Trio thread, bounded by its timeouts).
+    The engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`) provides
+    :meth:`control_orchestrator` (the running orchestrator, or EngineClosed)
+    and ``abort_confirmed``.  The ``*_async`` names are the same methods, for
+    code written against both engines (the HTTP app): on the thread adapter
+    they are asyncio forms, here the caller already runs in the Trio run.
     """
-
-    def run_in_trio(self, async_fn: Callable[..., Any], *args: Any) -> Any:
-        raise NotImplementedError
 
     def control_orchestrator(self) -> Orchestrator:
         raise NotImplementedError
-
-    async def confirmed_abort(self, request_id: str, timeout: float | None) -> list[RpcResult]:
-        raise NotImplementedError
-
-    def _control(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return self.run_in_trio(partial(fn, self.control_orchestrator(), *args))
-
-    async def _control_async(self, fn: Callable[..., Any], *args: Any) -> Any:
-        self.control_orchestrator()  # EngineClosed at once, not from the executor
-        return await asyncio.get_running_loop().run_in_executor(None, partial(self._control, fn, *args))
 
     @property
     def paused(self) -> str | None:
@@ -236,84 +168,97 @@ class EngineControl:
         except EngineClosed:
             return None
 
-    # -- blocking (plain threads)
-    def collective_rpc(self, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
-                       stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
+    async def collective_rpc(self, method: str, args: Sequence[Any] = (),
+                             kwargs: Mapping[str, Any] | None = None, stage_ids: StageIds = None,
+                             timeout: Seconds = None) -> list[RpcResult]:
         """Every replica's answer to ``method(*args, **kwargs)`` (see :meth:`Orchestrator.collective_rpc`)."""
-        return self._control(_rpc, method, args, kwargs, stage_ids, timeout)
+        return await self.control_orchestrator().collective_rpc(method, args, kwargs, stage_ids, timeout)
 
-    def abort_confirmed(self, request_id: str, timeout: Seconds = None) -> list[RpcResult]:
-        """Abort and wait until every stage that held the request confirmed it stopped.
-
-        As :meth:`Orchestrator.abort`: the consumer gets the ``aborted``
-        terminal (with ``partial``) at once; the result lists each replica's
-        confirmation or its error.
-        """
-        self.control_orchestrator()
-        return self.run_in_trio(self.confirmed_abort, request_id, timeout)
-
-    def pause(self, mode: str = "wait") -> None:
+    async def pause(self, mode: str = "wait") -> None:
         """:meth:`Orchestrator.pause`: returns once the pause is in effect."""
-        self._control(_pause, mode)
+        await self.control_orchestrator().pause(mode)
 
-    def resume(self) -> None:
-        self._control(_resume)
+    async def resume(self) -> None:
+        await self.control_orchestrator().resume()
 
-    def sleep(self, level: int = 1, stage_ids: StageIds = None, timeout: Seconds = None,
-              drain_timeout: Seconds = None) -> list[RpcResult]:
-        return self._control(sleep, level, stage_ids, timeout, drain_timeout)
+    async def sleep(self, level: int = 1, stage_ids: StageIds = None, timeout: Seconds = None,
+                    drain_timeout: Seconds = None) -> list[RpcResult]:
+        """See :func:`sleep`."""
+        return await sleep(self.control_orchestrator(), level, stage_ids, timeout, drain_timeout)
 
-    def wake_up(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
-        return self._control(wake_up, stage_ids, timeout)
+    async def wake_up(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
+        """See :func:`wake_up`."""
+        return await wake_up(self.control_orchestrator(), stage_ids, timeout)
 
-    def update_weights(self, path: str, stage_ids: StageIds = None, timeout: Seconds = None,
-                       drain_timeout: Seconds = None) -> list[RpcResult]:
-        return self._control(update_weights, path, stage_ids, timeout, drain_timeout)
+    async def update_weights(self, path: str, stage_ids: StageIds = None, timeout: Seconds = None,
+                             drain_timeout: Seconds = None) -> list[RpcResult]:
+        """See :func:`update_weights`."""
+        return await update_weights(self.control_orchestrator(), path, stage_ids, timeout, drain_timeout)
 
-    def start_profile(self, dir: str, stage_ids: StageIds = None,
-                      timeout: Seconds = None) -> list[RpcResult]:
-        return self._control(start_profile, dir, stage_ids, timeout)
+    async def start_profile(self, dir: str, stage_ids: StageIds = None,
+                            timeout: Seconds = None) -> list[RpcResult]:
+        """See :func:`start_profile`."""
+        return await start_profile(self.control_orchestrator(), dir, stage_ids, timeout)
 
-    def stop_profile(self, stage_ids: StageIds = None, timeout: Seconds = None
-                     ) -> list[RpcResult]:
-        return self._control(stop_profile, stage_ids, timeout)
+    async def stop_profile(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
+        """See :func:`stop_profile`."""
+        return await stop_profile(self.control_orchestrator(), stage_ids, timeout)
 
-    # -- asyncio
-    async def collective_rpc_async(self, method: str, args: Sequence[Any] = (),
-                                   kwargs: Mapping[str, Any] | None = None,
-                                   stage_ids: StageIds = None,
-                                   timeout: Seconds = None) -> list[RpcResult]:
-        return await self._control_async(_rpc, method, args, kwargs, stage_ids, timeout)
+    collective_rpc_async = collective_rpc
+    pause_async = pause
+    resume_async = resume
+    sleep_async = sleep
+    wake_up_async = wake_up
+    update_weights_async = update_weights
+    start_profile_async = start_profile
+    stop_profile_async = stop_profile
 
-    async def abort_confirmed_async(self, request_id: str, timeout: Seconds = None) -> list[RpcResult]:
-        self.control_orchestrator()
-        return await asyncio.get_running_loop().run_in_executor(
-            None, self.abort_confirmed, request_id, timeout)
 
-    async def pause_async(self, mode: str = "wait") -> None:
-        await self._control_async(_pause, mode)
+class Hosting(Protocol):
+    """What the derived forms need of their host (the thread adapter)."""
 
-    async def resume_async(self) -> None:
-        await self._control_async(_resume)
+    @property
+    def engine(self) -> Any: ...
 
-    async def sleep_async(self, level: int = 1, stage_ids: StageIds = None,
-                          timeout: Seconds = None, drain_timeout: Seconds = None) -> list[RpcResult]:
-        return await self._control_async(sleep, level, stage_ids, timeout, drain_timeout)
+    def run_in_trio(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any: ...
 
-    async def wake_up_async(self, stage_ids: StageIds = None, timeout: Seconds = None
-                            ) -> list[RpcResult]:
-        return await self._control_async(wake_up, stage_ids, timeout)
 
-    async def update_weights_async(self, path: str, stage_ids: StageIds = None,
-                                   timeout: Seconds = None, drain_timeout: Seconds = None
-                                   ) -> list[RpcResult]:
-        return await self._control_async(update_weights, path, stage_ids, timeout,
-                                         drain_timeout)
+class blocking(Generic[P, R]):
+    """The blocking form of one engine method: ``adapter.name(...)`` runs ``engine.name(...)`` in the
+    engine's Trio thread and returns its result (plain threads only)."""
 
-    async def start_profile_async(self, dir: str, stage_ids: StageIds = None,
-                                  timeout: Seconds = None) -> list[RpcResult]:
-        return await self._control_async(start_profile, dir, stage_ids, timeout)
+    def __init__(self, method: Callable[Concatenate[Any, P], Awaitable[R]]) -> None:
+        self.name = method.__name__
+        self.__doc__ = method.__doc__
 
-    async def stop_profile_async(self, stage_ids: StageIds = None, timeout: Seconds = None
-                                 ) -> list[RpcResult]:
-        return await self._control_async(stop_profile, stage_ids, timeout)
+    def __get__(self, host: Hosting, owner: type | None = None) -> Callable[P, R]:
+        name = self.name
+
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            return host.run_in_trio(partial(getattr(host.engine, name), *args, **kwargs))
+
+        call.__name__ = name
+        call.__doc__ = self.__doc__
+        return call
+
+
+class on_asyncio(Generic[P, R]):
+    """The asyncio form of one engine method: ``await adapter.name_async(...)`` runs the blocking form on an
+    executor thread, so the event loop never blocks.  Cancelling the awaiting task does not stop the
+    call: it runs to its end in the Trio thread, bounded by its own timeouts."""
+
+    def __init__(self, method: Callable[Concatenate[Any, P], Awaitable[R]]) -> None:
+        self.name = method.__name__
+        self.__doc__ = method.__doc__
+
+    def __get__(self, host: Hosting, owner: type | None = None) -> Callable[P, Awaitable[R]]:
+        name = self.name
+
+        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            host.engine.control_orchestrator()  # EngineClosed at once, not from the executor
+            run = partial(host.run_in_trio, partial(getattr(host.engine, name), *args, **kwargs))
+            return await asyncio.get_running_loop().run_in_executor(None, run)
+
+        call.__name__ = f"{name}_async"
+        call.__doc__ = self.__doc__
+        return call

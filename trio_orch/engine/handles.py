@@ -1,26 +1,52 @@
-"""What a caller holds for one request of the thread bridge: its handle, sync or asyncio.
+"""What a caller holds for one request: its handle (sync or async), and the async message loop.
 
 A handle takes the items its request's stream receives (message batches,
 the terminal, an exception) and hands them out one message at a time or a
 batch at a time; leaving it before the terminal aborts the request.  The
-:class:`~trio_orch.engine.bridge.Engine` opens the streams; handles only read them.
+engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`) opens the
+streams; handles and :func:`stream_batches` only read them, so the engine
+and its thread adapter (:class:`~trio_orch.engine.bridge.Engine`) share one
+``generate`` loop and one ``add_request_async``, each with its own kind of
+stream (a Trio one in the run, an asyncio one through the adapter).  A
+handle knows its engine only by the :class:`Host` protocol.
 """
 
 from __future__ import annotations
 
 import queue
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
+from contextlib import aclosing
 from time import monotonic, perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from trio_orch.engine.demux import ACK, WITHDRAWN, SyncStream
+from trio_orch.engine.demux import ACK, WITHDRAWN, AsyncioStream, Demux, Stream, SyncStream, TrioStream
 from trio_orch.types import Message, OrchError
 
-if TYPE_CHECKING:
-    from trio_orch.engine.bridge import Engine
+__all__ = ["AsyncHost", "AsyncRequestHandle", "HandleBase", "Host", "RequestHandle", "SyncHost", "messages",
+           "observe_latency", "open_accepted", "stream_batches"]
 
-__all__ = ["AsyncRequestHandle", "HandleBase", "RequestHandle", "observe_latency"]
+AsyncStream = AsyncioStream | TrioStream
+
+
+class Host(Protocol):
+    """The engine a handle reads for: its streams' demux, and how to abort or leave a request."""
+
+    @property
+    def demux(self) -> Demux: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    def client_gone(self, s: Stream) -> None: ...
+
+
+class SyncHost(Host, Protocol):
+    def update_request(self, request_id: str, segment: Any, *, final: bool = False,
+                       timeout: float | None = None) -> None: ...
+
+
+class AsyncHost(Host, Protocol):
+    async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None: ...
 
 
 def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: list[Message]) -> None:
@@ -39,8 +65,8 @@ def observe_latency(observe: Callable[[float], None], t_handover: float, msgs: l
 class HandleBase:
     """What both handles share: the stream they read, the messages taken but not yet handed out."""
 
-    def __init__(self, engine: Engine, stream: Any) -> None:
-        self._engine = engine
+    def __init__(self, engine: Host, stream: Any) -> None:
+        self._engine: Any = engine
         self._s = stream
         self._msgs: deque[Message] = deque()
         self._ended = False  # the terminal (or an exception) reached the handle
@@ -99,6 +125,9 @@ class RequestHandle(HandleBase):
 
     _s: SyncStream
 
+    def __init__(self, engine: SyncHost, stream: SyncStream) -> None:
+        super().__init__(engine, stream)
+
     def get(self, timeout: float | None = None) -> Message:
         """The next message; ``TimeoutError`` after ``timeout`` seconds without one."""
         if not self._msgs:
@@ -137,7 +166,7 @@ class RequestHandle(HandleBase):
 
 
 class AsyncRequestHandle(HandleBase):
-    """An asyncio caller's view of one accepted request (:meth:`Engine.add_request_async`).
+    """An async caller's view of one accepted request (``add_request_async`` of either engine).
 
     ``async for m in handle``: its messages, terminal last (:meth:`batches`:
     one list per dispatcher batch).  ``await handle.update(segment)`` sends
@@ -148,7 +177,7 @@ class AsyncRequestHandle(HandleBase):
     stage's timing, once the terminal was taken (asked for with ``want_timings``).
     """
 
-    def __init__(self, engine: Engine, stream: Any) -> None:
+    def __init__(self, engine: AsyncHost, stream: AsyncStream) -> None:
         super().__init__(engine, stream)
         self.rejection: OrchError | None = None
 
@@ -203,3 +232,47 @@ class AsyncRequestHandle(HandleBase):
 
     async def __aexit__(self, *exc: object) -> None:
         self.close()
+
+
+async def stream_batches(host: Host, open_stream: Callable[[], AsyncStream]
+                         ) -> AsyncGenerator[list[Message], None]:
+    """The loop behind every engine's ``generate_batches``: open the request when the iteration
+    starts, yield one list of messages per dispatcher batch (the terminal last), abort if left early."""
+    s = open_stream()
+    observe = host.demux.latency.observe
+    ended = False
+    try:
+        while not ended:
+            item = await s.next_item()
+            if isinstance(item, BaseException):
+                ended = True
+                raise item
+            t, msgs = item
+            observe_latency(observe, t, msgs)
+            ended = msgs[-1].finished
+            yield msgs
+    finally:
+        if not ended:
+            host.client_gone(s)
+
+
+async def messages(batches: AsyncGenerator[list[Message], None]) -> AsyncIterator[Message]:
+    """``generate``: the batches flattened; leaving early closes them now (the request is aborted at once)."""
+    async with aclosing(batches):
+        async for msgs in batches:
+            for m in msgs:
+                yield m
+
+
+async def open_accepted(host: AsyncHost, s: AsyncStream) -> AsyncRequestHandle:
+    """``add_request_async``: the handle of ``s`` (opened with ``want_ack``) once it was accepted.
+
+    Cancelled (or failing) while it waits, the request is aborted or never registered.
+    """
+    handle = AsyncRequestHandle(host, s)
+    try:
+        await handle.wait_accepted()
+    except BaseException:
+        handle.close()
+        raise
+    return handle
