@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from stages.schema import PositiveInt
+
 __all__ = ["EchoModel", "ReqState", "StageModel", "StepResult"]
 
 
@@ -118,7 +120,7 @@ class EchoModel(StageModel):
 
     kind = "echo"
 
-    def __init__(self, outputs: int = 1) -> None:
+    def __init__(self, outputs: PositiveInt = 1) -> None:
         if outputs < 1:
             raise ValueError(f"echo: outputs must be >= 1, got {outputs}")
         self.outputs = outputs

@@ -31,9 +31,13 @@ have different replica counts.
 ``speech-pd`` (the same with the thinker split into prefill and decode) and
 ``text2image`` (:func:`text2image_config`, encoder -> diffusion);
 :func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
-Kinds are the rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate`
-checks each stage's kind and model options there, so a typo is a ``ValueError``
-before any worker starts.  A plug-in kind (an import path) is imported to be
+The file's tables, keys, types and ranges are a typed schema
+(:mod:`stages.schema`): a wrong type, a value out of range, an unknown key or
+a misspelt table is a ``ValueError`` naming the key's path.  Kinds are the
+rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate` checks each
+stage's kind and model options there (names, and types against the model
+constructor's annotations), so a typo is a ``ValueError`` before any worker
+starts.  A plug-in kind (an import path) is imported to be
 checked; built-in kinds are checked without importing torch.
 """
 
@@ -45,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.registry import KindError, check_stage, outputs_of
+from stages.schema import check_file, set_fields
 
 __all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
            "from_dict", "load_config", "pd_config", "text2image_config"]
@@ -98,27 +103,20 @@ class PipelineConfig:
     stop_grace: float = 3.0
 
     def validate(self) -> PipelineConfig:
-        """Raise ValueError naming the stage and the problem; return self.
+        """Raise ValueError naming the stage (or the key's path) and the problem; return self.
 
-        Imports plug-in models (to check their class); never starts a worker.
+        Types and ranges come from the schema (:mod:`stages.schema`); what is
+        checked here is what spans keys: kinds and their options, the final
+        stages, heartbeats, split roles.  Imports plug-in models (to check
+        their class); never starts a worker.
         """
-        if not self.stages:
-            raise ValueError("pipeline config: at least one stage is needed")
+        check_file(to_dict(self))  # types and ranges: the schema's (a programmatic config too)
         n = len(self.stages)
         for k, st in enumerate(self.stages):
             try:
                 check_stage(st.kind, st.model, st.role)
             except KindError as exc:
                 raise ValueError(f"pipeline config: stage {k}: {exc}") from None
-            if st.replicas < 0:
-                raise ValueError(f"pipeline config: stage {k} needs replicas >= 0, got {st.replicas} "
-                                 "(0: only replicas that join at runtime serve it)")
-            if st.max_batch < 1:
-                raise ValueError(f"pipeline config: stage {k} needs max_batch >= 1, got {st.max_batch}")
-            bound = st.max_inflight
-            if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound < 0):
-                raise ValueError(f"pipeline config: stage {k} needs max_inflight >= 0 (0: no bound), "
-                                 f"got {st.max_inflight!r}")
         if not self.final_stage_ids:
             raise ValueError("pipeline config: final_stages must name at least one stage")
         bad = [k for k in self.final_stage_ids if not 0 <= k < n]
@@ -242,7 +240,9 @@ def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None
 
 def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
     """The TOML layout of ``cfg`` (what :func:`from_dict` reads), e.g. to hand it to a remote worker."""
-    pipe = {f: getattr(cfg, f) for f in PipelineConfig.__dataclass_fields__ if f != "stages"}
+    skip = ("stages", "final_stage_ids")
+    pipe = {f: getattr(cfg, f) for f in PipelineConfig.__dataclass_fields__ if f not in skip}
+    pipe["final_stages"] = list(cfg.final_stage_ids)
     stages = [{f: getattr(st, f) for f in StageConfig.__dataclass_fields__} for st in cfg.stages]
     for st in stages:
         st["replica_args"] = {str(k): v for k, v in st["replica_args"].items()}
@@ -250,31 +250,22 @@ def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:
-    """Build a config from the parsed TOML layout (see the module docstring)."""
-    pipe = dict(data.get("pipeline", {}))
-    raw_stages = data.get("stages")
-    if not isinstance(raw_stages, list) or not raw_stages:
-        raise ValueError("pipeline config: a [[stages]] table array with at least one stage is needed")
+    """Build a config from the parsed TOML layout (see the module docstring).
+
+    Checked against the schema first (:func:`stages.schema.check_file`): a
+    wrong type, a value out of range, an unknown key or table is a
+    ``ValueError`` naming the key's path; keys left out take the defaults of
+    :class:`StageConfig` and :class:`PipelineConfig`.
+    """
+    checked = check_file(data)
     stages = []
-    known = set(StageConfig.__dataclass_fields__)
-    for k, raw in enumerate(raw_stages):
-        extra = set(raw) - known
-        if extra:
-            raise ValueError(f"pipeline config: stage {k}: unknown keys {sorted(extra)}")
-        if "kind" not in raw:
-            raise ValueError(f"pipeline config: stage {k} needs a kind")
-        raw = dict(raw)
+    for table in checked.stages:
+        raw = set_fields(table)
         if "replica_args" in raw:
             raw["replica_args"] = {int(i): list(v) for i, v in raw["replica_args"].items()}
         stages.append(StageConfig(**raw))
-    if "final_stages" in pipe:
-        pipe["final_stage_ids"] = list(pipe.pop("final_stages"))
-    known_p = set(PipelineConfig.__dataclass_fields__) - {"stages"}
-    extra = set(pipe) - known_p
-    if extra:
-        raise ValueError(f"pipeline config: [pipeline] has unknown keys {sorted(extra)}")
-    if "final_stage_ids" not in pipe:
-        pipe["final_stage_ids"] = [len(stages) - 1]
+    pipe = set_fields(checked.pipeline)
+    pipe["final_stage_ids"] = list(pipe.pop("final_stages", [len(stages) - 1]))
     return PipelineConfig(stages, **pipe).validate()
 
 

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from stages.base import ReqState, StageModel, StepResult
+from stages.schema import NonNegativeFloat, PositiveInt
 
 __all__ = ["DiT", "Diffusion", "VaeDecoder", "guided_eps"]
 
@@ -167,10 +168,11 @@ class Diffusion(StageModel):
 
     kind = "diffusion"
 
-    def __init__(self, channels: int = 4, patch: int = 2, d_model: int = 64, layers: int = 2, heads: int = 4,
-                 cond_dim: int = 128, vae_dim: int = 32, default_size: int = 64, default_steps: int = 8,
-                 max_steps: int = 100, default_guidance: float = 4.0, max_size: int = 512,
-                 device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, channels: PositiveInt = 4, patch: PositiveInt = 2, d_model: PositiveInt = 64,
+                 layers: PositiveInt = 2, heads: PositiveInt = 4, cond_dim: PositiveInt = 128,
+                 vae_dim: PositiveInt = 32, default_size: PositiveInt = 64, default_steps: PositiveInt = 8,
+                 max_steps: PositiveInt = 100, default_guidance: NonNegativeFloat = 4.0,
+                 max_size: PositiveInt = 512, device: str = "cpu", seed: int = 0) -> None:
         if not 1 <= default_steps <= max_steps:
             raise ValueError(f"diffusion: need 1 <= default_steps <= max_steps, "
                              f"got {default_steps}, {max_steps}")

@@ -17,6 +17,7 @@ import torch
 
 from stages.base import ReqState, StepResult
 from stages.models import EOS, Thinker
+from stages.schema import PositiveInt
 
 __all__ = ["ThinkerEncoder"]
 
@@ -29,8 +30,8 @@ class ThinkerEncoder(Thinker):
 
     kind = "encoder"
 
-    def __init__(self, d_model: int = 128, layers: int = 2, heads: int = 4, max_prompt: int = 192,
-                 device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, d_model: PositiveInt = 128, layers: PositiveInt = 2, heads: PositiveInt = 4,
+                 max_prompt: PositiveInt = 192, device: str = "cpu", seed: int = 0) -> None:
         # The thinker's constructor draws the weights; its KV cache is left unused (one slot).
         super().__init__(d_model, layers, heads, max_prompt, max_new_tokens=1, min_new_tokens=0,
                          slots=1, device=device, seed=seed)

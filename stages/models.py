@@ -50,6 +50,7 @@ from stages.sampling_params import (
     voice_index,
     with_defaults,
 )
+from stages.schema import NonNegativeFloat, NonNegativeInt, PositiveInt
 from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
 __all__ = ["Code2Wav", "Talker", "Thinker"]
@@ -76,9 +77,10 @@ class Thinker(SlotModel):
 
     kind = "thinker"
 
-    def __init__(self, d_model: int = 128, layers: int = 2, heads: int = 4, max_prompt: int = 192,
-                 max_new_tokens: int = 48, min_new_tokens: int = 8, temperature: float = 0.9,
-                 slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, d_model: PositiveInt = 128, layers: PositiveInt = 2, heads: PositiveInt = 4,
+                 max_prompt: PositiveInt = 192, max_new_tokens: PositiveInt = 48,
+                 min_new_tokens: NonNegativeInt = 8, temperature: NonNegativeFloat = 0.9,
+                 slots: PositiveInt = 32, device: str = "cpu", seed: int = 0) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed)
         self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens
@@ -244,9 +246,11 @@ class Talker(SlotModel):
 
     kind = "talker"
 
-    def __init__(self, d_model: int = 96, layers: int = 2, heads: int = 4, codebooks: int = 4,
-                 codebook_size: int = 256, frames_per_token: int = 2, chunk_frames: int = 8,
-                 max_tokens: int = 256, slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, d_model: PositiveInt = 96, layers: PositiveInt = 2, heads: PositiveInt = 4,
+                 codebooks: PositiveInt = 4, codebook_size: PositiveInt = 256,
+                 frames_per_token: PositiveInt = 2, chunk_frames: PositiveInt = 8,
+                 max_tokens: PositiveInt = 256,
+                 slots: PositiveInt = 32, device: str = "cpu", seed: int = 0) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed + 1)
         self.cb, self.cbs, self.fpt, self.chunk = codebooks, codebook_size, frames_per_token, chunk_frames
@@ -348,9 +352,10 @@ class Code2Wav(SlotModel):
 
     kind = "code2wav"
 
-    def __init__(self, codebooks: int = 4, codebook_size: int = 256, dim: int = 64,
-                 upsample: Sequence[int] = (8, 6, 5, 2), chunk_frames: int = 8, gain: float = 0.5,
-                 slots: int = 32, device: str = "cpu", seed: int = 0) -> None:
+    def __init__(self, codebooks: PositiveInt = 4, codebook_size: PositiveInt = 256, dim: PositiveInt = 64,
+                 upsample: Sequence[PositiveInt] = (8, 6, 5, 2), chunk_frames: PositiveInt = 8,
+                 gain: NonNegativeFloat = 0.5, slots: PositiveInt = 32, device: str = "cpu",
+                 seed: int = 0) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed + 2)
         self.cb, self.chunk, self.gain = codebooks, chunk_frames, gain

@@ -39,6 +39,7 @@ import json
 import os
 import re
 import sys
+import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
@@ -65,6 +66,7 @@ from stages.sampling_params import (
     StageParams,
     checker,
 )
+from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
            "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of",
@@ -266,6 +268,8 @@ class _Params:
     names: frozenset[str]  # passable by keyword
     required: frozenset[str]  # of those, without a default
     var_kw: bool  # **kwargs: any name is taken
+    #: each annotated parameter's type, or its annotation's source text (read without importing)
+    annotations: tuple[tuple[str, Any], ...] = ()
 
 
 def _signature_params(cls: type) -> _Params:
@@ -275,9 +279,14 @@ def _signature_params(cls: type) -> _Params:
         return _Params(frozenset(), frozenset(), True)  # not inspectable: let the worker judge
     ps = sig.parameters.values()
     kw = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    try:  # the annotations evaluated where the class is defined (its own aliases resolve)
+        hints: dict[str, Any] = typing.get_type_hints(cls.__init__, include_extras=True)
+    except Exception:
+        hints = {p.name: p.annotation for p in ps if p.annotation is not inspect.Parameter.empty}
     return _Params(frozenset(p.name for p in ps if p.kind in kw),
                    frozenset(p.name for p in ps if p.kind in kw and p.default is inspect.Parameter.empty),
-                   any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps))
+                   any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps),
+                   tuple((p.name, hints[p.name]) for p in ps if p.kind in kw and p.name in hints))
 
 
 def _static_params(modname: str, attr: str) -> _Params | None:
@@ -302,7 +311,9 @@ def _static_params(modname: str, attr: str) -> _Params | None:
     keyword = [p.arg for p in a.args if p in positional] + [p.arg for p in a.kwonlyargs]
     required = {p.arg for p in a.args if p in positional and p.arg not in defaulted}
     required |= {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None}
-    return _Params(frozenset(keyword), frozenset(required), a.kwarg is not None)
+    annotated = tuple((p.arg, ast.unparse(p.annotation)) for p in [*positional, *a.kwonlyargs]
+                      if p.annotation is not None and p.arg in keyword)
+    return _Params(frozenset(keyword), frozenset(required), a.kwarg is not None, annotated)
 
 
 @cache
@@ -340,6 +351,12 @@ def check_options(spec: StageSpec, options: Any) -> None:
         json.dumps(options)
     except (TypeError, ValueError) as exc:
         raise KindError(f"model options must be numbers, strings, booleans, lists or tables: {exc}") from None
+    for name, annotation in params.annotations:
+        if name in options:
+            try:
+                check_option(spec.kind, name, options[name], annotation)
+            except ConfigError as exc:
+                raise KindError(str(exc)) from None
 
 
 def check_stage(kind: str, options: Any, role: str = "") -> StageSpec:

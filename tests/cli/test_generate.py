@@ -94,10 +94,21 @@ def test_load_config_parses_toml(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("toml, message", [
     ("[pipeline]\nasync_chunk = true\n", "at least one stage"),
-    ('[[stages]]\nkind = "echo"\nreplicas = -1\n', "replicas >= 0"),
+    ('[[stages]]\nkind = "echo"\nreplicas = -1\n', r"stages\[0\]\.replicas: expected `int` >= 0"),
     ('[pipeline]\nfinal_stages = [3]\n[[stages]]\nkind = "echo"\n', "out of range"),
-    ('[pipeline]\nbogus = 1\n[[stages]]\nkind = "echo"\n', "unknown keys"),
-    ('[[stages]]\nkind = "echo"\ncolour = "red"\n', "unknown keys"),
+    ('[pipeline]\nbogus = 1\n[[stages]]\nkind = "echo"\n', "unknown key 'bogus' in pipeline"),
+    ('[[stages]]\nkind = "echo"\ncolour = "red"\n', r"unknown key 'colour' in stages\[0\]"),
+    ('[pipline]\nseed = 1\n[[stages]]\nkind = "echo"\n', "unknown table 'pipline'.*did you mean 'pipeline'"),
+    ('[extras]\n[[stages]]\nkind = "echo"\n', "unknown table 'extras'"),
+    ('[[stages]]\nkind = "echo"\nmax_batch = "8"\n', r"stages\[0\]\.max_batch: expected `int`, got `str`"),
+    ('[[stages]]\nkind = "echo"\nmax_batch = 0\n', r"stages\[0\]\.max_batch: expected `int` >= 1"),
+    ('[pipeline]\nheartbeat_timeout = "5"\n[[stages]]\nkind = "echo"\n',
+     r"pipeline\.heartbeat_timeout: expected `float`, got `str`"),
+    ('[pipeline]\ndevice = "gpu"\n[[stages]]\nkind = "echo"\n', r"pipeline\.device: expected `str` matching"),
+    ('[[stages]]\nkind = "thinker"\n[stages.model]\nmax_new_tokens = "48"\n',
+     "stage 0: model option 'max_new_tokens' of thinker: expected `int`, got `str`"),
+    ('[[stages]]\nkind = "thinker"\n[stages.model]\nmax_new_tokens = -3\n',
+     "stage 0: model option 'max_new_tokens' of thinker: expected `int` >= 1"),
     ("not toml [", "not valid TOML"),
 ])
 def test_bad_configs_raise_value_error_naming_the_problem(tmp_path: Path, toml: str, message: str) -> None:
@@ -178,7 +189,7 @@ def test_max_inflight_in_the_config_and_its_serving_default(tmp_path: Path) -> N
     assert cfg.admission_bounds(serving=True) == [8, 3, None]  # unset: max_batch; 0: no bound
     assert cfg.admission_bounds(serving=False) == [None, 3, None]
     p.write_text('[[stages]]\nkind = "echo"\nmax_inflight = -1\n')
-    with pytest.raises(ValueError, match="max_inflight >= 0"):
+    with pytest.raises(ValueError, match=r"stages\[0\]\.max_inflight: expected `int` >= 0"):
         load_config(p)
 
 

@@ -74,12 +74,20 @@ def test_bad_kind_names_are_refused_without_importing_anything(kind: Any, messag
     ("code2wav", {"seed": 1}, "'seed' is set for the whole pipeline"),
     ("echo", [1], "model options must be a table"),
     ("echo", {"outputs": {1, 2}}, "model options must be numbers, strings"),
+    ("thinker", {"max_new_tokens": "48"},
+     "model option 'max_new_tokens' of thinker: expected `int`, got `str`"),
+    ("thinker", {"max_new_tokens": -3}, "model option 'max_new_tokens' of thinker: expected `int` >= 1"),
+    ("code2wav", {"upsample": [8, 0]}, r"model option 'upsample' of code2wav: \[1\]: expected `int` >= 1"),
+    ("echo", {"outputs": True}, "model option 'outputs' of echo: expected `int`, got `bool`"),
 ])
 def test_model_options_are_checked_against_the_constructor(kind: str, options: Any, message: str) -> None:
     with pytest.raises(KindError, match=message):
         registry.check_stage(kind, options)
     cfg = PipelineConfig([StageConfig("echo"), StageConfig(kind, model=options)])
-    with pytest.raises(ValueError, match=f"pipeline config: stage 1: .*{message}"):
+    # the schema sees a model table that is no table first, and says where it is
+    where = (r"stages\[1\]\.model: expected `object`" if not isinstance(options, dict)
+             else f"stage 1: .*{message}")
+    with pytest.raises(ValueError, match=f"pipeline config: {where}"):
         cfg.validate()
 
 

@@ -365,9 +365,13 @@ async def test_bad_model_options_are_refused_before_any_worker_and_bad_values_fa
     with pytest.raises(ValueError, match="stage 0: unknown model option 'bogus_size' for echo"):
         async with open_pipeline(cfg):
             pass
-    cfg.stages[0].model = {"outputs": 0}  # a value only the model can judge: its worker fails
-    with pytest.raises(WorkerStartupError, match="outputs must be >= 1"):
+    cfg.stages[0].model = {"outputs": 0}  # out of the range its constructor's annotation says: here too
+    with pytest.raises(ValueError, match="stage 0: model option 'outputs' of echo: expected `int` >= 1"):
         async with open_pipeline(cfg):
+            pass
+    thinker = PipelineConfig([StageConfig("thinker", model={"d_model": 30, "heads": 4})])
+    with pytest.raises(WorkerStartupError, match="must be divisible by heads"):  # only the model can judge
+        async with open_pipeline(thinker):
             pass
 
 
