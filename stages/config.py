@@ -265,7 +265,7 @@ def from_dict(data: dict[str, Any]) -> PipelineConfig:
             raw["replica_args"] = {int(i): list(v) for i, v in raw["replica_args"].items()}
         stages.append(StageConfig(**raw))
     pipe = set_fields(checked.pipeline)
-    pipe["final_stage_ids"] = list(pipe.pop("final_stages", [len(stages) - 1]))
+    pipe["final_stage_ids"] = list(pipe.pop("final_stages", pipe.get("final_stage_ids", [len(stages) - 1])))
     return PipelineConfig(stages, **pipe).validate()
 
 

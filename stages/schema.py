@@ -48,6 +48,8 @@ class PipelineTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     """``[pipeline]``: settings of the whole pipeline."""
 
     final_stages: Annotated[list[NonNegativeInt], Meta(min_length=1)] | UnsetType = UNSET
+    #: the same, by the name of the config's field (older files use it)
+    final_stage_ids: Annotated[list[NonNegativeInt], Meta(min_length=1)] | UnsetType = UNSET
     async_chunk: bool | UnsetType = UNSET
     device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] | UnsetType = UNSET
     seed: int | UnsetType = UNSET
@@ -118,9 +120,14 @@ def check_file(data: Any) -> ConfigFile:
     if not isinstance(data, dict) or "stages" not in data:
         raise ConfigError("pipeline config: a [[stages]] table array with at least one stage is needed")
     try:
-        return msgspec.convert(data, ConfigFile)
+        checked = msgspec.convert(data, ConfigFile)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"pipeline config: {_explain(exc)}") from None
+    pipe = checked.pipeline
+    if pipe.final_stages is not UNSET and pipe.final_stage_ids is not UNSET:
+        raise ConfigError("pipeline config: pipeline: final_stages and final_stage_ids are one setting; "
+                          "give one")
+    return checked
 
 
 def set_fields(table: Struct) -> dict[str, Any]:

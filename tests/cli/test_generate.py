@@ -264,3 +264,13 @@ def test_generate_stream_input_refuses_compare(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["generate", "--stream-input", "--compare"]) == 2
     assert "do not go together" in capsys.readouterr().err
+
+
+def test_final_stage_ids_is_the_same_key_as_final_stages(tmp_path: Path) -> None:
+    p = tmp_path / "p.toml"
+    two = '[[stages]]\nkind = "echo"\n[[stages]]\nkind = "echo"\n'
+    p.write_text("[pipeline]\nfinal_stage_ids = [0, 1]\n" + two)
+    assert load_config(p).final_stage_ids == [0, 1]
+    p.write_text("[pipeline]\nfinal_stages = [0]\nfinal_stage_ids = [1]\n" + two)
+    with pytest.raises(ValueError, match="final_stages and final_stage_ids are one setting"):
+        load_config(p)
