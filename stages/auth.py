@@ -28,11 +28,13 @@ reads them.  Nothing here unpickles anything.
 
 from __future__ import annotations
 
+import ctypes
 import hmac
 import json
 import logging
 import os
 import secrets
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterable
@@ -45,7 +47,6 @@ import zmq.utils.monitor as zmq_monitor
 import zmq.utils.z85
 
 __all__ = [
-    "ENV",
     "Authenticator",
     "Keypair",
     "KeysError",
@@ -53,13 +54,13 @@ __all__ = [
     "generate_keys",
     "load_keypair",
     "load_public_keys",
+    "not_dumpable",
     "worker_key_names",
 ]
 
 log = logging.getLogger("stages.auth")
 
 #: the environment variable that carries a pipeline's secret and key pair to its local workers
-ENV = "TRIO_ORCH_PIPELINE_AUTH"
 #: ZAP domain of sockets whose clients prove the pipeline secret (ipc) or an allowed key (tcp)
 DOMAIN = "trio-orch"
 ZAP_ADDRESS = "inproc://zeromq.zap.01"
@@ -160,8 +161,12 @@ class Security:
         """A fresh pipeline secret and key pair (the head, at pipeline start)."""
         return cls(secrets.token_hex(32).encode(), Keypair.generate())
 
-    def to_env(self) -> str:
-        """The value of :data:`ENV` for a local worker (secret and pipeline key pair)."""
+    def to_text(self) -> str:
+        """What a local worker is handed (secret and pipeline key pair), over an inherited pipe.
+
+        Never an environment variable or an argument: any process of the same
+        user can read another's ``/proc/<pid>/environ`` and command line.
+        """
         assert self.keypair is not None
         return json.dumps(
             {
@@ -172,11 +177,8 @@ class Security:
         )
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> Security | None:
-        """What a local worker got in :data:`ENV` (None: not set: an unsecured test setup)."""
-        raw = (os.environ if environ is None else environ).get(ENV)
-        if not raw:
-            return None
+    def from_text(cls, raw: str) -> Security:
+        """The inverse of :meth:`to_text` (KeysError if malformed)."""
         try:
             d = json.loads(raw)
             return cls(
@@ -185,7 +187,13 @@ class Security:
                 server_key=d["public"].encode(),
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KeysError(f"malformed {ENV}: {exc}") from None
+            raise KeysError(f"malformed pipeline credentials: {exc}") from None
+
+    @classmethod
+    def from_fd(cls, fd: int) -> Security:
+        """Read :meth:`to_text` from the pipe ``fd`` the launcher left open for us, then close it."""
+        with os.fdopen(fd, "r", closefd=True) as f:
+            return cls.from_text(f.read())
 
     def server(self, sock: zmq.Socket, address: str, *, domain: str = DOMAIN) -> None:
         """Make ``sock`` a security server for its next ``bind(address)``.
@@ -221,6 +229,22 @@ class Security:
         else:
             sock.plain_username = b"pipeline"
             sock.plain_password = self.secret
+
+
+def not_dumpable() -> bool:
+    """Make this process non-dumpable (Linux ``PR_SET_DUMPABLE`` 0); True if it took.
+
+    Another process of the same user can then neither ptrace it nor read its
+    memory or ``/proc/<pid>/environ`` (only root can), and it leaves no core
+    file with the pipeline secret in it.  Elsewhere: a no-op, False.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        return False
 
 
 class Authenticator:

@@ -34,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from stages.auth import Authenticator, Security
+from stages.auth import Authenticator, Security, not_dumpable
 from stages.base import ReqState, StageModel, StepResult
 from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
@@ -518,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "by the orchestrator's launcher, which binds --connect and waits for Ready.",
     )
     p.add_argument("--connect", required=True, help="ZMQ address of the orchestrator's socket (DEALER)")
+    p.add_argument("--auth-fd", type=int, default=None, metavar="FD",
+                   help="read the pipeline credentials from this inherited pipe (the launcher's), then "
+                        "close it; without it the worker's sockets are unsecured (tests only)")
     p.add_argument("--stage-id", type=int, default=0, help="stage index in the pipeline")
     p.add_argument("--replica", type=int, default=0, help="replica index within the stage")
     p.add_argument("--kind", default="echo", type=_kind_arg, metavar="KIND",
@@ -606,7 +609,9 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     args.parent_pid = parent = os.getppid()
     ctx = zmq.Context()
-    security = Security.from_env()  # the pipeline secret: never on the command line
+    # the pipeline secret: from the pipe the launcher left open, never the environment or argv
+    security = Security.from_fd(args.auth_fd) if args.auth_fd is not None else None
+    not_dumpable()  # no other process of this user may read our memory (the secret) or ptrace us
     auth: Authenticator | None = None
     if security is not None and (args.inbox or args.inbox_tcp):  # this worker binds: it checks its peers
         auth = Authenticator(ctx, security.secret).start()

@@ -42,7 +42,7 @@ from typing import Any
 import trio
 import zmq
 
-from stages import auth, registry
+from stages import registry
 from stages.auth import Authenticator, Security
 from stages.config import PipelineConfig, StageConfig
 from trio_orch.cluster.pool import ReplicaPool
@@ -233,15 +233,29 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
                       task_status: trio.TaskStatus[WorkerHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """Start one worker, wait for Ready, watch it; always stop and reap it on the way out.
 
-    The worker gets the pipeline secret (if its client has one) in its environment.
+    The worker gets the pipeline secret (if its client has one) over a pipe it inherits
+    (``--auth-fd``): never in its environment or on its command line, where any process of
+    the same user could read it.
     """
     label = f"stage {h.stage_id} ({h.kind}) replica {h.replica}"
-    env = None
+    pass_fds: tuple[int, ...] = ()
     if h.client.security is not None:
-        env = {**os.environ, auth.ENV: h.client.security.to_env()}
-    with open(h.stderr_path, "wb") as errf:
-        h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
-                                                     stderr=errf, env=env)
+        read_end, write_end = os.pipe()
+        with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
+            w.write(h.client.security.to_text())
+        pass_fds = (read_end,)
+        argv = [*argv, "--auth-fd", str(read_end)]
+    try:
+        with open(h.stderr_path, "wb") as errf:
+            # A session of its own: a signal to serve's whole process group (systemd's KillMode,
+            # `timeout`, `kill -- -PGID`, a container runtime) must not stop the workers before serve
+            # drained them. Serve stops them itself; if serve is SIGKILLed, they see their parent gone.
+            h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
+                                                         stderr=errf, pass_fds=pass_fds,
+                                                         start_new_session=True)
+    finally:
+        for fd in pass_fds:
+            os.close(fd)
     proc = h.process
     try:
         async with trio.open_nursery() as nursery:

@@ -1,0 +1,122 @@
+"""How serve behaves where it is deployed: signals to its whole process group, secrets, orphans.
+
+Real ``trio-orch serve`` processes with real echo worker processes, real HTTP
+clients on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import trio
+
+from stages.auth import not_dumpable
+from stages.config import echo_config
+from tests.http_helpers import HANG, metrics, wait_until
+from tests.serve.test_service import start_serve, stream_in_background
+from trio_orch.cluster.launcher import open_pipeline
+from trio_orch.testing import child_pids
+
+#: an environment variable named like a secret
+SECRET_NAME = re.compile(r"auth|secret|token|password|key", re.I)
+
+SLOW_ECHO = """[pipeline]
+final_stages = [0, 2]
+{stages}
+"""
+
+
+def slow_echo_config(tmp_path: Path) -> str:
+    """Three echo stages that take ~1 s per request: a stream is still open when the signal comes."""
+    stage = '[[stages]]\nkind = "echo"\nmodel = {outputs = 40}\nworker_args = ["--step-delay-ms", "25"]\n'
+    path = tmp_path / "echo.toml"
+    path.write_text(SLOW_ECHO.format(stages="\n".join([stage] * 3)))
+    return str(path)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ")[-1][:1] != "Z"
+    return True
+
+
+@pytest.mark.slow
+def test_a_sigterm_to_the_whole_process_group_drains_the_open_streams(tmp_path: Path) -> None:
+    """systemd's KillMode=control-group, ``timeout``, ``kill -- -PGID``: the workers are not in serve's
+    group, so they serve the open streams to their end while serve drains."""
+    proc, url = start_serve("--config", slow_echo_config(tmp_path), "--shutdown-timeout", "30",
+                            new_session=True)
+    try:
+        workers = child_pids(proc.pid)
+        assert len(workers) == 3 and all(os.getpgid(w) != proc.pid for w in workers)
+        streams = [stream_in_background(url, 3) for _ in range(4)]
+        with httpx.Client(base_url=url, timeout=HANG) as c:
+            wait_until(lambda: metrics(c)["trio_orch_active_requests"] == 4, "four streams run")
+        os.killpg(proc.pid, signal.SIGTERM)  # the whole group, as a process manager does
+        for t, _ in streams:
+            t.join(60)
+        for _, events in streams:
+            assert events and events[-1] == "[DONE]"
+            assert not any(isinstance(e, dict) and "error" in e for e in events), events
+        assert proc.wait(60) == 130  # it exits by itself once drained
+        wait_until(lambda: not any(alive(w) for w in workers), "the workers are stopped", hang=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_a_sigkilled_serve_leaves_no_orphan_worker(tmp_path: Path) -> None:
+    proc, _ = start_serve("--config", slow_echo_config(tmp_path), new_session=True)
+    workers = child_pids(proc.pid)
+    assert len(workers) == 3
+    proc.kill()
+    proc.wait()
+    # each worker checks its parent every heartbeat and exits once it is gone
+    wait_until(lambda: not any(alive(w) for w in workers), "the orphaned workers exit", hang=30)
+
+
+async def test_no_worker_holds_a_secret_in_its_environment_or_command_line() -> None:
+    async with open_pipeline(echo_config(2)) as pipe:
+        assert pipe.security is not None
+        secret = pipe.security.secret
+        for pid in pipe.pids:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            names = [e.split(b"=", 1)[0].decode() for e in environ if e]
+            assert [n for n in names if SECRET_NAME.search(n)] == []
+            assert all(secret not in e for e in environ)
+            assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes()
+        # and the workers authenticated with it all the same: they serve
+        assert all("error" not in s for s in await pipe.stats())
+
+
+def test_a_process_can_make_itself_non_dumpable() -> None:
+    """What every worker does first (no ptrace, no /proc/<pid>/mem of it by the same user, no core)."""
+    code = ("import ctypes, sys\n"
+            "from stages.auth import not_dumpable\n"
+            "ok = not_dumpable()\n"
+            "sys.exit(0 if ok and ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0 else 1)\n")  # PR_GET_DUMPABLE
+    if not sys.platform.startswith("linux"):
+        assert not_dumpable() is False
+        return
+    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2]).returncode == 0
+
+
+async def test_workers_run_in_a_session_of_their_own() -> None:
+    async with open_pipeline(echo_config(1)) as pipe:
+        with trio.fail_after(HANG):
+            pid = pipe.pids[0]
+        assert os.getsid(pid) == pid != os.getsid(0)
