@@ -112,7 +112,8 @@ def test_a_process_can_make_itself_non_dumpable() -> None:
     if not sys.platform.startswith("linux"):
         assert not_dumpable() is False
         return
-    assert subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2]).returncode == 0
+    root = Path(__file__).resolve().parents[2]
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0
 
 
 async def test_workers_run_in_a_session_of_their_own() -> None:
