@@ -43,6 +43,8 @@ checked; built-in kinds are checked without importing torch.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -178,9 +180,19 @@ class PipelineConfig:
             return False
         return self.async_chunk or self.stages[k].role == "prefill"
 
-    def shared_seed(self, k: int) -> bool:
-        """Are stage ``k``'s replicas built from one seed (the two halves of a split model)?"""
-        return bool(self.stages[k].role)
+    def model_seed(self, k: int) -> int:
+        """The seed stage ``k``'s replicas build their (dummy) weights and default sampling from.
+
+        What defines the model decides it -- the pipeline seed, the kind and the
+        model options -- never the stage's position or a replica's index: every
+        replica of a stage holds the same weights (a seeded request answers the
+        same whichever serves it), and the prefill and decode halves of a split
+        model, like the unsplit one, are one model.  A stable hash (not Python's
+        salted ``hash``), so a worker on another host computes the same.
+        """
+        st = self.stages[k]
+        what = json.dumps([self.seed, st.kind, st.model], sort_keys=True).encode()
+        return int.from_bytes(hashlib.blake2b(what, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
                        device: str | None = None) -> PipelineConfig:

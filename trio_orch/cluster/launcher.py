@@ -180,20 +180,11 @@ class Pipeline:
         raise KeyError((stage_id, replica))
 
 
-def _seed(cfg: PipelineConfig, k: int, r: int) -> int:
-    """A replica's seed (its dummy weights and sampling).  The two halves of a split model share
-    their prefill stage's first seed: a decode replica continues KV caches made with those weights."""
-    if cfg.shared_seed(k):
-        first = k - 1 if cfg.stages[k].role == "decode" else k
-        return cfg.seed + 1000 * first
-    return cfg.seed + 1000 * k + r
-
-
 def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str, tmpdir: str,
                  inbox_host: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
             "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
-            "--device", cfg.device, "--seed", str(_seed(cfg, k, r)), "--threads", str(st.threads),
+            "--device", cfg.device, "--seed", str(cfg.model_seed(k)), "--threads", str(st.threads),
             "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval),
             "--cleanup-dir", tmpdir]
     if st.role:

@@ -289,7 +289,7 @@ class Registrar:
                     idx,
                     client.address,
                     cfg.heartbeat_interval,
-                    seed=cfg.seed + 1000 * k + idx,
+                    seed=cfg.model_seed(k),
                     inbox=k > 0 and cfg.hands_off(k - 1),
                     control_only=cfg.async_chunk and k not in cfg.final_stage_ids,
                     downstream=down,
