@@ -11,8 +11,9 @@ loop stays quick and honest.
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -60,3 +61,21 @@ def live_task_names() -> list[str]:
 
 def orchestrator_tasks() -> list[str]:
     return [n for n in live_task_names() if n.startswith("trio_orch.")]
+
+
+@pytest.fixture()
+def serving() -> Iterator[Callable[..., Any]]:
+    """``serving(front, factory, **kw)``: the app behind a real server on loopback
+    (``tests.http_helpers.serve``); whatever the test started is stopped after it."""
+    from tests.http_helpers import serve
+
+    started: list[Any] = []
+
+    def start(front: str, factory: Any, **kwargs: Any) -> Any:
+        s = serve(front, factory, **kwargs)
+        started.append(s)
+        return s
+
+    yield start
+    for s in reversed(started):
+        s.stop()

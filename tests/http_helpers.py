@@ -1,10 +1,12 @@
 """What the HTTP tests share: the app under a real server on loopback (both fronts), SSE/metrics parsing.
 
-``serve(front, factory)`` starts the app the way ``trio-orch serve --loop
-FRONT`` does: ``"asyncio"`` -- the thread-bridge :class:`Engine` and uvicorn
-(:class:`Served`); ``"trio"`` -- the :class:`InLoopEngine` and hypercorn's
+``serve(front, factory)`` starts the one app (:func:`~trio_orch.http.app.create_app`)
+the way ``trio-orch serve --loop FRONT`` does: ``"asyncio"`` -- the
+thread-bridge :class:`Engine` and uvicorn with the serve command's settings
+(:class:`Served`); ``"trio"`` -- the :class:`TrioEngine` and hypercorn's
 Trio worker in one Trio run (:class:`TrioServed`, in a thread of its own so
-the test can be a plain client).
+the test can be a plain client).  The ``serving`` fixture (tests/conftest.py)
+stops whatever a test started with it.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from trio_orch.engine import Engine
-from trio_orch.engine.inloop import InLoopEngine
+from trio_orch.engine import Engine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.serve.connection_limits import ConnectionLimiter
+from trio_orch.serve.connection_limits import HeadDeadline
 from trio_orch.serve.hypercorn_front import hypercorn_config, serve_http
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
@@ -41,55 +42,65 @@ def wait_until(pred: Callable[[], bool], what: str = "condition", hang: float = 
         time.sleep(0.005)
 
 
+def listening_socket(backlog: int) -> socket.socket:
+    """A loopback socket listening on a free port, as the serve command makes it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(backlog)
+    return sock
+
+
 class Served:
-    """An Engine + the app under uvicorn (the serve command's protocol and limits) in a thread."""
+    """An Engine + the app under uvicorn (the serve command's settings and head deadline) in a thread."""
+
+    front_name = "asyncio"
 
     def __init__(self, engine: Engine, *, limits: HTTPLimits | None = None, max_connections: int = 1000,
                  model_name: str = "toy", **app_kwargs: Any) -> None:
         self.engine = engine
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
-        self.limiter = ConnectionLimiter(max_connections, self.limits.header_timeout,
-                                         max_accept_wait=self.limits.max_accept_wait)
+        self.deadline = HeadDeadline(self.limits.header_timeout)
         more = app_kwargs.pop("extra_metrics", None)
         app = create_app(engine, model_name=model_name, limits=self.limits, front=self.front,
-                         extra_metrics=lambda: {**(more() if more else {}), **self.limiter.counters()},
+                         extra_metrics=lambda: {**(more() if more else {}), **self.deadline.counters()},
                          **app_kwargs)
-        config = uvicorn_config(app, self.limits, self.limiter, log_level="warning")
-        self.sock = socket.socket()  # as the serve command does: its socket, accepted on by the acceptor
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(2048)
-        self.server = DrainingServer(config, lambda signum: None, self.limiter)
+        config = uvicorn_config(app, self.limits, self.deadline, max_connections=max_connections,
+                                log_level="warning")
+        self.sock = listening_socket(self.limits.backlog)
+        self.server = DrainingServer(config, lambda signum: None)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, "uvicorn started")
-        port = self.sock.getsockname()[1]
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def open_connections(self) -> int:
+        """HTTP connections uvicorn holds open now (a WebSocket session counts once upgraded)."""
+        return len(self.server.server_state.connections)
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(HANG)
         self.engine.close()
         assert not self.thread.is_alive()
-        assert self.server.acceptors and not any(a.running for a in self.server.acceptors), "acceptor left"
         assert self.sock.fileno() == -1, "the listening socket was left open"
 
 
 class TrioServed:
-    """An InLoopEngine + the app under hypercorn's Trio worker, in one Trio run (``serve --loop trio``)."""
+    """An TrioEngine + the app under hypercorn's Trio worker, in one Trio run (``serve --loop trio``)."""
+
+    front_name = "trio"
 
     def __init__(self, factory: Any, *, engine_options: dict[str, Any] | None = None,
                  limits: HTTPLimits | None = None, model_name: str = "toy", **app_kwargs: Any) -> None:
-        self.engine = InLoopEngine(factory, **(engine_options or {}))
+        self.engine = TrioEngine(factory, **(engine_options or {}))
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
         app_kwargs.pop("max_connections", None)  # the threaded front's limit
         self.app_kwargs = {"model_name": model_name, "limits": self.limits, "front": self.front, **app_kwargs}
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(1024)
+        self.sock = listening_socket(self.limits.backlog)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._ready = threading.Event()
@@ -140,7 +151,11 @@ FRONTS = ("asyncio", "trio")
 
 def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = None,
           **served_kwargs: Any) -> Served | TrioServed:
-    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`FRONTS`), started."""
+    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`FRONTS`), started.
+
+    ``served_kwargs``: :func:`~trio_orch.http.app.create_app`'s arguments, ``limits`` and (asyncio
+    only) ``max_connections``.
+    """
     if front == "trio":
         return TrioServed(factory, engine_options=engine_options, **served_kwargs)
     return Served(Engine(factory, **(engine_options or {})).start(), **served_kwargs)

@@ -28,8 +28,7 @@ LIMITS = HTTPLimits(max_body_bytes=64 << 10, max_prompt_chars=2000, max_json_dep
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), limits=LIMITS,
-               max_connections=40)
+    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), limits=LIMITS)
     yield s
     s.stop()
 
@@ -149,44 +148,57 @@ def test_a_connection_that_sends_no_request_head_is_closed_after_the_header_time
         assert metrics(c)["trio_orch_http_connections_closed_total{reason=header_timeout}"] >= 1
 
 
-def test_idle_connections_never_lock_out_a_real_request(served: Served) -> None:
-    served.limiter.min_idle = 0.0  # every idle connection may go (the default spares fresh ones for 1 s)
-    idle = [socket.create_connection(("127.0.0.1", served.port), timeout=HANG) for _ in range(120)]
-    try:  # three times the limit (40): the longest-idle ones make room as new ones arrive
-        wait_until(lambda: served.limiter.closed["idle_evicted"] >= 80,  # each reaches the server once
-                   "the oldest idle connections evicted")  # it stays silent past the acceptor's settle time
-        with httpx.Client(base_url=served.url, timeout=HANG) as c:  # at the limit, every one idle
-            r = c.post("/v1/chat/completions", json=chat("through the crowd"))
-            assert r.status_code == 200
-            assert metrics(c)["trio_orch_http_connections_closed_total{reason=idle_evicted}"] >= 81
-        closed = 0
-        for s in idle[:80]:
-            s.settimeout(HANG)
-            closed += s.recv(1) == b""
-        assert closed == 80  # the oldest ones were closed by the server
-    finally:
-        for s in idle:
-            s.close()
+def test_a_connection_that_drips_its_head_is_closed_at_the_deadline_however_slowly_it_sends(
+        served: Served) -> None:
+    """Slowloris: a byte now and then keeps uvicorn's own keep-alive timer from ever running; the head
+    deadline still closes the connection once the head is late."""
+    before = served.deadline.closed
+    end = time.monotonic() + HANG
+    closed = False
+    with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nx-slow: ")
+        s.settimeout(LIMITS.header_timeout / 5)  # the drip interval: a byte per wait for the close
+        while not closed and time.monotonic() < end:
+            try:
+                s.sendall(b"x")
+                closed = s.recv(1024) == b""
+            except TimeoutError:
+                continue  # not closed yet: one more byte
+            except OSError:  # reset: closed while we were still sending
+                closed = True
+    assert closed, "a dripping head held its connection"
+    wait_until(lambda: served.deadline.closed == before + 1, "the close counted")
 
 
-@pytest.mark.processes
-def test_at_the_connection_limit_with_no_idle_connection_old_enough_a_new_one_is_refused_clearly() -> None:
+def test_a_kept_alive_connection_gets_a_full_deadline_for_each_head(served: Served) -> None:
+    """The deadline restarts with each answer, and never cuts a request in progress."""
+    with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
+        for _ in range(3):
+            s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            data = b""
+            while b"\r\n\r\n" not in data or not data.endswith(b"}"):
+                data += s.recv(65536)
+            assert data.startswith(b"HTTP/1.1 200")
+        assert s.recv(1024) == b""  # then idle: closed by a timeout (keep-alive or head), not by us
+
+
+def test_at_the_connection_limit_a_new_request_gets_503() -> None:
+    """``--max-connections`` is uvicorn's ``limit_concurrency``: past it, a request is refused with 503
+    rather than queued (the connections that hold the limit are served as usual)."""
     s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), max_connections=2)
-    s.limiter.min_idle = 60.0  # no connection is old enough to be evicted
     held = [socket.create_connection(("127.0.0.1", s.port), timeout=HANG) for _ in range(2)]
     try:
-        wait_until(lambda: len(s.limiter.open) == 2, "both connections accepted")
-        with socket.create_connection(("127.0.0.1", s.port), timeout=HANG) as extra:
-            reply = b""
-            while chunk := extra.recv(4096):
-                reply += chunk
-        head, body = reply.split(b"\r\n\r\n", 1)
-        assert head.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in head
-        assert json.loads(body)["error"]["code"] == "too_many_connections"
-        assert s.limiter.closed["refused"] == 1 and s.limiter.closed["idle_evicted"] == 0
+        wait_until(lambda: s.open_connections() == 2, "both connections accepted")
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            assert c.get("/health").status_code == 503
+        for conn in held:
+            conn.close()
+        wait_until(lambda: s.open_connections() == 0, "the connections gone")
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            assert c.get("/health").status_code == 200
     finally:
-        for c in held:
-            c.close()
+        for conn in held:
+            conn.close()
         s.stop()
 
 
@@ -212,7 +224,6 @@ async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engin
     import trio.testing
 
     from trio_orch.http.limits import LimitsMiddleware, Shedder
-    from trio_orch.http.metrics import FrontMetrics
 
     release = trio.Event()
     entered: list[int] = []
@@ -246,11 +257,11 @@ async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engin
         for n in range(3):
             nursery.start_soon(call, n)
         await trio.testing.wait_all_tasks_blocked()
-        assert len(entered) == 2 and mw.pending == 2  # the third found the capacity taken
+        assert len(entered) == 2 and front.pending == 2  # the third found the capacity taken
         (refused,) = [n for n in range(3) if n not in entered]
         assert sent[refused][0]["status"] == 429 and refused not in bodies_read  # before its body
         release.set()
-    assert mw.pending == 0 and front.shed == 1
+    assert front.pending == 0 and front.shed == 1
     await call(3)  # the first two answered: room again
     assert sent[3][0]["status"] == 200
 
@@ -258,20 +269,20 @@ async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engin
 def test_a_websocket_session_outlives_the_header_timeout_and_leaves_the_connection_count(
         served: Served) -> None:
     """After the upgrade the connection belongs to the WebSocket: never closed as a slow request head,
-    never evicted as idle, and no longer counted once the session ends."""
+    and no longer counted once the session ends."""
     from websockets.sync.client import connect
 
-    before = len(served.limiter.open)
-    closed_before = dict(served.limiter.closed)
+    wait_until(lambda: served.open_connections() == 0, "the earlier tests' connections gone")
+    closed_before = served.deadline.closed
     with connect(f"ws://127.0.0.1:{served.port}/v1/realtime", open_timeout=HANG) as ws:
         assert json.loads(ws.recv(timeout=HANG))["type"] == "session.created"
         time.sleep(3 * LIMITS.header_timeout)  # idle, well past the header timeout
         ws.send(json.dumps({"type": "input_text_buffer.append", "text": "still here"}))
         ws.send(json.dumps({"type": "input_text_buffer.commit"}))
         assert json.loads(ws.recv(timeout=HANG))["type"] == "input_text_buffer.committed"
-        assert served.limiter.busy(next(p for p in served.limiter.open if served.limiter.upgraded(p)))
-    wait_until(lambda: len(served.limiter.open) == before, "the ended session no longer counted")
-    assert served.limiter.closed == closed_before  # nothing was closed by a limit
+        assert served.open_connections() == 1
+    wait_until(lambda: served.open_connections() == 0, "the ended session no longer counted")
+    assert served.deadline.closed == closed_before  # nothing was closed by the head deadline
 
 
 def test_a_realtime_client_that_vanishes_mid_response_costs_no_traceback(
@@ -289,31 +300,3 @@ def test_a_realtime_client_that_vanishes_mid_response_costs_no_traceback(
         wait_until(lambda: served.engine.stats().active_requests == 0, "every session's request aborted")
     server_side = [r for r in caplog.records if not r.name.startswith("websockets.client")]  # the client
     assert not [r for r in server_side if r.exc_info or r.levelno >= logging.ERROR], caplog.text  # we cut
-
-
-def test_a_connection_passed_over_undecided_is_shed_at_its_line_if_it_waited_long_in_a_flood() -> None:
-    """The acceptor's ``max_accept_wait`` rule also holds where the loop decides: a POST whose bytes
-    sat unread longer than that during a flood is refused even with room; without a flood it is not."""
-    from types import SimpleNamespace
-
-    from trio_orch.http.limits import Shedder
-    from trio_orch.serve.connection_limits import ConnectionLimiter
-
-    limiter = ConnectionLimiter(10, 10.0, max_accept_wait=0.1)
-    limiter.shedder = shedder = Shedder(lambda: False, frozenset({"/v1/chat/completions"}), FrontMetrics(),
-                                        capacity=lambda: 4.0)
-    post = b"POST /v1/chat/completions HTTP/1.1\r\n"
-    with socket.socket() as ls:
-        ls.bind(("127.0.0.1", 0))
-        ls.listen(1)
-        with socket.create_connection(ls.getsockname(), timeout=HANG) as c:
-            c.sendall(post)
-            time.sleep(0.3)  # unread in the kernel, as behind a busy loop
-            conn, _ = ls.accept()
-            with conn:
-                proto = SimpleNamespace(transport=SimpleNamespace(get_extra_info=lambda name: conn))
-                assert not limiter.late(proto, post)  # no flood: waiting alone sheds nothing
-                shedder.last_refusal = time.monotonic()  # a refusal just now: a flood
-                assert limiter.late(proto, post)
-                assert not limiter.late(proto, b"GET /health HTTP/1.1\r\n")  # only POSTs
-                assert limiter.at_request_line(proto, post) == "shed" and limiter.held == 0

@@ -1,4 +1,4 @@
-"""``POST /v1/images/generations`` against a real uvicorn server on loopback, with httpx.
+"""``POST /v1/images/generations`` against a real server on loopback (validation on both fronts).
 
 The image tests serve a small text-to-image pipeline of real worker
 processes (encoder -> diffusion); the last one serves the in-process toy
@@ -14,23 +14,18 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from PIL import Image
 
 from stages.config import PipelineConfig, StageConfig
+from tests.http_helpers import FRONTS, serve
 from trio_orch.cluster.launcher import open_pipeline
-from trio_orch.engine import Engine
-from trio_orch.http.app import create_app
-from trio_orch.http.openai_images import add_image_routes
 from trio_orch.testing import LeakProbe
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
@@ -40,30 +35,6 @@ SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 CONFIG = PipelineConfig([StageConfig("encoder", model=SMALL),
                          StageConfig("diffusion", model={**SMALL, "cond_dim": 32, "vae_dim": 8})],
                         final_stage_ids=[1]).validate()
-
-
-class Served:
-    """An Engine + uvicorn in a background thread, on an ephemeral loopback port."""
-
-    def __init__(self, engine: Engine, outputs: list[str] | None) -> None:
-        self.engine = engine
-        app = create_app(engine, model_name="tiny-image", outputs=outputs)
-        add_image_routes(app, engine, model_name="tiny-image", outputs=outputs)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        end = time.monotonic() + HANG
-        while not self.server.started:
-            assert time.monotonic() < end, "uvicorn did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG)
-        self.engine.close()
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +48,8 @@ def images() -> Iterator[httpx.Client]:
             probe.saw_dir(pipe.tmpdir)
             yield pipe
 
-    served = Served(Engine(factory, startup_timeout=HANG).start(), CONFIG.outputs())
+    served = serve("asyncio", factory, engine_options={"startup_timeout": HANG}, model_name="tiny-image",
+                   outputs=CONFIG.outputs())
     try:
         with httpx.Client(base_url=served.url, timeout=HANG) as c:
             yield c
@@ -109,11 +81,10 @@ def test_a_generation_returns_a_png_of_the_requested_size_with_guidance(images: 
     assert plain.json()["data"] != r.json()["data"]
 
 
-@pytest.fixture(scope="module")
-def validating() -> Iterator[httpx.Client]:
+@pytest.fixture(scope="module", params=FRONTS)
+def validating(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
     """A server that says its final stage gives images but never gets that far: the front refuses first."""
-    engine = Engine(toy_pipeline()).start()
-    served = Served(engine, ["text", "codes", "image"])
+    served = serve(request.param, toy_pipeline(), model_name="tiny-image", outputs=["text", "codes", "image"])
     try:
         with httpx.Client(base_url=served.url, timeout=HANG) as c:
             yield c
@@ -153,16 +124,14 @@ def test_malformed_json_is_a_400(validating: httpx.Client) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
 
 
-def test_a_server_whose_pipeline_makes_no_images_says_so() -> None:
-    served = Served(Engine(toy_pipeline()).start(), None)
-    try:
-        with httpx.Client(base_url=served.url, timeout=HANG) as c:
-            r = c.post("/v1/images/generations", json={"prompt": "a cat"})
-            assert r.status_code == 400 and r.json()["error"]["param"] == "model"
-            assert "--pipeline text2image" in r.json()["error"]["message"]
-            assert c.get("/health").status_code == 200  # the rest of the server is fine
-    finally:
-        served.stop()
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_server_whose_pipeline_makes_no_images_says_so(serving: Callable[..., Any], front: str) -> None:
+    served = serving(front, toy_pipeline(), model_name="tiny-image")
+    with httpx.Client(base_url=served.url, timeout=HANG) as c:
+        r = c.post("/v1/images/generations", json={"prompt": "a cat"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+        assert "--pipeline text2image" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200  # the rest of the server is fine
 
 
 @pytest.mark.slow

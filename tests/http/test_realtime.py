@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 import wave
 from collections.abc import Iterator
@@ -26,15 +25,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-import uvicorn
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from tests.conftest import live_task_names
 from tests.http.test_server import wait_until
-from tests.http_helpers import FRONTS, TrioServed
-from trio_orch.engine import Engine
-from trio_orch.http.app import create_app
+from tests.http_helpers import FRONTS, serve
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.testing import child_pids, worker_alive
@@ -199,18 +195,15 @@ def test_a_single_segment_response_is_closed_by_its_terminal() -> None:
 
 # ---------------------------------------------------------------------------- over a real server
 class Server:
-    """An Engine and uvicorn in a background thread on an ephemeral loopback port."""
+    """The realtime endpoint behind a front (``tests.http_helpers.serve``: the serve command's app and
+    settings); ``max_message``: the largest frame (``--max-body-bytes``)."""
 
-    def __init__(self, engine: Engine, outputs: list[str] | None = None, **config: Any) -> None:
-        self.engine = engine
-        app = create_app(engine, model_name="test", outputs=outputs)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    lifespan="off", **config))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until(lambda: self.server.started, "uvicorn started")
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"ws://127.0.0.1:{port}/v1/realtime"
+    def __init__(self, front: str, factory: Any, outputs: list[str] | None = None,
+                 max_message: int = 256 * 1024) -> None:
+        self.served = serve(front, factory, model_name="test", outputs=outputs,
+                            limits=HTTPLimits(max_body_bytes=max_message))
+        self.engine = self.served.engine
+        self.url = f"ws://127.0.0.1:{self.served.port}/v1/realtime"
 
     @contextmanager
     def connect(self) -> Iterator[ClientConnection]:
@@ -222,29 +215,12 @@ class Server:
         return self.engine.stats().active_requests == 0
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(HANG)
-        self.engine.close()
-        assert not self.thread.is_alive()
-
-
-class TrioServer(Server):
-    """The same endpoint behind the Trio front (``serve --loop trio``: hypercorn in the engine's run)."""
-
-    def __init__(self, factory: Any, max_message: int) -> None:
-        self.served = TrioServed(factory, model_name="test", limits=HTTPLimits(max_body_bytes=max_message))
-        self.engine = self.served.engine  # type: ignore[assignment]
-        self.url = f"ws://127.0.0.1:{self.served.port}/v1/realtime"
-
-    def stop(self) -> None:
         self.served.stop()
 
 
 @pytest.fixture(scope="module", params=FRONTS)
 def toy(request: pytest.FixtureRequest) -> Iterator[Server]:
-    factory = toy_pipeline(token_delay=0.01, audio_delay=0.005)
-    s = (TrioServer(factory, 256 * 1024) if request.param == "trio"
-         else Server(Engine(factory).start(), ws_max_size=256 * 1024))
+    s = Server(request.param, toy_pipeline(token_delay=0.01, audio_delay=0.005))
     yield s
     s.stop()
 
@@ -385,7 +361,7 @@ def test_a_session_closed_mid_stream_leaves_nothing_on_the_workers(tmp_path: Pat
 
     (tmp_path / "tiny.toml").write_text(TINY_TOML)
     cfg = load_config(str(tmp_path / "tiny.toml"))
-    s = Server(Engine(lambda: open_pipeline(cfg)).start(), OUTPUTS)
+    s = Server("asyncio", lambda: open_pipeline(cfg), OUTPUTS)
     try:
         def worker_stats() -> list[dict[str, Any]]:  # over each worker's stats RPC
             return [s.engine.run_in_trio(r.rpc, "stats") for pool in s.engine.stages for r in pool.replicas]

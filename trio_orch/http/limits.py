@@ -7,8 +7,8 @@ send that cross-origin without a CORS preflight), refuses a declared body
 over ``max_body_bytes`` at once (413), reads the body within
 ``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
 forever) and stops reading as soon as it passes the limit (413); the route
-then gets the buffered body.  A POST to a shed path is refused with 429
-before its body is read while the engine sheds, or once the requests
+then gets the buffered body.  A POST to a generation route is refused with
+429 before its body is read while the engine sheds, or once the requests
 already let in fill its capacity (:class:`Shedder`: under a flood, parsing
 requests that would be shed anyway would starve the admitted ones of CPU).
 A client that disconnects during its upload costs one log line.  An
@@ -17,10 +17,12 @@ once.  Every refusal has OpenAI's ``{"error": {...}}`` body.
 
 Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
 Trio ASGI server.  Limits on connections (how many, how long an idle one
-or a slow header may hold a socket) belong to the server: see
-:mod:`trio_orch.serve.connection_limits`.  :class:`RateLimitFilter` keeps floods of
-identical log lines (accept errors when out of file descriptors) to one
-line per interval.
+or a slow header may hold a socket, the listen backlog, the size of a
+request head) belong to the server: each front maps them to its server's
+own settings (:mod:`trio_orch.serve.uvicorn_front`,
+:mod:`trio_orch.serve.hypercorn_front`).  :class:`RateLimitFilter` keeps
+floods of identical log lines (accept errors when out of file descriptors)
+to one line per interval.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import anyio
 
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import error_body
-from trio_orch.serve.accept_gate import refuses
 
 __all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Shedder", "json_response"]
 
@@ -53,10 +54,11 @@ Send = Callable[[AsgiMessage], Awaitable[None]]
 class HTTPLimits:
     """Every limit of the HTTP front, with defaults for a small serving box.
 
-    ``header_timeout``, ``keep_alive_timeout``, ``max_connections`` and
-    ``max_accept_wait`` are applied by the server (see
-    :mod:`trio_orch.serve.connection_limits`); the others by :class:`LimitsMiddleware`
-    and the request parser.  ``max_connections`` None: derived from the process's file-descriptor limit.
+    ``header_timeout``, ``keep_alive_timeout``, ``max_connections``,
+    ``backlog`` and ``max_head_bytes`` are applied by the server (each front
+    maps them to its server's settings); the others by :class:`LimitsMiddleware`
+    and the request parser.  ``max_connections`` None: uvicorn's front derives
+    it from the process's file-descriptor limit; hypercorn has none.
     """
 
     max_body_bytes: int = 4 << 20
@@ -64,15 +66,16 @@ class HTTPLimits:
     max_json_depth: int = 32
     body_timeout: float = 30.0
     header_timeout: float = 10.0
-    max_accept_wait: float = 0.05
     keep_alive_timeout: float = 5.0
     max_connections: int | None = None
+    backlog: int = 2048
+    max_head_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_json_depth"):
+        for name in ("max_body_bytes", "max_prompt_chars", "max_json_depth", "backlog", "max_head_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("body_timeout", "header_timeout", "keep_alive_timeout", "max_accept_wait"):
+        for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.max_connections is not None and self.max_connections < 1:
@@ -90,17 +93,13 @@ def json_response(status: int, body: Any, headers: dict[str, str] | None = None)
 class Shedder:
     """The one decision to refuse a POST with 429 because the engine would shed it, and its answer.
 
-    Refused while the engine sheds (its hint), and also once the requests a
-    layer has already let through and not yet answered (``pending``, which
-    that layer counts) reach the engine's capacity: they get there first, so
-    a new one could only be shed.  Without that count the whole first wave
-    of a burst -- every request read before the engine shed its first --
-    would take the full HTTP path.  :class:`LimitsMiddleware` asks before
-    reading a body; a server front may ask as soon as it has a request line
-    (:mod:`trio_orch.serve.connection_limits` does, before any HTTP parsing: under a
-    flood, even parsing the requests that will be refused starves the
-    admitted ones of CPU).  Either way the refusal is counted once, by
-    route, as shed.
+    Refused while the engine sheds (its hint), and also once the requests
+    already let through and not yet answered (``pending``, which
+    :class:`LimitsMiddleware` counts) reach the engine's capacity: they get
+    there first, so a new one could only be shed.  Without that count the
+    whole first wave of a burst -- every request read before the engine shed
+    its first -- would take the full HTTP path.  The middleware asks before
+    reading a body; the refusal is counted once, by route, as shed.
     """
 
     MESSAGE = "overloaded: request not accepted (the server is shedding load); retry later"
@@ -109,39 +108,23 @@ class Shedder:
                  retry_after: float = 1.0, capacity: Callable[[], float] = lambda: math.inf) -> None:
         self.shedding = shedding
         self.capacity = capacity
-        self.last_refusal = -math.inf  #: time.monotonic() of the last refusal
         self.paths = paths
         self.front = front
         self.headers, self.body = json_response(
             429, error_body(self.MESSAGE, "rate_limit_error", None, "overloaded"),
             {"retry-after": str(max(1, math.ceil(retry_after)))})
-        head = b"".join(k + b": " + v + b"\r\n" for k, v in self.headers)
-        self._raw = b"HTTP/1.1 429 Too Many Requests\r\n" + head + b"connection: close\r\n\r\n" + self.body
-
-    def flooded(self, pending: int = 0, window: float = 1.0) -> bool:
-        """Full now, or refused a request within the last ``window`` seconds."""
-        return self.full(pending) or time.monotonic() - self.last_refusal < window
 
     def full(self, pending: float = 0) -> bool:
         """Whether a request now would be shed: the engine sheds, or ``pending`` fill its capacity."""
-        return refuses(self.shedding(), pending, self.capacity())
+        return self.shedding() or pending >= self.capacity()
 
     def refuse(self, route: str, pending: int = 0) -> bool:
         """Whether a POST to ``route`` is refused now, ``pending`` requests being on their way
         (counted when it is)."""
         if route not in self.paths or not self.full(pending):
             return False
-        self.last_refusal = time.monotonic()
         self.front.count_shed(route)
         return True
-
-    def refused_elsewhere(self, route: str, n: int = 1) -> None:
-        """``n`` POSTs to ``route`` that another process (the acceptor) refused: counted as ours."""
-        self.front.count_shed(route, n)
-
-    def raw_response(self) -> bytes:
-        """The refusal as HTTP/1.1 bytes, closing the connection (for a front that answers itself)."""
-        return self._raw
 
 
 class _Refused(Exception):
@@ -164,7 +147,6 @@ class LimitsMiddleware:
         self.limits = limits
         self.front = front
         self.shedder = shedder
-        self.pending = 0  #: POSTs to a shed path let in and not answered yet (the shedder's estimate)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -175,16 +157,16 @@ class LimitsMiddleware:
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
         if counted:
             assert shedder is not None
-            if shedder.refuse(route, self.pending):
+            if shedder.refuse(route, self.front.pending):
                 await send({"type": "http.response.start", "status": 429, "headers": shedder.headers})
                 await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
                 return
-            self.pending += 1
+            self.front.pending += 1
         try:
             await self._serve(scope, receive, send, route)
         finally:
             if counted:
-                self.pending -= 1
+                self.front.pending -= 1
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         if scope.get("method") == "POST":

@@ -108,10 +108,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
 
 @dataclass
 class FrontMetrics:
-    """What the HTTP front counts itself (on its event loop; its acceptor's counts are folded in)."""
+    """What the HTTP front counts itself (on its event loop)."""
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
+    #: POSTs to a generation route let in and not answered yet (the Shedder's count of those on their way)
+    pending: int = 0
     shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
     rtf: Histogram = field(default_factory=lambda: Histogram(RTF_BUCKETS))
     draining: bool = False

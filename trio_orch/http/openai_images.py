@@ -14,8 +14,11 @@ companion it used).
 One server process serves one pipeline: ``trio-orch serve --pipeline
 text2image`` serves images, the default pipeline serves chat completions;
 on a server whose pipeline makes no images this route answers 400 naming
-``model``.  A client that disconnects while waiting aborts its request (and
-its negative-prompt companion) in the orchestrator.
+``model``.  It is a generation route: while the engine sheds, a POST to it
+gets 429 with ``Retry-After`` before its body is read (the app's
+``Shedder``), and one the engine sheds after all gets the same 429.  A client
+that disconnects while waiting aborts its request (and its negative-prompt
+companion) in the orchestrator.
 """
 
 from __future__ import annotations
@@ -23,29 +26,30 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import image_of
-from trio_orch.engine import Engine, EngineClosed
-from trio_orch.http.app import until_done_or_gone
+from trio_orch.engine import Engine, EngineClosed, Overloaded
+from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import error_body, orch_error_status
+from trio_orch.http.streaming import until_done_or_gone
 from trio_orch.http.text2image import ImageOptionError, ImageRequest, parse_size
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["add_image_routes", "parse_image_request"]
+__all__ = ["IMAGES", "image_route", "parse_image_request"]
 
 log = logging.getLogger("trio_orch.http.openai_images")
 
-PATH = "/v1/images/generations"
+IMAGES = "/v1/images/generations"
 _MADE = ("width", "height", "steps", "guidance_scale", "guided_by")  # the extension: how it was made
 _KNOWN = {"prompt", "n", "size", "response_format", "model", "user", "negative_prompt", "guidance_scale",
           "num_inference_steps", "seed"}
@@ -86,9 +90,9 @@ def parse_image_request(body: Any, model_name: str) -> ImageRequest:
     return ImageRequest(prompt, negative, width, height, steps, float(g), seed).checked()
 
 
-def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
-                     outputs: Sequence[str] | None) -> None:
-    """Add ``POST /v1/images/generations`` to ``app``, over ``engine``'s pipeline.
+def image_route(engine: Engine, *, model_name: str, outputs: Sequence[str] | None,
+                front: FrontMetrics) -> Route:
+    """``POST /v1/images/generations`` over ``engine``'s pipeline (``front`` counts its answers).
 
     ``outputs``: each stage's output modality; the route serves images only
     when a final stage gives ``"image"``.
@@ -96,10 +100,13 @@ def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
     makes_images = outputs is not None and any(outputs[k] == "image" for k in engine.final_stage_ids)
 
     def error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-              code: str | None = None) -> JSONResponse:
+              code: str | None = None, retry_after: float | None = None) -> JSONResponse:
+        front.count(IMAGES, status)
         if status < 500:
-            log.warning("refused an image request (%d): %s", status, message)
-        return JSONResponse(error_body(message, kind, param, code), status_code=status)
+            log.log(logging.INFO if status == 429 else logging.WARNING, "refused an image request (%d): %s",
+                    status, message)
+        headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
     async def collect(req: ImageRequest, rid: str) -> OrchOutput | OrchError:
         async for m in engine.generate(req.stage0_prompt(), request_id=rid, companions=req.companions(rid)):
@@ -108,6 +115,9 @@ def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
         raise EngineClosed("the request ended without a terminal")  # pragma: no cover (the contract)
 
     async def generations(request: Request) -> Response:
+        if front.draining:
+            return error(503, "the server is shutting down: not accepting new requests", kind="server_error",
+                         code="draining", retry_after=1)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -126,7 +136,12 @@ def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
         msg, exc, left = await until_done_or_gone(partial(collect, req, rid), request.receive)
         if left:  # the client left: cancelling the collector aborted the request
             log.info("image request %s: the client disconnected; aborted", rid)
+            front.disconnects += 1
+            front.count(IMAGES, 499)
             return Response(status_code=499)
+        if isinstance(exc, Overloaded):
+            return error(429, str(exc), kind="rate_limit_error", code="overloaded",
+                         retry_after=exc.retry_after)
         if isinstance(exc, EngineClosed):
             return error(503, str(exc), kind="server_error", code="engine_closed")
         if exc is not None:
@@ -141,10 +156,11 @@ def add_image_routes(app: Starlette, engine: Engine, *, model_name: str,
         log.info("image request %s: %sx%s, %s steps, guidance %s%s", rid, data.get("width"),
                  data.get("height"), data.get("steps"), data.get("guidance_scale"),
                  f" used the companion {data['guided_by']!r}" if data.get("guided_by") else " off")
+        front.count(IMAGES, 200)
         return JSONResponse({
             "created": int(time.time()),
             "data": [{"b64_json": base64.b64encode(png).decode()}],
             "trio_orch": {k: data.get(k) for k in _MADE},
         })
 
-    app.router.routes.append(Route(PATH, generations, methods=["POST"]))
+    return Route(IMAGES, generations, methods=["POST"])

@@ -3,7 +3,7 @@
 ``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
 orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.Engine`'s
 Trio thread.  ``--loop trio``: hypercorn's Trio worker and the
-:class:`~trio_orch.engine.inloop.InLoopEngine` in one Trio run
+:class:`~trio_orch.engine.trio_engine.TrioEngine` in one Trio run
 (:mod:`trio_orch.serve.hypercorn_front`), no thread between them.
 
 Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
@@ -38,8 +38,7 @@ from trio_orch.http.admin import TOKEN_ENV
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.openai_images import add_image_routes
-from trio_orch.serve.connection_limits import ConnectionLimiter, default_max_connections, quiet_floods
+from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
@@ -113,7 +112,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for a place in that queue before it is shed with "
                         "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
                         "pay for it in latency)")
-    h = parser.add_argument_group("HTTP limits")
+    h = parser.add_argument_group(
+        "HTTP limits", "the same flag means the same on both fronts; the connection limits are each "
+        "server's own settings (docs/operating.md). --max-accept-wait is gone with the acceptor process "
+        "that applied it: giving it is an error")
     d = HTTPLimits()
     h.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"largest request body, else 413 (default {d.max_body_bytes})")
@@ -122,17 +124,31 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
     h.add_argument("--header-timeout", type=float, default=d.header_timeout,
-                   help=f"seconds to send a request head (default {d.header_timeout:g})")
+                   help="seconds a connection may take to send a complete request head, from connecting "
+                        "or from its previous answer, before it is closed (default "
+                        f"{d.header_timeout:g}; --loop trio: hypercorn's idle timer, so the smaller of "
+                        "this and --keep-alive-timeout)")
     h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
-    h.add_argument("--max-accept-wait", type=float, default=d.max_accept_wait, metavar="S",
-                   help="while the server sheds load, a request that already waited longer than S seconds "
-                        "in the accept queue is shed too, even if there is room by then: serving it now "
-                        f"would serve it late (default {d.max_accept_wait:g}; --loop asyncio)")
+    h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
+                   help=f"largest request head (request line and headers), else 400 (default "
+                        f"{d.max_head_bytes})")
+    h.add_argument("--backlog", type=int, default=d.backlog,
+                   help=f"connections the kernel queues before they are accepted (default {d.backlog})")
     h.add_argument("--max-connections", type=int, default=None,
-                   help="open connections; past it the longest-idle one is closed, or the new one "
-                        "refused with 503 if all are busy (default: the file-descriptor limit minus 1024; "
-                        "--loop asyncio)")
+                   help="open connections (and requests in progress); past it a new request gets 503 "
+                        "(uvicorn's limit_concurrency; default: the file-descriptor limit minus 1024; "
+                        "--loop asyncio only: hypercorn has no such limit, --loop trio refuses it)")
+    h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
+
+
+class _Removed(argparse.Action):
+    """A flag that no longer exists: an error that says so, never silently ignored."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        parser.error(f"{option_string} was removed with the acceptor process that applied it; the "
+                     "shedder still answers 429 before a request body is read (docs/operating.md)")
 
 
 def _check_args(args: argparse.Namespace) -> HTTPLimits:
@@ -152,7 +168,7 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
-                      max_accept_wait=args.max_accept_wait)
+                      backlog=args.backlog, max_head_bytes=args.max_head_bytes)
 
 
 class _Pipeline:
@@ -229,12 +245,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    max_connections = limits.max_connections or default_max_connections()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((args.host, args.port))
-        sock.listen(2048)  # connections queue from now on, before uvicorn starts accepting
+        sock.listen(limits.backlog)  # connections queue from now on, before the server starts accepting
     except OSError as exc:
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
@@ -255,14 +270,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_SIGNAL
     host, port = sock.getsockname()[:2]
     front = FrontMetrics()
-    limiter = ConnectionLimiter(max_connections, limits.header_timeout,
-                                max_accept_wait=limits.max_accept_wait)
-    app = create_app(engine, model_name=args.model_name,
-                     extra_metrics=lambda: {**pipeline.extra_metrics(), **limiter.counters()},
-                     outputs=pipeline.outputs, limits=limits, front=front,
-                     token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
-                     admin_token=args.admin_token)
-    add_image_routes(app, engine, model_name=args.model_name, outputs=pipeline.outputs)
+    deadline = HeadDeadline(limits.header_timeout)
+    app = _app(args, pipeline, engine, limits, front, deadline.counters)
     level = logging.getLogger().getEffectiveLevel()
     quiet_floods()
     stopping = threading.Event()
@@ -287,17 +296,15 @@ def run(args: argparse.Namespace) -> int:
         else:  # the operator insists: uvicorn's own forced exit
             server.should_exit = server.force_exit = True
 
-    server = DrainingServer(uvicorn_config(app, limits, limiter,
-                                           log_level="info" if level <= logging.INFO else "warning"),
-                            on_signal, limiter)
+    config = uvicorn_config(app, limits, deadline,
+                            max_connections=limits.max_connections or default_max_connections(),
+                            log_level="info" if level <= logging.INFO else "warning")
+    server = DrainingServer(config, on_signal)
     for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
         signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
                      name="trio-orch-engine-watch").start()
-    images = pipeline.outputs is not None and "image" in pipeline.outputs
-    route = "/v1/images/generations" if images else "/v1/chat/completions"
-    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
-          "GET /metrics; Ctrl-C or SIGTERM drains and stops)", flush=True)
+    _announce(pipeline, host, port, "asyncio front")
     try:
         server.run(sockets=[sock])
     finally:
@@ -313,6 +320,25 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_SIGNAL if stopped_by else 0
 
 
+def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: Engine, limits: HTTPLimits,
+         front: FrontMetrics, front_counters: Any = None) -> Any:
+    """The one app both fronts serve (:func:`~trio_orch.http.app.create_app`), from the command line."""
+    def extra_metrics() -> dict[str, Any]:
+        return {**pipeline.extra_metrics(), **(front_counters() if front_counters is not None else {})}
+
+    return create_app(engine, model_name=args.model_name, extra_metrics=extra_metrics,
+                      outputs=pipeline.outputs, limits=limits, front=front,
+                      token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
+                      admin_token=args.admin_token)
+
+
+def _announce(pipeline: _Pipeline, host: str, port: int, front: str) -> None:
+    images = pipeline.outputs is not None and "image" in pipeline.outputs
+    route = "/v1/images/generations" if images else "/v1/chat/completions"
+    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
+          f"GET /metrics; {front}; Ctrl-C or SIGTERM drains and stops)", flush=True)
+
+
 def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:
     return {"startup_timeout": args.startup_timeout, "request_queue_size": args.request_queue_size,
             "request_timeout": args.request_timeout or None, "admission_timeout": args.admission_timeout,
@@ -323,27 +349,22 @@ def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits,
     """``--loop trio``: one Trio run owns the server, the orchestrator and the workers."""
     import trio
 
-    from trio_orch.engine.inloop import InLoopEngine
+    from trio_orch.engine import TrioEngine
     from trio_orch.serve.hypercorn_front import hypercorn_config, serve_trio
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # until Trio takes the signals over
-    engine = InLoopEngine(pipeline.factory, **_engine_options(args, pipeline))
+    options = _engine_options(args, pipeline)
+    del options["startup_timeout"]  # serve_trio bounds the start itself
+    engine = TrioEngine(pipeline.factory, **options)
     front = FrontMetrics()
     level = logging.getLogger().getEffectiveLevel()
     config = hypercorn_config(limits, log_level="info" if level <= logging.INFO else "warning")
 
-    def make_app(eng: InLoopEngine) -> Any:
-        app = create_app(eng, model_name=args.model_name, extra_metrics=pipeline.extra_metrics,
-                         outputs=pipeline.outputs, limits=limits, front=front,
-                         token_limit=pipeline.token_limit(eng), stage_names=pipeline.names)
-        add_image_routes(app, eng, model_name=args.model_name, outputs=pipeline.outputs)
-        return app
+    def make_app(eng: TrioEngine) -> Any:
+        return _app(args, pipeline, eng, limits, front)
 
     def announce(host: str, port: int) -> None:
-        images = pipeline.outputs is not None and "image" in pipeline.outputs
-        route = "/v1/images/generations" if images else "/v1/chat/completions"
-        print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
-              "GET /metrics; Trio front; Ctrl-C or SIGTERM drains and stops)", flush=True)
+        _announce(pipeline, host, port, "Trio front")
 
     try:
         out = trio.run(lambda: serve_trio(engine, make_app, sock, config, front,

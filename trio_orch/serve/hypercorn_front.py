@@ -1,7 +1,7 @@
 """``serve --loop trio``: the HTTP app under hypercorn's Trio worker, in the orchestrator's own Trio run.
 
 One Trio run, one root nursery: the engine task (pipeline, worker pools,
-orchestrator: :class:`~trio_orch.engine.inloop.InLoopEngine`), the HTTP
+orchestrator: :class:`~trio_orch.engine.trio_engine.TrioEngine`), the HTTP
 server (hypercorn's Trio worker serving the same Starlette app, which runs
 on AnyIO's Trio backend) and the signal watcher.  No thread sits between a
 request handler and the orchestrator: a request is admitted by a function
@@ -17,11 +17,17 @@ HTTP server shuts down the hypercorn way (stop accepting, a deadline of
 ``graceful_timeout`` on its connection nursery's cancel scope).  A second
 signal ends the drain at once; a third cancels everything.
 
-What is hypercorn's here and not uvicorn's (see docs/operating.md): an idle
-connection -- including one that has not finished its request head -- is
-closed after ``keep_alive_timeout`` (hypercorn's idle timer), so
-``header_timeout`` is capped by it; there is no connection-count limit
-(``--max-connections`` is the threaded front's).
+The HTTP limits as hypercorn's own settings (:func:`hypercorn_config`):
+``backlog`` -> ``backlog`` (and the listen call of the serve command, whose
+socket hypercorn is given), ``max_head_bytes`` -> ``h11_max_incomplete_size``,
+``keep_alive_timeout`` and ``header_timeout`` -> ``keep_alive_timeout``:
+hypercorn's idle timer closes a connection with no request in progress --
+including one that has not finished its request head -- so a slow head is
+closed after the smaller of the two.  ``read_timeout`` stays off: hypercorn
+applies it to every read, so it would also cut a streamed answer or a
+WebSocket session whose client sends nothing for that long.  hypercorn has
+no connection-count limit, so ``--max-connections`` is refused on this
+front (see docs/operating.md).
 """
 
 from __future__ import annotations
@@ -38,8 +44,7 @@ from hypercorn.config import Config, Sockets
 from hypercorn.trio.run import worker_serve
 from hypercorn.utils import wrap_app
 
-from trio_orch.engine.base import EngineStartupError
-from trio_orch.engine.inloop import InLoopEngine
+from trio_orch.engine import EngineStartupError, TrioEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 
@@ -50,14 +55,16 @@ log = logging.getLogger("trio_orch.serve.command")
 
 def hypercorn_config(limits: HTTPLimits, *, log_level: str = "warning", graceful_timeout: float = 5.0
                      ) -> Config:
-    """hypercorn's settings for ``limits``: idle/keep-alive timeout, graceful shutdown, no access log."""
+    """hypercorn's settings for ``limits`` (see the module docstring); graceful shutdown, no access log."""
     config = Config()
     config.keep_alive_timeout = min(limits.keep_alive_timeout, limits.header_timeout)
+    config.read_timeout = None
+    config.backlog = limits.backlog
     config.graceful_timeout = graceful_timeout
     config.loglevel = log_level.upper()
     config.accesslog = None
     config.include_server_header = False
-    config.h11_max_incomplete_size = 64 * 1024  # a request head; bodies are bounded by LimitsMiddleware
+    config.h11_max_incomplete_size = limits.max_head_bytes  # a request head; LimitsMiddleware bounds bodies
     config.websocket_max_message_size = limits.max_body_bytes
     return config
 
@@ -81,7 +88,7 @@ class TrioServeOutcome:
     served: bool = False  #: the HTTP server was started
 
 
-async def serve_trio(engine: InLoopEngine, make_app: Callable[[InLoopEngine], Any], sock: socket.socket,
+async def serve_trio(engine: TrioEngine, make_app: Callable[[TrioEngine], Any], sock: socket.socket,
                      config: Config, front: FrontMetrics, *, startup_timeout: float,
                      shutdown_timeout: float, announce: Callable[[str, int], None]) -> TrioServeOutcome:
     """The whole ``serve --loop trio`` run; see the module docstring."""
