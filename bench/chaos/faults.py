@@ -252,10 +252,19 @@ async def remote_lost(run: ChaosRun) -> None:
     remote = _remote(run)
     [(first_id, member)] = remote.live_members(1).items()  # joined before the load
     pool = run.pipe.stages[1]
-    await run.submitted_at_least(0.2)
-    while pool.in_flight()[member.replica] == 0 and not run.load_done.is_set():  # it holds requests
-        await trio.sleep(0.001)
     idx = member.replica
+    await run.submitted_at_least(0.2)
+    # Placement prefers the lowest index among the least loaded, so the joined replica (the last slot)
+    # may get no request at all: the others are cordoned until it holds some, then it is stopped.
+    others = [i for i in pool.live_replicas() if i != idx and i not in pool.cordoned]
+    for i in others:
+        pool.cordon(i)
+    try:
+        while pool.in_flight()[idx] == 0:  # the load still sends 80% of its requests: they come here
+            await trio.sleep(0.001)
+    finally:
+        for i in others:
+            pool.uncordon(i)
     run.notes.update(placed_on_it=pool.placements[idx], held_when_lost=pool.in_flight()[idx])
     proc = remote.procs[0]
     run.mark_fault()
