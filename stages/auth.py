@@ -264,6 +264,8 @@ class Authenticator:
         self.refused: Counter[str] = Counter()
         self.accepted = 0
         self._allowed: dict[str, set[bytes]] = {}
+        #: domains that take one peer only (a replica's control socket): domain -> claimed yet?
+        self._one_peer: dict[str, bool] = {}
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop_addr = f"inproc://trio-orch-zap-stop-{id(self)}"
@@ -284,6 +286,18 @@ class Authenticator:
     def forget(self, domain: str) -> None:
         with self._lock:
             self._allowed.pop(domain, None)
+            self._one_peer.pop(domain, None)
+
+    def one_peer(self, domain: str) -> None:
+        """Sockets of ``domain`` take one peer: the first that authenticates; every later one is
+        refused, whatever credentials it has (counted as ``second_peer``).
+
+        A replica's control socket is bound before its worker starts and serves that worker
+        alone: a second process with the secret must not take a share of its submits.
+        :meth:`forget` the domain when the socket closes.
+        """
+        with self._lock:
+            self._one_peer[domain] = False
 
     def watch(self, sock: zmq.Socket) -> None:
         """Also count (and log) the failed handshakes on a server socket that never reach ZAP.
@@ -407,6 +421,12 @@ class Authenticator:
         if mechanism == b"PLAIN" and len(creds) == 2:
             ok = self.secret is not None and hmac.compare_digest(creds[1], self.secret)
             user, why = b"pipeline", "wrong pipeline secret"
+            with self._lock:
+                if ok and self._one_peer.get(domain) is True:
+                    ok, why = False, "a second peer on a socket that serves its worker alone"
+                    domain = f"{domain}:second_peer"  # counted as plain:second_peer
+                elif ok and domain in self._one_peer:
+                    self._one_peer[domain] = True
         elif mechanism == b"CURVE" and len(creds) == 1:
             key = zmq.utils.z85.encode(creds[0])
             with self._lock:
@@ -418,7 +438,13 @@ class Authenticator:
             self.accepted += 1
             return [version, request_id, b"200", b"OK", user, b""]
         parts = domain.split(":")
-        reason = f"{mechanism.decode(errors='replace').lower()}:{parts[1] if len(parts) > 1 else 'pipeline'}"
+        if domain.endswith(":second_peer"):
+            kind = "second_peer"
+        elif mechanism == b"PLAIN" or len(parts) < 2:
+            kind = "pipeline"  # the secret is one for the whole pipeline, whatever the socket
+        else:
+            kind = parts[1]
+        reason = f"{mechanism.decode(errors='replace').lower()}:{kind}"
         n = self.refused[reason] = self.refused[reason] + 1
         if n <= 5 or n % 100 == 0:
             log.warning(

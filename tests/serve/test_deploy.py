@@ -17,11 +17,13 @@ from pathlib import Path
 import httpx
 import pytest
 import trio
+import zmq
 
 from stages.auth import not_dumpable
 from stages.config import echo_config
 from tests.http_helpers import HANG, metrics, wait_until
 from tests.serve.test_service import start_serve, stream_in_background
+from trio_orch import OrchOutput, open_orchestrator
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.testing import child_pids
 
@@ -121,3 +123,31 @@ async def test_workers_run_in_a_session_of_their_own() -> None:
         with trio.fail_after(HANG):
             pid = pipe.pids[0]
         assert os.getsid(pid) == pid != os.getsid(0)
+
+
+async def test_a_second_peer_with_the_secret_is_refused_on_a_workers_control_socket() -> None:
+    """Even with the pipeline secret, a process cannot join a replica's socket and take its submits."""
+    async with open_pipeline(echo_config(1)) as pipe, \
+            open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
+        assert pipe.security is not None and pipe.authenticator is not None
+        intruder = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            intruder.linger = 0
+            intruder.plain_username = b"pipeline"
+            intruder.plain_password = pipe.security.secret
+            intruder.connect(pipe.workers[0].client.address)
+            with trio.fail_after(HANG):
+                while pipe.authenticator.refused["plain:second_peer"] < 1:
+                    await trio.sleep(0.01)
+            for i in range(6):
+                await orch.add_request(f"r{i}", f"p{i}")
+            ended = set()
+            with trio.fail_after(HANG):
+                while len(ended) < 6:
+                    out = await orch.next_output()
+                    assert isinstance(out, OrchOutput), out
+                    if out.finished:
+                        ended.add(out.request_id)
+            assert intruder.poll(0) == 0  # it got none of them
+        finally:
+            intruder.close()

@@ -104,6 +104,8 @@ class ZmqStageClient:
         self.authenticator = authenticator
         if security is not None:
             security.server(self.sock, address, domain=self.zap_domain(address))
+            if authenticator is not None and address.startswith("ipc://"):
+                authenticator.one_peer(self.zap_domain(address))  # its worker alone, nobody else
         self.sock.bind(address)
         if address.startswith("tcp://"):
             self.address = self.sock.last_endpoint.decode()  # the port a ":0" bind got
@@ -148,8 +150,9 @@ class ZmqStageClient:
         return f"<ZmqStageClient {self.name} {self.address} {state}>"
 
     def zap_domain(self, address: str) -> str:
-        """The ZAP domain of this replica's control socket: on TCP, only its own worker's key passes."""
-        return f"{DOMAIN}:ctl:{self.name}" if address.startswith("tcp://") else DOMAIN
+        """The ZAP domain of this replica's control socket: on TCP, only its own worker's key passes;
+        on ipc, only the first peer with the pipeline secret (its worker)."""
+        return f"{DOMAIN}:ctl:{self.name}"
 
     @property
     def alive(self) -> bool:
@@ -343,6 +346,8 @@ class ZmqStageClient:
 
     def _close_socket(self) -> None:
         self.sock.close(linger=self.close_linger_ms)
+        if self.authenticator is not None and self.address.startswith("ipc://"):
+            self.authenticator.forget(self.zap_domain(self.address))  # a replacement binds it anew
         if self.address.startswith("ipc://"):  # libzmq may leave the file behind
             with contextlib.suppress(OSError):
                 os.unlink(self.address[len("ipc://"):])
