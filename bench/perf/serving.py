@@ -4,8 +4,8 @@
 and ``serve --loop asyncio`` started in turn (interleaved rounds) over the
 same pipeline, N concurrent streaming clients in client processes for a
 bounded time, and per front: time to first content chunk, inter-chunk gap
-p50/p99, requests/s, and server CPU per request (the serving process and
-its acceptor process; its workers apart).  :mod:`bench.perf.operating` is the other serving run (a
+p50/p99, requests/s, and server CPU per request (the serving process; its
+workers apart).  :mod:`bench.perf.operating` is the other serving run (a
 real ``serve`` under a burst, an idle flood and kill -9).
 
 The clients speak raw HTTP/1.1 over asyncio sockets, loopback only, bounded
@@ -203,18 +203,8 @@ def _proc_cpu(pid: int) -> float:
 
 
 def front_cpu(pid: int) -> float:
-    """CPU seconds of the serving process and of its acceptor process (``--loop asyncio`` accepts in
-    one of its own), the workers apart: what serving HTTP costs, whichever process does it."""
-    from trio_orch.testing import child_pids
-
-    total = _proc_cpu(pid)
-    for child in child_pids(pid):
-        try:
-            if b"trio_orch.serve.acceptor" in Path(f"/proc/{child}/cmdline").read_bytes():
-                total += _proc_cpu(child)
-        except OSError:
-            continue  # gone meanwhile
-    return total
+    """CPU seconds of the serving process, the workers apart: what serving HTTP costs."""
+    return _proc_cpu(pid)
 
 
 def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,
