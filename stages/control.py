@@ -36,9 +36,11 @@ from typing import Any, Protocol
 
 from stages.base import StageModel
 
-__all__ = ["METHODS", "WorkerControl", "rpc_method"]
+__all__ = ["METHODS", "UNKNOWN_METHOD", "WorkerControl", "rpc_method"]
 
 RPC_NAME = "__rpc_name__"
+#: how the error of a call to a method the worker does not answer starts (the admin route answers 404)
+UNKNOWN_METHOD = "unknown rpc method"
 
 
 def rpc_method(name: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -110,7 +112,7 @@ class WorkerControl:
         fn = self.methods.get(method)
         if fn is None:
             known = ", ".join(sorted(self.methods))
-            return None, f"unknown rpc method {method!r}; this worker answers: {known}"
+            return None, f"{UNKNOWN_METHOD} {method!r}; this worker answers: {known}"
         try:
             return fn(*args, **kwargs), None
         except Exception as exc:

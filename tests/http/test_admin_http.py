@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import torch
 
 from stages.registry import build_model
 from stages.weights import state_of
-from tests.http_helpers import HANG, Served, chat, metrics, wait_until
+from tests.http_helpers import FRONTS, HANG, Served, chat, metrics, wait_until
 from tests.serve.test_service import start_serve
 from trio_orch.engine import Engine
 from trio_orch.testing.toy_pipeline import toy_pipeline
@@ -58,9 +59,58 @@ def test_a_missing_or_wrong_token_gets_401_and_changes_nothing(admin: Served,
     with httpx.Client(base_url=admin.url, timeout=HANG) as c:
         r = c.post("/admin/pause", headers=headers, json={"mode": "wait"})
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
-        assert "token" in r.json()["error"]
+        assert "token" in r.json()["error"]["message"]
+        assert "paused" not in r.json()  # nothing about the server's state
         assert admin.engine.paused is None
         assert c.post("/v1/chat/completions", json=chat("still served")).status_code == 200
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_auth_comes_before_every_other_check(serving: Callable[..., Served], front: str) -> None:
+    s = serving(front, toy_pipeline(), admin_token=TOKEN)
+    with httpx.Client(base_url=s.url, timeout=HANG) as c:
+        refused = [
+            c.post("/admin/pause"),  # no Content-Type, no body
+            c.post("/admin/pause", headers={"Content-Type": "text/plain"}, content=b"x"),
+            c.post("/admin/pause", headers={"Content-Type": "application/json"},
+                   content=b"x" * (s.limits.max_body_bytes + 1)),
+            c.post("/admin/rpc", json={"method": 7}),  # a bad argument
+            c.get("/admin/pause"),  # a method the route does not take
+            c.post("/admin/nosuch", json={}),  # a route that does not exist
+        ]
+        assert [r.status_code for r in refused] == [401] * len(refused)
+        for r in refused:
+            assert r.json()["error"]["type"] == "authentication_error"
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        # with the token, the other checks answer
+        assert c.post("/admin/pause", headers=auth()).status_code == 415
+        assert c.get("/admin/pause", headers=auth()).status_code == 405
+        assert c.post("/admin/nosuch", headers=auth(), json={}).status_code == 404
+    assert s.engine.paused is None
+
+
+@pytest.mark.parametrize(("route", "body", "key"), [
+    ("abort", {"request_id": 7}, "request_id"),
+    ("abort", {}, "request_id"),
+    ("pause", {"mode": "later"}, "mode"),
+    ("pause", {"mode": "wait", "stage_ids": [0]}, "stage_ids"),
+    ("rpc", {"method": "stats", "args": {"a": 1}}, "args"),
+    ("rpc", {"method": "stats", "stage_ids": [True]}, "stage_ids"),
+    ("sleep", {"level": 3}, "level"),
+    ("stats", {"timeout": -1}, "timeout"),
+    ("stats", {"nosuch": 1}, "nosuch"),
+    ("reload_weights", {"path": ""}, "path"),
+])
+def test_bad_arguments_are_400_in_the_openai_shape_naming_the_key(admin: Served, route: str,
+                                                                   body: dict[str, object], key: str) -> None:
+    with httpx.Client(base_url=admin.url, timeout=HANG) as c:
+        r = c.post(f"/admin/{route}", headers=auth(), json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["code"] == "bad_argument"
+    assert key in err["message"]
+    assert admin.engine.paused is None
 
 
 def test_pause_and_resume_over_http_with_requests_waiting_meanwhile(admin: Served) -> None:
@@ -87,11 +137,13 @@ def test_rpc_answers_per_stage_and_bad_calls_are_400(admin: Served) -> None:
         for body in ({"method": "stats", "stage_ids": [7]}, {"args": []}, [1, 2]):
             bad = c.post("/admin/rpc", headers=auth(), json=body)
             assert bad.status_code == 400, body
-            assert bad.json()["error"]
+            assert bad.json()["error"]["message"]
         bad_json = {**auth(), "Content-Type": "application/json"}
         assert c.post("/admin/rpc", headers=bad_json, content=b"{nope").status_code == 400
         assert c.post("/admin/pause", headers=auth(), json={"mode": "later"}).status_code == 400
-        assert c.post("/admin/sleep", headers=auth(), json={}).status_code == 502  # no stage can sleep
+        failed = c.post("/admin/sleep", headers=auth(), json={})  # no stage can sleep
+        assert failed.status_code == 502 and failed.json()["error"]["code"] == "control_failed"
+        assert len(failed.json()["results"]) == 3  # every replica's answer
         assert admin.engine.paused is None  # the failed sleep resumed
         m = metrics(c)
     assert m["trio_orch_rpc_calls_total{method=stats}"] == 1
@@ -104,6 +156,42 @@ def ctl(url: str, *args: str, token: str | None = TOKEN) -> subprocess.Completed
            *args]
     env = {k: v for k, v in os.environ.items() if k != "TRIO_ORCH_ADMIN_TOKEN"}
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_an_unknown_rpc_method_is_404_and_ctl_says_so_on_stderr(serving: Callable[..., Served]) -> None:
+    from stages.config import echo_config
+    from trio_orch.cluster.launcher import open_pipeline
+
+    s = serving("asyncio", lambda: open_pipeline(echo_config(2)), admin_token=TOKEN)
+    with httpx.Client(base_url=s.url, timeout=HANG) as c:
+        r = c.post("/admin/rpc", headers=auth(), json={"method": "nosuch"})
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "unknown_method" and "nosuch" in r.json()["error"]["message"]
+        known = c.post("/admin/rpc", headers=auth(), json={"method": "methods"})
+        assert known.status_code == 200 and all("stats" in x["value"] for x in known.json()["results"])
+    unknown = ctl(s.url, "rpc", "nosuch")
+    assert unknown.returncode == 1 and unknown.stdout == ""
+    assert "HTTP 404" in unknown.stderr and "nosuch" in unknown.stderr
+    wrong = ctl(s.url, "stats", token="wrong")
+    assert wrong.returncode == 1 and wrong.stdout == "" and "HTTP 401" in wrong.stderr
+    bad = ctl(s.url, "--timeout", "-1", "abort", "r1")  # the server refuses the argument
+    assert bad.returncode == 1 and "HTTP 400" in bad.stderr and "timeout" in bad.stderr
+
+
+def test_ctl_exits_1_when_the_server_cannot_be_reached_and_2_only_for_usage() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    gone = ctl(f"http://127.0.0.1:{port}", "stats")
+    assert gone.returncode == 1 and gone.stdout == "" and "cannot reach" in gone.stderr
+    for args in (("rpc", "stats", "--args", "{nope"), ("rpc", "stats", "--args", "{}"), ("nosuch",)):
+        usage = ctl(f"http://127.0.0.1:{port}", *args)
+        assert usage.returncode == 2 and usage.stdout == "" and usage.stderr, args
+    bad_url = ctl("127.0.0.1:8000", "stats")
+    assert bad_url.returncode == 2 and "--url" in bad_url.stderr
+    bad_port = ctl("http://127.0.0.1:99999", "stats")
+    assert bad_port.returncode == 2 and "--url" in bad_port.stderr
 
 
 def greedy(c: httpx.Client, prompt: str = "Hello!") -> str:

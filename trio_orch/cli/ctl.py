@@ -2,9 +2,10 @@
 
 ``trio-orch serve --admin-token TOKEN`` turns the routes on; ``ctl`` calls
 them with that token (``--token``, or ``$TRIO_ORCH_ADMIN_TOKEN``) and prints
-one line per replica: its answer, or its error.  Exit codes: 0 every replica
-answered, 1 a replica failed or the server refused (401: wrong token), 2 a
-bad command line or an unreachable server.
+one line per replica on stdout: its answer, or its error.  What went wrong
+goes to stderr.  Exit codes: 0 every replica answered; 1 a replica failed,
+the server refused the call (401: wrong token) or could not be reached; 2 a
+bad command line only.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -67,7 +69,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def request(url: str, route: str, body: dict[str, Any] | None, token: str | None,
             http_timeout: float = 3600.0) -> tuple[int, dict[str, Any]]:
-    """One admin call: ``(HTTP status, JSON answer)``; raises OSError when the server is unreachable."""
+    """One admin call: ``(HTTP status, JSON answer)``; raises OSError when the server is unreachable
+    (a refused connection, a timeout, a reset)."""
     data = json.dumps(body or {}).encode()
     req = urllib.request.Request(f"{url.rstrip('/')}/admin/{route}", data=data, method="POST",
                                  headers={"Content-Type": "application/json",
@@ -80,12 +83,19 @@ def request(url: str, route: str, body: dict[str, Any] | None, token: str | None
         try:
             answer = json.loads(raw) if raw else {}
         except ValueError:
-            answer = {"error": raw.decode(errors="replace")[:200]}
-        return exc.code, answer if isinstance(answer, dict) else {"error": str(answer)}
+            answer = {"error": {"message": raw.decode(errors="replace")[:200]}}
+        return exc.code, answer if isinstance(answer, dict) else {"error": {"message": str(answer)}}
 
 
 def _call(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    """The route and body for the chosen action; ValueError for a bad argument."""
+    """The route and body for the chosen action; ValueError for a bad argument (the URL included)."""
+    url = urllib.parse.urlsplit(args.url)
+    try:
+        port = url.port  # ValueError when out of range
+    except ValueError:
+        port = 0
+    if url.scheme not in ("http", "https") or not url.hostname or port == 0:
+        raise ValueError(f"--url must be an http:// or https:// URL with a valid port, got {args.url!r}")
     body: dict[str, Any] = {}
     if getattr(args, "stage_ids", None):
         body["stage_ids"] = args.stage_ids
@@ -94,6 +104,8 @@ def _call(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     a = args.action
     if a == "pause":
         return "pause", {"mode": args.mode}
+    if a == "resume":
+        return "resume", {}
     if a == "sleep":
         return "sleep", {**body, "level": args.level}
     if a == "wake":
@@ -113,13 +125,13 @@ def _call(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         return "rpc", {**body, "method": args.method, "args": call_args, "kwargs": call_kwargs}
     if a == "abort":
         return "abort", {"request_id": args.request_id, **({"timeout": args.timeout} if args.timeout else {})}
-    return a, body  # stats, resume
+    return a, body  # stats
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         route, body = _call(args)
-    except ValueError as exc:
+    except ValueError as exc:  # a bad --args/--kwargs: the command line
         print(f"error: {exc}", file=sys.stderr)
         return 2
     token = args.token or os.environ.get(TOKEN_ENV) or None
@@ -127,24 +139,37 @@ def run(args: argparse.Namespace) -> int:
         status, answer = request(args.url, route, body, token)
     except OSError as exc:
         print(f"error: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(answer, indent=2))
-    else:
-        _print(answer)
+        return 1
+    if status == 200 or answer.get("results"):  # a recipe that failed still lists every replica's answer
+        print(json.dumps(answer, indent=2) if args.json else _lines(answer))
     if status != 200:
-        print(f"error: HTTP {status}: {answer.get('error') or 'the server refused the call'}"
-              + (" (is the server started with --admin-token, and is this its token?)" if status in (401, 404)
-                 else ""), file=sys.stderr)
+        print(f"error: HTTP {status}: {_message(answer)}" + _hint(status, route), file=sys.stderr)
         return 1
     return 1 if any(r.get("error") for r in answer.get("results", [])) else 0
 
 
-def _print(answer: dict[str, Any]) -> None:
+def _message(answer: dict[str, Any]) -> str:
+    err = answer.get("error")
+    if isinstance(err, dict):
+        err = err.get("message")
+    return str(err or "the server refused the call")
+
+
+def _hint(status: int, route: str) -> str:
+    if status == 401:
+        return " (is this the token the server was started with?)"
+    if status == 404 and route != "rpc":
+        return " (is the server started with --admin-token?)"
+    return ""
+
+
+def _lines(answer: dict[str, Any]) -> str:
+    out = []
     for r in answer.get("results", []):
         who = f"stage {r['stage_id']} replica {r['replica']}"
         if r.get("error"):
-            print(f"{who}: ERROR {r['error']}")
+            out.append(f"{who}: ERROR {r['error']}")
         else:
-            print(f"{who}: {json.dumps(r.get('value'), sort_keys=True)}")
-    print(f"paused: {answer.get('paused') or 'no'}")
+            out.append(f"{who}: {json.dumps(r.get('value'), sort_keys=True)}")
+    out.append(f"paused: {answer.get('paused') or 'no'}")
+    return "\n".join(out)

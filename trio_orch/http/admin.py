@@ -2,24 +2,31 @@
 
 Only served when ``trio-orch serve --admin-token TOKEN`` (or the environment
 variable ``TRIO_ORCH_ADMIN_TOKEN``) gives a token; every call must then carry
-``Authorization: Bearer TOKEN`` -- a missing or wrong one gets 401 and does
-nothing.  Each route is one engine control call (:mod:`trio_orch.engine.control`);
-the answer is JSON: ``{"paused": mode or null, "results": [{"stage_id",
-"replica", "value", "error"}, ...]}``.  A bad argument is 400, a replica that
-failed a recipe 502 (with every replica's answer), requests that did not
-drain in time 504, a stopped engine 503.  ``trio-orch ctl`` is the
+``Authorization: Bearer TOKEN``.  The token is checked before anything else
+(:class:`AdminAuth`, applied by :class:`~trio_orch.http.limits.LimitsMiddleware`
+before the content type or the body): a missing or wrong one gets 401, does
+nothing and learns nothing.  Each route is one engine control call
+(:mod:`trio_orch.engine.control`); its body is a typed schema (msgspec: an
+unknown key, a wrong type or a value out of range is 400 naming the key).
+The answer is JSON: ``{"paused": mode or null, "results": [{"stage_id",
+"replica", "value", "error"}, ...]}``; a refusal adds ``"error"`` in the
+OpenAI shape the other routes use (``{"message", "type", "param",
+"code"}``): 400 a bad argument, 404 an RPC method no replica knows, 502 a
+replica that failed a recipe (with every replica's answer), 503 a stopped
+engine, 504 requests that did not drain in time.  ``trio-orch ctl`` is the
 command-line client.
 
 The routes (``POST``; ``stats`` also ``GET``), their JSON body (``*``: required;
-``stage_ids`` and ``timeout`` are taken by every one) and the engine call:
+``stage_ids`` and ``timeout`` are taken by every route that asks replicas) and the engine call:
 
 - ``/admin/stats``: ``collective_rpc("stats")``;
 - ``/admin/rpc``: ``method*``, ``args``, ``kwargs``: ``collective_rpc``;
-- ``/admin/pause``: ``mode`` (wait, abort, keep): ``pause``; ``/admin/resume``: ``resume``;
+- ``/admin/pause``: ``mode`` (wait, abort, keep): ``pause``; ``/admin/resume``: ``resume`` (no replica
+  argument);
 - ``/admin/sleep``: ``level`` (1, 2), ``drain_timeout``: ``sleep``; ``/admin/wake_up``: ``wake_up``;
 - ``/admin/reload_weights``: ``path*``, ``drain_timeout``: ``update_weights``;
 - ``/admin/start_profile``: ``dir*``; ``/admin/stop_profile``: ``start_profile``, ``stop_profile``;
-- ``/admin/abort``: ``request_id*``: ``abort_confirmed``.
+- ``/admin/abort``: ``request_id*``, ``timeout``: ``abort_confirmed``.
 """
 
 from __future__ import annotations
@@ -27,21 +34,98 @@ from __future__ import annotations
 import hmac
 import json
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
+from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from stages.control import UNKNOWN_METHOD
 from trio_orch.engine import ControlError, Engine, EngineClosed
+from trio_orch.http.limits import Refusal, Scope
+from trio_orch.http.openai_chat import error_body
 from trio_orch.types import RpcResult
 
-__all__ = ["TOKEN_ENV", "admin_routes"]
+__all__ = ["PREFIX", "TOKEN_ENV", "AdminAuth", "admin_routes"]
 
 #: the environment variable ``serve`` and ``ctl`` read the token from when no option gives it
 TOKEN_ENV = "TRIO_ORCH_ADMIN_TOKEN"
+#: every admin route's path starts with it; :class:`AdminAuth` guards the whole prefix
+PREFIX = "/admin/"
 
-Handler = Callable[[Engine, dict[str, Any]], Awaitable[Any]]
+Seconds = Annotated[float, Meta(gt=0)]
+Text = Annotated[str, Meta(min_length=1)]
+
+
+class AdminAuth:
+    """The bearer-token check of every ``/admin/...`` path, known route or not.
+
+    :class:`~trio_orch.http.limits.LimitsMiddleware` asks it first, so a
+    caller without the token gets 401 before any other check (content type,
+    body size, method, route) can tell it anything.
+    """
+
+    MESSAGE = "a valid admin bearer token is required (Authorization: Bearer TOKEN)"
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}".encode()
+
+    def allows(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
+        given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
+        return hmac.compare_digest(given, self.expected)
+
+    def __call__(self, scope: Scope) -> Refusal | None:
+        """The 401 for an ``/admin/...`` request without the token; None for any other request."""
+        if not str(scope.get("path", "")).startswith(PREFIX) or self.allows(scope.get("headers") or []):
+            return None
+        return Refusal(401, self.MESSAGE, "invalid_api_key", "authentication_error",
+                       {"www-authenticate": "Bearer"})
+
+
+class _Replicas(Struct, forbid_unknown_fields=True, kw_only=True):
+    """What every route that asks replicas takes."""
+
+    stage_ids: list[int] | None = None
+    timeout: Seconds | None = None
+
+
+class _Rpc(_Replicas, kw_only=True):
+    method: Text
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class _Pause(Struct, forbid_unknown_fields=True):
+    mode: Literal["wait", "abort", "keep"] = "wait"
+
+
+class _Resume(Struct, forbid_unknown_fields=True):
+    pass
+
+
+class _Sleep(_Replicas, kw_only=True):
+    level: Literal[1, 2] = 1
+    drain_timeout: Seconds | None = None
+
+
+class _Reload(_Replicas, kw_only=True):
+    path: Text
+    drain_timeout: Seconds | None = None
+
+
+class _StartProfile(_Replicas, kw_only=True):
+    dir: Text
+
+
+class _Abort(Struct, forbid_unknown_fields=True, kw_only=True):
+    request_id: Text
+    timeout: Seconds | None = None
+
+
+class UnknownMethod(Exception):
+    """No replica asked knows the RPC method (404)."""
 
 
 def _jsonable(obj: Any) -> Any:
@@ -52,69 +136,67 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=default))
 
 
-def _need(body: dict[str, Any], key: str) -> Any:
-    if key not in body:
-        raise ValueError(f"the body needs {key!r}")
-    return body[key]
+async def _stats(e: Engine, b: _Replicas) -> Any:
+    return await e.collective_rpc_async("stats", stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-def _opt(body: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: body[k] for k in keys if k in body}
+async def _rpc(e: Engine, b: _Rpc) -> Any:
+    results = await e.collective_rpc_async(b.method, b.args, b.kwargs, stage_ids=b.stage_ids,
+                                           timeout=b.timeout)
+    asked = [r for r in results if r.replica >= 0]
+    if asked and all(r.error is not None and r.error.startswith(UNKNOWN_METHOD) for r in asked):
+        raise UnknownMethod(asked[0].error)
+    return results
 
 
-async def _stats(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.collective_rpc_async("stats", **_opt(b, "stage_ids", "timeout"))
+async def _pause(e: Engine, b: _Pause) -> Any:
+    await e.pause_async(b.mode)
 
 
-async def _rpc(e: Engine, b: dict[str, Any]) -> Any:
-    opts = _opt(b, "args", "kwargs", "stage_ids", "timeout")
-    return await e.collective_rpc_async(_need(b, "method"), **opts)
-
-
-async def _pause(e: Engine, b: dict[str, Any]) -> Any:
-    await e.pause_async(b.get("mode", "wait"))
-
-
-async def _resume(e: Engine, b: dict[str, Any]) -> Any:
+async def _resume(e: Engine, b: _Resume) -> Any:
     await e.resume_async()
 
 
-async def _sleep(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.sleep_async(b.get("level", 1), **_opt(b, "stage_ids", "timeout", "drain_timeout"))
+async def _sleep(e: Engine, b: _Sleep) -> Any:
+    return await e.sleep_async(b.level, stage_ids=b.stage_ids, timeout=b.timeout,
+                               drain_timeout=b.drain_timeout)
 
 
-async def _wake(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.wake_up_async(**_opt(b, "stage_ids", "timeout"))
+async def _wake(e: Engine, b: _Replicas) -> Any:
+    return await e.wake_up_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _reload(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.update_weights_async(_need(b, "path"), **_opt(b, "stage_ids", "timeout", "drain_timeout"))
+async def _reload(e: Engine, b: _Reload) -> Any:
+    return await e.update_weights_async(b.path, stage_ids=b.stage_ids, timeout=b.timeout,
+                                        drain_timeout=b.drain_timeout)
 
 
-async def _start_profile(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.start_profile_async(_need(b, "dir"), **_opt(b, "stage_ids", "timeout"))
+async def _start_profile(e: Engine, b: _StartProfile) -> Any:
+    return await e.start_profile_async(b.dir, stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _stop_profile(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.stop_profile_async(**_opt(b, "stage_ids", "timeout"))
+async def _stop_profile(e: Engine, b: _Replicas) -> Any:
+    return await e.stop_profile_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _abort(e: Engine, b: dict[str, Any]) -> Any:
-    return await e.abort_confirmed_async(_need(b, "request_id"), b.get("timeout"))
+async def _abort(e: Engine, b: _Abort) -> Any:
+    return await e.abort_confirmed_async(b.request_id, b.timeout)
 
 
-#: route name -> (HTTP methods, handler)
-ROUTES: dict[str, tuple[tuple[str, ...], Handler]] = {
-    "stats": (("GET", "POST"), _stats),
-    "rpc": (("POST",), _rpc),
-    "pause": (("POST",), _pause),
-    "resume": (("POST",), _resume),
-    "sleep": (("POST",), _sleep),
-    "wake_up": (("POST",), _wake),
-    "reload_weights": (("POST",), _reload),
-    "start_profile": (("POST",), _start_profile),
-    "stop_profile": (("POST",), _stop_profile),
-    "abort": (("POST",), _abort),
+Handler = Callable[[Engine, Any], Awaitable[Any]]
+
+#: route name -> (HTTP methods, body schema, handler)
+ROUTES: dict[str, tuple[tuple[str, ...], type[Struct], Handler]] = {
+    "stats": (("GET", "POST"), _Replicas, _stats),
+    "rpc": (("POST",), _Rpc, _rpc),
+    "pause": (("POST",), _Pause, _pause),
+    "resume": (("POST",), _Resume, _resume),
+    "sleep": (("POST",), _Sleep, _sleep),
+    "wake_up": (("POST",), _Replicas, _wake),
+    "reload_weights": (("POST",), _Reload, _reload),
+    "start_profile": (("POST",), _StartProfile, _start_profile),
+    "stop_profile": (("POST",), _Replicas, _stop_profile),
+    "abort": (("POST",), _Abort, _abort),
 }
 
 
@@ -123,41 +205,52 @@ def _results(results: Sequence[RpcResult] | None) -> list[dict[str, Any]]:
             for r in results or ()]
 
 
-def admin_routes(engine: Engine, token: str | None) -> list[Route]:
-    """The ``/admin/...`` routes, or none when ``token`` is None (the control plane stays off)."""
-    if not token:
-        return []
-    expected = f"Bearer {token}".encode()
+def _body(raw: bytes, schema: type[Struct]) -> Any:
+    """The request's arguments checked against the route's schema; ValueError naming what is wrong."""
+    try:
+        return msgspec.json.decode(raw or b"{}", type=schema)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"bad argument: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"the body is not valid JSON: {exc}") from None
 
-    def endpoint(handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+
+def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
+    """The ``/admin/...`` routes, or none when ``auth`` is None (the control plane stays off).
+
+    The middleware refuses a request without the token first; each endpoint
+    checks it again, so the routes are never open, however they are mounted.
+    """
+    if auth is None:
+        return []
+
+    def endpoint(schema: type[Struct], handler: Handler) -> Callable[[Request], Awaitable[Response]]:
         async def call(request: Request) -> Response:
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                return JSONResponse({"error": "a valid admin bearer token is required"}, status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+            refusal = auth(request.scope)
+            if refusal is not None:
+                return JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)
             try:
-                body = await request.json() if await request.body() else {}
-                if not isinstance(body, dict):
-                    raise ValueError("the body must be a JSON object")
-                results = await handler(engine, body)
+                results = await handler(engine, _body(await request.body(), schema))
             except ControlError as exc:
-                return _answer(engine, exc.results, 502, str(exc))
+                return _answer(engine, exc.results, 502, str(exc), "server_error", "control_failed")
             except TimeoutError as exc:
-                return _answer(engine, None, 504, str(exc))
+                return _answer(engine, None, 504, str(exc), "server_error", "timeout")
             except EngineClosed as exc:
-                return _answer(engine, None, 503, str(exc))
-            except (ValueError, TypeError) as exc:  # bad JSON, a bad argument, a bad stage id
-                return _answer(engine, None, 400, f"{type(exc).__name__}: {exc}")
+                return _answer(engine, None, 503, str(exc), "server_error", "engine_closed")
+            except UnknownMethod as exc:
+                return _answer(engine, None, 404, str(exc), code="unknown_method")
+            except (ValueError, TypeError) as exc:  # a bad argument, a bad stage id
+                return _answer(engine, None, 400, str(exc), code="bad_argument")
             return _answer(engine, results, 200)
         return call
 
-    return [Route(f"/admin/{name}", endpoint(handler), methods=list(methods))
-            for name, (methods, handler) in ROUTES.items()]
+    return [Route(f"{PREFIX}{name}", endpoint(schema, handler), methods=list(methods))
+            for name, (methods, schema, handler) in ROUTES.items()]
 
 
-def _answer(engine: Engine, results: Sequence[RpcResult] | None, status: int, error: str | None = None
-            ) -> Response:
+def _answer(engine: Engine, results: Sequence[RpcResult] | None, status: int, error: str | None = None,
+            kind: str = "invalid_request_error", code: str | None = None) -> Response:
     body: dict[str, Any] = {"paused": engine.paused, "results": _results(results)}
     if error is not None:
-        body["error"] = error
+        body.update(error_body(error, kind, None, code))
     return JSONResponse(_jsonable(body), status_code=status)

@@ -41,7 +41,7 @@ from starlette.routing import BaseRoute, Route
 
 from stages.registry import text_stage
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
-from trio_orch.http.admin import admin_routes
+from trio_orch.http.admin import AdminAuth, admin_routes
 from trio_orch.http.limits import HTTPLimits, LimitsMiddleware, Shedder
 from trio_orch.http.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
 from trio_orch.http.openai_chat import (
@@ -267,6 +267,7 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
+    auth = AdminAuth(admin_token) if admin_token else None
     chat = ChatCompletions(engine, model_name=model_name, outputs=outputs, limits=limits, front=front,
                            token_limit=token_limit)
     routes: list[BaseRoute] = [
@@ -275,9 +276,10 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
         realtime_route(engine, outputs),
         *_status_routes(engine, front, model_name=model_name, outputs=outputs, stage_names=stage_names,
                         extra_metrics=extra_metrics),
-        *admin_routes(engine, admin_token),
+        *admin_routes(engine, auth),
     ]
     shedder = Shedder(lambda: engine.shedding, GENERATION_PATHS, front, engine.retry_after,
                       capacity=lambda: engine.capacity)
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
-                     middleware=[Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder)])
+                     middleware=[Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder,
+                                                guards=(auth,) if auth is not None else ())])

@@ -40,7 +40,8 @@ import anyio
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import error_body
 
-__all__ = ["HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Shedder", "json_response"]
+__all__ = ["Guard", "HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Refusal", "Scope", "Shedder",
+           "json_response"]
 
 log = logging.getLogger("trio_orch.serve.command")
 
@@ -48,6 +49,24 @@ Scope = dict[str, Any]
 AsgiMessage = dict[str, Any]
 Receive = Callable[[], Awaitable[AsgiMessage]]
 Send = Callable[[AsgiMessage], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An answer that refuses a request: its status and OpenAI-shaped error."""
+
+    status: int
+    message: str
+    code: str
+    kind: str = "invalid_request_error"
+    headers: dict[str, str] | None = None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.kind, None, self.code)
+
+
+#: asked first for every HTTP request: a :class:`Refusal` answers it before any other check
+Guard = Callable[[Scope], Refusal | None]
 
 
 @dataclass(frozen=True)
@@ -142,17 +161,23 @@ class LimitsMiddleware:
     """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
-                 shedder: Shedder | None = None) -> None:
+                 shedder: Shedder | None = None, guards: tuple[Guard, ...] = ()) -> None:
         self.app = app
         self.limits = limits
         self.front = front
         self.shedder = shedder
+        self.guards = guards
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         route = scope.get("path", "")
+        for guard in self.guards:  # authentication before anything that could tell the caller more
+            refusal = guard(scope)
+            if refusal is not None:
+                await self._refuse(send, route, refusal)
+                return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
         if counted:
@@ -173,7 +198,7 @@ class LimitsMiddleware:
             try:
                 body = await self._read_body(scope, receive)
             except _Refused as exc:
-                await self._refuse(send, route, exc.status, str(exc), exc.code)
+                await self._refuse(send, route, Refusal(exc.status, str(exc), exc.code))
                 return
             except _ClientLeft:
                 self.front.disconnects += 1
@@ -194,8 +219,8 @@ class LimitsMiddleware:
             log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"), route,
                       type(exc).__name__, exc, exc_info=exc)
             if not started:
-                await self._refuse(send, route, 500, "internal server error: the error was logged",
-                                   "internal_error", "server_error")
+                await self._refuse(send, route, Refusal(500, "internal server error: the error was logged",
+                                                        "internal_error", "server_error"))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         headers = dict(scope.get("headers") or [])
@@ -243,13 +268,13 @@ class LimitsMiddleware:
 
         return replay
 
-    async def _refuse(self, send: Send, route: str, status: int, message: str, code: str,
-                      kind: str = "invalid_request_error", extra: dict[str, str] | None = None) -> None:
+    async def _refuse(self, send: Send, route: str, refusal: Refusal) -> None:
+        status = refusal.status
         self.front.count(route, status)
         if status < 500 and status != 429:  # shedding is counted, not logged line by line
-            log.warning("refused a request to %s (%d): %s", route, status, message)
-        headers, data = json_response(status, error_body(message, kind, None, code),
-                                      {"connection": "close"} if status in (408, 413) else extra)
+            log.warning("refused a request to %s (%d): %s", route, status, refusal.message)
+        headers, data = json_response(status, refusal.body(),
+                                      {"connection": "close"} if status in (408, 413) else refusal.headers)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
 
