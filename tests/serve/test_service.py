@@ -325,6 +325,28 @@ def test_a_signal_drains_in_flight_requests_refuses_new_ones_and_exits_130(sig: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+def test_a_second_signal_ends_the_drain_at_once(loop: str) -> None:
+    proc, url = start_serve("--in-process", "--loop", loop, "--shutdown-timeout", "300")
+    try:
+        t, events = stream_in_background(url, 3000)  # about a minute of text: far past HANG
+        with httpx.Client(base_url=url, timeout=HANG) as c:
+            wait_until(lambda: metrics(c)["trio_orch_active_requests"] == 1, "the stream runs")
+            proc.send_signal(signal.SIGTERM)
+            wait_until(lambda: c.get("/health").status_code == 503, "health says draining")
+            r = c.post("/v1/chat/completions", json=chat("too late"))
+            assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
+        proc.send_signal(signal.SIGINT)  # stop now: the stream gets its shutdown error
+        assert proc.wait(HANG) == 130
+        t.join(HANG)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.slow
 def test_past_the_shutdown_timeout_in_flight_requests_get_their_shutdown_error(tmp_path: Path) -> None:
     proc, url = start_serve("--in-process", "--shutdown-timeout", "0.3")
     try:

@@ -111,9 +111,6 @@ class ChatCompletions:
 
     async def handle(self, request: Request) -> Response:
         engine, limits = self.engine, self.limits
-        if self.front.draining:
-            return self.error(503, "the server is shutting down: not accepting new requests", "server_error",
-                              code="draining", retry_after=1)
         try:
             body = parse_json_body(await request.body(), limits.max_json_depth)
             req = parse_chat_request(body, self.model_name, limits.max_prompt_chars)

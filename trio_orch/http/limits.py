@@ -1,8 +1,10 @@
 """HTTP limits that any ASGI server can apply: body size and time, content type, errors as JSON.
 
 :class:`LimitsMiddleware` wraps the app (Starlette puts it inside its own
-error middleware, so it sees the route's exceptions first).  Before a POST
-reaches a route it checks the ``Content-Type`` (JSON only: a browser cannot
+error middleware, so it sees the route's exceptions first).  Its guards
+(the admin token) answer first.  While the server drains, a POST to a
+generation route and a WebSocket handshake get 503 ``draining`` before any
+other check.  Before a POST reaches a route it checks the ``Content-Type`` (JSON only: a browser cannot
 send that cross-origin without a CORS preflight), refuses a declared body
 over ``max_body_bytes`` at once (413), reads the body within
 ``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
@@ -168,7 +170,18 @@ class LimitsMiddleware:
         self.shedder = shedder
         self.guards = guards
 
+    #: the answer to new work once the server drains (both fronts, every generation route)
+    DRAINING = Refusal(503, "the server is shutting down: not accepting new requests", "draining",
+                       "server_error", {"retry-after": "1", "connection": "close"})
+
+    @property
+    def generation_paths(self) -> frozenset[str]:
+        return self.shedder.paths if self.shedder is not None else frozenset()
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and self.front.draining:
+            await self._refuse_websocket(scope.get("path", ""), receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -178,6 +191,9 @@ class LimitsMiddleware:
             if refusal is not None:
                 await self._refuse(send, route, refusal)
                 return
+        if self.front.draining and scope.get("method") == "POST" and route in self.generation_paths:
+            await self._refuse(send, route, self.DRAINING)  # before the shedder: not a 429, not a body read
+            return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
         if counted:
@@ -267,6 +283,14 @@ class LimitsMiddleware:
             return await receive()
 
         return replay
+
+    async def _refuse_websocket(self, route: str, receive: Receive, send: Send) -> None:
+        """A WebSocket session asked for while draining: the 503 as the handshake's answer."""
+        await receive()  # websocket.connect
+        self.front.count(route, 503)
+        headers, data = json_response(503, self.DRAINING.body(), {"retry-after": "1"})
+        await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": data, "more_body": False})
 
     async def _refuse(self, send: Send, route: str, refusal: Refusal) -> None:
         status = refusal.status

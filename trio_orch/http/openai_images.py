@@ -115,9 +115,6 @@ def image_route(engine: Engine, *, model_name: str, outputs: Sequence[str] | Non
         raise EngineClosed("the request ended without a terminal")  # pragma: no cover (the contract)
 
     async def generations(request: Request) -> Response:
-        if front.draining:
-            return error(503, "the server is shutting down: not accepting new requests", kind="server_error",
-                         code="draining", retry_after=1)
         try:
             body = json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
