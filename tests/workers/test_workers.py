@@ -261,7 +261,7 @@ async def test_per_request_stage_error_fails_only_that_request() -> None:
 
 
 HOLDER = """
-import sys, trio
+import signal, sys, trio
 from stages.config import echo_config
 from trio_orch.cluster.launcher import open_pipeline
 
@@ -270,6 +270,9 @@ async def main():
         print(pipe.tmpdir, *pipe.pids, flush=True)
         await trio.sleep_forever()
 
+# Ctrl-C as a terminal delivers it: a shell starts a background job (a test run with &) ignoring SIGINT,
+# and a process that starts with SIGINT ignored never gets KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 trio.run(main)
 """
 
@@ -290,22 +293,39 @@ sys.stdin.readline()  # then the interpreter exits under the daemon thread's fee
 """
 
 
-async def _start_holder(script: str = HOLDER) -> tuple[trio.Process, str, list[int]]:
-    """A separate orchestrator process holding a pipeline open; returns (process, ipc dir, worker pids)."""
+@asynccontextmanager
+async def holder(script: str = HOLDER) -> AsyncIterator[tuple[trio.Process, str, list[int]]]:
+    """A separate orchestrator process holding a pipeline open: (process, ipc dir, worker pids).
+
+    Killed and reaped on the way out if the test left it running (a failed test leaves no process).
+    """
     import subprocess
     import sys
 
     proc = await trio.lowlevel.open_process([sys.executable, "-c", script], stdout=subprocess.PIPE,
                                             stdin=subprocess.PIPE)
-    assert proc.stdout is not None
-    line = b""
-    with trio.fail_after(30):
-        while not line.endswith(b"\n"):
-            chunk = await proc.stdout.receive_some(4096)
-            assert chunk, "the holder exited early"
-            line += chunk
-    tmpdir, *pids = line.decode().split()
-    return proc, tmpdir, [int(p) for p in pids]
+    try:
+        assert proc.stdout is not None
+        line = b""
+        with trio.fail_after(30):
+            while not line.endswith(b"\n"):
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, "the holder exited early"
+                line += chunk
+        tmpdir, *pids = line.decode().split()
+        yield proc, tmpdir, [int(p) for p in pids]
+    finally:
+        with trio.CancelScope(shield=True):
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGTERM)  # it stops its workers and removes its ipc dir
+                with trio.move_on_after(10):
+                    await proc.wait()
+            if proc.returncode is None:
+                proc.kill()
+            await proc.wait()
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    await pipe.aclose()
 
 
 async def _gone(pids: list[int], tmpdir: str, timeout: float = 10) -> None:
@@ -315,27 +335,27 @@ async def _gone(pids: list[int], tmpdir: str, timeout: float = 10) -> None:
 
 
 async def test_sigterm_to_the_orchestrator_process_stops_workers_and_cleans_up() -> None:
-    proc, tmpdir, pids = await _start_holder()
-    assert len(pids) == 4 and os.path.isdir(tmpdir)
-    proc.send_signal(signal.SIGTERM)
-    with trio.fail_after(10):
-        assert await proc.wait() == 143
-    await _gone(pids, tmpdir, timeout=1)  # cleaned up before the process exited
+    async with holder() as (proc, tmpdir, pids):
+        assert len(pids) == 4 and os.path.isdir(tmpdir)
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(10):
+            assert await proc.wait() == 143
+        await _gone(pids, tmpdir, timeout=1)  # cleaned up before the process exited
 
 
 async def test_sigkill_of_the_orchestrator_process_leaves_no_worker_or_ipc_file() -> None:
-    proc, tmpdir, pids = await _start_holder()
-    proc.kill()
-    await proc.wait()
-    await _gone(pids, tmpdir)  # the orphaned workers notice and clean up after their parent
+    async with holder() as (proc, tmpdir, pids):
+        proc.kill()
+        await proc.wait()
+        await _gone(pids, tmpdir)  # the orphaned workers notice and clean up after their parent
 
 
 async def test_ctrl_c_in_the_orchestrator_process_stops_workers_and_cleans_up() -> None:
-    proc, tmpdir, pids = await _start_holder()
-    proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the orchestrator (workers ignore it)
-    with trio.fail_after(10):
-        assert await proc.wait() != 0  # KeyboardInterrupt propagated out of trio.run
-    await _gone(pids, tmpdir, timeout=1)
+    async with holder() as (proc, tmpdir, pids):
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C delivers to the orchestrator (workers ignore it)
+        with trio.fail_after(10):
+            assert await proc.wait() != 0  # KeyboardInterrupt propagated out of trio.run
+        await _gone(pids, tmpdir, timeout=1)
 
 
 async def test_async_chunk_routes_each_request_to_its_reserved_downstream_replica() -> None:
@@ -415,10 +435,10 @@ async def test_text_only_request_in_async_chunk_mode_leaves_no_chunks_downstream
 
 
 async def test_interpreter_exit_with_a_pipeline_open_in_a_daemon_thread_leaves_nothing() -> None:
-    proc, tmpdir, pids = await _start_holder(DAEMON_HOLDER)
-    assert len(pids) == 2
-    assert proc.stdin is not None
-    await proc.stdin.send_all(b"exit\n")
-    with trio.fail_after(10):
-        assert await proc.wait() == 0
-    await _gone(pids, tmpdir, timeout=2)  # the atexit safety net killed them and removed the dir
+    async with holder(DAEMON_HOLDER) as (proc, tmpdir, pids):
+        assert len(pids) == 2
+        assert proc.stdin is not None
+        await proc.stdin.send_all(b"exit\n")
+        with trio.fail_after(10):
+            assert await proc.wait() == 0
+        await _gone(pids, tmpdir, timeout=2)  # the atexit safety net killed them and removed the dir
