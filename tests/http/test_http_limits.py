@@ -254,16 +254,82 @@ async def test_the_middleware_refuses_once_the_requests_it_let_in_fill_the_engin
         await mw(scope, receive, send)
 
     async with trio.open_nursery() as nursery:
-        for n in range(3):
+        for n in range(3):  # together: all three pass the first check, then read their bodies
             nursery.start_soon(call, n)
         await trio.testing.wait_all_tasks_blocked()
         assert len(entered) == 2 and front.pending == 2  # the third found the capacity taken
         (refused,) = [n for n in range(3) if n not in entered]
-        assert sent[refused][0]["status"] == 429 and refused not in bodies_read  # before its body
+        assert sent[refused][0]["status"] == 429  # asked again once its body was in
+        await call(3)  # the capacity is taken: refused before its body is read
+        assert sent[3][0]["status"] == 429 and 3 not in bodies_read
         release.set()
-    assert front.pending == 0 and front.shed == 1
-    await call(3)  # the first two answered: room again
-    assert sent[3][0]["status"] == 200
+    assert front.pending == 0 and front.shed == 2
+    await call(4)  # the first two answered: room again
+    assert sent[4][0]["status"] == 200
+
+
+async def test_uploads_hold_no_admission_room_and_body_reads_are_bounded_apart() -> None:
+    """Uploads in progress (valid or not) are not on their way to the engine: with the Shedder's
+    capacity at 1 and two uploads trickling in, a small valid request is still let in; past
+    ``max_body_reads`` an upload waits for a read slot, unread; a body the route refuses holds no room."""
+    import trio
+    import trio.testing
+
+    from trio_orch.http.limits import LimitsMiddleware, Shedder
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        body = (await receive())["body"]  # type: ignore[operator]
+        status = 200 if body == b"{}" else 400  # as the route: a prompt over the limit is a 400
+        await send({"type": "http.response.start", "status": status, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"{}"})  # type: ignore[operator]
+
+    front = FrontMetrics()
+    shedder = Shedder(lambda: False, frozenset({"/v1/chat/completions"}), front, capacity=lambda: 1)
+    mw = LimitsMiddleware(app, HTTPLimits(max_body_reads=3, body_timeout=HANG), front, shedder)
+    statuses: dict[str, int] = {}
+    read: list[str] = []
+    finish: dict[str, trio.Event] = {}
+
+    async def post(name: str, body: bytes, trickle: bool = False) -> None:
+        """A POST; ``trickle``: its last chunk waits for ``finish[name]``."""
+        finish[name] = trio.Event()
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-type", b"application/json"),
+                             (b"content-length", str(len(body) + trickle).encode())]}
+        parts = [body, b"x"] if trickle else [body]
+
+        async def receive() -> dict[str, object]:
+            if name not in read:
+                read.append(name)
+            part = parts.pop(0)
+            if not parts and trickle:
+                await finish[name].wait()
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+        async def send(message: dict[str, object]) -> None:
+            if message["type"] == "http.response.start":
+                statuses[name] = int(message["status"])  # type: ignore[call-overload]
+
+        await mw(scope, receive, send)
+
+    async with trio.open_nursery() as nursery:
+        for name in ("up1", "up2"):
+            nursery.start_soon(post, name, b"y" * 1000, True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(read) == ["up1", "up2"] and front.pending == 0  # uploads hold no admission room
+        await post("valid", b"{}")
+        assert statuses["valid"] == 200 and front.shed == 0  # let in, not refused with 429
+        nursery.start_soon(post, "up3", b"y" * 1000, True)
+        nursery.start_soon(post, "up4", b"y" * 1000, True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(read) == 4  # valid, up1, up2 and one of up3/up4: the other waits, unread
+        finish["up1"].set()  # its body completes: the route refuses it; its read slot passes on
+        await trio.testing.wait_all_tasks_blocked()
+        assert statuses["up1"] == 400 and front.pending == 0 and len(read) == 5
+        for event in finish.values():
+            event.set()
+    assert [statuses[n] for n in ("up2", "up3", "up4")] == [400] * 3
+    assert front.pending == 0 and front.shed == 0
 
 
 def test_a_websocket_session_outlives_the_header_timeout_and_leaves_the_connection_count(

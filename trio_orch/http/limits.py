@@ -9,9 +9,14 @@ send that cross-origin without a CORS preflight), refuses a declared body
 over ``max_body_bytes`` at once (413), reads the body within
 ``body_timeout`` seconds (408 otherwise; a slow client cannot hold a task
 forever) and stops reading as soon as it passes the limit (413); the route
-then gets the buffered body.  A POST to a generation route is refused with
-429 before its body is read while the engine sheds, or once the requests
-already let in fill its capacity (:class:`Shedder`: under a flood, parsing
+then gets the buffered body.  At most ``max_body_reads`` bodies are read at
+once (the others wait, unread, within their ``body_timeout``): that bounds
+the memory a flood of uploads takes, apart from admission.  A POST to a
+generation route is refused with 429 before its body is read while the
+engine sheds, or once the requests already read and on their way to the
+engine fill its capacity -- an upload in progress, or a request the route
+refuses (a prompt over the limit), holds no room there; it is asked again
+once the body is in (:class:`Shedder`: under a flood, parsing
 requests that would be shed anyway would starve the admitted ones of CPU).
 A client that disconnects during its upload costs one log line.  An
 exception from a route becomes an OpenAI-shaped 500, counted and logged
@@ -83,6 +88,7 @@ class HTTPLimits:
     """
 
     max_body_bytes: int = 4 << 20
+    max_body_reads: int = 32
     max_prompt_chars: int = 32_000
     max_json_depth: int = 32
     body_timeout: float = 30.0
@@ -93,7 +99,8 @@ class HTTPLimits:
     max_head_bytes: int = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_prompt_chars", "max_json_depth", "backlog", "max_head_bytes"):
+        for name in ("max_body_bytes", "max_body_reads", "max_prompt_chars", "max_json_depth", "backlog",
+                     "max_head_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
@@ -169,6 +176,8 @@ class LimitsMiddleware:
         self.front = front
         self.shedder = shedder
         self.guards = guards
+        #: bodies being read at once: bounds their memory, apart from admission (the Shedder's count)
+        self.reading = anyio.Semaphore(limits.max_body_reads)
 
     #: the answer to new work once the server drains (both fronts, every generation route)
     DRAINING = Refusal(503, "the server is shutting down: not accepting new requests", "draining",
@@ -196,20 +205,8 @@ class LimitsMiddleware:
             return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
-        if counted:
-            assert shedder is not None
-            if shedder.refuse(route, self.front.pending):
-                await send({"type": "http.response.start", "status": 429, "headers": shedder.headers})
-                await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
-                return
-            self.front.pending += 1
-        try:
-            await self._serve(scope, receive, send, route)
-        finally:
-            if counted:
-                self.front.pending -= 1
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        if counted and await self._shed(route, send):  # before the body: the cheap refusal
+            return
         if scope.get("method") == "POST":
             try:
                 body = await self._read_body(scope, receive)
@@ -221,6 +218,30 @@ class LimitsMiddleware:
                 log.info("a client disconnected during its upload to %s", route)
                 return
             receive = self._replay(body, receive)
+        # On its way to the engine only once its body is in: an upload (valid or not) holds no
+        # admission room, and a request the route refuses (a prompt too long) holds it for the parse.
+        # Asked again now: the uploads that passed the first check together cannot all be let in.
+        if counted:
+            if await self._shed(route, send):
+                return
+            self.front.pending += 1
+        try:
+            await self._serve(scope, receive, send, route)
+        finally:
+            if counted:
+                self.front.pending -= 1
+
+    async def _shed(self, route: str, send: Send) -> bool:
+        """Answer 429 if the Shedder refuses ``route`` now; whether it did."""
+        shedder = self.shedder
+        assert shedder is not None
+        if not shedder.refuse(route, self.front.pending):
+            return False
+        await send({"type": "http.response.start", "status": 429, "headers": shedder.headers})
+        await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
+        return True
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         started = False
 
         async def tracking_send(message: AsgiMessage) -> None:
@@ -250,25 +271,31 @@ class LimitsMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise _Refused(413, f"the request body is {int(declared)} bytes, over the limit of {limit} bytes",
                            "request_too_large")
-        chunks: list[bytes] = []
-        size = 0
         try:
             with anyio.fail_after(self.limits.body_timeout):
-                while True:
-                    message = await receive()
-                    if message["type"] == "http.disconnect":
-                        raise _ClientLeft()
-                    chunk = message.get("body", b"")
-                    size += len(chunk)
-                    if size > limit:
-                        raise _Refused(413, f"the request body is over the limit of {limit} bytes",
-                                       "request_too_large")
-                    chunks.append(chunk)
-                    if not message.get("more_body", False):
-                        return b"".join(chunks)
+                async with self.reading:  # past max_body_reads, an upload waits for a slot, unread
+                    return await self._receive_body(receive, limit)
         except TimeoutError:
             raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
                            "request_timeout") from None
+
+    @staticmethod
+    async def _receive_body(receive: Receive, limit: int) -> bytes:
+        """The whole body (as one bytes), or 413 as soon as it passes ``limit``."""
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientLeft()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _Refused(413, f"the request body is over the limit of {limit} bytes",
+                               "request_too_large")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
 
     @staticmethod
     def _replay(body: bytes, receive: Receive) -> Receive:

@@ -121,6 +121,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"largest request body, else 413 (default {d.max_body_bytes})")
     h.add_argument("--max-prompt-chars", type=int, default=d.max_prompt_chars,
                    help=f"longest prompt built from the messages, else 400 (default {d.max_prompt_chars})")
+    h.add_argument("--max-body-reads", type=int, default=d.max_body_reads,
+                   help="request bodies read at once; the others wait, unread, within --body-timeout "
+                        f"(bounds the memory of an upload flood; default {d.max_body_reads})")
     h.add_argument("--body-timeout", type=float, default=d.body_timeout,
                    help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
     h.add_argument("--header-timeout", type=float, default=d.header_timeout,
@@ -165,7 +168,8 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     if args.loop == "trio" and args.max_connections is not None:  # an explicit limit must hold or be refused
         raise ValueError("--max-connections applies to --loop asyncio: hypercorn's Trio worker has no "
                          "connection limit")
-    return HTTPLimits(max_body_bytes=args.max_body_bytes, max_prompt_chars=args.max_prompt_chars,
+    return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
+                      max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes)
