@@ -92,6 +92,9 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     (["--request-queue-size", "-1"], "--request-queue-size must be >= 0"),
     (["--replicas", "0"], "--replicas must be >= 1"),
     (["--loop", "trio", "--max-connections", "100"], "--max-connections applies to --loop asyncio"),
+    (["--port", "99999"], "--port must be 0..65535"),
+    (["--port", "-1"], "--port must be 0..65535"),
+    (["--max-body-reads", "0"], "max_body_reads must be >= 1"),
 ])
 def test_serve_refuses_bad_arguments_before_it_listens_or_starts_a_worker(
         argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:

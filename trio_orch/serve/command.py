@@ -156,6 +156,8 @@ class _Removed(argparse.Action):
 
 def _check_args(args: argparse.Namespace) -> HTTPLimits:
     """The HTTP limits from the command line; ValueError for any bad value."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535 (0: a free one), got {args.port}")
     if args.request_queue_size < 0:
         raise ValueError("--request-queue-size must be >= 0")
     if args.max_inflight is not None and args.max_inflight < 0:
