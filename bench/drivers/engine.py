@@ -1,8 +1,8 @@
-"""The production thread bridge, :class:`trio_orch.engine.bridge.Engine`, behind a driver.
+"""The engine's thread adapter, :class:`trio_orch.engine.bridge.Engine`, behind a driver.
 
 Where :class:`bench.drivers.trio.TrioDriver` reads the orchestrator's whole
 output stream through one queue, this driver consumes through the Engine's
-public sync API: one :class:`~trio_orch.engine.bridge.RequestHandle` per request (the
+public sync API: one :class:`~trio_orch.engine.handles.RequestHandle` per request (the
 per-request demultiplexing a serving front gets).  :meth:`EngineDriver.next_batch`
 serves the open handles round-robin, so with many concurrent requests a
 message can wait behind its siblings in the consumer: that wait is part of

@@ -1,7 +1,7 @@
-"""Admission from the thread bridge: admitted at once, after a bounded wait, or shed.
+"""Admission, the one path of every engine: admitted at once, after a bounded wait, or shed.
 
-Runs in the engine's Trio thread.  A request posted by a serving thread is
-*admitted* when the orchestrator accepted it into its bounded request
+Runs in the engine's Trio run.  A request (opened in the run, or posted from
+a serving thread) is *admitted* when the orchestrator accepted it into its bounded request
 channel (from then on it gets exactly one terminal).  The channel fills
 when the routing core says the stages are at their bound (``max_inflight``);
 requests that find it full wait here, in FIFO order -- at most
@@ -52,7 +52,7 @@ class _Sending:
 
 
 class Admitter:
-    """The bridge's admission policy (Trio thread only); see the module docstring.
+    """The engine's admission policy (in the engine's run only); see the module docstring.
 
     ``timeout``: seconds a request may wait for room (None: as long as it
     takes); ``max_waiting``: how many may wait (None: no bound);

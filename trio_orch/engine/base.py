@@ -3,8 +3,8 @@
 A pipeline factory is called inside the orchestrator's Trio run and returns
 an async context manager yielding the stage clients plus Orchestrator
 options (:class:`PipelineSpec`, or any object shaped like
-:class:`trio_orch.cluster.launcher.Pipeline`).  Used by the thread bridge
-(:mod:`trio_orch.engine.bridge`) and by the Trio engine (:mod:`trio_orch.engine.trio_engine`).
+:class:`trio_orch.cluster.launcher.Pipeline`).  Used by the engine
+(:mod:`trio_orch.engine.trio_engine`) and so by its thread adapter (:mod:`trio_orch.engine.bridge`).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class EngineStatistics:
     """
 
     running: bool
-    admission_waiting: int  #: callers waiting in the bridge for room in the request channel
+    admission_waiting: int  #: callers waiting in the admitter for room in the request channel
     open_streams: int  #: requests whose consumer has not had the terminal yet
     terminals_by_kind: Mapping[str, int]  #: terminals delivered to consumers, by kind
     errors_by_kind: Mapping[str, int]  #: error terminals delivered to consumers, by kind

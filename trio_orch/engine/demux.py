@@ -1,4 +1,4 @@
-"""Per-request output streams: the demultiplexer behind the bridge.
+"""Per-request output streams: the engine's demultiplexer.
 
 The orchestrator calls :meth:`Demux.sink` once per dispatcher batch, in the
 Trio thread.  The sink groups the batch by request and hands each waiting
@@ -276,7 +276,7 @@ class Demux:
             wake({s.loop: [s]})  # type: ignore[attr-defined]
 
     def end(self, s: Stream, err: OrchError) -> None:
-        """End ``s`` with a terminal produced by the bridge itself (not the orchestrator)."""
+        """End ``s`` with a terminal produced by the engine itself (not the orchestrator)."""
         self._terminal(s, err)
         if not s.detached and s.put((perf_counter(), [err])):
             wake({s.loop: [s]})  # type: ignore[attr-defined]

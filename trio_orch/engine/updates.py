@@ -1,8 +1,8 @@
-"""Input updates through the thread bridge: ``Engine.update_request`` from any thread, in call order.
+"""Input updates of resumable requests: ``update_request`` from the run or any thread, in call order.
 
-A caller's update is posted to the Trio thread (:meth:`UpdateForwarder.post`)
-and answered through a :class:`concurrent.futures.Future` (a plain thread
-waits on it, an asyncio task awaits it wrapped).  An update for a request
+A caller's update is posted to the engine's run (:meth:`UpdateForwarder.post`)
+and answered through a :class:`concurrent.futures.Future` (a Trio task waits
+for it on an event, a plain thread blocks on it, an asyncio task awaits it wrapped).  An update for a request
 that still waits for admission (the request channel was full) waits here
 and follows the request in once it is admitted; every other update goes to
 one FIFO that a single task drains with ``Orchestrator.update_request`` (which
@@ -31,7 +31,7 @@ Item = tuple[str, Any, bool, "Future[None]"]
 
 
 class UpdateForwarder:
-    """The Trio-thread side of the bridge's ``update_request``; every method runs in the Trio thread."""
+    """The engine's side of ``update_request``; every method runs in the engine's run."""
 
     def __init__(self) -> None:
         self._send, self._recv = trio.open_memory_channel[Item](math.inf)
