@@ -199,7 +199,7 @@ def test_shutdown_gives_every_active_request_a_terminal() -> None:
 
 
 def test_replica_death_reported_per_request_by_a_pool() -> None:
-    r = Router(2, {1})
+    r = Router(2, {1}, max_retries=0)  # failover off (tests/core/test_router_failover.py)
     r.add("r", "p")
     o = StageOutput("r", None, True, error="replica 1 died", error_kind="replica_died")
     assert emitted(r.route(0, o)) == [OrchError("r", 0, "replica_died", "replica 1 died")]

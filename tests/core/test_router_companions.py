@@ -59,7 +59,7 @@ def test_ending_the_parent_aborts_companions_still_running(how: str) -> None:
 
 @pytest.mark.parametrize("kind", ["stage_failed", "replica_died"])
 def test_a_failing_companion_fails_its_parent_and_names_itself(kind: str) -> None:
-    r = Router(2, {1}, forward_fn=cfg_forward)
+    r = Router(2, {1}, forward_fn=cfg_forward, max_retries=0)
     r.add("r1", "p", companions={"c1": "n", "c2": "m"})
     acts = r.route(0, out("c1", None, True, error="oom", kind=kind))
     (err,) = emitted(acts)

@@ -5,7 +5,9 @@ follows it; nothing is emitted for a cleaned-up request; state is never
 re-created by an output; a ``finished=True`` output only appears once the
 input is closed and every submitted stage closed every input segment (the
 terminal gate, streaming included); every stage gets each input segment
-exactly once, in order, the last one marked final.  Requests come in three
+exactly once, in order, the last one marked final -- and once more, from the
+first, after a failover (a ``replica_died`` where the stage had answered
+nothing, at most ``max_retries`` times).  Requests come in three
 shapes: added at once, accepted and left queued (started later, or ended
 while queued, or withdrawn), and resumable (more input segments by update).
 At teardown a shutdown gives every request still live its terminal, so each
@@ -43,6 +45,9 @@ class Model:
         self.closed: dict[int, int] = {}  # stage -> finished outputs fed while a segment was open
         self.final_sent: set[int] = set()  # stages told "this is the last segment"
         self.companions: dict[str, bool] = {}  # companion id -> finished stage 0
+        self.answered: set[int] = set()  # stages that produced an output for it (no failover there)
+        self.retries = 0
+        self.stale: set[str] = set()  # ids whose death a failover already handled
 
     def done(self, k: int) -> bool:
         return self.input_closed and self.closed.get(k, 0) == self.segments
@@ -50,11 +55,13 @@ class Model:
 
 class RouterMachine(RuleBasedStateMachine):
     async_chunk = False
+    max_retries = 2
 
     def __init__(self) -> None:
         super().__init__()
         self.router = Router(3, {0, 2}, async_chunk=self.async_chunk, max_inflight=[2, None, 1],
-                             prewarm_fn=lambda k, p: f"warm{k}:{p}", forward_fn=lambda k, p, o: list(o))
+                             prewarm_fn=lambda k, p: f"warm{k}:{p}", forward_fn=lambda k, p, o: list(o),
+                             max_retries=self.max_retries)
         self.live: dict[str, Model] = {}
         self.terminals: dict[tuple[str, int], int] = {}  # (rid, incarnation) -> terminal count
         self.incarnations = 0
@@ -222,9 +229,11 @@ class RouterMachine(RuleBasedStateMachine):
         dropped = self.router.dropped_outputs
         m = self.live.get(rid)
         open_here = m is not None and was_live and m.opened.get(stage, 0) > m.closed.get(stage, 0)
-        if finished and open_here:
+        if open_here:
             assert m is not None
-            m.closed[stage] = m.closed.get(stage, 0) + 1
+            m.answered.add(stage)
+            if finished:
+                m.closed[stage] = m.closed.get(stage, 0) + 1
         actions = self.router.route(stage, StageOutput(rid, f"d{stage}", finished))
         if not open_here:
             assert self.router.dropped_outputs == dropped + 1, "an output for no open segment was routed"
@@ -248,10 +257,51 @@ class RouterMachine(RuleBasedStateMachine):
           kind=st.sampled_from(["stage_failed", "replica_died"]))
     def stage_error(self, rid: str, stage: int, kind: str) -> None:
         parent = self.parent_of.get(rid)
+        owner = parent if parent is not None and rid not in self.live else rid
+        m = self.live.get(owner)
+        started = m is not None and owner in self.router
+        companion_open = owner != rid and stage == 0 and m is not None and not m.companions[rid]
+        stale = started and kind == "replica_died" and rid in m.stale and (owner == rid or companion_open)
+        retry = started and not stale and kind == "replica_died" and self.may_retry(m, stage) and (
+            owner == rid or companion_open)
         actions = self.router.route(stage, StageOutput(rid, None, True, "boom", kind))
-        if parent is not None and stage == 0 and not self.live[parent].companions[rid]:
+        if stale:
+            assert actions == [], f"a death a failover already handled was routed: {actions}"
+            m.stale.discard(rid)
+            return
+        if retry:
+            assert m is not None
+            assert not any(isinstance(a, Emit) for a in actions), f"a failover emitted: {actions}"
+            first = actions[0]
+            assert isinstance(first, Submit) and (first.stage_id, first.request_id) == (stage, owner), actions
+            m.retries += 1
+            m.opened[stage] = 0  # the same inputs again, from the first (apply checks the order)
+            m.final_sent.discard(stage)
+            if stage == 0 and m.companions:
+                m.stale = {c for c, done in m.companions.items() if not done} | {owner}
+                m.stale.discard(rid)
+                m.companions = dict.fromkeys(m.companions, False)
+        elif companion_open:
             assert [a.message.request_id for a in actions if isinstance(a, Emit)] == [parent]
         self.apply(actions)
+
+    @precondition(lambda self: any(m.opened for m in self.live.values()))
+    @rule(data=st.data())
+    def replica_died_where_open(self, data: st.DataObject) -> None:
+        """A replica dies holding a request (or a companion) where it is open: drives failovers."""
+        open_at = sorted((rid, k) for rid, m in self.live.items() if rid in self.router
+                         for k in m.opened if not m.done(k))
+        open_at += sorted((cid, 0) for m in self.live.values() for cid, done in m.companions.items()
+                          if not done)
+        if open_at:
+            rid, stage = data.draw(st.sampled_from(open_at))
+            self.stage_error(rid, stage, "replica_died")
+
+    def may_retry(self, m: Model | None, stage: int) -> bool:
+        """Would a replica's death at ``stage`` resend the request (see RoutingRules.failover)?"""
+        return (m is not None and not self.async_chunk and m.retries < self.max_retries
+                and self.router.available[stage] and stage in m.opened and not m.done(stage)
+                and stage not in m.answered)
 
     @rule(rid=IDS)
     def abort(self, rid: str) -> None:

@@ -187,13 +187,16 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         resumable = ticket.resumable
         sampling = ticket.sampling
         actions: list[Action] = [Submit(k, rid, payloads[k], resumable, sampling.get(k)) for k in targets]
+        self.keep_input(req, actions[0])
         if resumable:
             req.input_closed = False
             req.opened = dict.fromkeys(targets, 1)
             for segment, final_segment in ticket.updates:
                 actions.extend(self.open_segment(req, segment, final_segment))
         for cid, cprompt in ticket.companions.items():  # after the parent: the same replica takes them
-            actions.append(Submit(0, cid, cprompt, False, sampling.get(0), rid))
+            companion = Submit(0, cid, cprompt, False, sampling.get(0), rid)
+            self.keep_input(req, companion)
+            actions.append(companion)
         actions.extend(self.past_final(req))
         return actions
 

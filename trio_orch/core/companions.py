@@ -65,7 +65,14 @@ class CompanionRules(CoreState):
         if parent is None or comp is None or stage_id != 0 or comp.finished:
             self.dropped_outputs += 1
             return NOTHING
+        if out.error_kind == "replica_died" and comp.request_id in parent.stale:
+            parent.stale.discard(comp.request_id)  # its old replica's death: resubmitted already
+            self.dropped_outputs += 1
+            return NOTHING
         if out.error is not None:
+            retry = self.failover(parent, 0, out)
+            if retry is not None:
+                return retry
             comp.finished = True  # it is gone on its stage: nothing to abort there
             kind = out.error_kind or "stage_failed"
             why = f"companion {comp.request_id!r} failed at stage 0: {out.error}"

@@ -28,6 +28,7 @@ class RouterStatistics:
     replicas_total: tuple[int, ...] = ()  #: replica slots per stage
     claims_by_stage: tuple[int, ...] = ()  #: started requests that still have to pass each stage
     stage_limits: tuple[int | None, ...] = ()  #: how many may (None: no bound), see ``has_room``
+    retried_by_stage: tuple[int, ...] = ()  #: failovers: requests resubmitted after their replica died
 
     @property
     def live(self) -> int:
@@ -63,4 +64,5 @@ class Router(RoutingRules, MembershipRules):
             replicas_live=tuple(self.replicas_live), replicas_total=tuple(self.replicas_total),
             claims_by_stage=tuple(self.claims),
             stage_limits=tuple(self.stage_limit(k) for k in range(self.num_stages)),
+            retried_by_stage=tuple(self.retried),
         )

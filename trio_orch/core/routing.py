@@ -23,6 +23,10 @@ class RoutingRules(AdmissionRules):
             parent = self.companion_of.get(rid)
             if parent is not None:
                 return self.route_companion(parent, stage_id, out)
+        if req is not None and out.error_kind == "replica_died" and rid in req.stale:
+            req.stale.discard(rid)  # the death of the replica a failover already left
+            self.dropped_outputs += 1
+            return NOTHING
         if req is None or stage_id not in req.submitted or stage_id in req.finished:
             # Unknown, cleaned up, never submitted here, or already finished here.
             self.dropped_outputs += 1
@@ -30,8 +34,12 @@ class RoutingRules(AdmissionRules):
         if req.resumable:
             return self.route_segment(req, stage_id, out)
         if out.error is not None:
+            retry = self.failover(req, stage_id, out)
+            if retry is not None:
+                return retry
             kind = out.error_kind or "stage_failed"
             return self.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
+        req.replay.pop(stage_id, None)  # it answered: a death there is no longer retried
         finished = out.finished
         forwards = finished and not self.async_chunk and stage_id < req.final_stage_id
         if forwards and req.companions and stage_id == 0 and not self.companions_ready(req):
@@ -82,7 +90,40 @@ class RoutingRules(AdmissionRules):
             return self.end(req, OrchError(rid, stage_id, "forward_failed",
                                            f"forward_fn({stage_id}) raised {type(exc).__name__}: {exc}"))
         req.submitted.add(nxt)
-        return [Submit(nxt, rid, payload, False, req.sampling.get(nxt))]
+        submit = Submit(nxt, rid, payload, False, req.sampling.get(nxt))
+        self.keep_input(req, submit)
+        return [submit]
+
+    def failover(self, req: RequestState, stage_id: int, out: StageOutput) -> list[Action] | None:
+        """A replica died holding ``req`` at ``stage_id``: resend its inputs there, or None (it ends).
+
+        Retried when the output is a pool's ``replica_died`` (a replica died,
+        was evicted as hung, or left with the request still on it), the stage
+        had produced nothing for the request (so nothing of it reached anyone),
+        the request has retries left (``max_retries``) and the stage still has
+        a live replica to place it on.  The same inputs go again, in order:
+        the submit, a resumable request's segments, a parent's companions
+        (whose outputs are collected afresh).  Otherwise None: the caller ends
+        the request with its ``replica_died`` terminal and partial output.
+        Async-chunk requests are not retried (chunks already streamed from or
+        to the dead replica cannot be replayed).
+        """
+        inputs = req.replay.get(stage_id)
+        if (out.error_kind != "replica_died" or inputs is None or req.retries >= self.max_retries
+                or not self.available[stage_id]):
+            return None
+        req.retries += 1
+        self.retried[stage_id] += 1
+        if stage_id == 0 and req.companions:
+            # every id still bound to the dead replica brings its own replica_died: drop those
+            stale = {cid for cid, comp in req.companions.items() if not comp.finished}
+            stale.add(req.request_id)
+            stale.discard(out.request_id)
+            req.stale = stale
+            for comp in req.companions.values():
+                comp.finished = False
+                comp.outputs.clear()
+        return list(inputs)
 
     # ------------------------------------------------------------------ ends
     def abort(self, request_id: str, message: str = "aborted by the client") -> list[Action]:

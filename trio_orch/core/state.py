@@ -14,8 +14,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from trio_orch.core.actions import Abort, Action, Emit
-from trio_orch.types import OrchError, OrchOutput
+from trio_orch.core.actions import Abort, Action, Emit, Submit, Update
+from trio_orch.types import OrchError, OrchOutput, StageOutput
 
 __all__ = ["NOTHING", "Companion", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket"]
 
@@ -92,10 +92,13 @@ class RequestState:
         "partial",
         "pending_final",
         "prompt",
+        "replay",
         "request_id",
         "resumable",
+        "retries",
         "sampling",
         "segments",
+        "stale",
         "submitted",
         "ticket",
     )
@@ -123,6 +126,12 @@ class RequestState:
         self.closed: dict[int, int] = {}
         self.companions: dict[str, Companion] = {
             cid: Companion(cid, request_id) for cid in ticket.companions}
+        #: stage -> the inputs it was sent (submit, updates; stage 0: the companions' too) while it
+        #: has answered nothing: what a failover resends (see ``keep_input``)
+        self.replay: dict[int, list[Submit | Update]] = {}
+        self.retries = 0  #: failovers so far (at most ``max_retries``)
+        #: ids whose ``replica_died`` from the replica a failover left is still to come (dropped)
+        self.stale: set[str] = set()
 
     @property
     def open_stages(self) -> set[int]:
@@ -151,6 +160,7 @@ class CoreState:
         prewarm_fn: PrewarmFn | None = None,
         check_sampling: Callable[[int, Any], Any] | None = None,
         max_inflight: Sequence[int | None] | None = None,
+        max_retries: int = 1,
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"need at least one stage, got num_stages={num_stages}")
@@ -160,7 +170,11 @@ class CoreState:
         bad = sorted(k for k in finals if not (isinstance(k, int) and 0 <= k < num_stages))
         if bad:
             raise ValueError(f"final_stage_ids {bad} out of range: stages are 0..{num_stages - 1}")
+        if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         self.num_stages = num_stages
+        #: failovers per request at most (0: a replica's death ends its requests, see ``failover``)
+        self.max_retries = max_retries
         self.final_stage_ids = finals
         self.async_chunk = async_chunk
         self.forward_fn: ForwardFn = forward_fn or default_forward
@@ -193,6 +207,7 @@ class CoreState:
         self.dropped_outputs = 0
         self.outputs_routed = 0
         self.terminals_by_kind: dict[str, int] = {}
+        self.retried = [0] * num_stages  #: failovers per stage (resubmits after a replica died)
 
     @staticmethod
     def check_max_inflight(max_inflight: Sequence[int | None] | None, num_stages: int) -> list[int | None]:
@@ -218,6 +233,28 @@ class CoreState:
         for k in range(req.final_stage_id + 1):
             if k not in finished:
                 claims[k] -= 1
+
+    def keep_input(self, req: RequestState, action: Submit | Update) -> None:
+        """Keep an input sent to a stage that has not answered the request yet (a failover resends it).
+
+        Kept only while failover may need it: with ``max_retries``, in normal
+        mode, from the stage's first input until its first output (then a
+        death there is no longer retried, see ``failover``).
+        """
+        if not self.max_retries or self.async_chunk:
+            return
+        k = action.stage_id
+        if type(action) is Submit and action.companion_of is None:
+            req.replay[k] = [action]
+        else:
+            inputs = req.replay.get(k)
+            if inputs is not None:
+                inputs.append(action)
+
+    def failover(self, req: RequestState, stage_id: int,
+                 out: StageOutput) -> list[Action] | None:  # pragma: no cover
+        """Declared for the rules that route errors; :meth:`RoutingRules.failover` implements it."""
+        raise NotImplementedError
 
     def stage_done(self, req: RequestState, stage_id: int) -> None:
         """Stage ``stage_id`` finished every input of ``req``: it joins D and frees its room there."""

@@ -71,7 +71,12 @@ class StreamingRules(CoreState):
         for k in targets:
             req.opened[k] = req.opened.get(k, 0) + 1
         sampling = req.sampling
-        return [Update(k, rid, payloads[k], final, sampling.get(k)) for k in targets]
+        updates: list[Action] = []
+        for k in targets:
+            update = Update(k, rid, payloads[k], final, sampling.get(k))
+            self.keep_input(req, update)
+            updates.append(update)
+        return updates
 
     def route_segment(self, req: RequestState, stage_id: int, out: StageOutput) -> list[Action]:
         """Route one output of a resumable request (the segment-aware twin of ``route``)."""
@@ -81,8 +86,12 @@ class StreamingRules(CoreState):
             self.dropped_outputs += 1
             return NOTHING
         if out.error is not None:
+            retry = self.failover(req, stage_id, out)
+            if retry is not None:
+                return retry
             kind = out.error_kind or "stage_failed"
             return self.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
+        req.replay.pop(stage_id, None)  # it answered: a death there is no longer retried
         forwards = not self.async_chunk and stage_id < req.final_stage_id
         if forwards:
             req.outputs.setdefault(stage_id, []).append(out.data)
@@ -122,7 +131,11 @@ class StreamingRules(CoreState):
         last = req.input_closed and req.closed.get(stage_id, 0) == req.segments
         req.opened[nxt] = req.opened.get(nxt, 0) + 1
         params = req.sampling.get(nxt)
+        action: Submit | Update
         if nxt in req.submitted:
-            return [Update(nxt, rid, payload, last, params)]
-        req.submitted.add(nxt)
-        return [Submit(nxt, rid, payload, not last, params)]
+            action = Update(nxt, rid, payload, last, params)
+        else:
+            req.submitted.add(nxt)
+            action = Submit(nxt, rid, payload, not last, params)
+        self.keep_input(req, action)
+        return [action]
