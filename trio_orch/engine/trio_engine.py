@@ -209,7 +209,7 @@ class TrioEngine(ControlPlane):
     # ------------------------------------------------------------------ state (any thread)
     @property
     def running(self) -> bool:
-        return self._ready and self._closing is None and self._dead is None
+        return self._ready and self.closed_reason is None
 
     @property
     def orchestrator(self) -> Orchestrator | None:
@@ -285,7 +285,14 @@ class TrioEngine(ControlPlane):
 
     @property
     def closed_reason(self) -> str | None:
-        """Why the engine refuses requests (None while it runs)."""
+        """Why the engine refuses requests (None while it runs).
+
+        An orchestrator that began to stop on its own counts at once, before
+        the engine's run sees it end: a request then would only be refused.
+        """
+        orch = self._orch
+        if self._dead is None and self._closing is None and orch is not None and not orch.running:
+            return "its orchestrator stopped"
         return self._dead or self._closing
 
     # ------------------------------------------------------------------ requests
@@ -299,7 +306,7 @@ class TrioEngine(ControlPlane):
         the request's items (an ACK if ``want_ack``, batches, the terminal, or
         an exception such as :class:`Overloaded`).
         """
-        if self._closing is not None or self._dead is not None or self._orch is None:
+        if self.closed_reason is not None or self._orch is None:
             raise EngineClosed(self._closed_message())
         rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
         self._orch.router.resolve_final_stage(rid, final_stage_id)  # immutable config: thread-safe
@@ -549,7 +556,7 @@ class TrioEngine(ControlPlane):
         if not self._ready and self._closing is None:
             return ("the engine is not started: await nursery.start(engine.run) (the thread adapter: "
                     "call start() or use it as a context manager)")
-        return f"the engine is closed: {self._dead or self._closing}"
+        return f"the engine is closed: {self.closed_reason}"
 
 
 @asynccontextmanager
