@@ -92,7 +92,9 @@ class StageConfig:
 class PipelineConfig:
     """A whole pipeline.  ``heartbeat_timeout``: silence after which a replica is dead;
     ``startup_timeout``: most seconds a worker may take to become ready;
-    ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers."""
+    ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers;
+    ``max_retries``: failovers per request when the replica holding it dies before
+    answering it (0: off; see docs/fault-tolerance.md)."""
 
     stages: list[StageConfig]
     final_stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -103,6 +105,7 @@ class PipelineConfig:
     heartbeat_timeout: float = 5.0
     startup_timeout: float = 60.0
     stop_grace: float = 3.0
+    max_retries: int = 1
 
     def validate(self) -> PipelineConfig:
         """Raise ValueError naming the stage (or the key's path) and the problem; return self.
@@ -195,7 +198,7 @@ class PipelineConfig:
         return int.from_bytes(hashlib.blake2b(what, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
-                       device: str | None = None) -> PipelineConfig:
+                       device: str | None = None, max_retries: int | None = None) -> PipelineConfig:
         """A copy with command-line overrides applied (``replicas`` applies to every stage)."""
         cfg = replace(self, stages=[replace(s) for s in self.stages])
         if async_chunk is not None:
@@ -205,6 +208,8 @@ class PipelineConfig:
                 s.replicas = replicas
         if device is not None:
             cfg.device = device
+        if max_retries is not None:
+            cfg.max_retries = max_retries
         return cfg.validate()
 
 

@@ -57,6 +57,7 @@ class PipelineTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     heartbeat_timeout: PositiveFloat | UnsetType = UNSET
     startup_timeout: PositiveFloat | UnsetType = UNSET
     stop_grace: NonNegativeFloat | UnsetType = UNSET
+    max_retries: NonNegativeInt | UnsetType = UNSET
 
 
 class StageTable(Struct, forbid_unknown_fields=True, omit_defaults=True):

@@ -122,10 +122,11 @@ class AsyncioOrchestrator:
         prewarm_fn: Callable[[int, Any], Any] | None = None,
         request_queue_size: int = 256,
         shutdown_grace: float = 2.0,
+        max_retries: int = 1,
     ) -> None:
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
-                             forward_fn=forward_fn, prewarm_fn=prewarm_fn)
+                             forward_fn=forward_fn, prewarm_fn=prewarm_fn, max_retries=max_retries)
         self.shutdown_grace = shutdown_grace
         self.loop = asyncio.get_running_loop()
         self.request_queue: janus.Queue[AddMsg | AbortMsg | UpdateMsg | RpcMsg] = janus.Queue(

@@ -145,13 +145,14 @@ class Pipeline:
         return [w.pid for w in self.workers if w.pid is not None]
 
     def orchestrator_kwargs(self) -> dict[str, Any]:
-        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn``, ``check_sampling``.
+        """``final_stage_ids``, ``async_chunk``, ``forward_fn``, ``prewarm_fn``, ``check_sampling``,
+        ``max_retries``.
 
         Also ``max_inflight`` when the config sets a stage's bound.
         """
         kw: dict[str, Any] = {"final_stage_ids": self.final_stage_ids, "async_chunk": self.config.async_chunk,
                               "forward_fn": self.forward_fn, "prewarm_fn": self.prewarm_fn,
-                              "check_sampling": self.check_sampling}
+                              "check_sampling": self.check_sampling, "max_retries": self.config.max_retries}
         bounds = self.config.admission_bounds(serving=False)
         if any(b is not None for b in bounds):
             kw["max_inflight"] = bounds

@@ -56,6 +56,8 @@ class StageTiming:
     ``queue_s`` and ``compute_s`` are what the worker reported with the
     request's finishing output: seconds it waited for a place in the worker's
     batch, and seconds it then spent there (None: not reported).
+    ``retried_from``: the replica it was on before, which died holding it (the
+    routing core failed it over to ``replica``); None: its first placement here.
     """
 
     replica: int
@@ -64,6 +66,7 @@ class StageTiming:
     t_done: float | None = None
     queue_s: float | None = None
     compute_s: float | None = None
+    retried_from: int | None = None
 
 
 class ReplicaPool:
@@ -90,7 +93,11 @@ class ReplicaPool:
         self._bound: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
         self._reserved_at: OrderedDict[str, float] = OrderedDict()
-        self._doomed: OrderedDict[str, None] = OrderedDict()  # reservations lost with their replica
+        #: requests whose input from the upstream stage was lost with a replica (a reservation, or
+        #: a request it fed there): a submit of theirs gets replica_died, a resubmit too
+        self._doomed: OrderedDict[str, None] = OrderedDict()
+        self._fed: set[str] = set()  # bound requests whose replica the upstream stage chose and feeds
+        self._died: OrderedDict[str, int] = OrderedDict()  # rid -> the replica that died holding it
         self.reservation_ttl = 120.0
         self._load: list[int] = []
         self._evicted: set[int] = set()
@@ -295,13 +302,14 @@ class ReplicaPool:
             raise ValueError(f"{self.name}: request {request_id!r} is already active here")
         if companion_of is not None:
             idx = self._parent_replica(request_id, companion_of)
-        elif self._doomed.pop(request_id, 0) is None:
+        elif request_id in self._doomed:
             return self._lost(request_id, f"the replica reserved for {request_id!r} died")
         else:
             idx = self._reserved.pop(request_id, None)
             self._reserved_at.pop(request_id, None)
             if idx is not None:
                 self._load[idx] -= 1
+                self._fed.add(request_id)
             else:
                 idx = self._place()
         if idx not in self.live_replicas():
@@ -312,7 +320,8 @@ class ReplicaPool:
         self._bound[request_id] = idx
         self._load[idx] += 1
         self.placements[idx] += 1
-        self._remember(request_id, StageTiming(idx, time.perf_counter()))
+        self._remember(request_id, StageTiming(idx, time.perf_counter(),
+                                               retried_from=self._died.pop(request_id, None)))
         if resumable:
             self._segments[request_id] = [1, False]
         try:
@@ -543,7 +552,10 @@ class ReplicaPool:
         self.deaths.append(reason)
         self._replicas_changed()
         for rid in [r for r, i in self._bound.items() if i == idx]:
+            if rid in self._fed:  # its input came from the upstream replica: a resubmit cannot replay it
+                self._doomed[rid] = None
             self._unbind(rid)
+            self._died[rid] = idx
             outs.append(StageOutput(rid, None, True, error=f"{self.name}: {reason}",
                                     error_kind="replica_died", t_produced=time.perf_counter()))
         for rid in [r for r, i in self._reserved.items() if i == idx]:
@@ -551,10 +563,13 @@ class ReplicaPool:
             self._doomed[rid] = None  # upstream streams its chunks there: its submit must fail
         while len(self._doomed) > 4096:
             self._doomed.popitem(last=False)
+        while len(self._died) > 4096:
+            self._died.popitem(last=False)
 
     def _unbind(self, request_id: str, *, finished: bool = False, keep_next: bool = False) -> int | None:
         idx = self._bound.pop(request_id, None)
         self._segments.pop(request_id, None)
+        self._fed.discard(request_id)
         if idx is not None:
             self._load[idx] -= 1
             if self.downstream is not None and not keep_next:

@@ -72,6 +72,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "replicas that answered a collective RPC with an error (timeout, failure), by method"),
     "trio_orch_requests_admitted": ("counter",
         "requests accepted by the orchestrator (each gets a terminal)"),
+    "trio_orch_requests_retried": ("counter",
+        "requests failed over: resent to a stage after the replica holding them died before "
+        "answering them there, by stage"),
     "trio_orch_requests_shed": ("counter",
         "requests refused without being accepted, by reason (overloaded: no room within "
         "the admission bounds, HTTP 429; stage_unavailable: a stage of its path had no "
@@ -174,6 +177,10 @@ class EngineCollector(Collector):
         for reason in sorted({"overloaded", "stage_unavailable", *st.shed_by_reason}):
             extra = front_shed if reason == "overloaded" else 0
             c.add_metric([reason], st.shed_by_reason.get(reason, 0) + extra)
+        yield c
+        c = _counter("trio_orch_requests_retried", ["stage"])
+        for k, n in enumerate(st.orchestrator.core.retried_by_stage if st.orchestrator else ()):
+            c.add_metric([str(k)], n)
         yield c
         c = _counter("trio_orch_outputs_routed")
         c.add_metric([], st.outputs_routed)

@@ -99,6 +99,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "given up (default 5; see docs/fault-tolerance.md)")
     parser.add_argument("--restart-window", type=float, default=60.0,
                         help="seconds of the restart-intensity window (default 60)")
+    parser.add_argument("--max-retries", type=int, default=None, metavar="N",
+                        help="times a request is resent when the replica holding it dies before "
+                             "answering it (default: the config's [pipeline] max_retries, 1; 0: off)")
     add_distributed_arguments(parser)
     a = parser.add_argument_group("admission control (see README: Operating it)")
     a.add_argument("--max-inflight", type=int, default=None, metavar="N",
@@ -162,6 +165,8 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--request-queue-size must be >= 0")
     if args.max_inflight is not None and args.max_inflight < 0:
         raise ValueError("--max-inflight must be >= 0 (0: no bound)")
+    if args.max_retries is not None and args.max_retries < 0:
+        raise ValueError("--max-retries must be >= 0 (0: no failover)")
     for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -200,7 +205,8 @@ class _Pipeline:
         if args.config and args.pipeline:
             raise ValueError("give --config or --pipeline, not both")
         cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
+                                 max_retries=args.max_retries)
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         opts, local_cfg = head_options(args, cfg)
         self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"

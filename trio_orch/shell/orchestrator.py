@@ -179,7 +179,9 @@ class Orchestrator:
     channel fills and :meth:`add_request` waits (backpressure).  Stage clients
     that report their replicas (:class:`~trio_orch.types.ReplicatedStageClient`)
     keep the core's availability and bounds in step with the replicas that are
-    ready.
+    ready.  ``max_retries``: how many times a request is failed over -- resent
+    to its stage when the replica holding it died before answering it there --
+    before it ends with ``replica_died`` (0: never; see ``RoutingRules.failover``).
     """
 
     def __init__(
@@ -197,6 +199,7 @@ class Orchestrator:
         check_sampling: Callable[[int, Any], Any] | None = None,
         rpc_timeout: float = 5.0,
         max_inflight: Sequence[int | None] | None = None,
+        max_retries: int = 1,
     ) -> None:
         if request_queue_size < 0:
             raise ValueError(f"request_queue_size must be >= 0, got {request_queue_size}")
@@ -204,7 +207,7 @@ class Orchestrator:
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling,
-                             max_inflight=max_inflight)
+                             max_inflight=max_inflight, max_retries=max_retries)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
