@@ -135,7 +135,8 @@ async def test_abort_mid_stream_reaches_the_worker() -> None:
 
 
 async def test_kill_9_of_a_replica_fails_only_its_requests() -> None:
-    cfg = echo_config(1, replicas=2, outputs=40, worker_args=["--step-delay-ms", "10"])
+    # failover off: every request on the killed replica fails (tests/workers/test_failover.py: on)
+    cfg = echo_config(1, replicas=2, outputs=40, worker_args=["--step-delay-ms", "10"], max_retries=0)
     async with checked_pipeline(cfg) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:

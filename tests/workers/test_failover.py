@@ -1,0 +1,71 @@
+"""Failover with real worker processes: kill -9 one of two replicas while requests queue on it.
+
+Each replica batches one request at a time, so of the requests placed on the
+killed replica one is being computed (it has produced output) and the others
+wait inside the worker (they have produced nothing).  Those are resent to the
+surviving replica and complete; only the one in the batch ends
+``replica_died``.  With ``max_retries=0`` every request on it fails, as
+before failover existed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import trio
+
+from stages.config import PipelineConfig, StageConfig
+from trio_orch import OrchError, Orchestrator, OrchOutput
+from trio_orch.cluster.launcher import open_pipeline
+from trio_orch.types import Message
+
+pytestmark = pytest.mark.processes  # real worker processes
+
+N = 8
+
+
+def one_stage_echo(max_retries: int) -> PipelineConfig:
+    stage = StageConfig("echo", replicas=2, max_batch=1, model={"outputs": 20},
+                        worker_args=["--step-delay-ms", "20"])
+    return PipelineConfig([stage], final_stage_ids=[0], max_retries=max_retries).validate()
+
+
+@pytest.mark.parametrize("max_retries", [1, 0])
+async def test_kill_9_resends_the_requests_queued_on_the_dead_replica(max_retries: int) -> None:
+    async with open_pipeline(one_stage_echo(max_retries)) as pipe:
+        orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
+        pool = pipe.stages[0]
+        msgs: list[Message] = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orch.run)
+            for i in range(N):
+                await orch.add_request(f"r{i}", i)
+            victims = {f"r{i}" for i in range(N) if pool.replica_of(f"r{i}") == 0}
+            assert len(victims) == N // 2
+            with trio.fail_after(30):
+                while not any(m.request_id in victims for m in msgs):  # one of them is in the batch
+                    msgs.append(await orch.next_output())
+                answered = {m.request_id for m in msgs}
+                os.kill(pipe.worker(0, 0).pid, signal.SIGKILL)
+                while sum(m.finished for m in msgs) < N:
+                    msgs.append(await orch.next_output())
+            retried = orch.statistics().core.retried_by_stage
+            await orch.shutdown()
+    terminals = {m.request_id: m for m in msgs if m.finished}
+    assert set(terminals) == {f"r{i}" for i in range(N)}
+    failed = {rid for rid, m in terminals.items() if isinstance(m, OrchError)}
+    assert all(m.kind == "replica_died" for rid, m in terminals.items() if rid in failed)
+    assert failed <= victims, "a request on the surviving replica failed"
+    if max_retries:
+        # at most its in-flight batch (one request) fails: the one that had produced output there
+        assert len(failed) <= 1 and failed <= answered & victims
+        assert retried == (len(victims - failed),)
+        for rid in victims - failed:
+            m = terminals[rid]
+            assert isinstance(m, OrchOutput)
+            tm = pool.timing_of(rid)
+            assert tm is not None and (tm.replica, tm.retried_from) == (1, 0)
+    else:
+        assert failed == victims and retried == (0,)
