@@ -192,8 +192,10 @@ async def test_kill_9_of_a_remote_worker_fails_exactly_its_requests(keys: Path, 
                     if msg.finished:
                         ends[msg.request_id] = msg
             died = {r for r, m in ends.items() if isinstance(m, OrchError) and m.kind == "replica_died"}
-            assert died == on_remote
-            assert all(isinstance(ends[r], OrchOutput) for r in set(ids) - on_remote)
+            # those that had produced output there fail; the others are failed over to the local replica
+            retried = orch.statistics().core.retried_by_stage[1]
+            assert died <= on_remote and len(on_remote - died) == retried
+            assert all(isinstance(ends[r], OrchOutput) for r in set(ids) - died)
             assert reg.counters["lost"] == 1
         finally:
             await stop(proc)

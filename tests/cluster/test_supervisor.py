@@ -101,7 +101,8 @@ async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
         await settle(ledger)
         kinds = ledger.by_kind()
         assert set(kinds) <= {"ok", "replica_died"}
-        assert kinds.get("replica_died", 0) >= 1  # requests bound to the victim ended at once
+        # requests bound to the victim ended at once, or (produced nothing yet) were failed over
+        assert kinds.get("replica_died", 0) + orch.statistics().core.retried_by_stage[0] >= 1
         assert pipe.worker(0, 0).pid != victim
         ev = sup.events[0]
         assert (ev.stage_id, ev.replica, ev.cause, ev.outcome) == (0, 0, "exited", "restarted")
