@@ -361,6 +361,19 @@ async def test_capacity_is_what_the_stages_hold_plus_the_one_in_hand_and_the_cha
         assert orch.router.capacity() is None and orch.capacity() == float("inf")  # a stage has no bound
 
 
+async def test_with_no_request_channel_the_capacity_is_what_the_stages_hold() -> None:
+    """Nothing waits for room without a channel: the estimate is exact, and one more is refused."""
+    stage = ScriptedStage(0)
+    async with open_orchestrator([stage], {0}, max_inflight=[2], request_queue_size=0) as orch:
+        assert orch.capacity() == 2
+        for i in range(2):
+            orch.add_request_nowait(f"r{i}", "x")
+            await trio.testing.wait_all_tasks_blocked()  # the request handler takes it
+        assert len(stage.submissions) == 2
+        with pytest.raises(trio.WouldBlock):
+            orch.add_request_nowait("r2", "x")
+
+
 def test_the_engine_reports_its_capacity_to_any_thread() -> None:
     stage = ScriptedStage(0)
     cases = ((0.0, 4, 2 + 1 + 3), (1.0, 4, 2 + 1 + 3 + 4), (None, None, float("inf")))

@@ -17,7 +17,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http_helpers import FRONTS, HANG, chat, wait_until
+from trio_orch.engine import static_pipeline
 from trio_orch.http.app import GENERATION_PATHS
+from trio_orch.testing import ScriptedStage
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
 TOKEN = "s3cret"
@@ -85,10 +87,10 @@ def test_without_a_token_neither_front_serves_admin(serving: Callable[..., Any])
             assert c.get("/admin/stats", headers=AUTH).status_code == 404
 
 
-def head(path: str) -> bytes:
-    """The head of a POST announcing a 100-byte body (which the tests never send)."""
+def head(path: str, length: int = 100) -> bytes:
+    """The head of a POST announcing a ``length``-byte body."""
     return (f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-            "content-length: 100\r\n\r\n").encode()
+            f"content-length: {length}\r\n\r\n").encode()
 
 
 def read_answer(sock: socket.socket) -> bytes:
@@ -104,30 +106,37 @@ def read_answer(sock: socket.socket) -> bytes:
 @pytest.mark.parametrize("front", FRONTS)
 def test_every_generation_route_is_shed_before_its_body_is_read(serving: Callable[..., Any],
                                                                 front: str) -> None:
-    """Once the POSTs let in and not answered fill the engine's capacity (here: uploads that never
-    finish), a POST to the chat or the images route gets 429 with Retry-After before its body is read;
-    when they go, there is room again."""
+    """Once the requests let in and not answered fill the engine's capacity (here: streams a stage never
+    answers), a POST to the chat or the images route gets 429 with Retry-After before its
+    body is read; when they go, there is room again. (An upload still in progress holds no room:
+    tests/http/test_http_limits.py.)"""
     assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/images/generations"}
-    s = serving(front, toy_pipeline(token_delay=0.001),
-                engine_options={"max_inflight": [1, 1, 1], "request_queue_size": 0, "max_waiting": 0})
+    # one stage that never answers: each request let in holds its room until its client leaves, so
+    # the engine holds exactly its capacity (two started; with no request channel nothing waits)
+    stage = ScriptedStage(0)
+    s = serving(front, static_pipeline([stage], {0}),
+                engine_options={"max_inflight": [2], "request_queue_size": 0, "max_waiting": 0})
     capacity = s.engine.capacity
-    assert 1 < capacity < 20
-    hanging = [socket.create_connection(("127.0.0.1", s.port), timeout=HANG) for _ in range(int(capacity))]
+    assert capacity == 2
+    body = json.dumps(chat("hello", stream=True)).encode()
+    let_in = [socket.create_connection(("127.0.0.1", s.port), timeout=HANG) for _ in range(int(capacity))]
     try:
-        for k, conn in enumerate(hanging):  # half to each route: both count as on their way
-            conn.sendall(head(sorted(GENERATION_PATHS)[k % 2]))
-        wait_until(lambda: s.front.pending == capacity, "the uploads let in")
+        for k, conn in enumerate(let_in):  # one after the other: each reaches the stage first
+            conn.sendall(head("/v1/chat/completions", len(body)) + body)
+            wait_until(lambda k=k: len(stage.submissions) == k + 1, "the stream reaches the stage")
+        assert s.front.pending == capacity
         for path in sorted(GENERATION_PATHS):
             with socket.create_connection(("127.0.0.1", s.port), timeout=HANG) as probe:
                 probe.sendall(head(path))
-                status, _, body = read_answer(probe).partition(b"\r\n\r\n")
+                status, _, answer = read_answer(probe).partition(b"\r\n\r\n")
             assert status.startswith(b"HTTP/1.1 429") and b"\r\nretry-after: 1" in status.lower(), status
-            assert json.loads(body)["error"]["code"] == "overloaded"
+            assert json.loads(answer)["error"]["code"] == "overloaded"
             assert s.front.requests[(path, 429)] == 1
         assert s.front.shed == 2 and s.front.pending == capacity
     finally:
-        for conn in hanging:
-            conn.close()  # a client that leaves mid-upload: no longer on its way
-    wait_until(lambda: s.front.pending == 0, "the uploads gone")
-    with httpx.Client(base_url=s.url, timeout=HANG) as c:
-        assert c.post("/v1/chat/completions", json=chat("room again")).status_code == 200
+        for conn in let_in:
+            conn.close()  # clients that leave mid-stream: their requests end
+    wait_until(lambda: s.front.pending == 0, "the streams gone")
+    with socket.create_connection(("127.0.0.1", s.port), timeout=HANG) as again:  # room again: let in
+        again.sendall(head("/v1/chat/completions", len(body)) + body)
+        assert again.recv(64).startswith(b"HTTP/1.1 200")

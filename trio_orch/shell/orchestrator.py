@@ -322,11 +322,15 @@ class Orchestrator:
 
     def capacity(self) -> float:
         """At most how many accepted requests it holds at once: started, the one the request handler
-        holds until there is room, and a full request channel (``math.inf``: no stage bound)."""
+        holds until there is room, and a full request channel (``math.inf``: no stage bound).
+
+        With no request channel nothing waits for room -- a request that cannot start is refused,
+        and the handler's *next* is one that can -- so then it is what the stages hold.
+        """
         stages = self.router.capacity()
         if stages is None:
             return math.inf
-        return stages + 1 + self._queue_size
+        return stages + (1 + self._queue_size if self._queue_size else 0)
 
     def has_room(self) -> bool:
         """Whether the request channel has space now (an add would not wait); a hint for admission."""
