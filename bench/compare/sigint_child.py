@@ -9,6 +9,7 @@ JSON line: how many in-flight requests got their terminal, how long it took.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import time
 
@@ -16,6 +17,9 @@ from bench.compare.scenarios.base import CUT, start
 
 
 def main() -> int:
+    # SIGINT as a terminal's Ctrl-C delivers it: a parent started as a shell's background job passes
+    # SIGINT on ignored, and a process that starts so never gets KeyboardInterrupt (it would hang here).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     impl, n = sys.argv[1], int(sys.argv[2])
     h = start(impl, 2, {0, 1})
     rids = [f"r{i}" for i in range(n)]
