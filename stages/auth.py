@@ -33,11 +33,12 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +48,7 @@ import zmq.utils.monitor as zmq_monitor
 import zmq.utils.z85
 
 __all__ = [
+    "SECRET_NAME",
     "Authenticator",
     "Keypair",
     "KeysError",
@@ -55,6 +57,7 @@ __all__ = [
     "load_keypair",
     "load_public_keys",
     "not_dumpable",
+    "scrubbed_environ",
     "worker_key_names",
 ]
 
@@ -229,6 +232,21 @@ class Security:
         else:
             sock.plain_username = b"pipeline"
             sock.plain_password = self.secret
+
+
+#: environment variable names that look like a secret (an API key, an admin token, a password)
+SECRET_NAME = re.compile(r"auth|secret|token|passw|key|credential", re.IGNORECASE)
+
+
+def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: this process's) without the variables named like a secret.
+
+    What a worker inherits: it needs none of the head's credentials (an admin
+    token, a cloud key), and any process of the same user can read a
+    process's environment in ``/proc``.
+    """
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
 
 
 def not_dumpable() -> bool:

@@ -27,7 +27,7 @@ from trio_orch import OrchOutput, open_orchestrator
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.testing import child_pids
 
-#: an environment variable named like a secret
+#: an environment variable named like a secret (auth, secret, token, password, key)
 SECRET_NAME = re.compile(r"auth|secret|token|password|key", re.I)
 
 SLOW_ECHO = """[pipeline]
@@ -91,7 +91,12 @@ def test_a_sigkilled_serve_leaves_no_orphan_worker(tmp_path: Path) -> None:
     wait_until(lambda: not any(alive(w) for w in workers), "the orphaned workers exit", hang=30)
 
 
-async def test_no_worker_holds_a_secret_in_its_environment_or_command_line() -> None:
+async def test_no_worker_holds_a_secret_in_its_environment_or_command_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not the pipeline secret, and none of the head's own (an admin token, a cloud key): workers need
+    none of them, and any process of the same user can read an environment in /proc."""
+    monkeypatch.setenv("TRIO_ORCH_ADMIN_TOKEN", "head-only-token")
+    monkeypatch.setenv("SOME_CLOUD_SECRET_KEY", "head-only-key")
     async with open_pipeline(echo_config(2)) as pipe:
         assert pipe.security is not None
         secret = pipe.security.secret
@@ -99,7 +104,8 @@ async def test_no_worker_holds_a_secret_in_its_environment_or_command_line() -> 
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             names = [e.split(b"=", 1)[0].decode() for e in environ if e]
             assert [n for n in names if SECRET_NAME.search(n)] == []
-            assert all(secret not in e for e in environ)
+            assert all(secret not in e and b"head-only" not in e for e in environ)
+            assert "PATH" in names  # the rest of the environment is passed on
             assert secret not in Path(f"/proc/{pid}/cmdline").read_bytes()
         # and the workers authenticated with it all the same: they serve
         assert all("error" not in s for s in await pipe.stats())

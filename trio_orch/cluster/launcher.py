@@ -43,7 +43,7 @@ import trio
 import zmq
 
 from stages import registry
-from stages.auth import Authenticator, Security
+from stages.auth import Authenticator, Security, scrubbed_environ
 from stages.config import PipelineConfig, StageConfig
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied, RpcError, ZmqStageClient
@@ -244,7 +244,7 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
             # drained them. Serve stops them itself; if serve is SIGKILLed, they see their parent gone.
             h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
                                                          stderr=errf, pass_fds=pass_fds,
-                                                         start_new_session=True)
+                                                         env=scrubbed_environ(), start_new_session=True)
     finally:
         for fd in pass_fds:
             os.close(fd)
