@@ -187,6 +187,26 @@ async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any],
         return "cut" if started else "refused"
 
 
+#: answers that refuse a request before it is accepted (shed, draining): no terminal is owed, nothing
+#: was lost -- counted as refused, not as failed or as without terminal
+REFUSALS = ("http_429", "http_503")
+
+
+def count_outcomes(res: ChaosResult, outcomes: dict[str, int]) -> None:
+    """The clients' outcomes (:func:`_one_stream`'s) into the row: completed, failed by kind, cut
+    (without terminal), duplicates, and refused -- before acceptance, which is not a loss."""
+    not_failed = ("ok", "cut", "refused", *REFUSALS)
+    res.failed = {k: n for k, n in sorted(outcomes.items()) if k not in not_failed}
+    res.completed = outcomes.get("ok", 0)
+    res.without_terminal += outcomes.get("cut", 0)
+    res.duplicates += outcomes.get("duplicate", 0)
+    refusals = {k: n for k, n in sorted(outcomes.items()) if k in REFUSALS}
+    if refusals:
+        res.notes["refused_by_status"] = ", ".join(f"{k[5:]}: {n}" for k, n in refusals.items())
+    res.refused = outcomes.get("refused", 0) + sum(refusals.values())
+    res.accepted = sum(outcomes.values()) - res.refused
+
+
 @dataclass(frozen=True)
 class HttpFault:
     """A fault of the HTTP front: ``mode`` "disconnect" (clients leave mid-stream) or "sigint"."""
@@ -219,12 +239,7 @@ class HttpFault:
             res.error = f"{type(exc).__name__}: {exc}"
             if server.proc is not None and server.proc.returncode is None:
                 await server.stop(signal.SIGKILL)
-        res.failed = {k: n for k, n in sorted(outcomes.items()) if k not in ("ok", "cut", "refused")}
-        res.completed = outcomes.get("ok", 0)
-        res.without_terminal += outcomes.get("cut", 0)
-        res.duplicates += outcomes.get("duplicate", 0)
-        res.refused = outcomes.get("refused", 0)
-        res.accepted = sum(outcomes.values()) - res.refused
+        count_outcomes(res, outcomes)
         res.leaked_processes, res.leaked_ipc_files = server.leaks()
         res.leaked_fds = max(0, fd_count() - fds_before)
         if res.notes.get("exit_code") != EXIT_SIGNAL:  # serve's documented code after a SIGINT drain
@@ -286,7 +301,8 @@ class HttpFault:
             res.notes["server_aborted"] = int(metrics.get('trio_orch_terminals_total{kind="aborted"}', 0))
             res.notes["disconnects_seen"] = int(metrics.get("trio_orch_http_client_disconnects_total", 0))
             res.notes["server_active_after"] = int(metrics.get("trio_orch_active_requests", -1))
-            res.without_terminal += max(0, opts.requests - int(terminals))
+            refused = sum(outcomes.get(k, 0) for k in (*REFUSALS, "refused"))  # never accepted: no terminal
+            res.without_terminal += max(0, opts.requests - refused - int(terminals))
             res.duplicates += max(0, int(terminals) - opts.requests)
             ok = 0
             for i in range(opts.probe_requests):

@@ -188,3 +188,16 @@ async def test_chaos_says_what_it_does_while_the_workers_start(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert "abort_storm: starting 6 workers ..." in err
     assert err.index("starting 6 workers") < err.index("workers ready after")
+
+
+def test_a_request_refused_before_acceptance_is_not_counted_as_lost() -> None:
+    """429 (shed) and 503 (draining) answers owe no terminal: refused, not failed, not without terminal."""
+    from bench.chaos.server import count_outcomes
+
+    res = ChaosResult("http_disconnect", "-", "-")
+    count_outcomes(res, {"ok": 90, "left": 80, "http_429": 13, "http_503": 2, "cut": 1, "refused": 4,
+                         "stage_failed": 1})
+    assert res.refused == 13 + 2 + 4 and res.accepted == 90 + 80 + 1 + 1
+    assert res.failed == {"left": 80, "stage_failed": 1}  # a refusal is not a failure
+    assert res.without_terminal == 1 and res.completed == 90  # only the cut stream lost its terminal
+    assert res.notes["refused_by_status"] == "429: 13, 503: 2"
