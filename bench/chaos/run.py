@@ -280,6 +280,9 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
             res.notes.update({f"bad_{k}": n for k, n in bad_totals.items() if n})
             if orch.dropped_outputs:
                 res.notes["dropped_outputs"] = orch.dropped_outputs
+            retried = sum(orch.statistics().core.retried_by_stage)
+            if retried:  # failover: requests a dead replica held, resent before they produced anything
+                res.notes["retried"] = retried
             if run.t_fault is not None:
                 res.detect_s = None if run.t_detect is None else max(0.0, run.t_detect - run.t_fault)
                 res.recover_s = None if run.t_recover is None else max(0.0, run.t_recover - run.t_fault)
