@@ -111,7 +111,8 @@ def version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not with
-    # a bare kill.  Each command then handles SIGTERM its own way (serve drains).
+    # a bare kill -- and so until the command takes SIGTERM over (serve drains), which it does only
+    # once it has parsed and checked its options: the handler stays until the command returns.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
     try:
@@ -128,10 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
             module = importlib.import_module(available[args.command].module)
+            return int(module.run(args) or 0)
         finally:
             if main_thread:
                 signal.signal(signal.SIGTERM, previous)
-        return int(module.run(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_SIGNAL
