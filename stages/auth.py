@@ -239,14 +239,17 @@ SECRET_NAME = re.compile(r"auth|secret|token|passw|key|credential", re.IGNORECAS
 
 
 def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """``environ`` (default: this process's) without the variables named like a secret.
+    """``environ`` (default: this process's) without the variables named like a secret, nor Ray's.
 
     What a worker inherits: it needs none of the head's credentials (an admin
     token, a cloud key), and any process of the same user can read a
-    process's environment in ``/proc``.
+    process's environment in ``/proc``.  Nor the settings of a Ray driver the
+    head may be (``RAY_ADDRESS``, its auth mode): a local worker is no Ray
+    process, and half of Ray's settings in a child made the head's own Ray
+    client open sockets behind its back.
     """
     env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if not SECRET_NAME.search(k)}
+    return {k: v for k, v in env.items() if not SECRET_NAME.search(k) and not k.startswith("RAY_")}
 
 
 def not_dumpable() -> bool:
