@@ -245,8 +245,9 @@ def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]
     token, a cloud key), and any process of the same user can read a
     process's environment in ``/proc``.  Nor the settings of a Ray driver the
     head may be (``RAY_ADDRESS``, its auth mode): a local worker is no Ray
-    process, and half of Ray's settings in a child made the head's own Ray
-    client open sockets behind its back.
+    process.  (Workers given Ray's variables without its auth mode were seen
+    to leave a socket opening in the head after a Ray run; the cause inside
+    Ray was not traced.)
     """
     env = os.environ if environ is None else environ
     return {k: v for k, v in env.items() if not SECRET_NAME.search(k) and not k.startswith("RAY_")}
