@@ -198,10 +198,12 @@ class LimitsMiddleware:
         for guard in self.guards:  # authentication before anything that could tell the caller more
             refusal = guard(scope)
             if refusal is not None:
+                await self._discard_body(receive)
                 await self._refuse(send, route, refusal)
                 return
         if self.front.draining and scope.get("method") == "POST" and route in self.generation_paths:
-            await self._refuse(send, route, self.DRAINING)  # before the shedder: not a 429, not a body read
+            await self._discard_body(receive)  # before the shedder: not a 429, nothing parsed
+            await self._refuse(send, route, self.DRAINING)
             return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
@@ -278,6 +280,20 @@ class LimitsMiddleware:
         except TimeoutError:
             raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
                            "request_timeout") from None
+
+    async def _discard_body(self, receive: Receive) -> None:
+        """Read and drop what the client sends (at most the body limit, within the body timeout)
+        before a refusal: closing a connection with its body unread resets it, and the client
+        would lose the answer (a 401, a 503 ``draining``) with it."""
+        with anyio.move_on_after(self.limits.body_timeout):
+            size = 0
+            while size <= self.limits.max_body_bytes:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                size += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
 
     @staticmethod
     async def _receive_body(receive: Receive, limit: int) -> bytes:
