@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -23,6 +22,7 @@ import httpx
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.waiting import HANG, wait_until  # the HTTP tests import them from here too
 from trio_orch.engine import Engine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
@@ -30,16 +30,6 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.serve.connection_limits import HeadDeadline
 from trio_orch.serve.hypercorn_front import hypercorn_config, serve_http
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
-
-HANG = 10.0  # seconds before a wait is declared a hang (it asserts nothing about timing)
-
-
-def wait_until(pred: Callable[[], bool], what: str = "condition", hang: float = HANG) -> None:
-    end = time.monotonic() + hang
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def listening_socket(backlog: int) -> socket.socket:

@@ -8,7 +8,6 @@ wall-clock time.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -17,6 +16,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import await_until, run_async, settle, wait_until
 from trio_orch import OrchError, OrchOutput, open_orchestrator
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied
@@ -163,13 +163,6 @@ async def test_a_replica_pool_reports_deaths_replacements_and_cordons_the_moment
 
 
 # ---------------------------------------------------------------- the thread bridge sheds
-def run_async(coro_fn: Callable[[], Any]) -> Any:
-    async def main() -> Any:
-        async with asyncio.timeout(30):
-            return await coro_fn()
-    return asyncio.run(main())
-
-
 def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> None:
     stage = ScriptedStage(0)
     engine = Engine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
@@ -188,10 +181,8 @@ def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> Non
             engine.call_soon(stage.emit_nowait, admitted[0].request_id, "x", True)
             async for msgs in admitted[0].batches():
                 assert msgs[-1] == OrchOutput(admitted[0].request_id, 0, "x", True)
-            for _ in range(2000):  # a's end makes room: b starts (asynchronously, in the Trio thread)
-                if len(stage.submissions) >= 2:
-                    break
-                await asyncio.sleep(0.005)
+            # a's end makes room: b starts (asynchronously, in the Trio thread)
+            await await_until(lambda: len(stage.submissions) >= 2, "b submitted")
             for h in admitted[1:]:
                 h.close()
 
@@ -209,9 +200,7 @@ def test_the_engine_refuses_a_request_whose_path_has_a_dead_stage_without_queuei
     engine = Engine(static_pipeline(stages, {0, 1})).start()
     try:
         engine.call_soon(stages[1].fail_nowait)
-        deadline = time.monotonic() + 10
-        while engine.stats().stage_available != (True, False) and time.monotonic() < deadline:
-            time.sleep(0.002)
+        wait_until(lambda: engine.stats().stage_available == (True, False), "stage 1 seen dead")
 
         async def main() -> tuple[Any, Any]:
             audio = await engine.add_request_async("p")  # path 0..1: stage 1 is dead
@@ -221,9 +210,7 @@ def test_the_engine_refuses_a_request_whose_path_has_a_dead_stage_without_queuei
         audio, text = run_async(main)
         assert audio.rejection is not None and audio.rejection.kind == "stage_unavailable"
         assert text.rejection is None
-        deadline = time.monotonic() + 10
-        while not stages[0].submissions and time.monotonic() < deadline:
-            time.sleep(0.002)
+        wait_until(lambda: bool(stages[0].submissions), "the text request submitted")
         text.close()
         assert stages[0].submissions == [(text.request_id, "p")]  # the refused one never reached stage 0
         assert engine.stats().shed_by_reason == {"stage_unavailable": 1}
@@ -260,10 +247,8 @@ def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room(
     try:
         async def main() -> None:
             async def room() -> None:  # the request handler took the last one out of the channel
-                for _ in range(2000):
-                    if engine.run_sync_in_trio(lambda: engine.orchestrator.has_room()):
-                        return
-                    await asyncio.sleep(0.005)
+                await await_until(lambda: engine.run_sync_in_trio(lambda: engine.orchestrator.has_room()),
+                                  "room in the request channel")
 
             a = await engine.add_request_async("a")
             await room()
@@ -274,14 +259,10 @@ def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room(
             with pytest.raises(Overloaded):
                 await engine.add_request_async("d")
             assert engine.shedding
-            await asyncio.sleep(0.2)  # nothing ended: still no room, still shedding
+            await asyncio.to_thread(settle, engine)  # nothing ended: the room watcher saw none
             assert engine.shedding
             engine.call_soon(stage.emit_nowait, a.request_id, "x", True)  # a ends: c leaves the channel
-            for _ in range(2000):
-                if not engine.shedding:
-                    break
-                await asyncio.sleep(0.005)
-            assert not engine.shedding
+            await await_until(lambda: not engine.shedding, "the shedding hint off")
             d = await engine.add_request_async("d")  # and the engine takes the next one again
             for h in (a, b, c, d):
                 h.close()

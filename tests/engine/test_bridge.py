@@ -2,16 +2,16 @@
 
 Sync tests drive an :class:`Engine` (Trio in its own thread) with
 :class:`ScriptedStage` stages; stage outputs are injected *in the Trio
-thread* with ``engine.call_soon``.  ``wait_until`` polls with a generous
-bound: it only guards against a hang, it asserts nothing about timing.
+thread* with ``engine.call_soon``.  ``wait_until`` (tests/waiting.py) polls
+the Trio thread's state with a generous bound: it only guards against a
+hang, it asserts nothing about timing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+from tests.waiting import HANG, await_until, run_async, wait_until
 from trio_orch import OrchError, OrchOutput
 from trio_orch.engine import (
     Engine,
@@ -30,31 +31,6 @@ from trio_orch.engine import (
 )
 from trio_orch.engine import demux as demux_mod
 from trio_orch.testing import ScriptedStage
-
-HANG = 10.0  # seconds before a wait is declared a hang
-
-
-def wait_until(pred: Callable[[], bool], what: str = "condition") -> None:
-    end = time.monotonic() + HANG
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.002)
-
-
-async def await_until(pred: Callable[[], bool], what: str = "condition") -> None:
-    end = time.monotonic() + HANG
-    while not pred():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
-
-
-def run_async(coro_fn: Callable[[], Any]) -> Any:
-    async def main() -> Any:
-        async with asyncio.timeout(30):
-            return await coro_fn()
-    return asyncio.run(main())
 
 
 def make(num: int = 3, finals: set[int] | None = None, **kw: Any) -> tuple[Engine, list[ScriptedStage]]:
@@ -626,8 +602,11 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
     rng = random.Random(4)
     engine = Engine(toy_pipeline(token_delay=0.001, audio_delay=0.0005), request_queue_size=8)
     outcomes: dict[str, Any] = {}
+    seen = 0  # messages the callers got so far, all together
+    streaming = asyncio.Event()  # set once enough of them are under way to cancel some mid-stream
 
     async def one(i: int) -> None:
+        nonlocal seen
         rid = f"r{i}"
         fate = rng.choice(["finish", "cancel", "abort", "close"])
         n = 0
@@ -635,6 +614,9 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
         try:
             async for m in agen:
                 n += 1
+                seen += 1
+                if seen == 60:
+                    streaming.set()
                 if m.finished:
                     outcomes[rid] = m
                 elif fate == "abort" and n == 2:
@@ -647,7 +629,7 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
 
     async def main() -> None:
         tasks = [asyncio.create_task(one(i)) for i in range(150)]
-        await asyncio.sleep(0.01)
+        await streaming.wait()
         for t in rng.sample(tasks, 30):
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

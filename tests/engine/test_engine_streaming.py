@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 import trio
 
-from tests.engine.test_bridge import make, run_async, wait_until
+from tests.engine.test_bridge import make
+from tests.waiting import run_async, settle, wait_until
 from trio_orch import OrchError, OrchOutput
 from trio_orch.engine import EngineClosed, open_trio_engine, static_pipeline
 from trio_orch.testing import ScriptedStage
@@ -64,7 +65,8 @@ def test_updates_made_while_the_request_waits_for_admission_follow_it_in() -> No
         await asyncio.to_thread(wait_until, lambda: engine.stats().admission_waiting == 1, "r3 waiting")
         first = asyncio.ensure_future(engine.update_request_async("r3", "c1"))
         second = asyncio.ensure_future(engine.update_request_async("r3", "c2", final=True))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)  # both posted
+        await asyncio.to_thread(settle, engine)  # and taken up as far as they go
         assert not first.done() and stages[0].updates == []  # held until r3 is admitted
         engine.call_soon(stages[0].release_submits)
         h3 = await waiting

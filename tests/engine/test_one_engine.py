@@ -16,7 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.engine.test_bridge import await_until, run_async
+from tests.waiting import await_until, run_async
 from trio_orch import OrchError, OrchOutput, RpcResult
 from trio_orch.engine import (
     Engine,
@@ -99,9 +99,8 @@ async def test_the_trio_engine_answers_the_scenario() -> None:
     stage = scripted()
     async with open_trio_engine(static_pipeline([stage], {0}), **OPTIONS) as engine:
         async def until(pred: Callable[[], bool]) -> None:
-            while not pred():
-                await trio.testing.wait_all_tasks_blocked()
-                await trio.sleep(0.001)
+            await trio.testing.wait_all_tasks_blocked()  # what the calls so far set off has happened
+            assert pred()
 
         out = await scenario(engine, stage, stage.emit_nowait, until)
     assert comparable(out) == EXPECTED

@@ -107,7 +107,8 @@ async def test_async_chunk_stage0_is_last_final_stage() -> None:
         assert await nxt(orch) == OrchOutput("r1", 0, "text", True)
 
 
-async def test_twenty_concurrent_requests_with_random_late_completions() -> None:
+async def test_twenty_concurrent_requests_with_random_late_completions(
+        autojump_clock: trio.testing.MockClock) -> None:
     rng = random.Random(1234)
     stages = three()
     ids = [f"r{i}" for i in range(20)]
@@ -255,7 +256,7 @@ async def test_shutdown_with_requests_in_flight_leaves_no_task() -> None:
     assert orchestrator_tasks() == []
 
 
-async def test_shutdown_with_timeout_lets_requests_finish() -> None:
+async def test_shutdown_with_timeout_lets_requests_finish(autojump_clock: trio.testing.MockClock) -> None:
     stages = three()
     orch = Orchestrator(stages, {0, 2})
     async with trio.open_nursery() as nursery:
@@ -263,11 +264,13 @@ async def test_shutdown_with_timeout_lets_requests_finish() -> None:
         await orch.add_request("r", "p", final_stage_id=0)
 
         async def finish_later() -> None:
-            await trio.sleep(0.05)
+            await trio.sleep(3)  # virtual time, inside the drain's 10 s
             await stages[0].emit("r", "done", finished=True)
 
+        t0 = trio.current_time()
         nursery.start_soon(finish_later)
         await orch.shutdown(timeout=10)
+        assert 3 <= trio.current_time() - t0 < 10  # the drain ended with the request, not at its timeout
     assert await drain(orch) == [OrchOutput("r", 0, "done", True)]
 
 

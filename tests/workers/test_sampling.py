@@ -13,6 +13,7 @@ import trio
 from stages import registry
 from stages.sampling_params import THINKER_PARAMS, VOICES, describe, with_defaults
 from stages.wire import InboundMsg, Submit, WireCodec
+from tests.waiting import await_until
 from trio_orch import OrchOutput, open_orchestrator
 from trio_orch.engine import Engine, PipelineSpec, open_trio_engine, static_pipeline
 from trio_orch.http.openai_sampling import SamplingError, chat_sampling, map_sampling
@@ -144,8 +145,7 @@ def test_engine_sync_and_asyncio_callers_pass_sampling_and_get_value_errors() ->
                     pass
             gen = engine.generate("p", request_id="a1", sampling={0: {"seed": 9}})
             first = asyncio.ensure_future(gen.__anext__())
-            while not any(rid == "a1" for rid, _ in stages[0].submissions):
-                await asyncio.sleep(0.002)
+            await await_until(lambda: any(rid == "a1" for rid, _ in stages[0].submissions), "a1 submitted")
             engine.call_soon(stages[0].emit_nowait, "a1", "y", True)
             assert (await first).data == "y"
             await gen.aclose()
