@@ -121,6 +121,7 @@ async def test_update_weights_under_load_every_request_sees_one_set_of_weights(t
             old_text = await text_of(orch, "warm-old")
             texts: dict[str, str] = {}
             starts: dict[str, bool] = {}  # request -> accepted after the update returned
+            streaming = trio.Event()  # the first requests' outputs flow: the update meets them mid-way
             updated = trio.Event()
 
             async def consume() -> None:
@@ -128,19 +129,27 @@ async def test_update_weights_under_load_every_request_sees_one_set_of_weights(t
                 while len(texts) < 24:
                     m = await orch.next_output()
                     assert isinstance(m, OrchOutput), m
+                    streaming.set()
                     parts.setdefault(m.request_id, []).append(m.data["text"])
                     if m.finished:
                         texts[m.request_id] = "".join(parts.pop(m.request_id))
 
             async def load() -> None:
-                for i in range(24):
-                    rid = f"r{i}"
-                    starts[rid] = updated.is_set()
-                    await orch.add_request(rid, "Hello", sampling=[{"temperature": 0}])
-                    await trio.sleep(0.02)
+                async def add(i: int) -> None:
+                    starts[f"r{i}"] = updated.is_set()
+                    await orch.add_request(f"r{i}", "Hello", sampling=[{"temperature": 0}])
+
+                for i in range(8):  # in flight when the update starts
+                    await add(i)
+                await streaming.wait()
+                for i in range(8, 16):  # accepted while it runs
+                    await add(i)
+                await updated.wait()
+                for i in range(16, 24):  # accepted after it returned: the new weights only
+                    await add(i)
 
             async def update() -> None:
-                await trio.sleep(0.1)
+                await streaming.wait()
                 await update_weights(orch, new)
                 updated.set()
 
@@ -154,6 +163,7 @@ async def test_update_weights_under_load_every_request_sees_one_set_of_weights(t
     assert new_text != old_text
     assert set(texts.values()) <= {old_text, new_text}, "a request saw a mix of weights"
     assert all(texts[rid] == new_text for rid, after in starts.items() if after)
+    assert sum(starts.values()) >= 8  # the last eight at least came after the update
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ ipc file (the private directory is gone), no extra open file descriptor.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
@@ -397,6 +398,10 @@ async def test_bad_model_options_are_refused_before_any_worker_and_bad_values_fa
 
 
 async def test_abort_in_async_chunk_mode_reaches_every_stage_and_drops_late_chunks() -> None:
+    def settled(stats: list[dict[str, Any]]) -> bool:
+        return all(s["aborts"] == 1 for s in stats) and all(
+            up["chunks_out"] == down["chunks_in"] for up, down in itertools.pairwise(stats))
+
     cfg = echo_config(3, final_stage_ids=[0, 2], outputs=100_000, async_chunk=True,
                       worker_args=["--step-delay-ms", "2"])
     async with checked_pipeline(cfg) as pipe:
@@ -408,11 +413,9 @@ async def test_abort_in_async_chunk_mode_reaches_every_stage_and_drops_late_chun
                 while (await orch.next_output()).stage_id != 2:  # chunks flow through stage 1 to 2
                     pass
             await orch.abort("r1")
-            with trio.fail_after(10):
-                while not all(s["aborts"] == 1 for s in await pipe.stats()):
+            with trio.fail_after(10):  # every stage saw the abort, and every chunk sent before it arrived
+                while not settled(stats := await pipe.stats()):
                     await trio.sleep(0.01)
-            await trio.sleep(0.05)  # chunks stage 0 sent before its abort arrive now ...
-            stats = await pipe.stats()
             await orch.shutdown()
     assert all(s["active"] == 0 and s["waiting"] == 0 for s in stats)
     assert all(s["inbox_pending"] == 0 for s in stats[1:])  # ... and are dropped, not buffered
