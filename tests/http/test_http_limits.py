@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -333,19 +335,26 @@ async def test_uploads_hold_no_admission_room_and_body_reads_are_bounded_apart()
 
 
 def test_a_websocket_session_outlives_the_header_timeout_and_leaves_the_connection_count(
-        served: Served) -> None:
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
     """After the upgrade the connection belongs to the WebSocket: never closed as a slow request head,
     and no longer counted once the session ends."""
     from websockets.sync.client import connect
 
     wait_until(lambda: served.open_connections() == 0, "the earlier tests' connections gone")
     closed_before = served.deadline.closed
+    looked = threading.Event()  # the head deadline armed at connect ran out and looked at the connection
+    check = served.deadline.check
+
+    def check_and_tell(proto: Any, seen: Any) -> None:
+        check(proto, seen)
+        looked.set()
+
+    monkeypatch.setattr(served.deadline, "check", check_and_tell)
     with connect(f"ws://127.0.0.1:{served.port}/v1/realtime", open_timeout=HANG) as ws:
         assert json.loads(ws.recv(timeout=HANG))["type"] == "session.created"
-        time.sleep(3 * LIMITS.header_timeout)  # idle, well past the header timeout
-        ws.send(json.dumps({"type": "input_text_buffer.append", "text": "still here"}))
-        ws.send(json.dumps({"type": "input_text_buffer.commit"}))
-        assert json.loads(ws.recv(timeout=HANG))["type"] == "input_text_buffer.committed"
+        assert looked.wait(HANG), "the header timeout never ran out"  # idle past it, then:
+        ws.send(json.dumps({"type": "still.here"}))  # the session answers (an unknown event: an error event)
+        assert json.loads(ws.recv(timeout=HANG))["type"] == "error"
         assert served.open_connections() == 1
     wait_until(lambda: served.open_connections() == 0, "the ended session no longer counted")
     assert served.deadline.closed == closed_before  # nothing was closed by the head deadline
