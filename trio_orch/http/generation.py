@@ -1,0 +1,156 @@
+"""What the OpenAI-shaped routes beside chat share: the body, refusals, admission and the wait.
+
+The completions, speech and tokenizer routes (:mod:`trio_orch.http.openai_routes`)
+answer the way the chat route does: a refusal is OpenAI's error body with a
+status, counted by route in ``/metrics`` and logged; a request is admitted
+before any byte of the answer goes out (429 with ``Retry-After`` when the
+engine sheds it, 503 when it is not running or a stage of the request's path
+has no live replica); a client that leaves before its answer aborts its
+request (counted as finished by ``abort``).  Bodies are read against their
+schema (:mod:`trio_orch.http.schemas`: typed 400s naming the field, unknown
+fields ignored and logged).  AnyIO throughout: the same code on either front.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.metrics import FrontMetrics
+from trio_orch.http.openai_chat import orch_error_status
+from trio_orch.http.schemas import BadRequest, decode, error_body, parse_json_body
+from trio_orch.http.streaming import SSEResponse, until_done_or_gone
+from trio_orch.types import OrchError, OrchOutput
+
+__all__ = ["OpenAIRoute"]
+
+log = logging.getLogger("trio_orch.http.generation")
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+class OpenAIRoute:
+    """One route's plumbing over ``engine``: ``path`` labels its counts and log lines.
+
+    A handler parses its body, then ``await admit(...)``, then answers with
+    :meth:`wait` (one non-streamed answer) or :meth:`stream`; each of them
+    gives either its value or the refusal to return.
+    """
+
+    def __init__(self, engine: Engine, path: str, front: FrontMetrics, limits: HTTPLimits) -> None:
+        self.engine = engine
+        self.path = path
+        self.front = front
+        self.limits = limits
+
+    def parse(self, raw: bytes, schema: type[S]) -> S:
+        """The body as ``schema`` (BadRequest naming the field that does not fit)."""
+        return decode(parse_json_body(raw, self.limits.max_json_depth), schema, what=f"a {self.path} request")
+
+    def error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+              code: str | None = None, retry_after: float | None = None) -> JSONResponse:
+        self.front.count(self.path, status)
+        if status < 500:
+            log.log(logging.INFO if status == 429 else logging.WARNING, "refused a request to %s (%d): %s",
+                    self.path, status, message)
+        headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
+
+    def bad(self, exc: BadRequest) -> JSONResponse:
+        return self.error(exc.status, str(exc), param=exc.param, code=exc.code)
+
+    def failed(self, err: OrchError) -> JSONResponse:
+        """The answer to a request that ended in ``err`` before anything was sent."""
+        status = orch_error_status(err)
+        return self.error(status, f"request failed: {err.kind}: {err.message}", "server_error", code=err.kind,
+                          retry_after=1 if status == 503 else None)
+
+    def ok(self, response: Response) -> Response:
+        self.front.count(self.path, response.status_code)
+        return response
+
+    async def admit(self, prompt: Any, *, final_stage_id: int | None,
+                    sampling: dict[int, dict[str, Any]]) -> AsyncRequestHandle | JSONResponse:
+        """The accepted request's handle, or the refusal (429, 503, or a 400 the engine's checks gave)."""
+        engine = self.engine
+        if not engine.running:
+            why = engine.closed_reason or "it has not started"
+            return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
+        try:
+            handle = await engine.add_request_async(prompt, final_stage_id=final_stage_id, sampling=sampling)
+        except Overloaded as exc:
+            return self.error(429, str(exc), "rate_limit_error", code="overloaded",
+                              retry_after=exc.retry_after)
+        except EngineClosed as exc:
+            return self.error(503, str(exc), "server_error", code="engine_closed")
+        except ValueError as exc:
+            return self.error(400, str(exc))
+        if handle.rejection is not None:
+            return self.failed(handle.rejection)
+        return handle
+
+    def disconnected(self) -> None:
+        self.front.disconnects += 1
+        self.front.count_finished("abort")
+        log.info("%s: a client disconnected before its answer; its request was aborted", self.path)
+
+    async def wait(self, fn: Callable[[], Awaitable[Any]], request: Request) -> Any:
+        """``await fn()`` unless the client leaves first (then its request is aborted: 499)."""
+        result, exc, left = await until_done_or_gone(fn, request.receive)
+        if left:
+            self.disconnected()
+            self.front.count(self.path, 499)
+            return Response(status_code=499)
+        if isinstance(exc, EngineClosed):
+            return self.error(503, str(exc), "server_error", code="engine_closed")
+        if exc is not None:
+            raise exc
+        if isinstance(result, OrchError):
+            return self.failed(result)
+        return result
+
+    @staticmethod
+    async def collect(handle: AsyncRequestHandle, absorb: Callable[[OrchOutput], None]) -> OrchError | None:
+        """Feed every output of the request to ``absorb``; its error terminal, if it ended in one."""
+        async for msgs in handle.batches():
+            for m in msgs:
+                if isinstance(m, OrchError):
+                    return m
+                absorb(m)
+        return None
+
+    @staticmethod
+    async def pieces(handle: AsyncRequestHandle, render: Callable[[OrchOutput], bytes],
+                     failure: Callable[[str, str], bytes]) -> AsyncIterator[bytes]:
+        """The request's outputs rendered, one chunk per dispatcher batch; an error ends it with
+        ``failure(code, message)``.  Leaving early closes the request's stream (and so aborts it)."""
+        gen = handle.batches()
+        try:
+            async for msgs in gen:
+                out = []
+                for m in msgs:
+                    if isinstance(m, OrchError):
+                        out.append(failure(m.kind, f"request failed: {m.kind}: {m.message}"))
+                        break
+                    out.append(render(m))
+                chunk = b"".join(out)
+                if chunk:
+                    yield chunk
+        except (EngineClosed, ValueError) as exc:
+            yield failure("engine_closed", str(exc))
+        finally:
+            await gen.aclose()
+
+    def stream(self, body: AsyncIterator[bytes], media_type: str = SSEResponse.media_type) -> Response:
+        """A streamed 200 of ``body``'s chunks; a client that leaves aborts the request under it."""
+        response = SSEResponse(body, on_disconnect=self.disconnected)
+        response.headers["content-type"] = media_type
+        return self.ok(response)

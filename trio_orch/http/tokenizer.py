@@ -1,0 +1,164 @@
+"""The pipeline's tokenizer, and vLLM's ``POST /tokenize`` and ``POST /detokenize`` over it.
+
+The built-in text model (``stages.models.Thinker``) reads bytes: a token is
+one byte of the prompt's UTF-8 text and 256 is end-of-text, so its tokenizer
+is a few lines and runs here, in the server, without torch or a model
+(:class:`ByteTokenizer`; a test checks it against the thinker itself).  The
+talker reads the thinker's tokens, so a pipeline that begins with it has the
+same tokenizer for its input.  Which stage a route tokenizes for: the stage
+that gives the text (:func:`stages.registry.text_stage`), else stage 0.
+
+``/tokenize`` takes ``prompt`` (text) or ``messages`` (a chat, made into the
+prompt the chat route would send); it answers ``tokens``, ``count`` and
+``max_model_len`` (from the stage's workers when they report it, else null),
+and ``token_strs`` when ``return_token_strs`` is true.  ``/detokenize`` takes
+``tokens`` and answers ``prompt``.  A pipeline with no stage whose tokenizer
+is known (the in-process toy, an image pipeline) answers 400 naming ``model``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from stages.registry import text_stage
+from trio_orch.engine import Engine
+from trio_orch.http.generation import OpenAIRoute
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.metrics import FrontMetrics
+from trio_orch.http.openai_chat import parse_chat_request
+from trio_orch.http.schemas import BadRequest, ServedModels
+
+__all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "pipeline_tokenizer", "stage_info",
+           "tokenizer_routes"]
+
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+
+
+@dataclass(frozen=True)
+class ByteTokenizer:
+    """The thinker's tokenizer: one token per byte of UTF-8 text, ``eos`` for end-of-text."""
+
+    eos: int = 256
+
+    @property
+    def vocab_size(self) -> int:
+        return self.eos + 1
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, tokens: Iterable[int]) -> str:
+        """The text of ``tokens``; end-of-text is not text, and a cut UTF-8 sequence shows as U+FFFD."""
+        return bytes(t for t in tokens if t != self.eos).decode("utf-8", "replace")
+
+    def token_str(self, token: int) -> str:
+        return "<eos>" if token == self.eos else bytes([token]).decode("utf-8", "backslashreplace")
+
+
+#: stage kind -> the tokenizer of the tokens it reads (the talker reads the thinker's)
+TOKENIZERS: dict[str, ByteTokenizer] = {"thinker": ByteTokenizer(), "talker": ByteTokenizer()}
+
+
+def stage_info(engine: Engine, stage: int) -> dict[str, Any]:
+    """What the stage's first ready worker reported in its handshake (empty: in-process, or none yet)."""
+    for client in getattr(engine.stages[stage], "replicas", ()):
+        ready = getattr(client, "ready", None)
+        if ready is not None and isinstance(ready.info, dict):
+            return ready.info
+    return {}
+
+
+def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[int, ByteTokenizer] | None:
+    """The stage a prompt is tokenized for (its text stage, else stage 0) and its tokenizer; None: unknown."""
+    kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
+    if kinds is None:
+        return None
+    k = text_stage(engine.final_stage_ids, outputs)
+    for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
+        if kinds[stage] in TOKENIZERS:
+            return stage, TOKENIZERS[kinds[stage]]
+    return None
+
+
+def max_model_len(engine: Engine, stage: int) -> int | None:
+    """The stage's context length (prompt and generated tokens), when its workers report it."""
+    info = stage_info(engine, stage)
+    total = info.get("max_model_len")
+    if isinstance(total, int):
+        return total
+    parts = (info.get("max_prompt"), info.get("max_new_tokens"))
+    return sum(parts) if all(isinstance(p, int) for p in parts) else None  # type: ignore[arg-type]
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True  # the byte tokenizer adds none either way
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    tokens: list[int]
+    model: str | None = None
+
+
+def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+                     limits: HTTPLimits, front: FrontMetrics) -> list[Route]:
+    """``POST /tokenize`` and ``POST /detokenize`` for ``engine``'s pipeline (``models``: its names)."""
+    tok_route = OpenAIRoute(engine, TOKENIZE, front, limits)
+    detok_route = OpenAIRoute(engine, DETOKENIZE, front, limits)
+
+    def tokenizer() -> tuple[int, ByteTokenizer]:
+        found = pipeline_tokenizer(engine, outputs)
+        if found is None:
+            raise BadRequest("this pipeline has no stage whose tokenizer the server knows (a thinker's, or "
+                             "a talker's input)", "model")
+        return found
+
+    def prompt_of(req: TokenizeRequest) -> str:
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequest("give either 'prompt' or 'messages'", "prompt")
+        if req.prompt is not None:
+            return req.prompt
+        if not req.add_generation_prompt:
+            raise BadRequest("the chat prompt always ends with the assistant's turn: "
+                             "'add_generation_prompt' false is not supported", "add_generation_prompt")
+        return parse_chat_request({"messages": req.messages}, models).prompt
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            req = tok_route.parse(await request.body(), TokenizeRequest)
+            models.resolve(req.model)
+            text = prompt_of(req)
+            stage, tok = tokenizer()
+        except BadRequest as exc:
+            return tok_route.bad(exc)
+        tokens = tok.encode(text)
+        return tok_route.ok(JSONResponse({
+            "count": len(tokens), "max_model_len": max_model_len(engine, stage), "tokens": tokens,
+            "token_strs": [tok.token_str(t) for t in tokens] if req.return_token_strs else None}))
+
+    async def detokenize(request: Request) -> Response:
+        try:
+            req = detok_route.parse(await request.body(), DetokenizeRequest)
+            models.resolve(req.model)
+            _, tok = tokenizer()
+            bad = next((i for i, t in enumerate(req.tokens) if not 0 <= t < tok.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"'tokens[{bad}]': {req.tokens[bad]} is not a token id (0 to "
+                                 f"{tok.vocab_size - 1})", f"tokens[{bad}]")
+        except BadRequest as exc:
+            return detok_route.bad(exc)
+        return detok_route.ok(JSONResponse({"prompt": tok.decode(req.tokens)}))
+
+    return [Route(TOKENIZE, tokenize, methods=["POST"]), Route(DETOKENIZE, detokenize, methods=["POST"])]
