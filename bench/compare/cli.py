@@ -13,17 +13,17 @@ express is an ``n/a`` cell with the reason, not an error.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import platform
 import shutil
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["configure", "default_impls", "markdown_report", "run", "run_matrix", "terminal_table",
-           "write_markdown"]
+__all__ = ["KIND_LEGEND", "VERDICTS", "configure", "default_impls", "differences", "headline",
+           "markdown_report", "print_table", "run", "run_matrix", "terminal_table", "write_markdown"]
 
 
 def default_impls() -> list[str]:
@@ -59,9 +59,48 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
 
 
+#: what each verdict word means, for the tables' legend (a scenario's rule says when it applies)
+VERDICTS: dict[str, str] = {
+    "ok": "did what the rule asks",
+    "slow": "finished, but only after a second cancellation or a grace period",
+    "hang": "did not finish: cut by the watchdog",
+    "lost": "a request, message, error or cleanup never arrived",
+    "leak": "state or tasks left behind",
+    "silent": "an error or a late call went unnoticed",
+    "stopped": "the whole orchestrator stopped because of one part",
+    "stalled": "a healthy part stopped being served",
+    "partial": "only some of the errors were reported",
+    "early": "the fault fired before the moment the scenario is about",
+    "overrun": "a deadline was kept late",
+    "dup": "something arrived twice or out of order",
+    "zombie": "work started that nobody asked for",
+    "degraded": "went ahead without an input it needed",
+    "misreported": "answered, but wrong",
+    "blocked": "one slow part held up everybody else",
+    "waited": "shutdown waited for work whose outcome was already decided",
+    "detached": "returned while its own cleanup was still running",
+    "cut": "its cleanup was cut short and never finished",
+    "n/a": "the implementation cannot express the scenario (the reason says why)",
+    "error": "the scenario's driver failed (not a measurement)",
+}
+
+#: what the kind column means
+KIND_LEGEND = {
+    "model": "the difference comes from the concurrency model (cancellation, shields, threads, tasks)",
+    "design": "the difference comes from a choice either model can make",
+}
+
+
 def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
                progress: bool = True) -> dict[str, Any]:
-    """Run the scenarios against the implementations; the JSON-able result."""
+    """Run the scenarios against the implementations; the JSON-able result.
+
+    ``progress``: a progress bar on stderr where it is a terminal, one line per
+    cell where it is not (a log keeps them).
+    """
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
     from bench.compare.scenarios import SCENARIOS, by_number, run_scenario
     from bench.compare.scenarios.base import CUT, GRACE
     from bench.implementations import IMPLEMENTATIONS
@@ -70,20 +109,24 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
     impls = impls or default_impls()
     t0 = time.perf_counter()
     rows = []
-    total, done = len(scenarios) * len(impls), 0
-    for sc in scenarios:
-        results = {}
-        for impl in impls:
-            done += 1
-            if progress:
-                print(f"[{done:2d}/{total}] scenario {sc.number:2d} {sc.key:<22} {impl:<18}",
-                      end="", file=sys.stderr, flush=True)
-            out = run_scenario(sc, impl)
-            if progress:
-                print(f" {out.verdict:<8} ({out.wall_s:.2f} s)", file=sys.stderr, flush=True)
-            results[impl] = out.as_dict()
-        rows.append({"number": sc.number, "key": sc.key, "title": sc.title, "question": sc.question,
-                     "rule": sc.rule, "results": results})
+    err = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=err, transient=True, disable=not (progress and err.is_terminal))
+    with bar:
+        task = bar.add_task("compare", total=len(scenarios) * len(impls))
+        for sc in scenarios:
+            results = {}
+            for impl in impls:
+                bar.update(task, description=f"{sc.number:2d} {sc.key} · {impl}")
+                out = run_scenario(sc, impl)
+                bar.advance(task)
+                if progress and not err.is_terminal:
+                    err.print(f"scenario {sc.number:2d} {sc.key:<24} {impl:<18} {out.verdict:<8} "
+                              f"({out.wall_s:.2f} s)", highlight=False, soft_wrap=True)
+                results[impl] = out.as_dict()
+            rows.append({"number": sc.number, "key": sc.key, "title": sc.title, "kind": sc.kind,
+                         "because": sc.because, "question": sc.question, "rule": sc.rule,
+                         "results": results})
     return {
         "generated_by": "trio-orch compare",
         "python": sys.version.split()[0],
@@ -96,50 +139,133 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
     }
 
 
-def _cell(r: dict[str, Any]) -> str:
-    return f"{r['verdict']}: {r['headline']}"
+#: verdict -> style in the terminal table
+_STYLE = {"ok": "green", "n/a": "dim", "error": "bold red"}
+
+
+def _table(result: dict[str, Any]) -> Any:
+    """The rich table: scenarios down, implementations across, each cell ``verdict: headline``."""
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    impls = list(result["implementations"])
+    table = Table(box=box.SIMPLE_HEAD, show_lines=True, expand=False, pad_edge=False)
+    table.add_column("#", justify="right", no_wrap=True)
+    table.add_column("kind", no_wrap=True)
+    table.add_column("scenario", ratio=2, overflow="fold")
+    for i in impls:
+        table.add_column(i, ratio=3, overflow="fold", min_width=len(i))
+    for sc in result["scenarios"]:
+        cells = []
+        for i in impls:
+            r = sc["results"][i]
+            cell = Text(f"{r['verdict']}", style=_STYLE.get(r["verdict"], "bold yellow"))
+            cell.append(f": {r['headline']}", style="")
+            cells.append(cell)
+        table.add_row(str(sc["number"]), sc.get("kind", "?"), sc["title"], *cells)
+    return table
+
+
+def _legend(result: dict[str, Any]) -> list[str]:
+    """One line per verdict word the table uses, then the kinds."""
+    used = {r["verdict"] for sc in result["scenarios"] for r in sc["results"].values()}
+    lines = [f"{v}: {VERDICTS.get(v, 'see the scenario rule (--markdown)')}"
+             for v in sorted(used, key=lambda v: (v != "ok", v))]
+    lines += [f"{k}: {why}" for k, why in KIND_LEGEND.items()]
+    return lines
+
+
+def _legend_text(result: dict[str, Any]) -> str:
+    return "Legend\n" + "\n".join(f"  {line}" for line in _legend(result))
 
 
 def terminal_table(result: dict[str, Any], columns: int | None = None) -> str:
-    """Scenarios down, implementations across; each cell ``verdict: key number``.
+    """The table and its legend as plain text, ``columns`` wide (default: the terminal's, 120 unknown).
 
-    Fits ``columns`` (default: the terminal's width, 120 when unknown): cells
-    wrap onto more lines instead of being cut.
+    Cells wrap at word boundaries onto more lines; a word longer than its
+    column is folded, never cut off.
     """
-    impls = list(result["implementations"])
-    head = ["#", "scenario", *impls]
-    rows = []
+    from rich.console import Console
+
+    width = columns or shutil.get_terminal_size((120, 24)).columns
+    console = Console(width=width, file=io.StringIO(), color_system=None, force_terminal=False,
+                      legacy_windows=False)
+    print_table(result, console)
+    return console.file.getvalue().rstrip("\n")
+
+
+def print_table(result: dict[str, Any], console: Any) -> None:
+    """Print the table and its legend on ``console`` (a :class:`rich.console.Console`)."""
+    console.print(_table(result))
+    console.print(_legend_text(result), highlight=False)
+
+
+def differences(result: dict[str, Any], left: str = "trio", right: str = "asyncio-taskgroup"
+                ) -> dict[str, list[int]]:
+    """Rows where ``left`` and ``right`` got different verdicts, by kind; and where ``left`` did worse.
+
+    Keys: ``model``, ``design`` (rows that differ), ``left_worse`` (``left`` not
+    ok where ``right`` was), ``equal`` (same verdict).  Empty where either
+    column is missing.
+    """
+    out: dict[str, list[int]] = {"model": [], "design": [], "left_worse": [], "equal": []}
     for sc in result["scenarios"]:
-        rows.append([str(sc["number"]), sc["title"], *(_cell(sc["results"][i]) for i in impls)])
-    total = columns or shutil.get_terminal_size((120, 24)).columns
-    scenario_w = 24
-    cell_w = max(12, (total - 2 - scenario_w - 3 * (len(impls) + 1)) // max(1, len(impls)))
-    widths = [2, scenario_w] + [cell_w] * len(impls)
+        res = sc["results"]
+        if left not in res or right not in res:
+            continue
+        a, b = res[left]["verdict"], res[right]["verdict"]
+        if a == b:
+            out["equal"].append(sc["number"])
+            continue
+        out[sc.get("kind", "design")].append(sc["number"])
+        if a != "ok" and b == "ok":
+            out["left_worse"].append(sc["number"])
+    return out
 
-    def block(cells: list[str]) -> list[str]:
-        wrapped = [textwrap.wrap(c, w) or [""] for c, w in zip(cells, widths, strict=True)]
-        height = max(len(w) for w in wrapped)
-        return [" | ".join((w[i] if i < len(w) else "").ljust(widths[j])
-                           for j, w in enumerate(wrapped)).rstrip() for i in range(height)]
 
-    lines = block(head)
-    lines.append("-+-".join("-" * w for w in widths))
-    for row in rows:
-        lines.extend(block(row))
-    return "\n".join(lines)
+def _rows(numbers: list[int]) -> str:
+    return ", ".join(str(n) for n in numbers) or "none"
+
+
+def headline(result: dict[str, Any]) -> str:
+    """What differs because of the model and what because of design, computed from the verdicts."""
+    scs = result["scenarios"]
+    kinds = {k: [sc["number"] for sc in scs if sc.get("kind") == k] for k in KIND_LEGEND}
+    lines = [f"{len(scs)} scenarios: {len(kinds['model'])} model rows ({_rows(kinds['model'])}), "
+             f"{len(kinds['design'])} design rows ({_rows(kinds['design'])})."]
+    d = differences(result)
+    if any(d.values()):
+        lines.append(
+            f"`trio` and `asyncio-taskgroup` (the asyncio reference with every design choice of the Trio "
+            f"shell) differ in {len(d['model']) + len(d['design'])} rows: {len(d['model'])} because of the "
+            f"model ({_rows(d['model'])}), {len(d['design'])} because of design ({_rows(d['design'])}); "
+            f"`trio` is the worse of the two in {_rows(d['left_worse'])}; equal in {len(d['equal'])} "
+            f"({_rows(d['equal'])}).")
+    for omni in ("omni-event", "omni-poll"):
+        o = differences(result, "trio", omni)
+        if any(o.values()):
+            lines.append(f"`{omni}` (the seed's shape) differs from `trio` in {_rows(o['model'])} because of "
+                         f"the model and in {_rows(o['design'])} because of design.")
+    return " ".join(lines)
 
 
 def markdown_report(result: dict[str, Any]) -> str:
-    """The table plus, per scenario, the question, the rule and each implementation's reason."""
+    """A computed headline, the table, then per scenario its kind, question, rule and each reason."""
     impls = list(result["implementations"])
     out = [
-        "| # | scenario | " + " | ".join(f"`{i}`" for i in impls) + " |",
-        "|---|---|" + "---|" * len(impls),
+        f"**Headline.** {headline(result)}",
+        "",
+        "| # | kind | scenario | " + " | ".join(f"`{i}`" for i in impls) + " |",
+        "|---|---|---|" + "---|" * len(impls),
     ]
     for sc in result["scenarios"]:
         cells = [f"**{sc['results'][i]['verdict']}** — {sc['results'][i]['headline']}" for i in impls]
-        out.append(f"| {sc['number']} | {sc['title']} | " + " | ".join(c.replace("|", "/") for c in cells)
-                   + " |")
+        out.append(f"| {sc['number']} | {sc.get('kind', '?')} | {sc['title']} | "
+                   + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    out.append("")
+    out.append("Verdicts: " + "; ".join(f"**{line.split(': ', 1)[0]}** {line.split(': ', 1)[1]}"
+                                         for line in _legend(result)) + ".")
     out.append("")
     out.append(f"Watchdog cut: {result['watchdog_cut_s']} s; shutdown grace (where an implementation bounds "
                f"its cleanup): {result['shutdown_grace_s']} s. Python {result['python']}, "
@@ -152,6 +278,8 @@ def markdown_report(result: dict[str, Any]) -> str:
     for sc in result["scenarios"]:
         out.append("")
         out.append(f"### {sc['number']}. {sc['title']}")
+        out.append("")
+        out.append(f"Kind: **{sc.get('kind', '?')}** — {sc.get('because', '')}.")
         out.append("")
         out.append(sc["question"])
         out.append("")
@@ -197,8 +325,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"trio-orch compare: {exc}", file=sys.stderr)
         return 2
     result = run_matrix(numbers or None, args.impl, progress=not args.quiet)
-    print(terminal_table(result))
-    print(f"\n{result['elapsed_s']} s. The rules and reasons: --markdown PATH.")
+    from rich.console import Console
+
+    print_table(result, Console())
+    print(f"\n{headline(result)}\n{result['elapsed_s']} s. The rules and reasons: --markdown PATH.")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

@@ -25,7 +25,10 @@ from bench.implementations import lookup, make_driver
 
 __all__ = [
     "CUT",
+    "DESIGN",
     "GRACE",
+    "KINDS",
+    "MODEL",
     "NA",
     "LogCapture",
     "Outcome",
@@ -79,9 +82,21 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
+#: a difference that comes from the concurrency model itself (cancellation semantics, shields, threads...)
+MODEL = "model"
+#: a difference that comes from a choice either model can make (an abort path, a bounded cleanup...)
+DESIGN = "design"
+KINDS = (MODEL, DESIGN)
+
+
 @dataclass
 class Scenario:
-    """An experiment: ``measure(impl) -> metrics``; ``judge(metrics) -> (verdict, reason)``."""
+    """An experiment: ``measure(impl) -> metrics``; ``judge(metrics) -> (verdict, reason)``.
+
+    ``kind`` says where a difference in its row comes from -- :data:`MODEL` or
+    :data:`DESIGN` -- and ``because`` is the one-sentence rule behind it, so a
+    reader can tell a property of Trio or asyncio from a choice either could make.
+    """
 
     number: int
     key: str
@@ -94,6 +109,14 @@ class Scenario:
     #: features beyond scripted stages it drives (``async_chunk``, ``deadline``, ``in_loop``, ``resumable``,
     #: ``companions``, ``rpc``, ``membership``): an implementation that lacks one gets an ``n/a`` cell
     needs: frozenset[str] = frozenset()
+    kind: str = field(kw_only=True)
+    because: str = field(kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"scenario {self.number}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.because:
+            raise ValueError(f"scenario {self.number}: say the rule behind its kind (because=...)")
 
 
 #: the verdict of a scenario an implementation cannot express (not an error: nothing was measured)

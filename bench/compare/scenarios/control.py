@@ -15,7 +15,15 @@ import threading
 import time
 from typing import Any
 
-from bench.compare.scenarios.base import CUT, LogCapture, Scenario, start, stop_and_drain, terminal_stats
+from bench.compare.scenarios.base import (
+    CUT,
+    DESIGN,
+    LogCapture,
+    Scenario,
+    start,
+    stop_and_drain,
+    terminal_stats,
+)
 from bench.drivers.base import EndOfStream
 
 #: the RPC's per-replica deadline; the watchdog (CUT) is above it
@@ -106,4 +114,9 @@ S16 = Scenario(
        else ", request never admitted")
     + f", answers {m['answers']}",
     needs=frozenset({"rpc"}),
+    kind=DESIGN,
+    because=(
+        "whether a control call waits in the request handler or in a task of its own is the shell's "
+        "choice"
+    ),
 )

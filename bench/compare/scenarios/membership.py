@@ -15,7 +15,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.compare.scenarios.base import CUT, LogCapture, Scenario, start, stop_and_drain
+from bench.compare.scenarios.base import (
+    CUT,
+    DESIGN,
+    LogCapture,
+    Scenario,
+    start,
+    stop_and_drain,
+)
 
 #: the attach handshake's duration: the seed's ~5 s, scaled down so a table run stays short
 HANDSHAKE = 1.0
@@ -76,4 +83,9 @@ S17 = Scenario(
         f"shutdown {m['shutdown_s']:.3f} s, join: {m['outcome']}, tasks left: {m['tasks_alive_after_run']}"
     ),
     needs=frozenset({"membership"}),
+    kind=DESIGN,
+    because=(
+        "whether shutdown waits for a fire-and-forget handshake or cancels a task it owns is the "
+        "shell's choice; TaskGroup and nursery both can"
+    ),
 )

@@ -7,6 +7,8 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
+    DESIGN,
+    MODEL,
     LogCapture,
     Scenario,
     shut_fmt,
@@ -90,6 +92,12 @@ S3 = Scenario(
     measure_reader_raises, judge_reader,
     lambda m: (f"running: {m['orchestrator_running_after']}, sibling served: {m['sibling_served']}, "
                f"stage-1 request ended: {m['bound_request_terminal_before_shutdown']}"),
+    kind=MODEL,
+    because=(
+        "Trio's Cancelled cannot come from a library (a resource closed under a receive raises "
+        "ClosedResourceError); a closed pyzmq asyncio socket raises CancelledError, which only "
+        "Task.cancelling() tells from a real cancellation"
+    ),
 )
 
 
@@ -134,6 +142,11 @@ S6 = Scenario(
     measure_register_submit, judge_leak,
     lambda m: f"{shut_fmt(m)}, no terminal: {m['without_terminal']}, state left: "
               f"{m['router_state_left'] + m['stage_state_left']}",
+    kind=DESIGN,
+    because=(
+        "the core registers and decides between checkpoints, so a cancellation between register and "
+        "submit leaves nothing behind in either model"
+    ),
 )
 
 
@@ -190,4 +203,6 @@ S12 = Scenario(
     "message after its terminal; else ok",
     measure_stage_death, judge_death,
     lambda m: f"no terminal before shutdown: {m['without_terminal_before_shutdown']}",
+    kind=DESIGN,
+    because="a dead stage's requests get their terminals from the shared routing core's rule",
 )

@@ -5,7 +5,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from bench.compare.scenarios.base import CUT, LogCapture, Scenario, start, stop_and_drain, terminal_stats
+from bench.compare.scenarios.base import (
+    CUT,
+    DESIGN,
+    LogCapture,
+    Scenario,
+    start,
+    stop_and_drain,
+    terminal_stats,
+)
 from bench.drivers.base import Driver
 from trio_orch.types import Message
 
@@ -99,4 +107,9 @@ S13 = Scenario(
                f"{'error' if m['unknown_update_error'] else 'no error'}, started: "
                f"{m['requests_started_by_updates']}, after terminal: {m['after_terminal']}"),
     needs=frozenset({"resumable"}),
+    kind=DESIGN,
+    because=(
+        "whether a late input update is refused or starts a new request is a decision, the core's "
+        "(refuse) or the seed's (fall back to add_request)"
+    ),
 )
