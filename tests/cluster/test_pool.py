@@ -20,6 +20,8 @@ class FakeReplica:
         self.pool = pool
         self.replica = -1
         self.alive = True
+        self.suspect = False  # what a ZmqStageClient says once silent past its heartbeats
+        self.heartbeat_interval, self.heartbeat_timeout = 0.2, 5.0
         self.submits: list[tuple[str, Any, int]] = []
         self.aborts: list[str] = []
         pool.add_replica(self)  # type: ignore[arg-type]
@@ -38,11 +40,15 @@ class FakeReplica:
     async def aclose(self) -> None:
         self.alive = False
 
+    def silent_for(self) -> float:
+        return 1.0
+
     def emit(self, rid: str, data: Any = None, finished: bool = False) -> None:
         self.pool.sink(self, [StageOutput(rid, data, finished)])  # type: ignore[arg-type]
 
     def die(self, why: str = "boom") -> None:
         self.alive = False
+        self.dead_reason = why
         self.pool.sink(self, ReplicaDied(why))  # type: ignore[arg-type]
 
 
@@ -230,3 +236,33 @@ async def test_pumped_pool_delivers_from_the_sink_and_ends_when_every_replica_di
         b.die("killed too")
         await trio.testing.wait_all_tasks_blocked()
         assert len(ended) == 1 and "every replica is dead" in str(ended[0])
+
+
+async def test_a_suspect_replica_gets_no_new_request_while_another_makes_progress() -> None:
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    a.suspect = True  # silent past its heartbeats (hung, stopped)
+    for i in range(3):
+        await pool.submit(f"r{i}", i)
+    assert a.submits == [] and [s[0] for s in b.submits] == ["r0", "r1", "r2"]
+    b.suspect = True  # all suspect: placed by load again, not refused
+    await pool.submit("r3", 3)
+    assert [s[0] for s in a.submits] == ["r3"]
+    assert [st["state"] for st in pool.replica_states()] == ["suspect", "suspect"]
+
+
+async def test_replica_states_say_restarting_until_the_slot_is_given_up_with_why() -> None:
+    pool = ReplicaPool(0)
+    a, _ = FakeReplica(pool), FakeReplica(pool)
+    pool.supervised = True
+    a.die("worker process 7 exited with code -9")
+    await pool.submit("r0", 0)  # served by b meanwhile
+    states = pool.replica_states()
+    assert [st["state"] for st in states] == ["restarting", "ready"]
+    assert "exited with code -9" in states[0]["reason"]
+    pool.give_up(0, "2 restarts within 60s; last death (exited): code -9")
+    states = pool.replica_states()
+    assert states[0] == {"replica": 0, "state": "given_up", "given_up": True,
+                         "reason": "2 restarts within 60s; last death (exited): code -9"}
+    pool.cordon(1)
+    assert pool.replica_states()[1]["state"] == "cordoned"

@@ -402,6 +402,7 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
                     client = ZmqStageClient(ctx, addr, stage_id=k, replica=r, sink=pool.sink,
                                             heartbeat_timeout=config.heartbeat_timeout
                                             if config.heartbeat_interval > 0 else None,
+                                            heartbeat_interval=config.heartbeat_interval or None,
                                             name=f"stage {k} ({st.label}) replica {r}",
                                             security=security, authenticator=authenticator)
                     pool.add_replica(client)

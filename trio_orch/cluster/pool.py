@@ -2,7 +2,8 @@
 
 A request is bound to one replica for its whole life (its KV cache lives
 there).  New requests go to the live replica with the fewest requests in
-flight (ties: lowest index).  When a replica dies it is evicted and every
+flight (ties: lowest index), passing over a *suspect* one (silent past its
+heartbeats: hung or stopped) while another is not.  When a replica dies it is evicted and every
 request bound to it gets a per-request ``StageOutput(error_kind="replica_died")``
 (the routing contract's replica death) while the other replicas keep serving; ``submit``
 raises :class:`~trio_orch.types.StageUnavailable` when no replica is live;
@@ -124,6 +125,8 @@ class ReplicaPool:
         self.compute_seconds = Histogram(STAGE_TIME_BUCKETS)
         #: set by the orchestrator that routes through this pool: replicas join it through its core
         self.join_gate: Any = None
+        #: slots a supervisor gave up (no restart will come) -> why, for ``/health``
+        self.given_up: dict[int, str] = {}
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"
@@ -211,6 +214,45 @@ class ReplicaPool:
             for cb in self._replica_watchers:
                 cb(*counts)
 
+    def give_up(self, idx: int, why: str) -> None:
+        """A supervisor will not restart slot ``idx`` again; ``why`` is reported with its state."""
+        self.given_up[idx] = why
+
+    def replica_states(self) -> list[dict[str, Any]]:
+        """Each slot's state for ``/health`` (run in the pool's Trio run: silence is read now).
+
+        ``state``: ``ready``; ``suspect`` (alive but silent past its heartbeats: hung or stopped,
+        not yet declared dead); ``starting`` (no handshake yet); ``cordoned`` (leaving: takes no
+        new request); ``restarting`` (dead, a supervisor brings it back); ``given_up`` (dead, the
+        supervisor stopped restarting it: ``reason`` says why); ``dead``; ``closed``.
+        """
+        out: list[dict[str, Any]] = []
+        for idx, c in enumerate(self.replicas):
+            st: dict[str, Any] = {"replica": idx}
+            dead = not c.alive or idx in self._evicted
+            if idx in self.given_up:
+                st.update(state="given_up", given_up=True, reason=self.given_up[idx])
+            elif self._closed:
+                st["state"] = "closed"
+            elif dead:
+                last = self.deaths[-1] if self.deaths else "closed"
+                st.update(state="restarting" if self.supervised else "dead",
+                          reason=getattr(c, "dead_reason", None) or last)
+            elif getattr(c, "ready", True) is None:
+                st["state"] = "starting"
+            elif getattr(c, "suspect", False):
+                silent = c.silent_for()
+                dead_after = f"; dead after {c.heartbeat_timeout:g}s" if c.heartbeat_timeout else ""
+                st.update(state="suspect", silent_s=round(silent, 3),
+                          reason=f"no message for {silent:.1f}s (heartbeats every "
+                                 f"{c.heartbeat_interval:g}s{dead_after})")
+            elif idx in self.cordoned:
+                st["state"] = "cordoned"
+            else:
+                st["state"] = "ready"
+            out.append(st)
+        return out
+
     def stop_supervision(self) -> None:
         """No replica will come back: ``receive`` raises StageDied once none is live."""
         self.supervised = False
@@ -278,10 +320,11 @@ class ReplicaPool:
             self.release_reservation(rid)
 
     def _place(self) -> int:
+        """The least loaded live replica; a suspect one (silent past its heartbeats) only if all are."""
         live = [i for i in self.live_replicas() if i not in self.cordoned]
         if not live:
             raise StageUnavailable(f"{self.name} has no live replica")
-        return min(live, key=lambda i: (self._load[i], i))
+        return min(live, key=lambda i: (getattr(self.replicas[i], "suspect", False), self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,

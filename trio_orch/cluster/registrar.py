@@ -230,6 +230,7 @@ class Registrar:
             stage_id=k,
             sink=pool.sink,
             heartbeat_timeout=cfg.heartbeat_timeout if cfg.heartbeat_interval > 0 else None,
+            heartbeat_interval=cfg.heartbeat_interval or None,
             name=f"stage {k} ({st.label}) member {reg.member_id[:8]}",
             max_message_bytes=256 << 20,
             security=self.security,

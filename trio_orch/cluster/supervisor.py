@@ -298,6 +298,7 @@ class Supervisor:
         k, r = slot.stage_id, slot.replica
         pool = self.pipeline.stages[k]
         policy = self.policy
+        last_failure: str | None = None  # why the last replacement failed to start
         while True:
             if self._closing or pool.closed:
                 ev.outcome = "closed"
@@ -306,7 +307,7 @@ class Supervisor:
             while slot.attempts and slot.attempts[0] < now - policy.window:
                 slot.attempts.popleft()
             if counted and len(slot.attempts) >= policy.max_restarts:
-                self._give_up(slot, ev)
+                self._give_up(slot, ev, last_failure)
                 return False
             delay = policy.backoff(len(slot.attempts) + 1) if counted else 0.0
             if counted:
@@ -320,8 +321,9 @@ class Supervisor:
                 if exc is None:
                     raise
                 self._count("restart_failures", k, ev.cause)
+                last_failure = _first_and_last_line(str(exc)) or type(exc).__name__
                 log.error("restart of stage %d replica %d failed (attempt %d): %s", k, r, ev.attempts,
-                          str(exc).splitlines()[0])
+                          last_failure)
                 self._notify()
                 counted = True  # a crash loop at startup always counts towards the intensity
                 continue
@@ -335,13 +337,19 @@ class Supervisor:
             self._notify()
             return True
 
-    def _give_up(self, slot: _Slot, ev: RestartEvent) -> None:
+    def _give_up(self, slot: _Slot, ev: RestartEvent, last_failure: str | None = None) -> None:
+        """No more restarts for ``slot``: counted, logged, and told to its pool with why (``/health``)."""
         k, r = slot.stage_id, slot.replica
         slot.given_up = True
         ev.outcome = "gave_up"
         self._count("gave_up", k, ev.cause)
-        log.error("stage %d replica %d: %d restarts within %.0fs; giving the slot up", k, r,
-                  self.policy.max_restarts, self.policy.window)
+        death = ev.reason.splitlines()[0] if ev.reason else "unknown"
+        why = (f"{self.policy.max_restarts} restarts within {self.policy.window:g}s; "
+               f"last death ({ev.cause}): {death}")
+        if last_failure is not None:
+            why += f"; last restart failed: {last_failure}"
+        self.pipeline.stages[k].give_up(r, why)
+        log.error("stage %d replica %d: giving the slot up: %s", k, r, why)
         if all(s.given_up for s in self._slots.values() if s.stage_id == k):
             log.error("stage %d: every replica slot was given up; the stage is dead", k)
             self.pipeline.stages[k].stop_supervision()
@@ -368,6 +376,7 @@ class Supervisor:
         slot.generation += 1
         client = ZmqStageClient(old.client.sock.context, old.client.address, stage_id=k, replica=r,
                                 sink=pool.sink, heartbeat_timeout=old.client.heartbeat_timeout,
+                                heartbeat_interval=old.client.heartbeat_interval,
                                 name=old.client.name, max_message_bytes=self.max_message_bytes,
                                 security=old.client.security, authenticator=old.client.authenticator)
         h = WorkerHandle(k, r, st.kind, client,
@@ -389,6 +398,14 @@ class Supervisor:
             return h
         pool.replace_replica(r, client, f"replaced by a restart: {old.client.dead_reason}")
         return h
+
+
+def _first_and_last_line(text: str) -> str:
+    """A failure's headline and its last line (a worker's stderr tail ends with what went wrong)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith("---")]
+    if len(lines) <= 1:
+        return lines[0] if lines else ""
+    return f"{lines[0]} ({lines[-1]})"
 
 
 def _startup_error(exc: BaseException) -> WorkerStartupError | None:

@@ -18,7 +18,10 @@ its requests gets a per-request error instead (so none of them hangs).
 The replica is declared dead (``receive`` raises
 :class:`ReplicaDied` once the outputs received before were delivered) when it
 sends the ``Dying`` sentinel, misses heartbeats for ``heartbeat_timeout``
-seconds, or when the launcher calls :meth:`mark_dead` (process exit).
+seconds, or when the launcher calls :meth:`mark_dead` (process exit).  Before
+that, a replica silent for :data:`SUSPECT_AFTER_HEARTBEATS` heartbeat
+intervals is *suspect* (:attr:`ZmqStageClient.suspect`): not dead yet, but
+making no progress (hung, SIGSTOPped), which ``/health`` reports at once.
 """
 
 from __future__ import annotations
@@ -57,13 +60,17 @@ from stages.wire import (
 )
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
-__all__ = ["ReplicaDied", "RpcError", "ZmqStageClient"]
+__all__ = ["SUSPECT_AFTER_HEARTBEATS", "ReplicaDied", "RpcError", "ZmqStageClient"]
 
 log = logging.getLogger("trio_orch.cluster.transport")
 
 #: what a sink gets: a batch of outputs, or the replica's death
 Event = list[StageOutput] | BaseException
 Sink = Callable[["ZmqStageClient", Event], None]
+
+#: a ready replica silent for this many heartbeat intervals is suspect (two heartbeats missed in a row:
+#: one late heartbeat on a busy machine is not enough)
+SUSPECT_AFTER_HEARTBEATS = 3
 
 
 class ReplicaDied(StageDied):
@@ -91,12 +98,15 @@ class ZmqStageClient:
     def __init__(self, ctx: zmq.Context, address: str, *, stage_id: int = 0, replica: int = 0,
                  heartbeat_timeout: float | None = None, sink: Sink | None = None,
                  name: str | None = None, max_message_bytes: int | None = None,
-                 security: Security | None = None, authenticator: Authenticator | None = None) -> None:
+                 security: Security | None = None, authenticator: Authenticator | None = None,
+                 heartbeat_interval: float | None = None) -> None:
         self.stage_id = stage_id
         self.replica = replica
         self.name = name or f"stage{stage_id}.r{replica}"
         self.address = address
         self.heartbeat_timeout = heartbeat_timeout
+        #: how often the worker sends heartbeats (None: unknown, nothing is ever suspect)
+        self.heartbeat_interval = heartbeat_interval
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         #: how the worker must authenticate (pipeline secret on ipc, its key on tcp); kept for a replacement
@@ -157,6 +167,25 @@ class ZmqStageClient:
     @property
     def alive(self) -> bool:
         return self.dead_reason is None and not self.closed
+
+    @property
+    def suspect_after(self) -> float | None:
+        """Seconds of silence after which a ready replica is suspect (None: never)."""
+        if not self.heartbeat_interval or self.heartbeat_interval <= 0:
+            return None
+        after = SUSPECT_AFTER_HEARTBEATS * self.heartbeat_interval
+        return min(after, self.heartbeat_timeout) if self.heartbeat_timeout else after
+
+    def silent_for(self) -> float:
+        """Seconds since the last message from the worker (must run in the client's Trio run)."""
+        return max(0.0, trio.current_time() - self.last_heard)
+
+    @property
+    def suspect(self) -> bool:
+        """Ready and alive, but silent past :attr:`suspect_after`: missed heartbeats, not yet dead."""
+        after = self.suspect_after
+        return (after is not None and self.alive and self.ready is not None
+                and self.silent_for() > after)
 
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,

@@ -126,6 +126,9 @@ class EngineStatistics:
     duration: Mapping[str, HistogramSnapshot] = field(default_factory=dict)  #: terminal kind -> e2e time
     stage_queue: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
     stage_compute: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
+    #: stage -> each replica slot's state (``ready``, ``suspect``, ``restarting``, ``given_up``, ... with
+    #: ``reason``), from stage clients that keep replicas (a replica pool); absent for the others
+    replica_states: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
 
     @property
     def queued_requests(self) -> int:
@@ -174,6 +177,29 @@ class EngineStatistics:
         return self.orchestrator.core.stage_limits if self.orchestrator else ()
 
     @property
+    def suspect_stages(self) -> list[int]:
+        """Stages whose every replica that takes requests is suspect (silent past its heartbeats):
+        alive as far as routing knows, but none of them is making progress."""
+        return [k for k, reps in sorted(self.replica_states.items())
+                if any(r["state"] == "suspect" for r in reps)
+                and not any(r["state"] == "ready" for r in reps)]
+
+    def stage_health(self, stage_id: int) -> dict[str, Any]:
+        """What ``/health`` adds to a stage's entry: its replicas' states, and whether it was given up.
+
+        ``given_up`` (with the last slot's ``reason``) only when every slot was given up: the
+        stage is gone for good, not restarting.  Empty for stage clients that keep no replicas.
+        """
+        reps = self.replica_states.get(stage_id)
+        if reps is None:
+            return {}
+        out: dict[str, Any] = {"replicas": [dict(r) for r in reps],
+                               "suspect": sum(1 for r in reps if r["state"] == "suspect")}
+        if reps and all(r["state"] == "given_up" for r in reps):
+            out.update(given_up=True, reason=reps[-1].get("reason"))
+        return out
+
+    @property
     def draining(self) -> bool:
         """Shutting down: nothing new is accepted, requests in flight may still finish."""
         return self.orchestrator is not None and self.orchestrator.state == "stopping"
@@ -189,8 +215,12 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
     by_replica: dict[tuple[int, str], int] = {}
     queue: dict[int, HistogramSnapshot] = {}
     compute: dict[int, HistogramSnapshot] = {}
+    states: dict[int, tuple[Mapping[str, Any], ...]] = {}
     if orch is not None:
         for k, stage in enumerate(orch.stages):
+            states_of = getattr(stage, "replica_states", None)  # ReplicaPool: suspect, given up, ...
+            if callable(states_of):
+                states[k] = tuple(MappingProxyType(dict(st)) for st in states_of())
             fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
             if callable(fn):
                 for replica, n in enumerate(fn()):
@@ -214,6 +244,7 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
         duration=MappingProxyType({k: h.snapshot() for k, h in sorted(demux.duration.items())}),
         stage_queue=MappingProxyType(queue),
         stage_compute=MappingProxyType(compute),
+        replica_states=MappingProxyType(states),
     )
 
 
