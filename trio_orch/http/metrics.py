@@ -28,7 +28,8 @@ from trio_orch.histogram import RTF_BUCKETS, Histogram, HistogramSnapshot
 if TYPE_CHECKING:
     from trio_orch.engine.base import EngineStatistics
 
-__all__ = ["CONTENT_TYPE", "FAMILIES", "EngineCollector", "ExtraCounters", "FrontMetrics", "render"]
+__all__ = ["CONTENT_TYPE", "FAMILIES", "FINISH_REASONS", "EngineCollector", "ExtraCounters", "FrontMetrics",
+           "render"]
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -89,6 +90,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "error terminals by kind"),
     "trio_orch_http_requests": ("counter",
         "chat completion requests by HTTP status (500: unexpected errors)"),
+    "trio_orch_prompt_tokens": ("counter",
+        "prompt tokens of the requests the HTTP routes passed to the engine (usage's prompt_tokens)"),
+    "trio_orch_generation_tokens": ("counter",
+        "text tokens sent to clients, by the stage that generated them (usage's completion_tokens)"),
+    "trio_orch_request_success": ("counter",
+        "answered requests by finish reason (stop, length; abort: the client left first)"),
     "trio_orch_http_client_disconnects": ("counter",
         "clients that left before their answer (request aborted) or during their upload"),
     "trio_orch_dispatch_latency_seconds": ("histogram",
@@ -109,6 +116,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+#: the finish reasons ``trio_orch_request_success`` shows from the start (vLLM's)
+FINISH_REASONS = ("stop", "length", "abort")
+
+
 @dataclass
 class FrontMetrics:
     """What the HTTP front counts itself (on its event loop)."""
@@ -120,7 +131,28 @@ class FrontMetrics:
     shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
     rtf: Histogram = field(default_factory=lambda: Histogram(RTF_BUCKETS))
     draining: bool = False
+    prompt_tokens: int = 0
+    generation_tokens: dict[int, int] = field(default_factory=dict)  #: stage -> tokens sent to clients
+    #: finish reason -> answered requests (the reasons listed are shown from the start, at 0)
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def expect_stage(self, stage: int) -> None:
+        """Show ``stage``'s generated tokens from the start (at 0), before any request."""
+        with self._lock:
+            self.generation_tokens.setdefault(stage, 0)
+
+    def count_tokens(self, prompt: int, generated: Mapping[int, int]) -> None:
+        """One request's prompt tokens and the tokens each stage generated for it."""
+        with self._lock:
+            self.prompt_tokens += prompt
+            for k, n in generated.items():
+                self.generation_tokens[k] = self.generation_tokens.get(k, 0) + n
+
+    def count_finished(self, reason: str) -> None:
+        """A request answered to its end (``stop``, ``length``) or left by its client (``abort``)."""
+        with self._lock:
+            self.finished[reason] = self.finished.get(reason, 0) + 1
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)
@@ -205,6 +237,17 @@ class EngineCollector(Collector):
             c = _counter("trio_orch_http_requests", ["route", "status"])
             for (route, status), n in sorted(self.front.requests.items()):
                 c.add_metric([route, str(status)], n)
+            yield c
+            c = _counter("trio_orch_prompt_tokens")
+            c.add_metric([], self.front.prompt_tokens)
+            yield c
+            c = _counter("trio_orch_generation_tokens", ["stage"])
+            for k, n in sorted(self.front.generation_tokens.items()):
+                c.add_metric([str(k)], n)
+            yield c
+            c = _counter("trio_orch_request_success", ["finished_reason"])
+            for reason, n in sorted(self.front.finished.items()):
+                c.add_metric([reason], n)
             yield c
             c = _counter("trio_orch_http_client_disconnects")
             c.add_metric([], self.front.disconnects)
