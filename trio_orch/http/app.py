@@ -6,8 +6,9 @@ the limits around them.  Routes: ``POST /v1/chat/completions``
 or ``["text", "audio"]``), ``POST /v1/images/generations``
 (:mod:`trio_orch.http.openai_images`; 400 naming ``model`` on a pipeline
 that makes no images), the ``/v1/realtime`` WebSocket session
-(:mod:`trio_orch.http.realtime_server`), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text) and, with an admin token, the
+(:mod:`trio_orch.http.realtime_server`), ``GET /v1/models`` (and
+``/v1/models/{name}``), ``GET /health``, ``GET /metrics`` (Prometheus text),
+vLLM's ``GET /version`` and ``/ping`` and, with an admin token, the
 ``/admin/...`` control routes (:mod:`trio_orch.http.admin`).  Both fronts
 (:mod:`trio_orch.serve.uvicorn_front`, :mod:`trio_orch.serve.hypercorn_front`)
 and the tests serve what it returns, so they cannot drift apart.
@@ -21,10 +22,17 @@ that goes away -- mid-stream or while waiting for a non-streamed answer --
 aborts its request in the orchestrator.  ``/health`` says ``ok``,
 ``degraded`` (a stage has no live replica; per-stage live/total replicas),
 ``draining`` or ``down``.
+
+With an API key (``serve --api-key``) every route but ``/health``,
+``/metrics``, ``/version`` and ``/ping`` needs ``Authorization: Bearer KEY``
+(:class:`ApiKeyAuth`, asked before anything else, WebSocket handshakes
+included); ``/admin/...`` keeps its own token.  A request naming a model that
+is not served here is a 404 ``model_not_found`` (:class:`~trio_orch.http.schemas.ServedModels`).
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import math
 import time
@@ -40,9 +48,21 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from stages.registry import text_stage
+from trio_orch import __version__
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.http.admin import PREFIX as ADMIN_PREFIX
 from trio_orch.http.admin import AdminAuth, admin_routes
-from trio_orch.http.limits import HTTPLimits, LimitsMiddleware, Shedder
+from trio_orch.http.limits import (
+    Guard,
+    HTTPLimits,
+    LimitsMiddleware,
+    Receive,
+    Refusal,
+    Scope,
+    Send,
+    Shedder,
+    json_response,
+)
 from trio_orch.http.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
 from trio_orch.http.openai_chat import (
     BadRequest,
@@ -55,26 +75,83 @@ from trio_orch.http.openai_chat import (
     parse_json_body,
 )
 from trio_orch.http.openai_images import IMAGES, image_route
+from trio_orch.http.openai_routes import GENERATION, openai_routes
 from trio_orch.http.realtime_server import realtime_route
+from trio_orch.http.schemas import ServedModels
 from trio_orch.http.streaming import SSEResponse, sse, until_done_or_gone
 from trio_orch.types import OrchError
 
-__all__ = ["CHAT", "GENERATION_PATHS", "ChatCompletions", "create_app"]
+__all__ = ["API_KEY_ENV", "CHAT", "GENERATION_PATHS", "ApiKeyAuth", "ChatCompletions", "WebSocketGuard",
+           "create_app"]
 
 log = logging.getLogger("trio_orch.serve.command")
 
 CHAT = "/v1/chat/completions"
 #: the POST routes that start work in the engine: the Shedder refuses them before their body is read
-GENERATION_PATHS = frozenset({CHAT, IMAGES})
+GENERATION_PATHS = frozenset({CHAT, IMAGES}) | GENERATION
+#: the environment variable ``serve`` reads the API key from when ``--api-key`` is not given
+API_KEY_ENV = "TRIO_ORCH_API_KEY"
+
+
+class ApiKeyAuth:
+    """``serve --api-key``: every route but :data:`OPEN` (and ``/admin/...``, behind its own token)
+    needs ``Authorization: Bearer KEY``, as vLLM's ``--api-key``.
+
+    A :data:`~trio_orch.http.limits.Guard`: asked before the content type, the
+    body or the route, so a caller without the key learns nothing else.
+    Unlike vLLM, which guards ``/v1`` only, a new route is guarded unless listed.
+    """
+
+    OPEN = frozenset({"/health", "/metrics", "/version", "/ping"})
+    MESSAGE = "a valid API key is required: send 'Authorization: Bearer KEY' (the key serve was given)"
+
+    def __init__(self, key: str) -> None:
+        self.expected = f"Bearer {key}".encode()
+
+    def __call__(self, scope: Scope) -> Refusal | None:
+        path = str(scope.get("path", ""))
+        if path in self.OPEN or path.startswith(ADMIN_PREFIX) or scope.get("method") == "OPTIONS":
+            return None
+        given = next((v for k, v in scope.get("headers") or [] if k.lower() == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            return None
+        return Refusal(401, self.MESSAGE, "invalid_api_key", "invalid_request_error",
+                       {"www-authenticate": "Bearer"})
+
+
+class WebSocketGuard:
+    """The guards for WebSocket handshakes (:class:`LimitsMiddleware` applies them to HTTP requests):
+    a refusal is the handshake's HTTP answer, with its OpenAI-shaped body."""
+
+    def __init__(self, app: Callable[..., Any], guards: Sequence[Guard], front: FrontMetrics) -> None:
+        self.app = app
+        self.guards = guards
+        self.front = front
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            for guard in self.guards:
+                refusal = guard(scope)
+                if refusal is not None:
+                    await receive()  # websocket.connect
+                    self.front.count(str(scope.get("path", "")), refusal.status)
+                    log.warning("refused a WebSocket session at %s (%d): %s", scope.get("path"),
+                                refusal.status, refusal.message)
+                    headers, data = json_response(refusal.status, refusal.body(), refusal.headers)
+                    await send({"type": "websocket.http.response.start", "status": refusal.status,
+                                "headers": headers})
+                    await send({"type": "websocket.http.response.body", "body": data, "more_body": False})
+                    return
+        await self.app(scope, receive, send)
 
 
 class ChatCompletions:
     """``POST /v1/chat/completions`` over ``engine`` (see :func:`create_app` for the arguments)."""
 
-    def __init__(self, engine: Engine, *, model_name: str, outputs: Sequence[str] | None,
+    def __init__(self, engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
                  limits: HTTPLimits, front: FrontMetrics, token_limit: int | None) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
         self.outputs = outputs
         self.limits = limits
         self.front = front
@@ -107,15 +184,16 @@ class ChatCompletions:
 
     def disconnected(self) -> None:
         self.front.disconnects += 1
+        self.front.count_finished("abort")
         log.info("a client disconnected before its answer; its request was aborted")
 
     async def handle(self, request: Request) -> Response:
         engine, limits = self.engine, self.limits
         try:
             body = parse_json_body(await request.body(), limits.max_json_depth)
-            req = parse_chat_request(body, self.model_name, limits.max_prompt_chars)
+            req = parse_chat_request(body, self.models, limits.max_prompt_chars)
             final = self.final_stage_for(req)
-            map_chat_sampling(body, req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
+            map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
                               outputs=self.outputs, final_stage_id=final)
         except BadRequest as exc:
             return self.error(exc.status, str(exc), param=exc.param, code=exc.code)
@@ -158,13 +236,21 @@ class ChatCompletions:
 
     async def collect(self, req: ChatRequest, handle: AsyncRequestHandle) -> dict[str, Any] | OrchError:
         cs = ChatStream(req, self.outputs, self.token_limit)
-        async for msgs in handle.batches():
-            for m in msgs:
-                if isinstance(m, OrchError):
-                    return m
-                cs.add(m)
+        try:
+            async for msgs in handle.batches():
+                for m in msgs:
+                    if isinstance(m, OrchError):
+                        return m
+                    cs.add(m)
+        finally:  # cancelled too (the client left): what was generated counts
+            self.count_tokens(cs)
         self.observe_rtf(cs, handle)
-        return cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
+        out = cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
+        self.front.count_finished(cs.finish_reason())
+        return out
+
+    def count_tokens(self, cs: ChatStream) -> None:
+        self.front.count_tokens(cs.usage()["prompt_tokens"], cs.tokens_by_stage)
 
     def observe_rtf(self, cs: ChatStream, handle: AsyncRequestHandle) -> None:
         rtf = cs.real_time_factor(handle.t_open)
@@ -188,6 +274,7 @@ class ChatCompletions:
                         out.append(sse(chunk))
                     if m.finished:
                         self.observe_rtf(cs, handle)
+                        self.front.count_finished(cs.finish_reason())
                         out.append(sse(cs.last_chunk()))
                         if req.include_usage:
                             out.append(sse(cs.usage_chunk()))
@@ -196,18 +283,31 @@ class ChatCompletions:
         except (EngineClosed, ValueError) as exc:
             yield sse(error_body(str(exc), "server_error", code="engine_closed"))
         finally:
+            self.count_tokens(cs)
             await gen.aclose()
         yield b"data: [DONE]\n\n"
 
 
-def _status_routes(engine: Engine, front: FrontMetrics, *, model_name: str, outputs: Sequence[str] | None,
-                   stage_names: Sequence[str] | None,
+def _status_routes(engine: Engine, front: FrontMetrics, *, models: ServedModels,
+                   outputs: Sequence[str] | None, stage_names: Sequence[str] | None,
                    extra_metrics: Callable[[], ExtraCounters] | None) -> list[BaseRoute]:
-    """``/v1/models``, ``/health`` and ``/metrics``."""
+    """``/v1/models``, ``/v1/models/{name}``, ``/health``, ``/metrics``, ``/version`` and ``/ping``."""
 
-    async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": 0, "owned_by": "trio-orch"}]})
+    async def listing(request: Request) -> Response:
+        return JSONResponse(models.listing())
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name in models.names:
+            return JSONResponse(models.card(name))
+        return JSONResponse(error_body(f"The model `{name}` does not exist", "invalid_request_error",
+                                       "model", "model_not_found"), status_code=404)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def ping(request: Request) -> Response:
+        return Response(status_code=200)
 
     async def health(request: Request) -> Response:
         stats = await engine.stats_async()
@@ -239,8 +339,10 @@ def _status_routes(engine: Engine, front: FrontMetrics, *, model_name: str, outp
         extra = extra_metrics() if extra_metrics is not None else None
         return Response(render(stats, front, extra, outputs), media_type=CONTENT_TYPE)
 
-    return [Route("/v1/models", models, methods=["GET"]), Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"])]
+    return [Route("/v1/models", listing, methods=["GET"]),
+            Route("/v1/models/{name:path}", model, methods=["GET"]),
+            Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+            Route("/version", version, methods=["GET"]), Route("/ping", ping, methods=["GET", "POST"])]
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -248,11 +350,12 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
 
 
-def create_app(engine: Engine, *, model_name: str = "trio-orch",
+def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
                extra_metrics: Callable[[], ExtraCounters] | None = None,
                outputs: Sequence[str] | None = None, limits: HTTPLimits | None = None,
                front: FrontMetrics | None = None, token_limit: int | None = None,
-               stage_names: Sequence[str] | None = None, admin_token: str | None = None) -> Starlette:
+               stage_names: Sequence[str] | None = None, admin_token: str | None = None,
+               api_key: str | None = None) -> Starlette:
     """The whole ASGI app over a started engine (either kind: the thread bridge or the in-loop one).
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's
@@ -263,23 +366,33 @@ def create_app(engine: Engine, *, model_name: str = "trio-orch",
     ``front.draining`` to drain); ``token_limit``: the text stage's own cap on
     generated tokens (for ``finish_reason``); ``stage_names`` label the stages
     in ``/health``; ``admin_token`` turns on the ``/admin/...`` control routes
-    behind that bearer token.
+    behind that bearer token.  ``model_name``: the served name, or names (the
+    first is the one answers carry); ``api_key`` guards every route but the
+    open ones (:class:`ApiKeyAuth`).
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
+    models = ServedModels(model_name)  # created: now, when the server starts
     auth = AdminAuth(admin_token) if admin_token else None
-    chat = ChatCompletions(engine, model_name=model_name, outputs=outputs, limits=limits, front=front,
+    guards: tuple[Guard, ...] = tuple(g for g in (ApiKeyAuth(api_key) if api_key else None, auth)
+                                      if g is not None)
+    text = text_stage(engine.final_stage_ids, outputs)
+    if text is not None:
+        front.expect_stage(text)  # its generated tokens are shown from the start, at 0
+    chat = ChatCompletions(engine, models=models, outputs=outputs, limits=limits, front=front,
                            token_limit=token_limit)
     routes: list[BaseRoute] = [
         chat.route(),
-        image_route(engine, model_name=model_name, outputs=outputs, front=front),
+        image_route(engine, model_name=models.name, outputs=outputs, front=front),
+        *openai_routes(engine, models, outputs=outputs, limits=limits, front=front, token_limit=token_limit),
         realtime_route(engine, outputs),
-        *_status_routes(engine, front, model_name=model_name, outputs=outputs, stage_names=stage_names,
+        *_status_routes(engine, front, models=models, outputs=outputs, stage_names=stage_names,
                         extra_metrics=extra_metrics),
         *admin_routes(engine, auth),
     ]
     shedder = Shedder(lambda: engine.shedding, GENERATION_PATHS, front, engine.retry_after,
                       capacity=lambda: engine.capacity)
     return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
-                     middleware=[Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder,
-                                                guards=(auth,) if auth is not None else ())])
+                     middleware=[Middleware(WebSocketGuard, guards=guards, front=front),
+                                 Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder,
+                                            guards=guards)])
