@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 import janus
@@ -248,13 +248,21 @@ class AsyncioOrchestrator:
 
     def _expire(self, request_id: str) -> None:
         self._timers.pop(request_id, None)
-        actions = self.router.expire(request_id)
+        io = self.deliver_emits(self.router.expire(request_id))
+        if io:  # the stage aborts, in a side task
+            self.spawn(self.perform(io), f"orchestrator-expire-{request_id}")
+
+    def deliver_emits(self, actions: list[Action]) -> list[Action]:
+        """Deliver the messages among ``actions`` now; return the stage I/O left to perform."""
         self._deliver([a.message for a in actions if type(a) is Emit])
-        io = [a for a in actions if type(a) is not Emit]
-        if io:  # the stage aborts: fire and forget, as the source does for its side jobs
-            task = self.loop.create_task(self.perform(io))
-            self._io_tasks.add(task)
-            task.add_done_callback(self._io_tasks.discard)
+        return [a for a in actions if type(a) is not Emit]
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Run side work (stage aborts) in a task, fire and forget as the source does (variants own it)."""
+        task = self.loop.create_task(coro, name=name)
+        self._io_tasks.add(task)
+        task.add_done_callback(self._io_tasks.discard)
+        return task
 
     async def run(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -349,9 +357,13 @@ class AsyncioOrchestrator:
                     continue
                 for x in router.submitted(a.stage_id, a.request_id):
                     if type(x) is Abort:
-                        await self._abort_on(x.stage_id, x.request_ids)
+                        await self.stage_abort(x)
             elif type(a) is Abort:
-                await self._abort_on(a.stage_id, a.request_ids)
+                await self.stage_abort(a)
+
+    async def stage_abort(self, a: Abort) -> None:
+        """Perform one stage abort the core decided on: here, inline (variants may hand it to a task)."""
+        await self._abort_on(a.stage_id, a.request_ids)
 
     async def _abort_on(self, stage_id: int, request_ids: list[str]) -> None:
         try:

@@ -2,30 +2,53 @@
 
 Same thread/loop boundary, janus queues, request handler, reader-per-stage and
 serial dispatcher as :class:`bench.refs.omni.OmniEventDriven`, but the tasks
-live in one :class:`asyncio.TaskGroup`: a task that crashes cancels its
-siblings and the error comes out of ``run()`` as an ``ExceptionGroup``;
-shutdown cancels the group's tasks and the group waits for them, at most
-``shutdown_grace`` before an ``asyncio.timeout`` cancels them a second time;
-the cleanup is bounded with ``asyncio.timeout`` too; there is no
-``all_tasks()`` sweep (the
-thread runs the loop with :class:`asyncio.Runner`, whose close cancels what is
-left).  Readers use ``Task.cancelling()`` (3.11+) to tell a cancellation of
-their own task from a ``CancelledError`` raised by the stage client (pyzmq
-raises one when a socket is closed under a pending ``recv``).
+live in one :class:`asyncio.TaskGroup`, and it makes every design choice the
+Trio shell (``trio_orch/shell/orchestrator.py``) makes, so that where its row
+still differs from Trio's the difference is the concurrency model's:
 
-What TaskGroup does not change is that cancellation stays edge-triggered: a
-task that catches ``CancelledError`` once and keeps awaiting is not cancelled
-again until something delivers a second cancel (here: the stop deadline).
+- **stop bounded, however it is asked for**: ``request_shutdown`` or a
+  cancellation of ``run()`` from outside cancels the group's tasks, and at
+  most ``shutdown_grace`` later an ``asyncio.timeout`` cancels the group a
+  second time (TaskGroup re-cancels its children when its parent is);
+- **the abort path**: a serving thread's abort goes straight to the loop
+  (``call_soon_threadsafe``): a queued request gets its terminal at once, a
+  started one through the dispatcher, in order with the outputs -- not
+  behind the adds in the request queue;
+- **stage I/O off the routing path**: stage aborts (an abort's, a
+  deadline's) run in tasks of the group, so a stage hung in ``abort()``
+  stalls nobody; collective RPCs too, and a call whose task was cancelled
+  before it ran is still answered;
+- **errors while stopping are reported**: once the group has ended, what
+  the readers posted that the dispatcher never routed (a stage failing as
+  it is cancelled) is logged;
+- **the cleanup is bounded and shielded**: stage aborts and each ``aclose``
+  under ``asyncio.timeout(shutdown_grace)``, the whole cleanup under
+  ``asyncio.shield`` (Trio: a shielded cancel scope);
+- no ``all_tasks()`` sweep (the thread runs the loop with
+  :class:`asyncio.Runner`, whose close cancels what is left); readers use
+  ``Task.cancelling()`` to tell a cancellation of their own task from a
+  ``CancelledError`` raised by the stage client (pyzmq raises one when a
+  socket is closed under a pending ``recv``); replica handshakes are cancelled
+  at shutdown.
+
+What none of this changes is the model: cancellation stays edge-triggered
+(a task that catches ``CancelledError`` once and keeps awaiting is not
+cancelled again until something delivers a second cancel -- here the stop
+deadline), ``asyncio.shield`` protects the inner task but not the one that
+awaits it, and a thread started by ``asyncio.to_thread`` runs on after its
+await was cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 from bench.refs.control import RpcMsg, concurrent_rpc
 from bench.refs.orchestrator import AsyncioOrchestrator
+from trio_orch.core import Abort, RequestState
 from trio_orch.types import StageClient, StageDied
 
 __all__ = ["TaskGroupOrchestrator"]
@@ -33,41 +56,104 @@ __all__ = ["TaskGroupOrchestrator"]
 log = logging.getLogger("bench.refs.taskgroup")
 
 
+class _AbortCmd:
+    """A serving thread's abort of a started request, for the dispatcher (this incarnation only)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+
+
 class TaskGroupOrchestrator(AsyncioOrchestrator):
-    """Event-driven asyncio orchestrator with structured task supervision."""
+    """Event-driven asyncio orchestrator with structured task supervision and the Trio shell's design."""
 
     variant = "asyncio-taskgroup"
-    description = "modern asyncio: the same under asyncio.TaskGroup + asyncio.timeout, no sweep"
+    description = ("modern asyncio with the Trio shell's design: TaskGroup, asyncio.timeout and shield, "
+                   "aborts via the dispatcher, stage I/O in tasks, unrouted errors reported, no sweep")
     use_runner = True
     bounded_cleanup = True
-    _tg: asyncio.TaskGroup
-    _rpc_tasks: set[asyncio.Task[None]]
+    _tg: asyncio.TaskGroup | None = None
+    _ready: asyncio.Queue[tuple[int | None, Any]]
 
     async def run(self) -> None:
+        self._ready = asyncio.Queue()
+        self._side: set[asyncio.Task[None]] = set()
+        cancelled_from_outside = False
         try:
             # The stop is bounded: if the group's tasks have not finished ``shutdown_grace``
             # after being cancelled, the deadline cancels this task, and TaskGroup answers
             # that by cancelling its children once more.
             async with asyncio.timeout(None) as stop_deadline:
                 async with asyncio.TaskGroup() as tg:
-                    self._tg, self._rpc_tasks = tg, set()
-                    ready_q: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+                    self._tg = tg
                     tasks = [tg.create_task(self.request_handler(), name="orchestrator-request-handler"),
-                             tg.create_task(self._dispatcher(ready_q), name="orchestrator-dispatcher")]
-                    tasks += [tg.create_task(self.reader(k, s, ready_q), name=f"orchestrator-reader-{k}")
+                             tg.create_task(self._dispatcher(), name="orchestrator-dispatcher")]
+                    tasks += [tg.create_task(self.reader(k, s), name=f"orchestrator-reader-{k}")
                               for k, s in enumerate(self.stages)]
-                    await self.wait_stop_requested()
+                    try:
+                        await self.wait_stop_requested()
+                    except asyncio.CancelledError:  # cancelled from outside: stop the same way, then say so
+                        cancelled_from_outside = True
                     self.stopping.set()
                     stop_deadline.reschedule(asyncio.get_running_loop().time() + self.shutdown_grace)
-                    for t in (*tasks, *self._rpc_tasks):
+                    for t in (*tasks, *self._side):
                         t.cancel()
         except TimeoutError:
             log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
                         self.shutdown_grace)
         finally:
+            self._tg = None
             self.stopping.set()
-            await self.finish()
+            self._report_unrouted_events()
+            # Shielded, as the Trio shell's cleanup is: a cancellation of run() now does not cut it.
+            # (asyncio.shield protects the cleanup task, not this one: run() itself still ends at once.)
+            await asyncio.shield(self.finish())
+        if cancelled_from_outside:
+            raise asyncio.CancelledError
 
+    # ------------------------------------------------------------------ the abort path
+    def abort(self, request_id: str) -> None:
+        """(Serving thread.)  Straight to the loop, not behind the adds in the request queue."""
+        try:
+            self.loop.call_soon_threadsafe(self._abort_now, request_id)
+        except RuntimeError:
+            pass  # the loop is closed: every request already had its terminal
+
+    def _abort_now(self, request_id: str) -> None:
+        """A queued request ends at once; a started one through the dispatcher (ordered with outputs)."""
+        if self.stopping.is_set():
+            return  # the shutdown terminals are on their way
+        if self.router.is_queued(request_id):
+            io = self.deliver_emits(self.router.abort(request_id))
+            if io:
+                self.spawn(self.perform(io), f"orchestrator-abort-{request_id}")
+            return
+        state = self.router.requests.get(request_id)
+        if state is not None:
+            self._ready.put_nowait((None, _AbortCmd(state)))
+
+    async def stage_abort(self, a: Abort) -> None:
+        """In a task of the group while running (a hung stage stalls nobody); inline while stopping."""
+        if self._tg is not None and not self.stopping.is_set():
+            self.spawn(self._abort_on_stage(a), f"orchestrator-abort-{a.stage_id}")
+        else:
+            await super().stage_abort(a)
+
+    async def _abort_on_stage(self, a: Abort) -> None:
+        await super().stage_abort(a)
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        """Side work belongs to the group while it runs (cancelled with it); else a tracked task."""
+        tg = self._tg
+        if tg is None or self.stopping.is_set():
+            return super().spawn(coro, name)
+        task = tg.create_task(coro, name=name)
+        self._side.add(task)
+        task.add_done_callback(self._side.discard)
+        return task
+
+    # ------------------------------------------------------------------ the tasks
     async def stop_joins(self) -> None:
         """Structured: the core's rule, every handshake in progress is cancelled at once."""
         tasks = list(self.join_tasks.values())
@@ -76,25 +162,49 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def handle_rpc(self, msg: RpcMsg) -> None:
-        """A task of the group asks every stage at once; the request handler moves on."""
-        task = self._tg.create_task(concurrent_rpc(self.stages, msg), name=f"orchestrator-rpc-{msg.method}")
-        self._rpc_tasks.add(task)
-        task.add_done_callback(self._rpc_tasks.discard)
+        """A task of the group asks every stage at once; the request handler moves on.
 
-    async def _dispatcher(self, ready_q: asyncio.Queue[tuple[int, Any]]) -> None:
+        A task cancelled before its first step never runs its body (its
+        ``finally`` included): the done callback answers the caller then.
+        """
+        task = self.spawn(concurrent_rpc(self.stages, msg), f"orchestrator-rpc-{msg.method}")
+        task.add_done_callback(lambda t: msg.refuse("orchestrator stopped before the call ran"))
+
+    async def _dispatcher(self) -> None:
+        ready = self._ready
+        router = self.router
         while True:
-            stage_id, item = await ready_q.get()
+            stage_id, item = await ready.get()
+            if type(item) is _AbortCmd:
+                rid = item.state.request_id
+                if router.requests.get(rid) is item.state:
+                    await self.perform(router.abort(rid))
+                continue
+            assert stage_id is not None
             await self.perform(self.route(stage_id, item))
 
-    async def reader(self, stage_id: int, stage: StageClient, ready_q: asyncio.Queue[Any]) -> None:
+    async def reader(self, stage_id: int, stage: StageClient) -> None:
+        ready = self._ready
         try:
             while True:
                 outs = await stage.receive()
-                ready_q.put_nowait((stage_id, outs))
+                ready.put_nowait((stage_id, outs))
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our own cancellation
-            ready_q.put_nowait((stage_id, StageDied.of(exc)))
+            ready.put_nowait((stage_id, StageDied.of(exc)))
         except Exception as exc:
-            ready_q.put_nowait((stage_id, StageDied.of(exc)))
+            ready.put_nowait((stage_id, StageDied.of(exc)))
+
+    def _report_unrouted_events(self) -> None:
+        """Events the dispatcher never saw (it was cancelled first): log the stage failures."""
+        while True:
+            try:
+                stage_id, item = self._ready.get_nowait()
+            except asyncio.QueueEmpty:
+                return
+            if type(item) is StageDied and stage_id is not None:
+                msg = item.describe(stage_id).replace(" died: ", " failed while stopping: ", 1)
+                log.warning("%s", msg)
+                self.stage_deaths.setdefault(stage_id, msg)
