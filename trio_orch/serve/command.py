@@ -35,7 +35,7 @@ from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import Engine, EngineStartupError
 from trio_orch.http.admin import TOKEN_ENV
-from trio_orch.http.app import create_app
+from trio_orch.http.app import API_KEY_ENV, create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
@@ -56,7 +56,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
         "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
-        "streams out), GET /health, GET /metrics (Prometheus). --loop trio: the HTTP server "
+        "streams out), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
+        "(vLLM's and OpenAI's dialect, --served-model-name and --api-key as vLLM's: "
+        "docs/openai-compat.md). --loop trio: the HTTP server "
         "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
         "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
@@ -81,7 +83,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
-    parser.add_argument("--model-name", default="trio-orch", help="model id reported to clients")
+    parser.add_argument("--served-model-name", "--model-name", dest="served_model_name", nargs="+",
+                        default=["trio-orch"], metavar="NAME",
+                        help="the model name(s) clients may ask for, as vLLM's flag: /v1/models lists them, "
+                             "a request naming another model gets 404 model_not_found, answers carry the "
+                             "first (default trio-orch; --model-name is the same flag)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
+                             "/version and /ping, else 401 (/admin keeps its own token; default: "
+                             f"${API_KEY_ENV}; unset: open). Prefer the variable: a flag shows in ps")
     parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
                         help="serve the control plane under /admin/... (stats, pause, sleep, weight "
                              "reload, profiling; 'trio-orch ctl' is its client), each call needing "
@@ -172,6 +182,10 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if not all(args.served_model_name):
+        raise ValueError("--served-model-name: a name may not be empty")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key: the key may not be empty (leave it out to serve without one)")
     if args.loop == "trio" and args.max_connections is not None:  # an explicit limit must hold or be refused
         raise ValueError("--max-connections applies to --loop asyncio: hypercorn's Trio worker has no "
                          "connection limit")
@@ -338,10 +352,10 @@ def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: Engine, limits: 
     def extra_metrics() -> dict[str, Any]:
         return {**pipeline.extra_metrics(), **(front_counters() if front_counters is not None else {})}
 
-    return create_app(engine, model_name=args.model_name, extra_metrics=extra_metrics,
+    return create_app(engine, model_name=args.served_model_name, extra_metrics=extra_metrics,
                       outputs=pipeline.outputs, limits=limits, front=front,
                       token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
-                      admin_token=args.admin_token)
+                      admin_token=args.admin_token, api_key=args.api_key)
 
 
 def _announce(pipeline: _Pipeline, host: str, port: int, front: str) -> None:
