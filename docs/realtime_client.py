@@ -1,101 +1,135 @@
-"""Example client of the ``trio-orch serve`` realtime session (``/v1/realtime``).
+"""Example client of the ``trio-orch serve`` realtime session (``/v1/realtime``), on the official SDK.
 
-Sends each text segment, prints the answer's text as it streams, collects
-its audio, waits until the segment's answer is complete, pauses, sends the
-next one; then finishes the session and writes the audio to a WAV file::
+Connects with ``openai``'s ``client.realtime.connect(model=...)``, then for
+each text turn adds a user message (``conversation.item.create``), asks for a
+response (``response.create``), prints the answer's text as it streams,
+collects its audio until ``response.done``, pauses, and sends the next turn;
+at the end it writes all the audio to a WAV file::
 
     trio-orch serve --port 8000 &
     python docs/realtime_client.py "Hello" "How are you today?" "Goodbye" --pause 1 --out session.wav
 
-Uses the ``websockets`` library (installed with trio-orch) in its plain,
-synchronous form; nothing else beyond the standard library.
+Needs the ``openai`` package (``pip install "openai[realtime]"``; it brings
+``websockets``, which trio-orch installs anyway).  The key, if the server was
+started with ``--api-key``, comes from ``--api-key`` or ``OPENAI_API_KEY``.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
-import json
+import os
 import sys
+import threading
 import time
 import wave
+from dataclasses import dataclass, field
 from typing import Any
 
+from openai import OpenAI, OpenAIError
 from websockets.exceptions import WebSocketException
-from websockets.sync.client import connect
 
 SAMPLE_RATE = 24000  # the session's audio: 16-bit little-endian mono PCM at 24 kHz
+TEXT_DELTAS = ("response.output_text.delta", "response.output_audio_transcript.delta")
 
 
-def talk(url: str, segments: list[str], *, pause: float = 1.0, out: str | None = "session.wav",
-         modalities: list[str] | None = None, show: bool = True, timeout: float = 120.0) -> list[Any]:
-    """Run one session; return its log: ``("sent", event)`` and ``("recv", event)`` in order."""
-    log: list[Any] = []
-    audio = bytearray()
+@dataclass
+class Turn:
+    """One turn: what was said, every server event of its response (SDK models), and the answer."""
 
-    with connect(url, open_timeout=timeout, close_timeout=5) as ws:
+    text: str
+    events: list[Any] = field(default_factory=list)
+    status: str | None = None  # response.done's status: completed, cancelled, failed
+    transcript: str = ""  # the streamed text deltas, joined
+    audio: bytes = b""  # the streamed audio, 16-bit PCM
 
-        def send(event: dict[str, Any]) -> None:
-            ws.send(json.dumps(event))
-            log.append(("sent", event))
 
-        def receive_until(kind: str, segment: int | None = None) -> None:
-            while True:
-                event = json.loads(ws.recv(timeout=timeout))
-                log.append(("recv", event))
-                t = event["type"]
-                if t == "error":
-                    raise RuntimeError(f"the server refused an event: {event['error']['message']}")
-                if t == "response.text.delta" and show:
-                    print(event["delta"], end="", flush=True)
-                elif t == "response.audio.delta":
-                    audio.extend(base64.b64decode(event["delta"]))
-                elif t == "response.done" and kind != "response.done":
-                    raise RuntimeError(f"the response ended early: {event['response']}")
-                if t == kind and (segment is None or event.get("segment") == segment):
-                    return
+def talk(base_url: str, texts: list[str], *, pause: float = 1.0, out: str | None = "session.wav",
+         text_only: bool = False, show: bool = True, api_key: str | None = None, model: str = "trio-orch",
+         timeout: float = 120.0) -> list[Turn]:
+    """Run one session over ``base_url`` (``http://HOST:PORT/v1``); return its turns in order.
 
-        receive_until("session.created")
-        if modalities is not None:
-            send({"type": "session.update", "session": {"modalities": modalities}})
-            receive_until("session.updated")
-        for i, text in enumerate(segments):
+    ``timeout``: seconds a turn may take; past it the connection is closed and RuntimeError raised.
+    """
+    client = OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "unused")
+    turns: list[Turn] = []
+    with client.realtime.connect(model=model) as conn:
+        created = conn.recv()
+        if created.type != "session.created":
+            raise RuntimeError(f"expected session.created, got {created.type}")
+        if text_only:
+            conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            if (ack := conn.recv()).type != "session.updated":
+                raise RuntimeError(f"session.update was not taken: {ack}")
+        for i, text in enumerate(texts):
             if i and pause:
                 time.sleep(pause)
             if show:
                 print(f"\n> {text}\n< ", end="", flush=True)
-            send({"type": "input_text_buffer.append", "text": text})
-            send({"type": "input_text_buffer.commit"})
-            receive_until("response.segment.done", i)  # this segment's text and audio are complete
-        send({"type": "session.finish"})
-        receive_until("response.done")
+            conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                "content": [{"type": "input_text", "text": text}]})
+            conn.response.create()
+            turns.append(_receive_turn(conn, Turn(text), show, timeout))
     if show:
         print()
-    if out:
+    if out and not text_only:
+        audio = b"".join(t.audio for t in turns)
         with wave.open(out, "wb") as w:
             w.setnchannels(1)
             w.setsampwidth(2)
             w.setframerate(SAMPLE_RATE)
-            w.writeframes(bytes(audio))
+            w.writeframes(audio)
         if show:
             print(f"wrote {len(audio) // 2 / SAMPLE_RATE:.2f} s of audio to {out}")
-    return log
+    return turns
+
+
+def _receive_turn(conn: Any, turn: Turn, show: bool, timeout: float) -> Turn:
+    """Read events until the response's ``response.done`` (closing the connection after ``timeout``)."""
+    watchdog = threading.Timer(timeout, conn.close)
+    watchdog.start()
+    audio = bytearray()
+    try:
+        for event in conn:
+            if event.type == "error":
+                raise RuntimeError(f"the server refused an event: {event.error.message}")
+            if event.type in ("conversation.item.added", "conversation.item.done") and not turn.events:
+                continue  # the acknowledgement of our own user message
+            turn.events.append(event)
+            if event.type in TEXT_DELTAS:
+                turn.transcript += event.delta
+                if show:
+                    print(event.delta, end="", flush=True)
+            elif event.type == "response.output_audio.delta":
+                audio.extend(base64.b64decode(event.delta))
+            elif event.type == "response.done":
+                turn.status = event.response.status
+                turn.audio = bytes(audio)
+                if turn.status != "completed":
+                    raise RuntimeError(f"the response ended {turn.status}: {event.response.status_details}")
+                return turn
+    finally:
+        watchdog.cancel()
+    raise RuntimeError(f"no response.done within {timeout} s (the connection was closed)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="Talk to a trio-orch realtime session: text segments in, "
-                                            "streamed text and audio out.")
-    p.add_argument("segments", nargs="+", help="the input segments, sent one after the other")
-    p.add_argument("--url", default="ws://127.0.0.1:8000/v1/realtime", help="the session's WebSocket URL")
+    p = argparse.ArgumentParser(description="Talk to a trio-orch realtime session with the official openai "
+                                            "SDK: text turns in, streamed text and audio out.")
+    p.add_argument("texts", nargs="+", help="the user's turns, sent one after the other")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
+                   help="the server's OpenAI base URL (the session is BASE_URL/realtime)")
+    p.add_argument("--model", default="trio-orch", help="the model name sent as ?model= (default trio-orch)")
+    p.add_argument("--api-key", default=None, help="the server's --api-key (default: $OPENAI_API_KEY)")
     p.add_argument("--pause", type=float, default=1.0,
-                   help="seconds to wait after a segment's answer before sending the next (default 1)")
+                   help="seconds to wait after an answer before sending the next turn (default 1)")
     p.add_argument("--out", default="session.wav", help="WAV file for the session's audio")
-    p.add_argument("--text-only", action="store_true", help="ask for text only (no audio)")
+    p.add_argument("--text-only", action="store_true", help="ask for text only (no audio, no WAV)")
     args = p.parse_args(argv)
     try:
-        talk(args.url, args.segments, pause=args.pause, out=None if args.text_only else args.out,
-             modalities=["text"] if args.text_only else None)
-    except (OSError, RuntimeError, WebSocketException) as exc:
+        talk(args.base_url, args.texts, pause=args.pause, out=args.out, text_only=args.text_only,
+             api_key=args.api_key, model=args.model)
+    except (OSError, RuntimeError, OpenAIError, WebSocketException) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

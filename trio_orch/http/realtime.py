@@ -1,311 +1,432 @@
-"""The realtime session protocol: one WebSocket session, one resumable request (no I/O here).
+"""The realtime session: OpenAI's Realtime protocol (text in; text and audio out), with no I/O here.
 
 ``trio-orch serve`` speaks it on ``/v1/realtime`` (the socket side is
-:mod:`trio_orch.http.realtime_server`).  Events are JSON text frames shaped like
-the OpenAI Realtime API's where they fit: ``{"type": ..., ...}``, with an
-optional client ``event_id`` echoed in errors.  The user types into an input
-buffer and *commits* it: the first commit starts the session's request, each
-later one is the next input segment of that same request, answered in turn
-(the thinker continues from what it already said and heard).
+:mod:`trio_orch.http.realtime_server`), so the official ``openai`` SDK's
+``client.realtime.connect(model=...)`` drives it.  The client adds
+conversation items (``conversation.item.create``: text messages) and asks
+for a response (``response.create``); the server answers with the events and
+fields of OpenAI's GA Realtime API (``response.created``, output item and
+content part events, ``response.output_text.delta`` or
+``response.output_audio_transcript.delta`` + ``response.output_audio.delta``,
+their ``.done`` events, ``response.done`` with its ``status``, ``error``).
 
-Client events: ``session.update`` (``{"session": {"modalities": ["text"] |
-["text", "audio"]}}``, before the first commit), ``input_text_buffer.append``
-(``text``), ``input_text_buffer.clear``, ``input_text_buffer.commit``
-(``final``: the last segment), ``session.finish`` (no more input: the buffer
-is the final segment, or an empty one closes the input), ``response.cancel``.
+What the pipeline makes of it: a session runs **one resumable request**,
+started by its first response; every later response is the next input
+segment of that same request (the items added since the previous response,
+as ``role: text`` lines ending in ``assistant:``), so the thinker continues
+from what it already heard and said.  ``response.cancel`` aborts that
+request on every stage; the next response then starts a new request, which
+does not carry the earlier context.  What is fixed when the request starts
+(the output modality, the voice, ``max_output_tokens``) can change only
+while no request is live.  docs/openai-compat.md ("Realtime") has the
+tables: which events and fields are supported, which are refused, and why.
 
-Server events: ``session.created``, ``session.updated``,
-``input_text_buffer.committed`` (``segment``), ``input_text_buffer.cleared``,
-``response.created``, ``response.text.delta`` / ``response.audio.delta``
-(``segment``, ``delta``: text, or base64 16-bit little-endian mono PCM at
-24 kHz), ``response.text.done`` / ``response.audio.done`` (one stage finished
-the segment), ``response.segment.done`` (every output of the segment was
-sent), ``response.done`` (``status``: completed, cancelled or failed; the
-last event of the response), ``error`` (``{"error": {"type", "code",
-"message", "event_id"}}``: the event was refused and changed nothing; the
-session stays usable).
-
-:class:`RealtimeSession` turns frames into server events plus *actions*
-(:class:`Start`, :class:`Append`, :class:`Cancel`) for the socket side to
-perform, and the request's messages into server events.
+:class:`RealtimeSession` turns client frames into server events plus
+*actions* (:class:`Start`, :class:`Append`, :class:`Cancel`) for the socket
+side to perform, and the request's messages into server events.
 """
 
 from __future__ import annotations
 
-import base64
-import json
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from stages.registry import as_audio, as_text, text_stage
-from trio_orch.http.openai_chat import pcm16
+from stages.sampling_params import StageParams
+from trio_orch.http.openai_sampling import SamplingError, map_sampling
+from trio_orch.http.realtime_events import (
+    AUDIO_FORMAT,
+    CLIENT_EVENTS,
+    UNSUPPORTED_EVENTS,
+    Refused,
+    Response,
+    check_audio,
+    check_item,
+    check_limit,
+    check_modalities,
+    error_event,
+    parse_frame,
+    pcm16_base64,
+)
 from trio_orch.types import Message, OrchError
 
-__all__ = ["CLIENT_EVENTS", "Action", "Append", "Cancel", "RealtimeSession", "Start"]
+__all__ = ["CLIENT_EVENTS", "UNSUPPORTED_EVENTS", "Action", "Append", "Cancel",
+           "RealtimeSession", "Start"]
 
-#: what a client may send (the ``type`` field)
-CLIENT_EVENTS = ("session.update", "input_text_buffer.append", "input_text_buffer.clear",
-                 "input_text_buffer.commit", "session.finish", "response.cancel")
-MODALITIES = (["text"], ["text", "audio"])
+log = logging.getLogger("trio_orch.http.realtime")
+
+MAX_ITEMS = 256  # conversation items kept for retrieve and previous_item_id
 
 
 @dataclass(frozen=True, slots=True)
 class Start:
-    """Add the session's request: ``prompt`` is its first segment (``resumable``: more follow)."""
+    """Add the session's (resumable) request: ``prompt`` is its first segment."""
 
+    request_id: str
+    response_id: str
     prompt: str
-    resumable: bool
     final_stage_id: int | None
+    sampling: dict[int, dict[str, Any]] | None
 
 
 @dataclass(frozen=True, slots=True)
 class Append:
-    """Update the request with the next input segment (None: an empty one that closes the input)."""
+    """Send the request its next input segment (one response)."""
 
-    segment: str | None
-    final: bool
+    request_id: str
+    response_id: str
+    segment: str
 
 
 @dataclass(frozen=True, slots=True)
 class Cancel:
     """Abort the request on every stage."""
 
+    request_id: str
+
 
 Action = Start | Append | Cancel
 
 
-class Refused(ValueError):
-    """A client event that cannot be applied: becomes an ``error`` event."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+@dataclass(slots=True)
+class _Request:
+    id: str
+    final_stage_id: int | None
+    expected: frozenset[int]  # the final stages whose segment_done closes a response
+    segments: int = 0  # input segments sent
+    cancelled: bool = False  # we asked for its abort
+    instructions: str = ""  # the session instructions it was last sent
 
 
 class RealtimeSession:
     """The state of one session.  Not thread-safe; the socket side calls it from one task at a time.
 
     ``final_stage_ids`` and ``outputs`` (each stage's output modality, or None
-    to judge outputs by their shape) describe the pipeline.  Limits:
-    ``max_event_bytes`` per client frame, ``max_buffer_chars`` in the input
-    buffer (both answered with an ``error`` event, nothing dropped silently).
+    to judge outputs by their shape) describe the pipeline; ``stage_params``
+    what its stages take (for ``voice`` and ``max_output_tokens``).  Limits:
+    ``max_event_bytes`` per client frame, ``max_input_chars`` of item text
+    waiting for a response (both answered with an ``error`` event).
     """
 
     def __init__(self, session_id: str, *, final_stage_ids: frozenset[int] | set[int],
-                 outputs: list[str] | None = None, max_event_bytes: int = 256 * 1024,
-                 max_buffer_chars: int = 64 * 1024) -> None:
+                 outputs: Sequence[str] | None = None, stage_params: Sequence[StageParams] | None = None,
+                 model: str | None = None, max_event_bytes: int = 256 * 1024,
+                 max_input_chars: int = 64 * 1024) -> None:
         self.session_id = session_id
-        self.response_id = f"resp_{session_id}"
         self.final_stage_ids = frozenset(final_stage_ids)
-        self.outputs = outputs
+        self.outputs = list(outputs) if outputs is not None else None
+        self.stage_params = stage_params
         self.max_event_bytes = max_event_bytes
-        self.max_buffer_chars = max_buffer_chars
-        self.text_stage = text_stage(self.final_stage_ids, outputs)
-        self.has_audio = any(outputs is None or outputs[k] in ("audio", "data") for k in self.final_stage_ids)
-        self.modalities = ["text", "audio"] if self.has_audio else ["text"]
-        self.buffer: list[str] = []
-        self.buffered = 0
-        self.segments = 0  # committed input segments
-        self.started = False  # a Start was issued
-        self.resumable = True  # the request takes more segments (False: its first was its last)
-        self.input_closed = False  # the final segment was committed
-        self.ended = False  # response.done was sent
-        self.final_stage_id: int | None = None
-        self._expected: frozenset[int] = frozenset()  # final stages whose segment_done we wait for
-        self._done: dict[int, set[int]] = {}  # segment -> final stages that closed it
-        self._text: dict[tuple[int, int], list[str]] = {}  # (segment, stage) -> text pieces
+        self.max_input_chars = max_input_chars
+        self.model = model or "trio-orch"
+        self.text_stage = text_stage(self.final_stage_ids, self.outputs)
+        self.has_audio = any(self.outputs is None or self.outputs[k] in ("audio", "data")
+                             for k in self.final_stage_ids)
+        self.modalities = ["audio"] if self.has_audio else ["text"]
+        self.instructions = ""
+        self.voice: str | None = None
+        self.max_output_tokens: int | str = "inf"
+        self.items: dict[str, dict[str, Any]] = {}  # id -> item, in conversation order (the last MAX_ITEMS)
+        self.pending: list[str] = []  # ids of the items no response has taken yet
+        self.pending_chars = 0
+        self.request: _Request | None = None
+        self.response: Response | None = None
+        self._n = 0
+        self._ignored: set[tuple[str, str]] = set()
+
+    def _id(self, prefix: str) -> str:
+        self._n += 1
+        return f"{prefix}_{self.session_id}_{self._n}"
 
     # ------------------------------------------------------------------ client side
     def opened(self) -> list[dict[str, Any]]:
         """The first event of the session."""
-        return [{"type": "session.created", "session": self._describe()}]
+        return [self._event("session.created", session=self.describe())]
 
     def receive(self, frame: str | bytes) -> tuple[list[dict[str, Any]], list[Action]]:
         """One client frame -> (events to send now, actions to perform, in order)."""
         event_id = None
         try:
-            event = self._parse(frame)
+            event = parse_frame(frame, self.max_event_bytes)
             event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
             return self._apply(event)
         except Refused as exc:
-            return [self.error(exc.code, str(exc), event_id)], []
-
-    def _parse(self, frame: str | bytes) -> dict[str, Any]:
-        if isinstance(frame, bytes | bytearray):
-            raise Refused("binary_frame", "binary frames are not supported: send JSON text events")
-        size = len(frame) if 4 * len(frame) <= self.max_event_bytes else len(frame.encode("utf-8", "replace"))
-        if size > self.max_event_bytes:
-            raise Refused("event_too_large", f"an event of {size} bytes is over the limit of "
-                                             f"{self.max_event_bytes}")
-        try:
-            event = json.loads(frame)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            raise Refused("invalid_json", f"the frame is not JSON: {exc}") from None
-        if not isinstance(event, dict):
-            raise Refused("invalid_event", f"an event is a JSON object, got {type(event).__name__}")
-        kind = event.get("type")
-        if not isinstance(kind, str):
-            raise Refused("missing_type", "the event has no \"type\" string")
-        if kind not in CLIENT_EVENTS:
-            raise Refused("unknown_event", f"unknown event type {kind!r} (expected one of "
-                                           f"{', '.join(CLIENT_EVENTS)})")
-        return event
+            return [self.error(exc.code, str(exc), event_id, param=exc.param)], []
 
     def _apply(self, event: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Action]]:
         kind = event["type"]
-        if kind == "response.cancel":
-            if not self.started:
-                raise Refused("no_response", "there is no response to cancel: nothing was committed yet")
-            if self.ended:
-                raise Refused("response_ended", "the response has already ended")
-            return [], [Cancel()]
-        if self.ended:
-            raise Refused("response_ended", f"{kind}: the session's response has ended "
-                                            "(one response per session: open a new one)")
         if kind == "session.update":
-            return self._update_session(event)
-        if self.input_closed:
-            raise Refused("input_closed", f"{kind}: the final input segment was already committed")
-        if kind == "input_text_buffer.append":
-            text = event.get("text")
-            if not isinstance(text, str):
-                raise Refused("invalid_text", "input_text_buffer.append needs a \"text\" string")
-            if self.buffered + len(text) > self.max_buffer_chars:
-                raise Refused("input_text_buffer_overflow",
-                              f"the input buffer would hold {self.buffered + len(text)} characters, over "
-                              f"the limit of {self.max_buffer_chars}: commit it first")
-            self.buffer.append(text)
-            self.buffered += len(text)
-            return [], []
-        if kind == "input_text_buffer.clear":
-            self.buffer.clear()
-            self.buffered = 0
-            return [{"type": "input_text_buffer.cleared"}], []
-        if kind == "input_text_buffer.commit":
-            final = event.get("final", False)
-            if not isinstance(final, bool):
-                raise Refused("invalid_final", "\"final\" must be true or false")
-            if not "".join(self.buffer).strip():
-                raise Refused("input_text_buffer_empty", "nothing to commit: append text first")
-            return self._commit(final)
-        # session.finish
-        if self.buffer and "".join(self.buffer).strip():
-            return self._commit(True)
-        if not self.started:
-            raise Refused("input_text_buffer_empty", "nothing to answer: append and commit text first")
-        self.input_closed = True
-        self.segments += 1
-        return [], [Append(None, True)]
+            return self._update_session(event.get("session")), []
+        if kind == "conversation.item.create":
+            return self._create_item(event), []
+        if kind in ("conversation.item.retrieve", "conversation.item.delete"):
+            item_id = event.get("item_id")
+            if not isinstance(item_id, str) or item_id not in self.items:
+                raise Refused("item_not_found", f"{kind}: no item {item_id!r} in the conversation", "item_id")
+            if kind == "conversation.item.retrieve":
+                return [self._event("conversation.item.retrieved", item=self.items[item_id])], []
+            if item_id not in self.pending:
+                raise Refused("item_in_use", f"item {item_id!r} was already taken by a response: the "
+                                             "pipeline has heard it, it cannot be deleted", "item_id")
+            self.pending.remove(item_id)
+            self.pending_chars -= _chars(self.items.pop(item_id))
+            return [self._event("conversation.item.deleted", item_id=item_id)], []
+        if kind == "response.create":
+            return self._create_response(event.get("response"))
+        return self._cancel(event.get("response_id"))
 
-    def _commit(self, final: bool) -> tuple[list[dict[str, Any]], list[Action]]:
-        text = "".join(self.buffer)
-        self.buffer.clear()
-        self.buffered = 0
-        segment = self.segments
-        self.segments += 1
-        self.input_closed = final
-        events = [{"type": "input_text_buffer.committed", "segment": segment, "final": final}]
-        if self.started:
-            return events, [Append(text, final)]
-        self.started = True
-        self.resumable = not final
-        return events, [Start(text, not final, self.final_stage_id)]
-
-    def _update_session(self, event: dict[str, Any]) -> tuple[list[dict[str, Any]], list[Action]]:
-        if self.started:
-            raise Refused("session_active", "session.update: the response has started; "
-                                            "settings can change only before the first commit")
-        cfg = event.get("session")
+    def _update_session(self, cfg: Any) -> list[dict[str, Any]]:
         if not isinstance(cfg, dict):
-            raise Refused("invalid_session", "session.update needs a \"session\" object")
-        unknown = sorted(set(cfg) - {"modalities"})
-        if unknown:
-            raise Refused("invalid_session", f"unknown session settings {unknown} (supported: modalities)")
-        if "modalities" in cfg:
-            mods = cfg["modalities"]
-            if mods not in MODALITIES:
-                raise Refused("invalid_modalities", "modalities must be [\"text\"] or [\"text\", \"audio\"]")
-            if mods == ["text"]:
-                if self.text_stage is None:
-                    raise Refused("invalid_modalities", "this pipeline has no text-only output")
-                self.final_stage_id = self.text_stage
-            else:
-                if not self.has_audio:
-                    raise Refused("invalid_modalities", "this pipeline has no audio output")
-                self.final_stage_id = None
-            self.modalities = list(mods)
-        return [{"type": "session.updated", "session": self._describe()}], []
+            raise Refused("invalid_session", "session.update needs a \"session\" object", "session")
+        if cfg.get("type", "realtime") != "realtime":
+            raise Refused("invalid_session", "only \"type\": \"realtime\" sessions are served here "
+                                             "(no transcription sessions)", "session.type")
+        if cfg.get("tools"):
+            raise Refused("unsupported_value", "tools are not supported", "session.tools")
+        modalities, voice, limit = self.modalities, self.voice, self.max_output_tokens
+        if "output_modalities" in cfg:
+            modalities = self._modalities(cfg["output_modalities"], "session.output_modalities")
+        audio = cfg.get("audio")
+        if audio is not None:
+            voice = check_audio(audio, voice, "session.audio")
+        if "max_output_tokens" in cfg:
+            limit = check_limit(cfg["max_output_tokens"], "session.max_output_tokens")
+        if "instructions" in cfg:
+            if not isinstance(cfg["instructions"], str):
+                raise Refused("invalid_value", "instructions must be a string", "session.instructions")
+        fixed = (modalities, voice, limit) != (self.modalities, self.voice, self.max_output_tokens)
+        if fixed and self.request is not None:
+            raise Refused("session_active", "output_modalities, voice and max_output_tokens are fixed while "
+                                            "the session's request is live (from its first response until it "
+                                            "is cancelled or fails)", "session")
+        self._sampling(modalities, voice, limit)  # refused here if the pipeline cannot honour them
+        self.modalities, self.voice, self.max_output_tokens = modalities, voice, limit
+        self.instructions = cfg.get("instructions", self.instructions)
+        if isinstance(cfg.get("model"), str):
+            self.model = cfg["model"]
+        self._note_ignored(cfg, {"type", "tools", "output_modalities", "audio", "max_output_tokens",
+                                 "instructions", "model"}, "session")
+        return [self._event("session.updated", session=self.describe())]
+
+    def _modalities(self, mods: Any, param: str) -> list[str]:
+        return check_modalities(mods, text=self.text_stage is not None, audio=self.has_audio, param=param)
+
+    def _sampling(self, modalities: list[str], voice: str | None, limit: int | str
+                  ) -> dict[int, dict[str, Any]] | None:
+        fields: dict[str, Any] = {"max_tokens": limit if isinstance(limit, int) else None,
+                                  "voice": voice if modalities == ["audio"] else None}
+        if all(v is None for v in fields.values()):
+            return None
+        finals = sorted(self.final_stage_ids)
+        last = self.text_stage if modalities == ["text"] else (finals[-1] if finals else 0)
+        try:
+            return map_sampling(fields, self.stage_params, text_stage=self.text_stage,
+                                last_stage=last if last is not None else 0)
+        except SamplingError as exc:
+            param = {"max_tokens": "session.max_output_tokens", "audio.voice": "session.audio.output.voice"}
+            raise Refused("unsupported_value", str(exc).replace("'max_tokens'", "'max_output_tokens'"),
+                          param.get(exc.param, exc.param)) from None
+
+    def _create_item(self, event: dict[str, Any]) -> list[dict[str, Any]]:
+        item, text = check_item(event.get("item"))
+        previous = next(reversed(self.items), None)
+        if event.get("previous_item_id") not in (None, previous) and not (
+                event.get("previous_item_id") == "root" and previous is None):
+            raise Refused("unsupported_value", f"items are added at the end of the conversation only "
+                          f"(previous_item_id: null or {previous!r})", "previous_item_id")
+        item_id = item.get("id") or self._id("item")
+        if item_id in self.items:
+            raise Refused("invalid_value", f"the conversation already has an item {item_id!r}", "item.id")
+        if self.pending_chars + len(text) > self.max_input_chars:
+            raise Refused("input_too_large", f"the items waiting for a response would hold "
+                          f"{self.pending_chars + len(text)} characters, over the limit of "
+                          f"{self.max_input_chars}: create a response first", "item")
+        item = {**item, "id": item_id, "object": "realtime.item", "status": "completed"}
+        self._remember(item)
+        self.pending.append(item_id)
+        self.pending_chars += len(text)
+        return [self._event("conversation.item.added", previous_item_id=previous, item=item),
+                self._event("conversation.item.done", previous_item_id=previous, item=item)]
+
+    def _remember(self, item: dict[str, Any]) -> None:
+        self.items[item["id"]] = item
+        while len(self.items) > MAX_ITEMS:
+            oldest = next(iter(self.items))
+            if oldest in self.pending:
+                break
+            del self.items[oldest]
+
+    def _create_response(self, params: Any) -> tuple[list[dict[str, Any]], list[Action]]:
+        params = {} if params is None else params
+        if not isinstance(params, dict):
+            raise Refused("invalid_value", "response must be an object", "response")
+        if self.response is not None:
+            raise Refused("conversation_already_has_active_response",
+                          f"response {self.response.id} is in progress: wait for its response.done "
+                          "or cancel it", "type")
+        if params.get("conversation", "auto") != "auto" or "input" in params:
+            raise Refused("unsupported_value", "out-of-band responses (conversation: none, input) are not "
+                                               "supported: a response answers the default conversation",
+                          "response.conversation" if "input" not in params else "response.input")
+        if params.get("tools"):
+            raise Refused("unsupported_value", "tools are not supported", "response.tools")
+        if "output_modalities" in params and self._modalities(
+                params["output_modalities"], "response.output_modalities") != self.modalities:
+            raise Refused("unsupported_value", "a response has the session's output_modalities: change them "
+                                               "with session.update", "response.output_modalities")
+        if "audio" in params and check_audio(params["audio"], self.voice, "response.audio") != self.voice:
+            raise Refused("unsupported_value", "a response has the session's voice: change it with "
+                                               "session.update", "response.audio.output.voice")
+        if "max_output_tokens" in params and check_limit(
+                params["max_output_tokens"], "response.max_output_tokens") != self.max_output_tokens:
+            raise Refused("unsupported_value", "a response has the session's max_output_tokens: change it "
+                                               "with session.update", "response.max_output_tokens")
+        instructions = params.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise Refused("invalid_value", "instructions must be a string", "response.instructions")
+        metadata = params.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise Refused("invalid_value", "metadata must be an object", "response.metadata")
+        lines = [f"{self.items[i]['role']}: {_text(self.items[i])}" for i in self.pending
+                 if _text(self.items[i]).strip()]
+        if not lines:
+            raise Refused("no_input", "response.create: no conversation item was added since the last "
+                                      "response (add one with conversation.item.create)", "type")
+        sent = self.request.instructions if self.request is not None else ""
+        system = instructions if instructions is not None else (
+            self.instructions if self.instructions != sent else "")
+        prompt = "\n".join(([f"system: {system}"] if system.strip() else []) + lines + ["assistant:"])
+        self.pending.clear()
+        self.pending_chars = 0
+        self._note_ignored(params, {"conversation", "tools", "output_modalities", "audio",
+                                    "max_output_tokens", "instructions", "metadata"}, "response")
+        action: Action
+        if self.request is None:
+            last = self.text_stage if self.modalities == ["text"] else None
+            top = last if last is not None else max(self.final_stage_ids, default=0)
+            expected = frozenset(k for k in self.final_stage_ids if k <= top)
+            self.request = _Request(self._id("req"), last, expected)
+            rid = self._id("resp")
+            action = Start(self.request.id, rid, prompt, last,
+                           self._sampling(self.modalities, self.voice, self.max_output_tokens))
+        else:
+            rid = self._id("resp")
+            action = Append(self.request.id, rid, prompt)
+        if instructions is None:  # a response's own instructions are for it alone
+            self.request.instructions = self.instructions
+        previous = next(reversed(self.items), None)
+        self.response = Response(rid, self._id("item"), self.request.segments, list(self.modalities),
+                                 self._resource_extras(metadata), previous)
+        self._remember(self.response.item("in_progress"))
+        self.request.segments += 1
+        return self.response.created(self._event), [action]
+
+    def _cancel(self, response_id: Any) -> tuple[list[dict[str, Any]], list[Action]]:
+        r = self.response
+        if r is None:
+            raise Refused("response_cancel_not_active", "there is no response in progress to cancel")
+        if response_id is not None and response_id != r.id:
+            raise Refused("response_cancel_not_active", f"response {response_id!r} is not in progress "
+                                                        f"({r.id} is)", "response_id")
+        if self.request is None or self.request.cancelled:
+            return [], []  # already being cancelled: its response.done follows
+        self.request.cancelled = True
+        return [], [Cancel(self.request.id)]
 
     # ------------------------------------------------------------------ the request's side
-    def request_started(self, final_stage_ids: frozenset[int]) -> list[dict[str, Any]]:
-        """The Start was accepted; ``final_stage_ids``: the final stages its segments close at."""
-        last = self.final_stage_id if self.final_stage_id is not None else max(final_stage_ids, default=0)
-        self._expected = frozenset(k for k in final_stage_ids if k <= last)
-        return [{"type": "response.created", "response": {"id": self.response_id, "status": "in_progress"}}]
+    def request_failed(self, response_id: str, exc: BaseException) -> list[dict[str, Any]]:
+        """A Start was refused (shed, stopping, bad parameters): its response fails, no request is live."""
+        self.request = None
+        return self._fail(response_id, "request_refused", f"the request was refused: {exc}")
 
-    def request_failed(self, exc: BaseException) -> list[dict[str, Any]]:
-        """The Start was refused: the response ends here."""
-        self.ended = True
-        return [self.error("request_refused", f"the request was refused: {exc}"),
-                self._response_done("failed", {"type": "request_refused", "message": str(exc)})]
+    def update_failed(self, response_id: str, exc: BaseException) -> list[dict[str, Any]]:
+        """An Append was refused (the request ended meanwhile): its response fails."""
+        return self._fail(response_id, "update_refused", f"the input segment was not taken: {exc}")
 
-    def update_failed(self, exc: BaseException) -> list[dict[str, Any]]:
-        """An Append was refused (e.g. the request ended meanwhile)."""
-        return [self.error("update_refused", f"the input segment was not taken: {exc}")]
+    def _fail(self, response_id: str, code: str, message: str) -> list[dict[str, Any]]:
+        if self.response is None or self.response.id != response_id:
+            return []  # that response has already ended
+        return self._end("failed", {"type": "failed", "error": {"type": "server_error", "code": code,
+                                                                "message": message}})
 
     def output(self, m: Message) -> list[dict[str, Any]]:
-        """One message of the request -> the events it causes."""
-        if self.ended:
-            return []
+        """One message of the session's request -> the events it causes."""
+        req = self.request
+        if req is None or m.request_id != req.id:
+            return []  # from a request that has ended
         if isinstance(m, OrchError):
-            self.ended = True
-            status = "cancelled" if m.kind == "aborted" else "failed"
-            return [self._response_done(status, {"type": m.kind, "message": m.message})]
-        events: list[dict[str, Any]] = []
-        seg, k = m.segment, m.stage_id
-        modality = self.outputs[k] if self.outputs is not None else "data"
-        base = {"response_id": self.response_id, "segment": seg}
-        text = as_text(modality, m.data)
-        audio = as_audio(modality, m.data) if text is None else None
-        if text:
-            self._text.setdefault((seg, k), []).append(text)
-            events.append({"type": "response.text.delta", **base, "delta": text})
-        elif audio is not None and len(audio[0]) and "audio" in self.modalities:
-            events.append({"type": "response.audio.delta", **base,
-                           "delta": base64.b64encode(pcm16(audio[0])).decode("ascii")})
-        if m.segment_done or (m.finished and not self.resumable):
-            if k == self.text_stage or (seg, k) in self._text:
-                events.append({"type": "response.text.done", **base,
-                               "text": "".join(self._text.pop((seg, k), []))})
-            else:
-                events.append({"type": "response.audio.done", **base})
-            done = self._done.setdefault(seg, set())
-            done.add(k)
-            if not self.resumable:  # one segment: the terminal closes it on every stage
-                for (_, stage), pieces in sorted(self._text.items()):
-                    events.insert(-1, {"type": "response.text.done", **base, "text": "".join(pieces)})
-                    done.add(stage)
-                self._text.clear()
-                done |= self._expected
-            if done >= self._expected:
-                del self._done[seg]
-                events.append({"type": "response.segment.done", **base})
+            self.request = None
+            if self.response is None:
+                return [] if req.cancelled else [self.error(
+                    m.kind, f"the session's request ended: {m.message}", kind="server_error")]
+            if m.kind == "aborted":
+                return self._end("cancelled", {"type": "cancelled",
+                                               "reason": "client_cancelled" if req.cancelled else None})
+            return self._end("failed", {"type": "failed", "error": {"type": "server_error", "code": m.kind,
+                                                                    "message": m.message}})
+        r = self.response
         if m.finished:
-            self.ended = True
-            events.append(self._response_done("completed", None))
+            self.request = None
+        if r is None or m.segment != r.segment:
+            return []
+        modality = self.outputs[m.stage_id] if self.outputs is not None else "data"
+        text = as_text(modality, m.data)
+        events: list[dict[str, Any]] = []
+        if text:
+            events.append(r.text_delta(self._event, m.stage_id, text))
+        elif text is None and r.modalities == ["audio"]:
+            audio = as_audio(modality, m.data)
+            if audio is not None and len(audio[0]):
+                events.append(r.audio_delta(self._event, m.stage_id, pcm16_base64(audio[0])))
+        if m.segment_done or m.finished:
+            events += r.stage_done(self._event, m.stage_id, m.stage_id == self.text_stage)
+            if r.closed >= req.expected or m.finished:
+                events += self._end("completed", None)
+        return events
+
+    def _end(self, status: str, details: dict[str, Any] | None) -> list[dict[str, Any]]:
+        r = self.response
+        assert r is not None
+        self.response = None
+        events = r.done(self._event, status, details)
+        self._remember(r.item(status))
         return events
 
     # ------------------------------------------------------------------ helpers
-    def error(self, code: str, message: str, event_id: str | None = None) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": "invalid_request_error", "code": code,
-                                           "message": message, "event_id": event_id}}
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        return {"type": kind, "event_id": self._id("event"), **fields}
 
-    def _response_done(self, status: str, details: dict[str, Any] | None) -> dict[str, Any]:
-        return {"type": "response.done", "response": {
-            "id": self.response_id, "status": status, "status_details": details,
-            "segments": self.segments}}
+    def error(self, code: str, message: str, event_id: str | None = None, *, param: str | None = None,
+              kind: str = "invalid_request_error") -> dict[str, Any]:
+        return error_event(self._id("event"), kind, code, message, param, event_id)
 
-    def _describe(self) -> dict[str, Any]:
-        return {"id": self.session_id, "modalities": self.modalities,
-                "output_audio_format": "pcm16", "sample_rate": 24000,
-                "max_event_bytes": self.max_event_bytes, "max_buffer_chars": self.max_buffer_chars}
+    def _note_ignored(self, given: dict[str, Any], known: set[str], where: str) -> None:
+        for name in sorted(set(given) - known - {"event_id"}):
+            if (where, name) not in self._ignored:  # once per session and field
+                self._ignored.add((where, name))
+                log.info("realtime session %s: %s.%s is not supported; ignored", self.session_id, where, name)
+
+    def _resource_extras(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
+        return {"conversation_id": f"conv_{self.session_id}", "output_modalities": list(self.modalities),
+                "audio": {"output": {"format": AUDIO_FORMAT, "voice": self.voice}},
+                "max_output_tokens": self.max_output_tokens, "metadata": metadata}
+
+    def describe(self) -> dict[str, Any]:
+        """The session resource (``session.created`` / ``session.updated``)."""
+        return {"type": "realtime", "object": "realtime.session", "id": self.session_id, "model": self.model,
+                "output_modalities": list(self.modalities), "instructions": self.instructions,
+                "audio": {"input": {"format": AUDIO_FORMAT, "turn_detection": None},
+                          "output": {"format": AUDIO_FORMAT, "voice": self.voice}},
+                "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
+                "max_event_bytes": self.max_event_bytes, "max_input_chars": self.max_input_chars}
+
+
+def _text(item: dict[str, Any]) -> str:
+    return "".join(p.get("text") or "" for p in item.get("content", []))
+
+
+def _chars(item: dict[str, Any]) -> int:
+    return len(_text(item))
+

@@ -1,12 +1,15 @@
 """``/v1/realtime``: the session protocol (:mod:`trio_orch.http.realtime`) over a Starlette WebSocket.
 
-One task reads client frames and performs the actions the protocol returns
-(add the request, send it more input, cancel it); once the request exists a
-second task streams its messages back as events.  Sends are serialised by
-one lock.  Whatever ends the socket -- the client closing it, a network
-error, the server stopping -- the request is aborted on every stage if it
-has not ended (the engine's handle is closed), so a session leaves nothing
-behind.
+The official ``openai`` SDK connects here (``client.realtime.connect(model=...)``
+with ``base_url=http://HOST:PORT/v1``: ``ws://HOST:PORT/v1/realtime?model=...``,
+its key as ``Authorization: Bearer``, which this route leaves to the app's
+``/v1`` guard).  One task reads client frames and performs the actions the
+protocol returns (add the session's request, send it the next input segment,
+cancel it); each request's messages stream back as events from a task of
+their own.  Sends are serialised by one lock.  Whatever ends the socket --
+the client closing it, a network error, the server stopping -- the request
+is aborted on every stage if it has not ended (the engine's handle is
+closed), so a session leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
     await ws.accept()
     session = RealtimeSession(f"sess_{os.getpid():x}_{next(_ids)}", final_stage_ids=engine.final_stage_ids,
-                              outputs=list(outputs) if outputs is not None else None, **limits)
+                              outputs=outputs, stage_params=engine.stage_params,
+                              model=ws.query_params.get("model"), **limits)
     lock = anyio.Lock()
 
     async def send(events: list[dict[str, Any]]) -> None:
@@ -61,7 +65,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
             await send(session.output(m))
 
     try:
-        async with anyio.create_task_group() as tg:  # the response stream runs beside the reader
+        async with anyio.create_task_group() as tg:  # the response streams run beside the reader
             await send(session.opened())
             while True:
                 try:
@@ -76,25 +80,26 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                 for a in actions:
                     if type(a) is Start:
                         try:
-                            handle = await engine.add_request_async(a.prompt, resumable=a.resumable,
-                                                                    final_stage_id=a.final_stage_id,
-                                                                    request_id=session.response_id)
-                        except (ValueError, EngineClosed, Overloaded) as exc:  # shed: the session says so
-                            await send(session.request_failed(exc))
-                            break
-                        await send(session.request_started(engine.final_stage_ids))
-                        tg.start_soon(stream, handle)
-                    elif type(a) is Append and handle is not None:
+                            h = await engine.add_request_async(
+                                a.prompt, resumable=True, request_id=a.request_id,
+                                final_stage_id=a.final_stage_id, sampling=a.sampling)
+                        except (ValueError, RuntimeError, EngineClosed, Overloaded) as exc:  # shed, stopping
+                            await send(session.request_failed(a.response_id, exc))
+                            continue
+                        handle = h
+                        tg.start_soon(stream, h)
+                    elif type(a) is Append and handle is not None and handle.request_id == a.request_id:
                         try:
-                            await handle.update(a.segment, final=a.final)
-                        except (ValueError, EngineClosed) as exc:
-                            await send(session.update_failed(exc))
-                    elif type(a) is Cancel and handle is not None:
+                            await handle.update(a.segment)
+                        except (ValueError, RuntimeError, EngineClosed) as exc:  # it ended meanwhile
+                            await send(session.update_failed(a.response_id, exc))
+                    elif type(a) is Cancel and handle is not None and handle.request_id == a.request_id:
                         handle.abort()
             tg.cancel_scope.cancel()
     except* WebSocketDisconnect:
         pass  # the client left while we sent (or read): the line below says so, no traceback
     finally:
         if handle is not None and not handle.finished:
-            handle.close()  # the client left before the end: abort the request on every stage
-            log.info("realtime session %s closed mid-response; its request was aborted", session.session_id)
+            handle.close()  # the client left while the request was live: abort it on every stage
+            log.info("realtime session %s closed with its request live; the request was aborted",
+                     session.session_id)
