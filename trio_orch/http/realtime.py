@@ -38,8 +38,6 @@ from stages.sampling_params import StageParams
 from trio_orch.http.openai_sampling import SamplingError, map_sampling
 from trio_orch.http.realtime_events import (
     AUDIO_FORMAT,
-    CLIENT_EVENTS,
-    UNSUPPORTED_EVENTS,
     Refused,
     Response,
     check_audio,
@@ -52,8 +50,7 @@ from trio_orch.http.realtime_events import (
 )
 from trio_orch.types import Message, OrchError
 
-__all__ = ["CLIENT_EVENTS", "UNSUPPORTED_EVENTS", "Action", "Append", "Cancel",
-           "RealtimeSession", "Start"]
+__all__ = ["Action", "Append", "Cancel", "RealtimeSession", "Start"]
 
 log = logging.getLogger("trio_orch.http.realtime")
 
