@@ -103,7 +103,7 @@ class ApiKeyAuth:
     """
 
     OPEN = frozenset({"/health", "/metrics", "/version", "/ping"})
-    MESSAGE = "a valid API key is required: send 'Authorization: Bearer KEY' (the key serve was given)"
+    MESSAGE = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
     def __init__(self, key: str) -> None:
         self.expected = f"Bearer {key}".encode()
@@ -342,7 +342,7 @@ def _status_routes(engine: Engine, front: FrontMetrics, *, models: ServedModels,
     return [Route("/v1/models", listing, methods=["GET"]),
             Route("/v1/models/{name:path}", model, methods=["GET"]),
             Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
-            Route("/version", version, methods=["GET"]), Route("/ping", ping, methods=["GET", "POST"])]
+            Route("/version", version, methods=["GET"]), Route("/ping", ping, methods=["GET"])]
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
