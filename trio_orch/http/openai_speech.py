@@ -33,7 +33,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 import numpy as np
@@ -49,7 +49,7 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
-from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, error_body
+from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, decode, error_body, parse_json_body
 from trio_orch.http.streaming import sse
 from trio_orch.http.tokenizer import TOKENIZERS
 from trio_orch.types import OrchOutput
@@ -70,21 +70,35 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     input: Annotated[str, Meta(min_length=1, max_length=_MAX_INPUT)]
     model: Annotated[str, Meta(max_length=256)] | None = None
     voice: Voice | None = None
-    response_format: Literal["wav", "pcm"] = "wav"
     speed: Annotated[float, Meta(ge=0.25, le=4.0)] = 1.0
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
     seed: Seed | None = None
     stage_sampling: dict[str, Any] | None = None
 
-    def check(self, max_chars: int | None) -> None:
+    #: ``response_format`` (read apart from the schema: the shared table of unsupported fields
+    #: knows chat's ``response_format``, a text format, by the same name)
+    response_format: ClassVar[str] = "wav"
+
+    @classmethod
+    def parse(cls, route: OpenAIRoute, raw: bytes) -> tuple[SpeechRequest, str]:
+        """The request and its ``response_format`` (BadRequest naming the field that does not fit)."""
+        body = parse_json_body(raw, route.limits.max_json_depth)
+        fmt = body.pop("response_format", cls.response_format) if isinstance(body, dict) else None
+        req = decode(body, cls, what=f"a {route.path} request")
+        if fmt not in FORMATS:
+            raise BadRequest(f"'response_format' must be one of {', '.join(FORMATS)}, got {fmt!r}",
+                             "response_format")
+        return req, fmt
+
+    def check(self, max_chars: int | None, fmt: str) -> None:
         """BadRequest naming the first field this server cannot honour."""
         if not self.input.strip():
             raise BadRequest("'input' must hold some text", "input")
         if max_chars is not None and len(self.input) > max_chars:
             raise BadRequest(f"'input' has {len(self.input)} characters, over the limit of {max_chars}",
                              "input", code="context_length_exceeded")
-        if self.stream_format == "sse" and self.response_format != "pcm":
+        if self.stream_format == "sse" and fmt != "pcm":
             raise BadRequest("streamed events carry pcm: use \"response_format\": \"pcm\" with "
                              "\"stream_format\": \"sse\"", "response_format")
         if self.instructions:
@@ -190,22 +204,22 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
         async for chunk in route.pieces(handle, sp.add, cut):
             yield chunk
 
-    async def whole(req: SpeechRequest, sp: Speech, handle: AsyncRequestHandle) -> Any:
+    async def whole(fmt: str, sp: Speech, handle: AsyncRequestHandle) -> Any:
         err = await route.collect(handle, sp.add)
         if err is not None:
             return err
         raw = b"".join(sp.pieces)
-        body = wav_bytes(raw, sp.sample_rate) if req.response_format == "wav" else raw
-        return Response(body, media_type=FORMATS[req.response_format])
+        body = wav_bytes(raw, sp.sample_rate) if fmt == "wav" else raw
+        return Response(body, media_type=FORMATS[fmt])
 
     async def handle(request: Request) -> Response:
         try:
-            req = route.parse(await request.body(), SpeechRequest)
+            req, fmt = SpeechRequest.parse(route, await request.body())
             model = models.resolve(req.model)
             if not audio_finals:
                 raise BadRequest(f"model {model!r} makes no audio: serve a speech pipeline "
                                  "(trio-orch serve --pipeline speech)", "model")
-            req.check(limits.max_prompt_chars)
+            req.check(limits.max_prompt_chars, fmt)
             payload, sampling = request_for(req)
         except BadRequest as exc:
             return route.bad(exc)
@@ -218,9 +232,9 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
         sp = Speech(outputs, Speed(req.speed), front)
         if req.stream_format == "sse":
             return route.stream(events(sp, admitted, len(req.input.encode())))
-        if req.response_format == "pcm":
+        if fmt == "pcm":
             return route.stream(audio(sp, admitted), FORMATS["pcm"])
-        answer = await route.wait(partial(whole, req, sp, admitted), request)
+        answer = await route.wait(partial(whole, fmt, sp, admitted), request)
         return answer if answer.status_code != 200 else route.ok(answer)
 
     return Route(SPEECH, handle, methods=["POST"])
