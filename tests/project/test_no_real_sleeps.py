@@ -3,8 +3,8 @@
 A real sleep in an in-process test is either a race ("long enough, usually")
 or dead time in the quick loop.  Such a test waits on an event, on
 ``trio.testing.wait_all_tasks_blocked``, or on virtual time: ``trio.sleep``
-is allowed in a test that takes pytest-trio's ``autojump_clock`` (and in a
-helper only such tests use).  State another thread or process changes is
+and a timeout meant to run out (``move_on_after``) are allowed in a test that
+takes pytest-trio's ``autojump_clock`` (and in a helper only such tests use).  State another thread or process changes is
 polled through tests/waiting.py, the one file allowed to sleep.  A test that
 starts processes (tests/conftest.py ``PROCESS_FOLDERS``, or marked
 ``processes``) may sleep between two looks at a condition, inside a loop --
@@ -37,9 +37,12 @@ UNPOLLED: dict[str, str] = {
     "bench/test_compare.py::test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv": "see above",
 }
 
-#: (module, function) -> "real" (always wall-clock) or "trio" (the run's clock: virtual under autojump)
+#: (module, function) -> "real" (always wall-clock), "trio" (the run's clock: virtual under autojump)
+#: or "timeout" (a Trio timeout that is there to run out, so it waits as long as a sleep would;
+#: ``fail_after`` is left out: it only guards against a hang and waits for nothing)
 SLEEPS = {("time", "sleep"): "real", ("asyncio", "sleep"): "real",
-          ("trio", "sleep"): "trio", ("trio", "sleep_until"): "trio"}
+          ("trio", "sleep"): "trio", ("trio", "sleep_until"): "trio",
+          ("trio", "move_on_after"): "timeout", ("trio", "move_on_at"): "timeout"}
 
 
 @dataclass
@@ -100,7 +103,7 @@ def _imported_names(tree: ast.Module) -> dict[str, tuple[str, str | None]]:
 
 def sleep_calls(tree: ast.AST, imported: dict[str, tuple[str, str | None]]) -> Iterator[tuple[ast.Call, str,
                                                                                              str]]:
-    """Every call of a sleep in SLEEPS that waits (``sleep(0)`` is a checkpoint, not a wait)."""
+    """Every call in SLEEPS that waits (``sleep(0)`` is a checkpoint, not a wait)."""
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
@@ -167,10 +170,10 @@ def check(source: str, rel: str) -> tuple[list[Found], list[Found]]:
         for call, kind, name in sleep_calls(unit.node, imported):
             claimed.add(id(call))
             found = Found(rel, call.lineno, name, unit.name)
-            if kind == "trio" and covered(unit, lambda u: u.virtual, everything):
+            if kind != "real" and covered(unit, lambda u: u.virtual, everything):
                 continue  # virtual time: the autojump clock skips it, nothing waits
             if whole_file_processes or covered(unit, lambda u: u.processes, everything):
-                if not in_a_loop(unit, call) and f"{rel}::{unit.name}" not in UNPOLLED:
+                if kind != "timeout" and not in_a_loop(unit, call) and f"{rel}::{unit.name}" not in UNPOLLED:
                     unpolled.append(found)
             else:
                 in_process.append(found)
@@ -231,6 +234,12 @@ async def test_real(): await trio.sleep(0.05)
 async def test_wall_clock_under_autojump(autojump_clock): time.sleep(0.01)
 async def test_virtual(autojump_clock): await trio.sleep(60); await virtual_helper()
 async def test_checkpoint(): await trio.sleep(0)
+async def test_times_out():
+    with trio.move_on_after(0.01):
+        await trio.sleep_forever()
+async def test_guarded():
+    with trio.fail_after(10):
+        await trio.sleep(0)
 def test_own_clock(): trio.run(trio.sleep, 9, clock=trio.testing.MockClock(autojump_threshold=0))
 def test_uses_helper(): helper()
 
@@ -246,7 +255,8 @@ async def test_poll():
 
 def test_the_scan_finds_planted_sleeps_and_passes_the_right_ones() -> None:
     in_process, unpolled = check(PLANTED, "shell/test_planted.py")
-    assert sorted(f.unit for f in in_process) == ["helper", "test_real", "test_wall_clock_under_autojump"]
+    assert sorted(f.unit for f in in_process) == ["helper", "test_real", "test_times_out",
+                                                  "test_wall_clock_under_autojump"]
     assert [f.unit for f in unpolled] == ["test_pause"]
     in_process, unpolled = check(PLANTED, "cluster/test_planted.py")  # a process folder: polls only
     assert in_process == []

@@ -38,7 +38,7 @@ async def test_on_submit_sees_every_accepted_submit() -> None:
     assert seen == [(3, "r1")] and stage.submissions == [("r1", "p")]
 
 
-async def test_a_swallowed_cancellation_is_delivered_again() -> None:
+async def test_a_swallowed_cancellation_is_delivered_again(autojump_clock: trio.testing.MockClock) -> None:
     """The stage swallows one cancellation; Trio's is level-triggered: the next wait ends it."""
     stage = ScriptedStage(0, misbehaviour=Misbehaviour(swallow_cancel_once=True))
     with trio.move_on_after(0.01) as scope:
@@ -46,7 +46,7 @@ async def test_a_swallowed_cancellation_is_delivered_again() -> None:
     assert scope.cancelled_caught and stage.swallowed_cancels == 1
 
 
-async def test_misbehaving_abort_and_close() -> None:
+async def test_misbehaving_abort_and_close(autojump_clock: trio.testing.MockClock) -> None:
     stage = ScriptedStage(0, misbehaviour=Misbehaviour(hang_abort=True, aclose_error=ValueError("E")))
     with trio.move_on_after(0.05) as scope:
         await stage.abort(["r"])
