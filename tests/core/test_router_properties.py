@@ -7,7 +7,9 @@ input is closed and every submitted stage closed every input segment (the
 terminal gate, streaming included); every stage gets each input segment
 exactly once, in order, the last one marked final -- and once more, from the
 first, after a failover (a ``replica_died`` where the stage had answered
-nothing, at most ``max_retries`` times).  Requests come in three
+nothing, at most ``max_retries`` times; with no live replica it waits and is
+sent once ``replicas_changed`` reports one; async-chunk requests restart on
+every stage while nothing was shown).  Requests come in three
 shapes: added at once, accepted and left queued (started later, or ended
 while queued, or withdrawn), and resumable (more input segments by update).
 At teardown a shutdown gives every request still live its terminal, so each
@@ -36,8 +38,11 @@ STAGES = st.integers(0, 2)
 class Model:
     """What the test knows about one incarnation of a request."""
 
-    def __init__(self, incarnation: int, resumable: bool) -> None:
+    def __init__(self, incarnation: int, resumable: bool, final: int = 2) -> None:
         self.incarnation = incarnation
+        self.final = final  # its final stage
+        self.waiting: int | None = None  # the stage its failover waits at for a live replica
+        self.shown = False  # an output of a final stage was routed (shown or held): no restart
         self.resumable = resumable
         self.segments = 1  # input segments given (the prompt is segment 0)
         self.input_closed = not resumable
@@ -115,10 +120,11 @@ class RouterMachine(RuleBasedStateMachine):
                 del self.parent_of[cid]
                 assert cid not in self.router.companion_of, "a companion outlived its parent"
 
-    def register(self, rid: str, resumable: bool = False, companions: tuple[str, ...] = ()) -> None:
+    def register(self, rid: str, resumable: bool = False, companions: tuple[str, ...] = (),
+                 final: int | None = None) -> None:
         assert rid not in self.live
         self.incarnations += 1
-        self.live[rid] = Model(self.incarnations, resumable)
+        self.live[rid] = Model(self.incarnations, resumable, 2 if final is None else final)
         self.terminals[(rid, self.incarnations)] = 0
         for cid in companions:
             self.live[rid].companions[cid] = False
@@ -146,7 +152,7 @@ class RouterMachine(RuleBasedStateMachine):
         except ValueError:
             assert rid in self.live or rid in self.parent_of or final == 5
             return
-        self.register(rid, resumable)
+        self.register(rid, resumable, final=final)
         self.apply(actions)
 
     @rule(rid=IDS, final=st.sampled_from([None, 0, 2]), resumable=st.booleans())
@@ -157,7 +163,7 @@ class RouterMachine(RuleBasedStateMachine):
         except ValueError:
             assert rid in self.live or rid in self.parent_of
             return
-        self.register(rid, resumable)
+        self.register(rid, resumable, final=final)
         self.tickets.append((ticket, self.live[rid].incarnation))
 
     @rule(data=st.data())
@@ -232,6 +238,7 @@ class RouterMachine(RuleBasedStateMachine):
         if open_here:
             assert m is not None
             m.answered.add(stage)
+            m.shown = m.shown or stage in (0, 2)
             if finished:
                 m.closed[stage] = m.closed.get(stage, 0) + 1
         actions = self.router.route(stage, StageOutput(rid, f"d{stage}", finished))
@@ -262,12 +269,41 @@ class RouterMachine(RuleBasedStateMachine):
         started = m is not None and owner in self.router
         companion_open = owner != rid and stage == 0 and m is not None and not m.companions[rid]
         stale = started and kind == "replica_died" and rid in m.stale and (owner == rid or companion_open)
-        retry = started and not stale and kind == "replica_died" and self.may_retry(m, stage) and (
+        # a request whose failover waits for a replica is on no replica there (async-chunk: anywhere)
+        unheld = started and not stale and m.waiting is not None and (m.waiting == stage or self.async_chunk)
+        retry = started and not stale and not unheld and kind == "replica_died" and self.may_retry(m, stage) and (
             owner == rid or companion_open)
+        restart = retry and self.async_chunk
         actions = self.router.route(stage, StageOutput(rid, None, True, "boom", kind))
         if stale:
             assert actions == [], f"a death a failover already handled was routed: {actions}"
             m.stale.discard(rid)
+            return
+        if unheld:
+            assert actions == [], f"an output for a request no replica holds was routed: {actions}"
+            return
+        if restart:
+            assert m is not None
+            assert not any(isinstance(a, Emit) for a in actions), f"a restart emitted: {actions}"
+            m.retries += 1
+            m.opened, m.closed, m.final_sent, m.answered = {}, {}, set(), set()
+            down = [k for k in range(m.final + 1) if not self.router.available[k]]
+            m.waiting = down[0] if down else None
+            submits = [a for a in actions if isinstance(a, Submit)]
+            assert [a.stage_id for a in submits] == ([] if down else list(range(m.final + 1))), actions
+            self.apply(actions)
+            return
+        if retry and not self.router.available[stage]:
+            assert m is not None
+            assert actions == [], f"a failover with no live replica sent something: {actions}"
+            m.retries += 1
+            m.waiting = stage
+            m.opened[stage] = 0
+            m.final_sent.discard(stage)
+            if stage == 0 and m.companions:
+                m.stale = {c for c, done in m.companions.items() if not done} | {owner}
+                m.stale.discard(rid)
+                m.companions = dict.fromkeys(m.companions, False)
             return
         if retry:
             assert m is not None
@@ -299,9 +335,11 @@ class RouterMachine(RuleBasedStateMachine):
 
     def may_retry(self, m: Model | None, stage: int) -> bool:
         """Would a replica's death at ``stage`` resend the request (see RoutingRules.failover)?"""
-        return (m is not None and not self.async_chunk and m.retries < self.max_retries
-                and self.router.available[stage] and stage in m.opened and not m.done(stage)
-                and stage not in m.answered)
+        if m is None or m.retries >= self.max_retries or m.waiting is not None:
+            return False
+        if self.async_chunk:
+            return not m.resumable and not m.shown and stage in m.opened and not m.done(stage)
+        return stage in m.opened and not m.done(stage) and stage not in m.answered
 
     @rule(rid=IDS)
     def abort(self, rid: str) -> None:
@@ -328,8 +366,18 @@ class RouterMachine(RuleBasedStateMachine):
 
     @rule(stage=STAGES, live=st.integers(0, 2))
     def replicas(self, stage: int, live: int) -> None:
-        self.router.replicas_changed(stage, live, 2)
+        """A stage's replicas change; with a live one, the failovers that waited for it are sent."""
+        resumed = [rid for rid, m in self.live.items() if m.waiting == stage] if live else []
+        actions = self.router.replicas_changed(stage, live, 2)
         assert self.router.available[stage] == (live > 0)
+        assert resumed or actions == [], f"nothing waited, yet something was sent: {actions}"
+        for rid in resumed:
+            m = self.live[rid]
+            down = [k for k in range(m.final + 1) if not self.router.available[k]] if self.async_chunk else []
+            m.waiting = down[0] if down else None
+        sent = [a.request_id for a in actions if isinstance(a, Submit) and a.companion_of is None]
+        assert sorted(set(sent)) == sorted(r for r in resumed if self.live[r].waiting is None), actions
+        self.apply(actions)
 
     @rule(data=st.data())
     def start_when_the_core_says_so(self, data: st.DataObject) -> None:

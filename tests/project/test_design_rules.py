@@ -19,6 +19,7 @@ from trio_orch.core import Submit
 from trio_orch.core.admission import AdmissionRules
 from trio_orch.core.companions import CompanionRules
 from trio_orch.core.control import ControlRules
+from trio_orch.core.failover import FailoverRules
 from trio_orch.core.membership import MembershipRules
 from trio_orch.core.routing import RoutingRules
 from trio_orch.core.state import CoreState
@@ -27,7 +28,7 @@ from trio_orch.core.streaming import StreamingRules
 DOC = pathlib.Path(__file__).parents[2] / "docs" / "design.md"
 CLASSES = {"AdmissionRules": AdmissionRules, "RoutingRules": RoutingRules, "CoreState": CoreState,
            "StreamingRules": StreamingRules, "CompanionRules": CompanionRules, "ControlRules": ControlRules,
-           "MembershipRules": MembershipRules}
+           "MembershipRules": MembershipRules, "FailoverRules": FailoverRules}
 
 
 def rule_table() -> list[tuple[str, str, str]]:

@@ -69,6 +69,9 @@ class CompanionRules(CoreState):
             parent.stale.discard(comp.request_id)  # its old replica's death: resubmitted already
             self.dropped_outputs += 1
             return NOTHING
+        if parent.waiting is not None and parent.waiting.stage_id == 0:
+            self.dropped_outputs += 1  # its failover waits for a replica: no replica holds it
+            return NOTHING
         if out.error is not None:
             retry = self.failover(parent, 0, out)
             if retry is not None:

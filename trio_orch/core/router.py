@@ -29,6 +29,7 @@ class RouterStatistics:
     claims_by_stage: tuple[int, ...] = ()  #: started requests that still have to pass each stage
     stage_limits: tuple[int | None, ...] = ()  #: how many may (None: no bound), see ``has_room``
     retried_by_stage: tuple[int, ...] = ()  #: failovers: requests resubmitted after their replica died
+    waiting_by_stage: tuple[int, ...] = ()  #: failovers waiting for a live replica at each stage
 
     @property
     def live(self) -> int:
@@ -65,4 +66,5 @@ class Router(RoutingRules, MembershipRules):
             claims_by_stage=tuple(self.claims),
             stage_limits=tuple(self.stage_limit(k) for k in range(self.num_stages)),
             retried_by_stage=tuple(self.retried),
+            waiting_by_stage=tuple(len(w) for w in self.waiting),
         )

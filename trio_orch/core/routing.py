@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from trio_orch.core.actions import Abort, Action, Emit, Submit
-from trio_orch.core.admission import AdmissionRules
+from trio_orch.core.failover import FailoverRules
 from trio_orch.core.state import NOTHING, RequestState
 from trio_orch.types import OrchError, OrchOutput, StageOutput
 
 __all__ = ["RoutingRules"]
 
 
-class RoutingRules(AdmissionRules):
+class RoutingRules(FailoverRules):
     """Outputs in, user messages and stage I/O out."""
 
     def route(self, stage_id: int, out: StageOutput) -> list[Action]:
@@ -27,8 +27,10 @@ class RoutingRules(AdmissionRules):
             req.stale.discard(rid)  # the death of the replica a failover already left
             self.dropped_outputs += 1
             return NOTHING
-        if req is None or stage_id not in req.submitted or stage_id in req.finished:
-            # Unknown, cleaned up, never submitted here, or already finished here.
+        if (req is None or stage_id not in req.submitted or stage_id in req.finished
+                or (req.waiting is not None and (req.waiting.stage_id == stage_id or self.async_chunk))):
+            # Unknown, cleaned up, never submitted here, already finished here, or waiting for a
+            # replica to be resent to here (no replica holds it; an async-chunk restart: none anywhere).
             self.dropped_outputs += 1
             return NOTHING
         if req.resumable:
@@ -94,37 +96,6 @@ class RoutingRules(AdmissionRules):
         self.keep_input(req, submit)
         return [submit]
 
-    def failover(self, req: RequestState, stage_id: int, out: StageOutput) -> list[Action] | None:
-        """A replica died holding ``req`` at ``stage_id``: resend its inputs there, or None (it ends).
-
-        Retried when the output is a pool's ``replica_died`` (a replica died,
-        was evicted as hung, or left with the request still on it), the stage
-        had produced nothing for the request (so nothing of it reached anyone),
-        the request has retries left (``max_retries``) and the stage still has
-        a live replica to place it on.  The same inputs go again, in order:
-        the submit, a resumable request's segments, a parent's companions
-        (whose outputs are collected afresh).  Otherwise None: the caller ends
-        the request with its ``replica_died`` terminal and partial output.
-        Async-chunk requests are not retried (chunks already streamed from or
-        to the dead replica cannot be replayed).
-        """
-        inputs = req.replay.get(stage_id)
-        if (out.error_kind != "replica_died" or inputs is None or req.retries >= self.max_retries
-                or not self.available[stage_id]):
-            return None
-        req.retries += 1
-        self.retried[stage_id] += 1
-        if stage_id == 0 and req.companions:
-            # every id still bound to the dead replica brings its own replica_died: drop those
-            stale = {cid for cid, comp in req.companions.items() if not comp.finished}
-            stale.add(req.request_id)
-            stale.discard(out.request_id)
-            req.stale = stale
-            for comp in req.companions.values():
-                comp.finished = False
-                comp.outputs.clear()
-        return list(inputs)
-
     # ------------------------------------------------------------------ ends
     def abort(self, request_id: str, message: str = "aborted by the client") -> list[Action]:
         """Client abort, queued or started: terminal ``aborted``; unknown id is a no-op."""
@@ -141,7 +112,8 @@ class RoutingRules(AdmissionRules):
         req = self.requests.get(request_id)
         if req is None:
             return NOTHING
-        return self.end(req, OrchError(request_id, None, kind, message))
+        stage = req.waiting.stage_id if req.waiting is not None and kind == "timeout" else None
+        return self.end(req, OrchError(request_id, stage, kind, self.waiting_message(req, message)))
 
     def submit_failed(self, stage_id: int, request_id: str, message: str,
                       kind: str = "stage_unavailable") -> list[Action]:
@@ -184,7 +156,7 @@ class RoutingRules(AdmissionRules):
                    if (stage_id in r.submitted and stage_id not in r.finished)
                    or (stage_id == 0 and r.companions and not self.companions_ready(r))]
         for req in victims:
-            err = OrchError(req.request_id, stage_id, "replica_died", message)
+            err = OrchError(req.request_id, stage_id, "replica_died", self.waiting_message(req, message))
             actions.extend(self.end(req, err, skip=stage_id))
         return actions
 
@@ -192,18 +164,20 @@ class RoutingRules(AdmissionRules):
         """Mark a stage as (un)able to take new work (e.g. a replica came back)."""
         self.available[stage_id] = available
 
-    def replicas_changed(self, stage_id: int, live: int, total: int) -> None:
+    def replicas_changed(self, stage_id: int, live: int, total: int) -> list[Action]:
         """A stage's ready replicas changed (one died, one became ready, one left or rejoined).
 
         The stage is available while it has a live replica, and its admission
         bound (``max_inflight`` per live replica) follows the live count, so a
-        stage that lost half its replicas admits half the work.  Nothing
-        already admitted is touched: requests bound to a dead replica end
-        through their own ``replica_died`` outputs.
+        stage that lost half its replicas admits half the work.  Requests
+        bound to a dead replica are handled through their own ``replica_died``
+        outputs; the returned actions are the failovers that waited for a live
+        replica here, sent now (see ``resume_failovers``).
         """
         self.replicas_live[stage_id] = live
         self.replicas_total[stage_id] = total
         self.available[stage_id] = live > 0
+        return self.resume_failovers(stage_id)
 
     def shutdown(self, message: str = "orchestrator shut down") -> list[Action]:
         """Stop accepting; every queued and started request gets its ``shutdown`` terminal.

@@ -17,7 +17,7 @@ from typing import Any
 from trio_orch.core.actions import Abort, Action, Emit, Submit, Update
 from trio_orch.types import OrchError, OrchOutput, StageOutput
 
-__all__ = ["NOTHING", "Companion", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket"]
+__all__ = ["NOTHING", "Companion", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket", "Waiting"]
 
 ForwardFn = Callable[..., Any]  # (stage_id, prompt, outputs) -> next input
 PrewarmFn = Callable[[int, Any], Any]
@@ -71,6 +71,25 @@ class Companion:
         self.outputs: list[Any] = []
 
 
+class Waiting:
+    """A failover that found no live replica: what to resend once ``stage_id`` has one again.
+
+    ``died_at``: the stage whose replica died (where the retry is counted);
+    ``why``: that death, for the terminal if the request ends while waiting;
+    ``actions``: the inputs to resend, in order (for a normal-mode failover the
+    request's own replay list, so an input segment that arrives meanwhile is
+    kept and sent with them).
+    """
+
+    __slots__ = ("actions", "died_at", "stage_id", "why")
+
+    def __init__(self, died_at: int, stage_id: int, why: str, actions: list[Action]) -> None:
+        self.died_at = died_at
+        self.stage_id = stage_id
+        self.why = why
+        self.actions = actions
+
+
 class RequestState:
     """A started request: S (submitted), D (finished), F (final-output stages), held terminal.
 
@@ -101,6 +120,7 @@ class RequestState:
         "stale",
         "submitted",
         "ticket",
+        "waiting",
     )
 
     def __init__(self, ticket: Ticket, finals: frozenset[int]):
@@ -128,10 +148,12 @@ class RequestState:
             cid: Companion(cid, request_id) for cid in ticket.companions}
         #: stage -> the inputs it was sent (submit, updates; stage 0: the companions' too) while it
         #: has answered nothing: what a failover resends (see ``keep_input``)
-        self.replay: dict[int, list[Submit | Update]] = {}
+        self.replay: dict[int, list[Action]] = {}
         self.retries = 0  #: failovers so far (at most ``max_retries``)
         #: ids whose ``replica_died`` from the replica a failover left is still to come (dropped)
         self.stale: set[str] = set()
+        #: a failover waiting for a live replica (see ``FailoverRules.resend``), else None
+        self.waiting: Waiting | None = None
 
     @property
     def open_stages(self) -> set[int]:
@@ -208,6 +230,8 @@ class CoreState:
         self.outputs_routed = 0
         self.terminals_by_kind: dict[str, int] = {}
         self.retried = [0] * num_stages  #: failovers per stage (resubmits after a replica died)
+        #: per stage, the started requests whose failover waits for a live replica there (in order)
+        self.waiting: list[dict[str, RequestState]] = [{} for _ in range(num_stages)]
 
     @staticmethod
     def check_max_inflight(max_inflight: Sequence[int | None] | None, num_stages: int) -> list[int | None]:
@@ -239,7 +263,8 @@ class CoreState:
 
         Kept only while failover may need it: with ``max_retries``, in normal
         mode, from the stage's first input until its first output (then a
-        death there is no longer retried, see ``failover``).
+        death there is no longer retried, see ``failover``).  Async-chunk mode
+        keeps nothing: a failover there restarts the request from its ticket.
         """
         if not self.max_retries or self.async_chunk:
             return
@@ -254,6 +279,11 @@ class CoreState:
     def failover(self, req: RequestState, stage_id: int,
                  out: StageOutput) -> list[Action] | None:  # pragma: no cover
         """Declared for the rules that route errors; :meth:`RoutingRules.failover` implements it."""
+        raise NotImplementedError
+
+    def held_for_replica(self, req: RequestState,
+                         action: Submit | Update) -> bool:  # pragma: no cover
+        """Declared for the streaming rules; :meth:`FailoverRules.held_for_replica` implements it."""
         raise NotImplementedError
 
     def stage_done(self, req: RequestState, stage_id: int) -> None:
@@ -288,6 +318,8 @@ class CoreState:
         """
         err.partial = req.partial
         del self.requests[req.request_id]
+        if req.waiting is not None:
+            self.waiting[req.waiting.stage_id].pop(req.request_id, None)
         self.release_claims(req)
         self.count_terminal(err.kind)
         actions: list[Action] = [Emit(err)]

@@ -57,6 +57,12 @@ class StreamingRules(CoreState):
         rid = req.request_id
         targets = range(req.final_stage_id + 1) if self.async_chunk else (0,)
         payloads = [segment]
+        if not self.async_chunk and req.waiting is not None and req.waiting.stage_id == 0:
+            req.segments += 1  # its failover waits for a replica: the segment goes with the resend
+            req.input_closed = final
+            req.opened[0] = req.opened.get(0, 0) + 1
+            self.held_for_replica(req, Update(0, rid, segment, final, req.sampling.get(0)))
+            return NOTHING
         for k in targets:
             if not self.available[k]:
                 return self.end(req, OrchError(rid, k, "stage_unavailable", f"stage {k} has no live replica"))
@@ -121,7 +127,8 @@ class StreamingRules(CoreState):
         """Normal mode: stage ``stage_id`` closed a segment; pass it on (submit first, then updates)."""
         nxt = stage_id + 1
         rid = req.request_id
-        if not self.available[nxt]:
+        waits = req.waiting is not None and req.waiting.stage_id == nxt
+        if not self.available[nxt] and not waits:
             return self.end(req, OrchError(rid, nxt, "stage_unavailable", f"stage {nxt} has no live replica"))
         try:
             payload = self.forward_fn(stage_id, req.prompt, req.outputs.pop(stage_id, []))
@@ -137,5 +144,7 @@ class StreamingRules(CoreState):
         else:
             req.submitted.add(nxt)
             action = Submit(nxt, rid, payload, not last, params)
+        if waits and self.held_for_replica(req, action):
+            return NOTHING  # its failover at the next stage waits for a replica: sent with the resend
         self.keep_input(req, action)
         return [action]
