@@ -6,7 +6,8 @@ idiomatic way of each, and measures what the model does with it: a deadline
 that a library swallows once (18), blocking work in a worker thread when
 shutdown cancels it (19), the application cancelling the orchestrator twice
 while it cleans up (20), a stage client's cleanup that awaits after its
-submit was cancelled (21).  The asyncio reference ``asyncio-taskgroup`` has
+submit was cancelled (21), the application's error while a stage swallows
+the group's cancellation (22).  The asyncio reference ``asyncio-taskgroup`` has
 every design choice of the Trio shell (see :mod:`bench.refs.taskgroup`), so
 what differs in these rows is the model; row 21 is one where Trio does worse.
 """
@@ -483,5 +484,122 @@ S21 = Scenario(
         "Trio's cancellation is level-triggered, so an await in cleanup code inside a cancelled scope is "
         "cancelled too unless shielded (CancelScope(shield=True)); asyncio delivered its one "
         "CancelledError, so the cleanup's await runs"
+    ),
+)
+
+
+# ---------------------------------------------------------------- 22
+CRASH22 = 0.02
+
+
+async def _trio_sibling_crash(h: Driver) -> dict[str, Any]:
+    """The application's nursery: the orchestrator, and a front task that crashes."""
+    import trio
+
+    stages = [ScriptedStage(0, misbehaviour=Misbehaviour(swallow_cancel_once=True)), ScriptedStage(1)]
+    orch = _orchestrator_class(h)(stages, {1}, shutdown_grace=GRACE)
+    t_crash: list[float] = []
+
+    async def front() -> None:
+        await trio.sleep(CRASH22)
+        t_crash.append(trio.current_time())
+        raise RuntimeError("E-front crashed")
+
+    seen: BaseException | None = None
+    with trio.move_on_after(CUT) as watchdog:
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(orch.run)
+                n.start_soon(front)
+        except BaseException as exc:  # the nursery's ExceptionGroup
+            seen = exc
+    return {"surfaced_after_s": trio.current_time() - t_crash[0] if seen is not None else None,
+            "cut": watchdog.cancelled_caught, "error": repr(seen),
+            "swallowed": stages[0].swallowed_cancels}
+
+
+async def _asyncio_sibling_crash(h: Driver) -> dict[str, Any]:
+    """The same application with ``asyncio.TaskGroup``."""
+    import asyncio
+
+    stages = [AsyncScriptedStage(0, misbehaviour=Misbehaviour(swallow_cancel_once=True)),
+              AsyncScriptedStage(1)]
+    orch = _orchestrator_class(h)(stages, {1}, shutdown_grace=GRACE)
+    loop = asyncio.get_running_loop()
+    t_crash: list[float] = []
+    seen: list[BaseException] = []
+
+    async def front() -> None:
+        await asyncio.sleep(CRASH22)
+        t_crash.append(loop.time())
+        raise RuntimeError("E-front crashed")
+
+    async def app() -> None:
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(orch.run())
+                tg.create_task(front())
+        except BaseException as exc:
+            seen.append(exc)
+            t_seen.append(loop.time())
+
+    t_seen: list[float] = []
+    task = asyncio.create_task(app())
+    swept = False
+    try:
+        done, _ = await asyncio.wait({task}, timeout=CUT)
+        if not done:  # a group cancels its children at most once more: end the swallowing stage's wait
+            stages[0].emit_nowait("unblock", None)
+            await asyncio.wait({task}, timeout=CUT)
+    except asyncio.CancelledError:  # an all_tasks() sweep in the orchestrator cancelled this task too
+        swept, done = True, {task} if task.done() else set()
+    return {"surfaced_after_s": t_seen[0] - t_crash[0] if done and t_seen else None,
+            "cut": not done and not swept, "swept": swept, "error": repr(seen[0]) if seen else None,
+            "swallowed": stages[0].swallowed_cancels}
+
+
+def measure_sibling_crash(impl: str) -> dict[str, Any]:
+    with LogCapture():
+        h = start(impl, 1, {0})
+        app = _trio_sibling_crash if h.framework == "trio" else _asyncio_sibling_crash
+        m = h.run_in_loop(app, h, timeout=3 * CUT)
+        stop_and_drain(h)
+    m["reported"] = "E-front crashed" in (m["error"] or "")
+    return m
+
+
+def judge_sibling_crash(m: dict[str, Any]) -> tuple[str, str]:
+    if m.get("swept"):
+        return "lost", ("the orchestrator's all_tasks() sweep cancelled the application's own tasks; it got "
+                        f"{m['error'] or 'nothing'} instead of the front's error")
+    if m["cut"]:
+        return "hang", (f"the front's error had not reached the application {CUT} s after the crash: the "
+                        "group waits for a child that swallowed its one cancellation")
+    if not m["reported"]:
+        return "lost", f"the application got {m['error']} instead of the front's error"
+    if m["surfaced_after_s"] > GRACE / 2:
+        return "slow", (f"the front's error reached the application {m['surfaced_after_s']:.2f} s after the "
+                        "crash: only a second cancellation ended the orchestrator")
+    return "ok", (f"the front's error reached the application {m['surfaced_after_s'] * 1e3:.0f} ms after the "
+                  "crash")
+
+
+S22 = Scenario(
+    22, "sibling-crash", "the application's front crashes while a stage swallows a cancellation",
+    "The application runs the orchestrator next to its front in one nursery / TaskGroup; the front crashes, "
+    "so the group cancels the orchestrator, one of whose stages catches the cancellation once and waits "
+    "again. How long until the front's error reaches the application?",
+    f"hang if it had not within {CUT} s; lost if the application got another error; slow if it took more "
+    f"than {GRACE / 2} s; else ok",
+    measure_sibling_crash, judge_sibling_crash,
+    lambda m: ("the application's tasks swept" if m.get("swept") else "error not surfaced (cut)"
+               if m["cut"] else f"error surfaced after {m['surfaced_after_s'] * 1e3:.0f} ms")
+    + f", swallowed {m['swallowed']}",
+    needs=frozenset({"in_loop"}),
+    kind=MODEL,
+    because=(
+        "an error leaves a nursery or a TaskGroup only once every sibling has ended; a Trio nursery's "
+        "cancellation stays in force, a TaskGroup cancels each child once (and once more when its own "
+        "task is cancelled again)"
     ),
 )
