@@ -809,15 +809,27 @@ class Orchestrator:
         """Keep the core's view of each stage's ready replicas current (stage clients that report it)."""
         for k, stage in enumerate(self.stages):
             if isinstance(stage, ReplicatedStageClient):
-                self.router.replicas_changed(k, *stage.replica_counts())
-                stage.watch_replicas(partial(self._replicas_changed, k))
+                self.router.replicas_changed(k, *stage.replica_counts())  # nothing waits yet
+                stage.watch_replicas(partial(self.replicas_changed, k))
             if hasattr(stage, "join_gate"):  # replicas may join it at runtime: through this core
                 stage.join_gate = self.joins
 
-    def _replicas_changed(self, stage_id: int, live: int, total: int) -> None:
-        if self._state in ("running", "stopping"):
-            self.router.replicas_changed(stage_id, live, total)
-            self._room_may_have_changed()
+    def replicas_changed(self, stage_id: int, live: int, total: int) -> None:
+        """A stage's ready replicas changed (what a replica pool reports through ``watch_replicas``).
+
+        The core's availability and bounds follow at once; the failovers
+        that waited for a live replica of that stage are handed to the
+        dispatcher, which sends them in order with everything else.
+        """
+        if self._state not in ("running", "stopping"):
+            return
+        actions = self.router.replicas_changed(stage_id, live, total)
+        self._room_may_have_changed()
+        if actions:
+            try:
+                self._post_event(None, _Perform(actions))
+            except trio.ClosedResourceError:
+                pass  # stopping: the shutdown terminals already went out
 
     def _room_may_have_changed(self) -> None:
         room = self._room
@@ -868,15 +880,17 @@ class Orchestrator:
 
         Stage aborts are best-effort cleanup: they run in a task of the run
         nursery so a stage that hangs in ``abort`` never stalls routing for
-        everybody else.  ``waiters`` (callers of :meth:`abort`) are released
-        once the stages confirmed those aborts (or did not, in time).
+        everybody else -- except an abort followed by a submit of the same
+        request to the same stage (an async-chunk restart), done in order.
+        ``waiters`` (callers of :meth:`abort`) are released once the stages
+        confirmed those aborts (or did not, in time).
         """
         if not actions:
             return
         self._deliver_now(actions)
         router = self.router
         aborts: list[Abort] = []
-        for a in actions:
+        for i, a in enumerate(actions):
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
                     continue  # ended while an earlier action awaited
@@ -888,7 +902,10 @@ class Orchestrator:
                     continue
                 aborts.extend(x for x in router.submitted(a.stage_id, a.request_id) if type(x) is Abort)
             elif type(a) is Abort:
-                aborts.append(a)
+                if self._resubmits(actions, i, a):
+                    await self._abort_on(a.stage_id, a.request_ids)  # first: the stage takes it again
+                else:
+                    aborts.append(a)
         if aborts:
             nursery = self._nursery
             if nursery is not None and not nursery.cancel_scope.cancel_called:  # running or draining
@@ -897,6 +914,12 @@ class Orchestrator:
                     waiters.clear()  # the abort task releases them
             else:
                 await self._abort_all(aborts, [])
+
+    @staticmethod
+    def _resubmits(actions: list[Action], i: int, abort: Abort) -> bool:
+        """A later action submits one of the aborted ids to the same stage again (a restart)."""
+        return any(type(b) is Submit and b.stage_id == abort.stage_id and b.request_id in abort.request_ids
+                   for b in actions[i + 1:])
 
     async def _abort_all(self, aborts: list[Abort], waiters: list[_AbortWait]) -> None:
         try:
