@@ -368,8 +368,10 @@ def test_a_realtime_client_that_vanishes_mid_response_costs_no_traceback(
         for _ in range(5):
             with connect(f"ws://127.0.0.1:{served.port}/v1/realtime", open_timeout=HANG) as ws:
                 assert json.loads(ws.recv(timeout=HANG))["type"] == "session.created"
-                ws.send(json.dumps({"type": "input_text_buffer.append", "text": "long " * 50}))
-                ws.send(json.dumps({"type": "input_text_buffer.commit"}))
+                ws.send(json.dumps({"type": "conversation.item.create", "item": {
+                    "type": "message", "role": "user",
+                    "content": [{"type": "input_text", "text": "long " * 50}]}}))
+                ws.send(json.dumps({"type": "response.create"}))
                 ws.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                 ws.socket.shutdown(socket.SHUT_RDWR)  # gone, no close frame, while the server answers
         wait_until(lambda: served.engine.stats().active_requests == 0, "every session's request aborted")
