@@ -80,6 +80,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         self._ready = asyncio.Queue()
         self._side: set[asyncio.Task[None]] = set()
         cancelled_from_outside = False
+        stop_deadline: asyncio.Timeout | None = None
         try:
             # The stop is bounded: if the group's tasks have not finished ``shutdown_grace``
             # after being cancelled, the deadline cancels this task, and TaskGroup answers
@@ -100,9 +101,11 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
                     for t in (*tasks, *self._side):
                         t.cancel()
         except TimeoutError:
-            log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
-                        self.shutdown_grace)
+            pass  # the stop deadline's own cancellation (an outside one propagates as CancelledError)
         finally:
+            if stop_deadline is not None and stop_deadline.expired():
+                log.warning("orchestrator tasks still running %.1fs after cancel; cancelled them again",
+                            self.shutdown_grace)
             self._tg = None
             self.stopping.set()
             self._report_unrouted_events()

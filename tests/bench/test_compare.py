@@ -144,7 +144,8 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
     assert list(result["implementations"]) == impls
     assert [s["number"] for s in result["scenarios"]] == [1]
     sc = result["scenarios"][0]
-    assert {"number", "key", "title", "question", "rule", "results"} <= set(sc)
+    assert {"number", "key", "title", "kind", "because", "question", "rule", "results"} <= set(sc)
+    assert sc["kind"] == "model" and sc["because"]
     for impl in impls:
         r = sc["results"][impl]
         assert set(r) == {"scenario", "impl", "verdict", "reason", "headline", "wall_s", "driver_error",
@@ -156,7 +157,8 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
         assert r["verdict"] in printed.split(impl, 1)[1] or r["verdict"] in printed
     assert sc["results"]["trio"]["verdict"] == "ok"
     text = md.read_text()
-    assert "| 1 | stage receive() swallows one cancellation |" in text and "Rule:" in text
+    assert "| 1 | model | stage receive() swallows one cancellation |" in text and "Rule:" in text
+    assert "Kind: **model**" in text and "**Headline.**" in text
     assert set(result).issuperset({"watchdog_cut_s", "shutdown_grace_s", "python", "platform", "elapsed_s"})
 
 
@@ -214,22 +216,6 @@ def test_premise_of_scenario_3_pyzmq_close_cancels_a_pending_recv() -> None:
     assert seen == [0]
 
 
-def test_the_terminal_table_fits_the_terminal_and_cuts_no_cell() -> None:
-    from bench.compare.cli import terminal_table
-
-    long = "ok: every request got exactly one terminal within the grace period, none after it"
-    result = {"implementations": {"trio": {}, "omni-event": {}, "omni-poll": {}, "asyncio-taskgroup": {}},
-              "scenarios": [{"number": 12, "title": "a stage hangs in abort while the consumer is cancelled",
-                             "results": {i: {"verdict": "ok", "headline": long} for i in
-                                         ("trio", "omni-event", "omni-poll", "asyncio-taskgroup")}}]}
-    for columns in (100, 140):
-        table = terminal_table(result, columns)
-        assert max(len(line) for line in table.splitlines()) <= columns and "…" not in table
-        flat = " ".join(" ".join(table.split()).split(" | "))
-        for word in long.split():
-            assert word in flat  # wrapped, never cut
-
-
 def test_trio_a_companion_outliving_its_parent_reaches_nobody() -> None:
     m = trio_run(14)
     assert m["terminal_kind"] == "aborted" and m["duplicate_terminals"] == 0 and m["after_terminal"] == 0
@@ -282,9 +268,9 @@ def _fake_scenarios() -> list:
 
     return [
         Scenario(901, "needs-teleport", "needs a teleporter", "?", "?", never, lambda m: ("ok", ""),
-                 lambda m: "", needs=frozenset({"teleport"})),
+                 lambda m: "", needs=frozenset({"teleport"}), kind="design", because="?"),
         Scenario(902, "unsupported-call", "calls what the driver lacks", "?", "?", measure,
-                 lambda m: ("ok", ""), lambda m: ""),
+                 lambda m: ("ok", ""), lambda m: "", kind="design", because="?"),
     ]
 
 

@@ -559,12 +559,14 @@ async def _asyncio_sibling_crash(h: Driver) -> dict[str, Any]:
 
 
 def measure_sibling_crash(impl: str) -> dict[str, Any]:
-    with LogCapture():
+    with LogCapture() as logs:
         h = start(impl, 1, {0})
         app = _trio_sibling_crash if h.framework == "trio" else _asyncio_sibling_crash
         m = h.run_in_loop(app, h, timeout=3 * CUT)
         stop_and_drain(h)
     m["reported"] = "E-front crashed" in (m["error"] or "")
+    # the asyncio-taskgroup reference says so when its stop deadline had to cancel a second time
+    m["second_cancel_logged"] = any("cancelled them again" in r for r in logs.records)
     return m
 
 
