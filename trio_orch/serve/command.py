@@ -55,8 +55,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
         "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
-        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (text in while the answer "
-        "streams out), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
+        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (OpenAI's Realtime "
+        "protocol, as the openai SDK's realtime.connect speaks it: text in, text and audio out), "
+        "GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
         "(vLLM's and OpenAI's dialect, --served-model-name and --api-key as vLLM's: "
         "docs/openai-compat.md). --loop trio: the HTTP server "
         "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
