@@ -31,6 +31,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import janus
@@ -48,7 +49,7 @@ from trio_orch.core import (
     stage_call,
     stage_call_failed,
 )
-from trio_orch.types import Message, RpcResult, StageClient
+from trio_orch.types import Message, ReplicatedStageClient, RpcResult, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
 
@@ -148,6 +149,10 @@ class AsyncioOrchestrator:
         #: replica joins in progress (member id -> its handshake task) and how the ended ones ended
         self.join_tasks: dict[str, asyncio.Task[None]] = {}
         self.join_outcomes: dict[str, str] = {}
+        for k, stage in enumerate(self.stages):  # stage clients that report their replicas (a pool)
+            if isinstance(stage, ReplicatedStageClient):
+                self.router.replicas_changed(k, *stage.replica_counts())  # nothing waits yet
+                stage.watch_replicas(partial(self.replicas_changed, k))
 
     # ------------------------------------------------------------------ serving thread
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
@@ -252,6 +257,14 @@ class AsyncioOrchestrator:
         if io:  # the stage aborts, in a side task
             self.spawn(self.perform(io), f"orchestrator-expire-{request_id}")
 
+    def replicas_changed(self, stage_id: int, live: int, total: int) -> None:
+        """(Loop thread.)  A stage's ready replicas changed: the core follows; waiting failovers go."""
+        if self.stopping.is_set():
+            return
+        io = self.deliver_emits(self.router.replicas_changed(stage_id, live, total))
+        if io:  # the resends, in a side task (as the expiry's aborts)
+            self.spawn(self.perform(io), f"orchestrator-failover-{stage_id}")
+
     def deliver_emits(self, actions: list[Action]) -> list[Action]:
         """Deliver the messages among ``actions`` now; return the stage I/O left to perform."""
         self._deliver([a.message for a in actions if type(a) is Emit])
@@ -345,7 +358,7 @@ class AsyncioOrchestrator:
             return
         self._deliver([a.message for a in actions if type(a) is Emit])
         router = self.router
-        for a in actions:
+        for i, a in enumerate(actions):
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
                     continue
@@ -359,7 +372,11 @@ class AsyncioOrchestrator:
                     if type(x) is Abort:
                         await self.stage_abort(x)
             elif type(a) is Abort:
-                await self.stage_abort(a)
+                if any(type(b) is Submit and b.stage_id == a.stage_id and b.request_id in a.request_ids
+                       for b in actions[i + 1:]):
+                    await self._abort_on(a.stage_id, a.request_ids)  # inline: it is submitted there again
+                else:
+                    await self.stage_abort(a)
 
     async def stage_abort(self, a: Abort) -> None:
         """Perform one stage abort the core decided on: here, inline (variants may hand it to a task)."""
