@@ -353,6 +353,19 @@ def test_settings_that_shape_the_request_are_mapped_to_stage_parameters_and_fixe
     assert ok["type"] == "session.updated"  # unchanged shaping settings, new instructions: fine
 
 
+def test_a_text_only_pipeline_answers_in_text_and_refuses_audio() -> None:
+    d = Driven(final_stage_ids={0}, outputs=["text"])
+    assert d.s.describe()["output_modalities"] == ["text"]
+    bad = error_of(d.send("session.update", session={"output_modalities": ["audio"]})[0])
+    assert (bad["code"], bad["param"]) == ("invalid_value", "session.output_modalities")
+    d.say("hi")
+    start = d.respond(output_modalities=["text"])  # the session's own: accepted
+    assert start.final_stage_id == 0
+    events = d.out(out(start.request_id, 0, {"text": "yo"}, 0, done=True))
+    assert [e["type"] for e in events][:2] == ["response.output_text.delta", "response.output_text.done"]
+    assert events[-1]["response"]["status"] == "completed"
+
+
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     d = Driven()
     with caplog.at_level(logging.INFO, "trio_orch.http.realtime"):
