@@ -18,8 +18,12 @@ peers the head names and taking chunks only from the keys it names.
   exit 1 with the reason.  The head shutting down (``Shutdown``): exit 0.
 
 Keys: ``--keys DIR`` (made by ``trio-orch keys DIR``: ``head.key`` and
-``workers/NAME.key_secret``), or the ``TRIO_ORCH_WORKER_KEYS`` environment
-variable (JSON ``{"public", "secret", "head"}``, Z85; the Ray backend's way).
+``workers/NAME.key_secret``), or ``--keys-fd N``: JSON ``{"public", "secret",
+"head"}`` (Z85) read from a pipe the parent left open as fd N, then closed --
+the Ray backend's way, which keeps the secret key out of the environment and
+the command line (any process of the same user can read both in ``/proc``).
+The ``TRIO_ORCH_WORKER_KEYS`` environment variable (the same JSON) is still
+read, for workers started by hand.
 """
 
 from __future__ import annotations
@@ -111,6 +115,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="which worker key pair in DIR/workers (default: the first one)",
     )
+    p.add_argument("--keys-fd", type=int, default=None, metavar="N",
+                   help="read the key pair and the head's public key (JSON) from inherited fd N, then "
+                        "close it (a parent process that must not put them in the environment)")
     p.add_argument(
         "--config",
         "--model-config",
@@ -156,12 +163,16 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _keys(args: argparse.Namespace) -> tuple[Keypair, bytes]:
     raw = os.environ.get(KEYS_ENV)
+    where = KEYS_ENV
+    if args.keys_fd is not None:
+        with os.fdopen(args.keys_fd, "r", closefd=True) as f:
+            raw, where = f.read(), f"--keys-fd {args.keys_fd}"
     if raw:
         try:
             d = json.loads(raw)
             return Keypair(d["public"].encode(), d["secret"].encode()), d["head"].encode()
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KeysError(f"malformed {KEYS_ENV}: {exc}") from None
+            raise KeysError(f"malformed keys from {where}: {exc}") from None
     if args.keys is None:
         raise KeysError("give --keys DIR (made by 'trio-orch keys DIR')")
     d = Path(args.keys)

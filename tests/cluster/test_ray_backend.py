@@ -7,12 +7,15 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 import trio
 
+from stages.auth import SECRET_NAME
 from stages.config import echo_config
 from trio_orch import OrchOutput, open_orchestrator
+from trio_orch.cluster import ray_backend
 from trio_orch.cluster.distributed import HeadOptions, open_head_pipeline
 
 ray = pytest.importorskip("ray")
@@ -28,7 +31,31 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-async def test_a_ray_placed_pipeline_serves_a_request_and_stops() -> None:
+def environ(pid: int) -> list[bytes]:
+    return [e for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if e]
+
+
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def check_no_key_in_reach(pid: int, keys: ray_backend.RayKeys, *, named_like_a_secret: bool) -> None:
+    """No key material in ``pid``'s environment or command line; ``named_like_a_secret``: nor any
+    variable named like a secret (a worker's: the actor's is Ray's to make)."""
+    env = environ(pid)
+    material = (keys.worker.secret, keys.worker.public)
+    assert not any(m in e for m in material for e in env)
+    assert not any(m in Path(f"/proc/{pid}/cmdline").read_bytes() for m in material)
+    named = [n for n in (e.split(b"=", 1)[0].decode() for e in env) if SECRET_NAME.search(n)]
+    assert [n for n in named if n.startswith("TRIO_ORCH_")] == []
+    if named_like_a_secret:
+        assert named == []
+
+
+async def test_a_ray_placed_pipeline_serves_a_request_and_stops(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[ray_backend.RayKeys] = []
+    ephemeral = ray_backend.ephemeral_keys
+    monkeypatch.setattr(ray_backend, "ephemeral_keys", lambda: made.append(ephemeral()) or made[-1])
     temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's unix socket paths must fit 107 bytes
     await trio.to_thread.run_sync(lambda: ray.init(
         num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
@@ -53,6 +80,10 @@ async def test_a_ray_placed_pipeline_serves_a_request_and_stops() -> None:
                 assert isinstance(msg, OrchOutput) and msg.stage_id == 1
                 pids = [m.client.ready.pid for m in reg.members.values() if m.client.ready is not None]
                 assert len(pids) == 2
+                # the keys reached each worker over a pipe: not in its environment nor its actor's
+                for pid in pids:
+                    check_no_key_in_reach(pid, made[0], named_like_a_secret=True)
+                    check_no_key_in_reach(parent_of(pid), made[0], named_like_a_secret=False)
         assert not any(_pid_alive(p) for p in pids)  # every actor's worker is gone
     finally:
         await trio.to_thread.run_sync(ray.shutdown)

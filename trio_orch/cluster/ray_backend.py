@@ -4,10 +4,16 @@ Each actor (:class:`ReplicaActor`, placed with the stage's ``resources``
 from the config, e.g. ``num_gpus``; ``num_cpus`` defaults to 1) runs one
 ``python -m stages.headless`` process that registers with the head like any
 remote worker.  The head makes an ephemeral key pair for itself and one for
-its Ray workers (the workers' public key is allowed, the secret travels to
-the actors as an argument, never written to disk); the pipeline config
-travels the same way.  Leaving the block stops every actor's worker
-(SIGTERM, then SIGKILL) and kills the actors.  An actor that dies (killed,
+its Ray workers (the workers' public key is allowed; the key pair travels to
+each actor as a constructor argument and from the actor to its worker over a
+pipe the worker inherits, ``--keys-fd``: never written to disk, never in an
+environment or on a command line, where any process of the same user could
+read it in ``/proc``); the pipeline config travels to the actor the same way
+and to the worker in its environment (it holds no secret).  The worker gets
+the actor's environment without the variables named like a secret and
+without Ray's own settings (:func:`stages.auth.scrubbed_environ`).  Leaving
+the block stops every actor's worker (SIGTERM, then SIGKILL) and kills the
+actors.  An actor that dies (killed,
 its node lost) takes its worker with it: the worker exits when its parent
 goes, and the head sees a lost replica (``replica_died`` for its requests).
 
@@ -30,10 +36,10 @@ from typing import Any
 
 import trio
 
-from stages.auth import Keypair
+from stages.auth import Keypair, scrubbed_environ
 from stages.config import PipelineConfig, to_dict
 
-__all__ = ["CONFIG_ENV", "RayKeys", "ReplicaActor", "ephemeral_keys", "open_ray_replicas"]
+__all__ = ["CONFIG_ENV", "RayKeys", "ReplicaActor", "ephemeral_keys", "keys_text", "open_ray_replicas"]
 
 log = logging.getLogger("trio_orch.cluster.ray_backend")
 
@@ -53,11 +59,28 @@ def ephemeral_keys() -> RayKeys:
     return RayKeys(Keypair.generate(), Keypair.generate())
 
 
-class ReplicaActor:
-    """A Ray actor that runs one worker process (wrapped with ``ray.remote`` when used)."""
+def keys_text(keys: RayKeys) -> str:
+    """What a Ray worker reads from ``--keys-fd``: its key pair and the head's public key (JSON, Z85)."""
+    return json.dumps({"public": keys.worker.public.decode(), "secret": keys.worker.secret.decode(),
+                       "head": keys.head.public.decode()})
 
-    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL)
+
+class ReplicaActor:
+    """A Ray actor that runs one worker process (wrapped with ``ray.remote`` when used).
+
+    ``keys``: :func:`keys_text`, handed on to the worker over an inherited pipe (``--keys-fd``);
+    ``env``: more (non-secret) variables for the worker's environment.
+    """
+
+    def __init__(self, argv: list[str], keys: str, env: dict[str, str]) -> None:
+        read_end, write_end = os.pipe()
+        try:
+            with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
+                w.write(keys)
+            self.proc = subprocess.Popen([*argv, "--keys-fd", str(read_end)], pass_fds=(read_end,),
+                                         env={**scrubbed_environ(), **env}, stdin=subprocess.DEVNULL)
+        finally:
+            os.close(read_end)
 
     def pid(self) -> int:
         return self.proc.pid
@@ -97,12 +120,8 @@ async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, addre
                                                        include_dashboard=False))
         started_ray = True
     actor_cls = ray.remote(ReplicaActor)
-    env = {
-        "TRIO_ORCH_WORKER_KEYS": json.dumps({"public": keys.worker.public.decode(),
-                                             "secret": keys.worker.secret.decode(),
-                                             "head": keys.head.public.decode()}),
-        CONFIG_ENV: json.dumps(to_dict(cfg)),
-    }
+    secret = keys_text(keys)
+    env = {CONFIG_ENV: json.dumps(to_dict(cfg))}
     actors: list[Any] = []
     try:
         for k, st in enumerate(cfg.stages):
@@ -113,7 +132,7 @@ async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, addre
             for r in range(st.replicas):
                 argv = [sys.executable, "-m", "stages.headless", "--stage", str(k), "--head", head,
                         "--device", cfg.device]
-                actors.append(actor_cls.options(name=None, **opts).remote(argv, env))
+                actors.append(actor_cls.options(name=None, **opts).remote(argv, secret, env))
                 log.info("stage %d replica %d: placed as a Ray actor (%s)", k, r, opts)
         pids = await trio.to_thread.run_sync(lambda: ray.get([a.pid.remote() for a in actors], timeout=120))
         log.info("Ray actors started %d workers (pids %s)", len(pids), pids)
