@@ -239,9 +239,11 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
         argv = [*argv, "--auth-fd", str(read_end)]
     try:
         with open(h.stderr_path, "wb") as errf:
-            # A session of its own: a signal to serve's whole process group (systemd's KillMode,
-            # `timeout`, `kill -- -PGID`, a container runtime) must not stop the workers before serve
-            # drained them. Serve stops them itself; if serve is SIGKILLed, they see their parent gone.
+            # A session of its own: a signal to serve's whole process group (`timeout`, `kill -- -PGID`,
+            # Ctrl-C in a terminal) must not stop the workers before serve drained them. Serve stops
+            # them itself; if serve is SIGKILLed, they see their parent gone. (systemd's default
+            # KillMode=control-group signals every process of the unit whatever its session: the
+            # unit in docs/operating.md uses KillMode=mixed.)
             h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
                                                          stderr=errf, pass_fds=pass_fds,
                                                          env=scrubbed_environ(), start_new_session=True)
