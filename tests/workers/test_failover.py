@@ -18,7 +18,9 @@ import trio
 
 from stages.config import PipelineConfig, StageConfig
 from trio_orch import OrchError, Orchestrator, OrchOutput
+from trio_orch.cli.main import main
 from trio_orch.cluster.launcher import open_pipeline
+from trio_orch.cluster.supervisor import RestartPolicy, supervised_pipeline
 from trio_orch.types import Message
 
 pytestmark = pytest.mark.processes  # real worker processes
@@ -69,3 +71,42 @@ async def test_kill_9_resends_the_requests_queued_on_the_dead_replica(max_retrie
             assert tm is not None and (tm.replica, tm.retried_from) == (1, 0)
     else:
         assert failed == victims and retried == (0,)
+
+
+async def test_with_no_replica_left_the_queued_requests_wait_for_the_restarted_one() -> None:
+    """The only replica is killed: its queued requests are resent once the supervisor's replacement is ready.
+
+    Nothing is resent while the stage has no live replica; the requests keep
+    their deadline (60 s here, far more than a restart takes).
+    """
+    stage = StageConfig("echo", replicas=1, max_batch=1, model={"outputs": 20},
+                        worker_args=["--step-delay-ms", "20"])
+    cfg = PipelineConfig([stage], final_stage_ids=[0], max_retries=1).validate()
+    async with supervised_pipeline(cfg, RestartPolicy(backoff_initial=0.0)) as pipe:
+        orch = Orchestrator(pipe.stages, request_timeout=60, **pipe.orchestrator_kwargs())
+        pool = pipe.stages[0]
+        msgs: list[Message] = []
+        async with trio.open_nursery() as nursery:
+            await nursery.start(orch.run)
+            for i in range(4):
+                await orch.add_request(f"r{i}", i)
+            with trio.fail_after(60):
+                msgs.append(await orch.next_output())  # r0 is in the batch: it produced output
+                os.kill(pipe.worker(0, 0).pid, signal.SIGKILL)
+                while sum(m.finished for m in msgs) < 4:
+                    msgs.append(await orch.next_output())
+            stats = orch.statistics().core
+            await orch.shutdown()
+    terminals = {m.request_id: m for m in msgs if m.finished}
+    failed = {rid for rid, m in terminals.items() if isinstance(m, OrchError)}
+    assert failed <= {"r0"} and all(terminals[r].kind == "replica_died" for r in failed)
+    assert stats.retried_by_stage == (4 - len(failed),) and stats.waiting_by_stage == (0,)
+    for rid in set(terminals) - failed:
+        tm = pool.timing_of(rid)
+        assert tm is not None and tm.retried_from == 0  # resent to the slot's replacement
+
+
+def test_generate_and_serve_refuse_a_negative_max_retries(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("generate", "serve"):
+        assert main([command, "--max-retries", "-1"]) == 2
+        assert "--max-retries must be >= 0" in capsys.readouterr().err

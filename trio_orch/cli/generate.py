@@ -104,6 +104,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
                         help="with --listen: seconds to wait until every stage has a replica (a stage "
                              "with no local one waits for one to join) before sending the request")
+    parser.add_argument("--max-retries", type=int, default=None, metavar="N",
+                        help="resend the request up to N times when the replica holding it dies before "
+                             "answering it (default: the config's [pipeline] max_retries, 1; 0: off)")
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -120,7 +123,8 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     if args.config and args.pipeline:
         raise ValueError("give --config or --pipeline, not both")
     cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device)
+    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
+                             max_retries=args.max_retries)
     if _makes_images(cfg):
         if cfg.async_chunk or args.compare or args.stream_input:
             raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "
@@ -185,6 +189,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError("--replicas must be >= 1 (0 only with --listen: replicas join over TCP)")
     if args.join_timeout <= 0:
         raise ValueError("--join-timeout must be > 0")
+    if args.max_retries is not None and args.max_retries < 0:
+        raise ValueError("--max-retries must be >= 0 (0: no failover)")
     out = os.path.abspath(args.out or "out.wav")  # the default lands in the current directory
     folder = os.path.dirname(out)
     if os.path.isdir(out):

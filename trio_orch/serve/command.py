@@ -197,6 +197,17 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes)
 
 
+def _with_options(factory: Any, **options: Any) -> Any:
+    """``factory`` whose pipeline spec carries ``options`` for its orchestrator too."""
+    @asynccontextmanager
+    async def with_options() -> AsyncIterator[Any]:
+        async with factory() as spec:
+            spec.options.update(options)
+            yield spec
+
+    return with_options
+
+
 class _Pipeline:
     """What serve runs: the factory, its description and what the front needs to know of it."""
 
@@ -207,6 +218,8 @@ class _Pipeline:
             from trio_orch.testing.toy_pipeline import toy_pipeline
 
             self.factory: Any = toy_pipeline()
+            if args.max_retries is not None:  # honoured as for workers (toy stages never die, though)
+                self.factory = _with_options(self.factory, max_retries=args.max_retries)
             self.what = "in-process toy pipeline (thinker -> talker -> vocoder, no workers)"
             self.outputs: list[str] | None = None
             self.names: list[str] | None = ["toy thinker", "toy talker", "toy vocoder"]
