@@ -74,10 +74,11 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
     use_runner = True
     bounded_cleanup = True
     _tg: asyncio.TaskGroup | None = None
-    _ready: asyncio.Queue[tuple[int | None, Any]]
+    #: what the readers (and aborts) post for the dispatcher: (stage id or None, outputs, death or command)
+    ready_q: asyncio.Queue[tuple[int | None, Any]]
 
     async def run(self) -> None:
-        self._ready = asyncio.Queue()
+        self.ready_q = asyncio.Queue()
         self._side: set[asyncio.Task[None]] = set()
         cancelled_from_outside = False
         stop_deadline: asyncio.Timeout | None = None
@@ -134,7 +135,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             return
         state = self.router.requests.get(request_id)
         if state is not None:
-            self._ready.put_nowait((None, _AbortCmd(state)))
+            self.ready_q.put_nowait((None, _AbortCmd(state)))
 
     async def stage_abort(self, a: Abort) -> None:
         """In a task of the group while running (a hung stage stalls nobody); inline while stopping."""
@@ -174,7 +175,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         task.add_done_callback(lambda t: msg.refuse("orchestrator stopped before the call ran"))
 
     async def _dispatcher(self) -> None:
-        ready = self._ready
+        ready = self.ready_q
         router = self.router
         while True:
             stage_id, item = await ready.get()
@@ -187,7 +188,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             await self.perform(self.route(stage_id, item))
 
     async def reader(self, stage_id: int, stage: StageClient) -> None:
-        ready = self._ready
+        ready = self.ready_q
         try:
             while True:
                 outs = await stage.receive()
@@ -204,7 +205,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         """Events the dispatcher never saw (it was cancelled first): log the stage failures."""
         while True:
             try:
-                stage_id, item = self._ready.get_nowait()
+                stage_id, item = self.ready_q.get_nowait()
             except asyncio.QueueEmpty:
                 return
             if type(item) is StageDied and stage_id is not None:

@@ -129,7 +129,8 @@ def test_verdicts_are_derived_from_measurements() -> None:
 def test_changing_an_implementation_changes_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
     """TaskGroup's reader tells its own cancellation from the stage's; give it omni's and S3 turns silent."""
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "ok"
-    monkeypatch.setattr(TaskGroupOrchestrator, "reader", OmniEventDriven.reader)
+    monkeypatch.setattr(TaskGroupOrchestrator, "reader",
+                        lambda self, k, stage: OmniEventDriven.reader(self, k, stage, self.ready_q))
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "silent"
 
 

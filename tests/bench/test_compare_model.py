@@ -16,7 +16,7 @@ import pytest
 
 from bench.compare.cli import VERDICTS, differences, headline, markdown_report, terminal_table
 from bench.compare.scenarios import SCENARIOS, Scenario, by_number, run_scenario
-from bench.compare.scenarios.base import CUT, GRACE, KINDS, MODEL
+from bench.compare.scenarios.base import CUT, GRACE, KINDS
 from bench.compare.scenarios.model import (
     judge_cancelled_twice,
     judge_cleanup_await,
@@ -189,6 +189,6 @@ def test_the_committed_comparison_separates_model_from_design() -> None:
     assert d["design"] == [], f"rows that differ by design: {d['design']}"
     assert len(d["model"]) >= 6, d
     assert {sc["number"] for sc in result["scenarios"]} == {sc.number for sc in SCENARIOS}
-    assert all(by_number(n).kind == MODEL for n in d["model"])
+    assert all(by_number(n).kind == "model" for n in d["model"])
     used = {r["verdict"] for sc in result["scenarios"] for r in sc["results"].values()}
     assert used <= set(VERDICTS), used - set(VERDICTS)

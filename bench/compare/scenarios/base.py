@@ -25,10 +25,8 @@ from bench.implementations import lookup, make_driver
 
 __all__ = [
     "CUT",
-    "DESIGN",
     "GRACE",
     "KINDS",
-    "MODEL",
     "NA",
     "LogCapture",
     "Outcome",
@@ -82,20 +80,19 @@ def _jsonable(v: Any) -> Any:
     return repr(v)
 
 
-#: a difference that comes from the concurrency model itself (cancellation semantics, shields, threads...)
-MODEL = "model"
-#: a difference that comes from a choice either model can make (an abort path, a bounded cleanup...)
-DESIGN = "design"
-KINDS = (MODEL, DESIGN)
+#: where a difference in a row comes from: "model", the concurrency model itself (cancellation semantics,
+#: shields, threads...), or "design", a choice either model can make (an abort path, a bounded cleanup...)
+KINDS = ("model", "design")
 
 
 @dataclass
 class Scenario:
     """An experiment: ``measure(impl) -> metrics``; ``judge(metrics) -> (verdict, reason)``.
 
-    ``kind`` says where a difference in its row comes from -- :data:`MODEL` or
-    :data:`DESIGN` -- and ``because`` is the one-sentence rule behind it, so a
-    reader can tell a property of Trio or asyncio from a choice either could make.
+    ``kind`` says where a difference in its row comes from -- ``"model"`` or
+    ``"design"`` (:data:`KINDS`) -- and ``because`` is the one-sentence rule
+    behind it, so a reader can tell a property of Trio or asyncio from a choice
+    either could make.
     """
 
     number: int

@@ -17,8 +17,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
-    MODEL,
     LogCapture,
     Scenario,
     start,
@@ -138,7 +136,7 @@ S7 = Scenario(
     measure_consumer_cancelled, judge_consumer,
     lambda m: f"{m['delivered']}/{m['sent']} delivered, {m['consumer_cancellations']} cancellations",
     needs=frozenset({"in_loop"}),
-    kind=MODEL,
+    kind="model",
     because=(
         "a cancelled receive on a Trio memory channel or an asyncio/janus queue either hands over an "
         "item or raises having taken none"
@@ -240,7 +238,7 @@ S9 = Scenario(
     lambda m: (f"client abort: {_ms(m['overrun_plain_s'])} alone, {_ms(m['overrun_s'])} saturated; "
                f"own deadline: {_ms(m['overrun_orchestrator_deadline_s'])}"),
     needs=frozenset({"deadline"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "where an abort is queued (behind the adds, or straight to the dispatcher) and who keeps per-"
         "request deadlines is the shell's choice"
@@ -303,7 +301,7 @@ S10 = Scenario(
     "else ok",
     measure_sigint, judge_sigint,
     lambda m: (f"exit {m['exit_s']:.2f} s, terminals {m['terminals']}/{m['in_flight']}"),
-    kind=MODEL,
+    kind="model",
     because=(
         "in both models SIGINT reaches only the main thread (Python runs signal handlers there), so a"
         " server with the orchestrator in a thread gets KeyboardInterrupt in its serving thread"
@@ -381,7 +379,7 @@ S11 = Scenario(
     "terminal; else ok",
     measure_bridge_after, judge_bridge,
     lambda m: "after: " + ", ".join(f"{k}={v}" for k, v in m["after_shutdown"].items()),
-    kind=DESIGN,
+    kind="design",
     because=(
         "both thread bridges refuse once the loop is gone (trio.from_thread raises RunFinishedError, "
         "call_soon_threadsafe on a closed loop and a shut-down janus queue raise RuntimeError)"

@@ -15,7 +15,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     LogCapture,
     Scenario,
     start,
@@ -98,7 +97,7 @@ S14 = Scenario(
     lambda m: (f"terminal: {m['terminal_kind']}, companion aborted: {m['companion_aborted']}, "
                f"late output dropped: {m['late_output_counted']}, forwards: {m['forwards']}"),
     needs=frozenset({"companions"}),
-    kind=DESIGN,
+    kind="design",
     because="dropping a companion's late output is the shared routing core's rule",
 )
 
@@ -176,6 +175,6 @@ S15 = Scenario(
                f"{m['forwards_without_companion']}, extra: {m['extra_forwards']}, "
                f"missing: {m['missing_forwards']}"),
     needs=frozenset({"companions"}),
-    kind=DESIGN,
+    kind="design",
     because="forwarding a parent only once its companions finished is the shared routing core's rule",
 )

@@ -17,7 +17,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     LogCapture,
     Scenario,
     start,
@@ -114,7 +113,7 @@ S16 = Scenario(
        else ", request never admitted")
     + f", answers {m['answers']}",
     needs=frozenset({"rpc"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "whether a control call waits in the request handler or in a task of its own is the shell's "
         "choice"

@@ -17,7 +17,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     LogCapture,
     Scenario,
     start,
@@ -83,7 +82,7 @@ S17 = Scenario(
         f"shutdown {m['shutdown_s']:.3f} s, join: {m['outcome']}, tasks left: {m['tasks_alive_after_run']}"
     ),
     needs=frozenset({"membership"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "whether shutdown waits for a fire-and-forget handshake or cancels a task it owns is the "
         "shell's choice; TaskGroup and nursery both can"

@@ -22,7 +22,6 @@ from typing import Any
 from bench.compare.scenarios.base import (
     CUT,
     GRACE,
-    MODEL,
     LogCapture,
     Scenario,
     shut_fmt,
@@ -142,7 +141,7 @@ S18 = Scenario(
     lambda m: ("cut by the watchdog" if m["cut"] else f"ended after {m['returned_s'] * 1e3:.0f} ms")
     + f" (deadline {m['deadline_s'] * 1e3:.0f} ms), swallowed {m['swallowed']}",
     needs=frozenset({"in_loop"}),
-    kind=MODEL,
+    kind="model",
     because=(
         "a Trio deadline is a cancel scope that stays cancelled, so the library's retry is cancelled "
         "again; asyncio.timeout cancels the task once, and a swallowed CancelledError is gone"
@@ -236,7 +235,7 @@ S19 = Scenario(
     lambda m: (f"{shut_fmt(m)}, loop ended after {m['loop_thread_end_s']:.2f} s"
                + (", call still running" if m["call_running_at_loop_end"] else "")
                + (" in a daemon thread" if m["call_running_at_loop_end"] and m["worker_daemon"] else "")),
-    kind=MODEL,
+    kind="model",
     because=(
         "Trio abandons a cancelled thread call if asked (abandon_on_cancel) and its run never waits for "
         "one; asyncio.to_thread's await is cancelled but the thread runs on in the default executor, "
@@ -400,7 +399,7 @@ S20 = Scenario(
                f"terminals {m['at_return'].get('terminals', 0)}; "
                f"later: {m['later']['closed']}/{m['stages']}"),
     needs=frozenset({"in_loop"}),
-    kind=MODEL,
+    kind="model",
     because=(
         "a Trio shielded cancel scope protects the code inside it, so run() returns once the cleanup is "
         "done; asyncio.shield protects only the inner task, so the awaiting run() still ends at the "
@@ -479,7 +478,7 @@ S21 = Scenario(
     "else ok",
     measure_cleanup_await, judge_cleanup_await,
     lambda m: f"{shut_fmt(m)}, notices sent: {m['notices_sent']}",
-    kind=MODEL,
+    kind="model",
     because=(
         "Trio's cancellation is level-triggered, so an await in cleanup code inside a cancelled scope is "
         "cancelled too unless shielded (CancelScope(shield=True)); asyncio delivered its one "
@@ -598,7 +597,7 @@ S22 = Scenario(
                if m["cut"] else f"error surfaced after {m['surfaced_after_s'] * 1e3:.0f} ms")
     + f", swallowed {m['swallowed']}",
     needs=frozenset({"in_loop"}),
-    kind=MODEL,
+    kind="model",
     because=(
         "an error leaves a nursery or a TaskGroup only once every sibling has ended; a Trio nursery's "
         "cancellation stays in force, a TaskGroup cancels each child once (and once more when its own "

@@ -7,8 +7,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
-    MODEL,
     LogCapture,
     Scenario,
     shut_fmt,
@@ -92,7 +90,7 @@ S3 = Scenario(
     measure_reader_raises, judge_reader,
     lambda m: (f"running: {m['orchestrator_running_after']}, sibling served: {m['sibling_served']}, "
                f"stage-1 request ended: {m['bound_request_terminal_before_shutdown']}"),
-    kind=MODEL,
+    kind="model",
     because=(
         "Trio's Cancelled cannot come from a library (a resource closed under a receive raises "
         "ClosedResourceError); a closed pyzmq asyncio socket raises CancelledError, which only "
@@ -142,7 +140,7 @@ S6 = Scenario(
     measure_register_submit, judge_leak,
     lambda m: f"{shut_fmt(m)}, no terminal: {m['without_terminal']}, state left: "
               f"{m['router_state_left'] + m['stage_state_left']}",
-    kind=DESIGN,
+    kind="design",
     because=(
         "the core registers and decides between checkpoints, so a cancellation between register and "
         "submit leaves nothing behind in either model"
@@ -203,6 +201,6 @@ S12 = Scenario(
     "message after its terminal; else ok",
     measure_stage_death, judge_death,
     lambda m: f"no terminal before shutdown: {m['without_terminal_before_shutdown']}",
-    kind=DESIGN,
+    kind="design",
     because="a dead stage's requests get their terminals from the shared routing core's rule",
 )

@@ -7,9 +7,7 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     GRACE,
-    MODEL,
     LogCapture,
     Scenario,
     shut_fmt,
@@ -79,7 +77,7 @@ S1 = Scenario(
     measure_swallow, judge_swallow,
     lambda m: f"{shut_fmt(m)}, swallowed {m['cancellations_swallowed']}"
               + (" (by a poll, before shutdown)" if m["swallowed_before_shutdown"] else ""),
-    kind=MODEL,
+    kind="model",
     because=(
         "Trio's cancellation is level-triggered (every checkpoint in a cancelled scope raises again);"
         " asyncio's Task.cancel() throws CancelledError once, so a cancellation swallowed is gone"
@@ -132,7 +130,7 @@ S2 = Scenario(
     measure_hung_cleanup, judge_hung_cleanup,
     lambda m: f"{shut_fmt(m)}, routed while stuck: {m['routed_while_cleanup_stuck']}",
     needs=frozenset({"async_chunk"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "either model can bound a cleanup with a deadline (a shielded move_on_after, "
         "asyncio.timeout); the vLLM-Omni shape awaits its stage aborts without one"
@@ -187,7 +185,7 @@ S4 = Scenario(
     lambda m: f"{m['errors_surfaced']}/{m['errors_injected']} reported" + (
         f" (stages died before shutdown: {m['stage_deaths_before_shutdown']} requests)"
         if m["stage_deaths_before_shutdown"] else ""),
-    kind=DESIGN,
+    kind="design",
     because=(
         "reporting the stage errors nobody routed is a choice of the shutdown path: once every task "
         "has ended, drain the event queue and log what is left"
@@ -216,7 +214,7 @@ S5 = Scenario(
     measure_blocked_readers, judge_no_hang_no_leak,
     lambda m: f"{shut_fmt(m)}, no terminal: {m['without_terminal']}",
     needs=frozenset({"async_chunk"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "the terminals at shutdown come from the shared routing core; any shell that calls it gives "
         "them"
@@ -274,7 +272,7 @@ S8 = Scenario(
     measure_tasks_alive, judge_tasks,
     lambda m: (f"after run: {m['tasks_alive_after_run']} ({m['helpers_alive_after_run']} helpers), "
                f"at loop end: {m['tasks_pending_at_loop_end']}"),
-    kind=MODEL,
+    kind="model",
     because=(
         "a Trio task lives in a nursery, so none outlives the block that owns it; an asyncio task "
         "outlives its creator unless a TaskGroup, a sweep or the loop's end cancels it"

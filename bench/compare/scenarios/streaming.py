@@ -7,7 +7,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     LogCapture,
     Scenario,
     start,
@@ -107,7 +106,7 @@ S13 = Scenario(
                f"{'error' if m['unknown_update_error'] else 'no error'}, started: "
                f"{m['requests_started_by_updates']}, after terminal: {m['after_terminal']}"),
     needs=frozenset({"resumable"}),
-    kind=DESIGN,
+    kind="design",
     because=(
         "whether a late input update is refused or starts a new request is a decision, the core's "
         "(refuse) or the seed's (fall back to add_request)"
