@@ -108,10 +108,12 @@ def read_answer(sock: socket.socket) -> bytes:
 def test_every_generation_route_is_shed_before_its_body_is_read(serving: Callable[..., Any],
                                                                 front: str) -> None:
     """Once the requests let in and not answered fill the engine's capacity (here: streams a stage never
-    answers), a POST to the chat or the images route gets 429 with Retry-After before its
+    answers), a POST to any generation route (chat, images, completions, speech) gets 429 with
+    Retry-After before its
     body is read; when they go, there is room again. (An upload still in progress holds no room:
     tests/http/test_http_limits.py.)"""
-    assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/images/generations"}
+    assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/images/generations", "/v1/completions",
+                                "/v1/audio/speech"}
     # one stage that never answers: each request let in holds its room until its client leaves, so
     # the engine holds exactly its capacity (two started; with no request channel nothing waits)
     stage = ScriptedStage(0)
@@ -133,7 +135,7 @@ def test_every_generation_route_is_shed_before_its_body_is_read(serving: Callabl
             assert status.startswith(b"HTTP/1.1 429") and b"\r\nretry-after: 1" in status.lower(), status
             assert json.loads(answer)["error"]["code"] == "overloaded"
             assert s.front.requests[(path, 429)] == 1
-        assert s.front.shed == 2 and s.front.pending == capacity
+        assert s.front.shed == len(GENERATION_PATHS) and s.front.pending == capacity
     finally:
         for conn in let_in:
             conn.close()  # clients that leave mid-stream: their requests end

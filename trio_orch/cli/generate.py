@@ -47,8 +47,9 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.http import text2image
-from trio_orch.http.openai_chat import BadRequest, check_max_tokens
+from trio_orch.http.openai_chat import check_max_tokens
 from trio_orch.http.openai_sampling import SamplingError, map_sampling
+from trio_orch.http.schemas import BadRequest
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 

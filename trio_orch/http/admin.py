@@ -45,7 +45,7 @@ from starlette.routing import Route
 from stages.control import UNKNOWN_METHOD
 from trio_orch.engine import ControlError, Engine, EngineClosed
 from trio_orch.http.limits import Refusal, Scope
-from trio_orch.http.openai_chat import error_body
+from trio_orch.http.schemas import error_body
 from trio_orch.types import RpcResult
 
 __all__ = ["PREFIX", "TOKEN_ENV", "AdminAuth", "admin_routes"]

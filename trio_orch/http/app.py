@@ -65,19 +65,16 @@ from trio_orch.http.limits import (
 )
 from trio_orch.http.metrics import CONTENT_TYPE, ExtraCounters, FrontMetrics, render
 from trio_orch.http.openai_chat import (
-    BadRequest,
     ChatRequest,
     ChatStream,
-    error_body,
     map_chat_sampling,
     orch_error_status,
     parse_chat_request,
-    parse_json_body,
 )
 from trio_orch.http.openai_images import IMAGES, image_route
 from trio_orch.http.openai_routes import GENERATION, openai_routes
 from trio_orch.http.realtime_server import realtime_route
-from trio_orch.http.schemas import ServedModels
+from trio_orch.http.schemas import BadRequest, ServedModels, error_body, parse_json_body
 from trio_orch.http.streaming import SSEResponse, sse, until_done_or_gone
 from trio_orch.types import OrchError
 

@@ -45,7 +45,7 @@ from typing import Any
 import anyio
 
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.openai_chat import error_body
+from trio_orch.http.schemas import error_body
 
 __all__ = ["Guard", "HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Refusal", "Scope", "Shedder",
            "json_response"]

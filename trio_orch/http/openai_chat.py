@@ -45,14 +45,12 @@ from trio_orch.http.schemas import (
     ContentPart,
     ServedModels,
     decode,
-    error_body,
-    parse_json_body,
     type_name,
 )
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["MAX_TOKENS", "BadRequest", "ChatRequest", "ChatStream", "check_max_tokens", "error_body",
-           "map_chat_sampling", "parse_chat_request", "parse_json_body"]
+__all__ = ["ChatRequest", "ChatStream", "check_max_tokens", "map_chat_sampling", "orch_error_status",
+           "parse_chat_request", "pcm16", "wav_bytes"]
 
 
 def check_max_tokens(value: Any, param: str = "max_tokens") -> int:

@@ -40,7 +40,8 @@ from starlette.routing import Route
 from stages.registry import image_of
 from trio_orch.engine import Engine, EngineClosed, Overloaded
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.openai_chat import error_body, orch_error_status
+from trio_orch.http.openai_chat import orch_error_status
+from trio_orch.http.schemas import error_body
 from trio_orch.http.streaming import until_done_or_gone
 from trio_orch.http.text2image import ImageOptionError, ImageRequest, parse_size
 from trio_orch.types import OrchError, OrchOutput
