@@ -109,9 +109,8 @@ def test_every_generation_route_is_shed_before_its_body_is_read(serving: Callabl
                                                                 front: str) -> None:
     """Once the requests let in and not answered fill the engine's capacity (here: streams a stage never
     answers), a POST to any generation route (chat, images, completions, speech) gets 429 with
-    Retry-After before its
-    body is read; when they go, there is room again. (An upload still in progress holds no room:
-    tests/http/test_http_limits.py.)"""
+    Retry-After before its body is read; when they go, there is room again. (An upload still in
+    progress holds no room: tests/http/test_http_limits.py.)"""
     assert GENERATION_PATHS == {"/v1/chat/completions", "/v1/images/generations", "/v1/completions",
                                 "/v1/audio/speech"}
     # one stage that never answers: each request let in holds its room until its client leaves, so
