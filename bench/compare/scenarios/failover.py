@@ -17,7 +17,6 @@ from typing import Any
 
 from bench.compare.scenarios.base import (
     CUT,
-    DESIGN,
     LogCapture,
     Scenario,
     shut_fmt,
@@ -131,7 +130,7 @@ S23 = Scenario(
                f"resent {m['ready_resent']}x -> {m['ready_end']}; abort race: {m['aborted_end']} "
                f"(resent {m['aborted_resent']}x); shutdown race: {m['shutdown_end']} "
                f"(resent {m['shutdown_resent']}x); shutdown {shut_fmt(m)}"),
-    kind=DESIGN,
+    kind="design",
     because="every shell performs the same core's failover decisions; a difference here would be how a "
             "shell orders its hand-overs and stage aborts, a choice either concurrency model can make",
 )
