@@ -274,3 +274,29 @@ def test_final_stage_ids_is_the_same_key_as_final_stages(tmp_path: Path) -> None
     p.write_text("[pipeline]\nfinal_stages = [0]\nfinal_stage_ids = [1]\n" + two)
     with pytest.raises(ValueError, match="final_stages and final_stage_ids are one setting"):
         load_config(p)
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--size", "100x100"], "--size is"),
+    (["--steps", "4", "--guidance-scale", "2"], "--steps, --guidance-scale are"),
+])
+def test_generate_refuses_image_options_on_a_speech_pipeline_before_any_worker_starts(
+        flags: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # no processes mark: a worker started here would fail the test (tests/conftest.py)
+    assert cli.main(["generate", "Hi", *flags]) == 2
+    captured = capsys.readouterr()
+    assert f"error: {named} for image pipelines (--pipeline text2image)" in captured.err
+    assert "answers with audio and text, not an image" in captured.err
+    assert "starting workers" not in captured.err
+
+
+def test_generate_stream_input_with_no_input_exits_2_before_any_worker_starts(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n  \n"))  # </dev/null, or only blank lines
+    assert cli.main(["generate", "--stream-input"]) == 2
+    captured = capsys.readouterr()
+    assert "error: --stream-input read no line from standard input" in captured.err
+    assert "starting workers" not in captured.err

@@ -41,7 +41,7 @@ from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
 from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
 from stages.sampling_params import VOICES
 from trio_orch.cli import EXIT_SIGNAL
-from trio_orch.cli.generate_stream import stream_input
+from trio_orch.cli.generate_stream import first_line, stream_input
 from trio_orch.cluster import distributed
 from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
@@ -79,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-input", action="store_true",
                         help="read the prompt from standard input, one segment per line, into one "
                              "request that takes more input while it answers (end of input ends it); "
-                             "each segment's answer streams as it comes")
+                             "each segment's answer streams as it comes (the workers start once the "
+                             "first line is read: no input at all is an error, exit 2)")
     s = parser.add_argument_group(
         "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
                     "text, --seed and --voice to every stage that takes them (see the README)")
@@ -101,6 +102,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="run the prompt twice, stage by stage and then with --async-chunk, "
                              "and compare the time to first audio")
     text2image.add_arguments(parser)
+    parser.set_defaults(**dict.fromkeys(IMAGE_OPTIONS))  # None: not given (speech pipelines refuse them)
     distributed.add_arguments(parser)
     parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
                         help="with --listen: seconds to wait until every stage has a replica (a stage "
@@ -108,6 +110,17 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-retries", type=int, default=None, metavar="N",
                         help="resend the request up to N times when the replica holding it dies before "
                              "answering it (default: the config's [pipeline] max_retries, 1; 0: off)")
+
+
+#: ``generate`` options that only an image pipeline takes (``text2image.add_arguments``)
+IMAGE_OPTIONS = ("negative", "size", "steps", "guidance_scale")
+
+
+def _image_defaults() -> dict[str, Any]:
+    """The image options' own defaults (``text2image.add_arguments``), for an image pipeline."""
+    parser = argparse.ArgumentParser(add_help=False)
+    text2image.add_arguments(parser)
+    return {k: v for k, v in vars(parser.parse_args([])).items() if k in IMAGE_OPTIONS}
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
@@ -133,8 +146,15 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
         if not takes_companions(spec_for(cfg.stages[0].kind, cfg.stages[0].role)):
             raise ValueError(f"stage 0 ({cfg.stages[0].label}) does not condition on companion requests: "
                              "classifier-free guidance needs an encoder there")
-    elif args.negative is not None:
-        raise ValueError("--negative is for image pipelines (--pipeline text2image)")
+        for name, default in _image_defaults().items():
+            if getattr(args, name, None) is None:
+                setattr(args, name, default)
+    else:
+        given = [f"--{n.replace('_', '-')}" for n in IMAGE_OPTIONS if getattr(args, n, None) is not None]
+        if given:
+            answers = " and ".join(sorted({cfg.outputs()[k] for k in cfg.final_stage_ids}))
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for image pipelines "
+                             f"(--pipeline text2image); this pipeline answers with {answers}, not an image")
     return cfg
 
 
@@ -291,7 +311,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                 return await text2image.generate_image(orch, args.image, args.out or "out.png"), None
             if args.stream_input:
                 out = args.out or "out.wav"
-                rc, pcm, rate = await stream_input(cfg, orch, args.sampling)
+                rc, pcm, rate = await stream_input(cfg, orch, args.sampling, first=args.first_line)
                 if pcm is not None:
                     write_wav(out, pcm, rate)
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
@@ -337,6 +357,11 @@ async def _job(args: argparse.Namespace) -> int:
     if args.stream_input and args.compare:
         print("error: --stream-input and --compare do not go together", file=sys.stderr)
         return 2
+    if args.stream_input:  # read before any worker starts: no input means nothing to start them for
+        args.first_line = await first_line(sys.stdin)
+        if args.first_line is None:
+            print("error: --stream-input read no line from standard input", file=sys.stderr)
+            return 2
     if not args.compare:
         return (await _run_once(args, cfg))[0]
     results = []

@@ -23,7 +23,7 @@ from stages.registry import as_audio, as_text, outputs_of
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.types import OrchError
 
-__all__ = ["stream_input"]
+__all__ = ["first_line", "stream_input"]
 
 RID = "generate-stream"
 
@@ -36,6 +36,11 @@ async def _read_line(stream: TextIO) -> str | None:
             return None
         if line.strip():
             return line.rstrip("\r\n")
+
+
+async def first_line(stream: TextIO) -> str | None:
+    """The first non-empty line of ``stream`` (None: no input at all); read before workers start."""
+    return await _read_line(stream)
 
 
 async def _feed(orch: Orchestrator, stream: TextIO) -> int:
@@ -52,14 +57,17 @@ async def _feed(orch: Orchestrator, stream: TextIO) -> int:
 
 
 async def stream_input(cfg: PipelineConfig, orch: Orchestrator, sampling: Any = None,
-                       stream: TextIO | None = None) -> tuple[int, np.ndarray | None, int]:
+                       stream: TextIO | None = None, *, first: str | None = None
+                       ) -> tuple[int, np.ndarray | None, int]:
     """Run the session through ``orch``; return (exit code, the audio or None, its sample rate).
 
     ``sampling``: the request's per-stage parameters (they hold for every segment).
+    ``first``: the first line, if the caller read it already (:func:`first_line`).
     """
     stream = stream or sys.stdin
     outputs = outputs_of(s.kind for s in cfg.stages)
-    first = await _read_line(stream)
+    if first is None:
+        first = await _read_line(stream)
     if first is None:
         print("error: --stream-input read no line from standard input", file=sys.stderr)
         return 2, None, 0
