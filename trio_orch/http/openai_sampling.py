@@ -10,6 +10,9 @@ its kind (``"talker"``) or its index (``"1"``); it wins over the mapped fields.
 
 Used by ``trio-orch serve`` (:func:`chat_sampling`, through
 :mod:`trio_orch.http.openai_chat`) and ``trio-orch generate`` (:func:`map_sampling`).
+Over HTTP each field's type (and OpenAI's range, where it fixes one) is the
+request schema's (:mod:`trio_orch.http.schemas`); what is checked here is what
+only the pipeline knows: which stage takes the parameter, and its own range.
 The README has the table.
 """
 
@@ -131,7 +134,8 @@ def _stage_index(key: Any, stages: Sequence[StageParams]) -> int:
 def chat_sampling(body: Mapping[str, Any], *, audio: bool, stages: Sequence[StageParams] | None,
                   final_stage_ids: Iterable[int], outputs: Sequence[str] | None,
                   final_stage_id: int | None) -> dict[int, dict[str, Any]]:
-    """The per-stage parameters of a chat-completions request body (already checked for shape).
+    """The per-stage parameters of a chat request's sampling fields (their types already checked by
+    the schema; ``audio.voice`` under ``audio``).
 
     ``final_stage_id``: where the request stops (None: every final stage);
     ``audio``: audio was asked for (only then does ``audio.voice`` reach a stage).
