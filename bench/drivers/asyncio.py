@@ -27,7 +27,7 @@ import janus
 from bench.drivers.base import Driver
 from bench.refs.launcher import open_worker_stages
 from bench.refs.orchestrator import AddMsg, AsyncioOrchestrator
-from bench.refs.testing import AsyncScriptedStage
+from bench.refs.testing import AsyncPushScriptedStage, AsyncScriptedStage
 from trio_orch.types import Message, RpcResult
 
 __all__ = ["AsyncioDriver"]
@@ -103,7 +103,8 @@ class AsyncioDriver(AsyncioLoopDriver):
     """Drive an :class:`AsyncioOrchestrator` subclass (``orchestrator_cls``) from a thread.
 
     The thread runs the loop the way the reference says (its ``use_runner``).
-    The references have no push fast path: ``push`` changes nothing here.
+    ``push`` gives pushing stages to a reference that has the push fast path
+    (its ``push_path``); the others' stages are the plain ones.
     """
 
     def __init__(self, *args: Any, orchestrator_cls: type[AsyncioOrchestrator], **kwargs: Any) -> None:
@@ -151,9 +152,10 @@ class AsyncioDriver(AsyncioLoopDriver):
                     self.worker_pids = [s.pid for s in self.stages if s.pid is not None]
                     self.worker_dir = os.path.dirname(self.stages[0].address.removeprefix("ipc://"))
                 else:
-                    self.stages = [AsyncScriptedStage(k, misbehaviour=self.misbehaviour.get(k),
-                                                      on_submit=self.record_submission)
-                                   for k in range(self.num_stages)]
+                    cls = (AsyncPushScriptedStage if self.push and self.orchestrator_cls.push_path
+                           else AsyncScriptedStage)
+                    self.stages = [cls(k, misbehaviour=self.misbehaviour.get(k),
+                                       on_submit=self.record_submission) for k in range(self.num_stages)]
                 self.orch = self.orchestrator_cls(
                     self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
                     forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,

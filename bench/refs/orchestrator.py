@@ -110,6 +110,8 @@ class AsyncioOrchestrator:
     #: its thread runs the loop with ``asyncio.Runner`` (which cancels leftover tasks on close)
     #: instead of ``new_event_loop`` + ``run_until_complete`` + ``close`` (what vLLM-Omni's thread does)
     use_runner = False
+    #: its readers take the push fast path (``pump(deliver)``) of stage clients that offer one
+    push_path = False
     #: the seed waits this long at shutdown for attach handshakes in flight (``wait_for``, 10 s)
     join_wait = 10.0
 

@@ -10,6 +10,8 @@ still differs from Trio's the difference is the concurrency model's:
   cancellation of ``run()`` from outside cancels the group's tasks, and at
   most ``shutdown_grace`` later an ``asyncio.timeout`` cancels the group a
   second time (TaskGroup re-cancels its children when its parent is);
+- **the push path**: a stage client that offers ``pump(deliver)`` hands its
+  batches over synchronously, routed at once while the dispatcher is idle;
 - **the abort path**: a serving thread's abort goes straight to the loop
   (``call_soon_threadsafe``): a queued request gets its terminal at once, a
   started one through the dispatcher, in order with the outputs -- not
@@ -43,13 +45,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Coroutine
 from typing import Any
 
 from bench.refs.control import RpcMsg, concurrent_rpc
 from bench.refs.orchestrator import AsyncioOrchestrator
 from trio_orch.core import Abort, RequestState
-from trio_orch.types import StageClient, StageDied
+from trio_orch.shell.orchestrator import BURST_GAP
+from trio_orch.types import StageClient, StageDied, StageOutput
 
 __all__ = ["TaskGroupOrchestrator"]
 
@@ -65,6 +69,15 @@ class _AbortCmd:
         self.state = state
 
 
+class _Perform:
+    """Stage I/O decided by a batch routed on the push path, for the dispatcher to do in order."""
+
+    __slots__ = ("actions",)
+
+    def __init__(self, actions: list[Any]) -> None:
+        self.actions = actions
+
+
 class TaskGroupOrchestrator(AsyncioOrchestrator):
     """Event-driven asyncio orchestrator with structured task supervision and the Trio shell's design."""
 
@@ -73,6 +86,11 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
                    "aborts via the dispatcher, stage I/O in tasks, unrouted errors reported, no sweep")
     use_runner = True
     bounded_cleanup = True
+    push_path = True
+    #: the dispatcher waits on an empty queue and nothing was posted since: a pushed batch may be
+    #: routed at once by whoever delivers it (the Trio shell's fast path)
+    _idle = False
+    _last_inline = 0.0
     _tg: asyncio.TaskGroup | None = None
     #: what the readers (and aborts) post for the dispatcher: (stage id or None, outputs, death or command)
     ready_q: asyncio.Queue[tuple[int | None, Any]]
@@ -135,7 +153,12 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             return
         state = self.router.requests.get(request_id)
         if state is not None:
-            self.ready_q.put_nowait((None, _AbortCmd(state)))
+            self._post(None, _AbortCmd(state))
+
+    def _post(self, stage_id: int | None, item: Any) -> None:
+        """Queue an event for the dispatcher (every event goes through here: it ends ``_idle``)."""
+        self._idle = False
+        self.ready_q.put_nowait((stage_id, item))
 
     async def stage_abort(self, a: Abort) -> None:
         """In a task of the group while running (a hung stage stalls nobody); inline while stopping."""
@@ -178,7 +201,17 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         ready = self.ready_q
         router = self.router
         while True:
-            stage_id, item = await ready.get()
+            try:
+                stage_id, item = ready.get_nowait()
+            except asyncio.QueueEmpty:
+                self._idle = True
+                try:
+                    stage_id, item = await ready.get()
+                finally:
+                    self._idle = False
+            if type(item) is _Perform:
+                await self.perform(item.actions)
+                continue
             if type(item) is _AbortCmd:
                 rid = item.state.request_id
                 if router.requests.get(rid) is item.state:
@@ -188,18 +221,41 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             await self.perform(self.route(stage_id, item))
 
     async def reader(self, stage_id: int, stage: StageClient) -> None:
-        ready = self.ready_q
+        """Move a stage's outputs to the dispatcher; report the stage's death.
+
+        A stage client that offers ``pump(deliver)`` hands each batch to
+        ``deliver`` from wherever it receives it, as on the Trio side: while the
+        dispatcher is idle and no burst is under way the batch is routed right
+        there (its stage I/O still goes to the dispatcher, in order); otherwise
+        it is queued.
+        """
+        post = self._post
         try:
+            pump = getattr(stage, "pump", None)
+            if pump is not None:
+                def deliver(outs: list[StageOutput]) -> None:
+                    if self._idle:
+                        if time.perf_counter() - self._last_inline >= BURST_GAP:
+                            io = self.deliver_emits(self.router.route_many(stage_id, outs))
+                            if io:
+                                post(None, _Perform(io))
+                            self._last_inline = time.perf_counter()
+                            return
+                        self._last_inline = time.perf_counter()
+                    post(stage_id, outs)
+
+                await pump(deliver)
+                raise RuntimeError(f"stage {stage_id} stopped delivering outputs")
             while True:
                 outs = await stage.receive()
-                ready.put_nowait((stage_id, outs))
+                post(stage_id, outs)
         except asyncio.CancelledError as exc:
             task = asyncio.current_task()
             if task is not None and task.cancelling():
                 raise  # our own cancellation
-            ready.put_nowait((stage_id, StageDied.of(exc)))
+            post(stage_id, StageDied.of(exc))
         except Exception as exc:
-            ready.put_nowait((stage_id, StageDied.of(exc)))
+            post(stage_id, StageDied.of(exc))
 
     def _report_unrouted_events(self) -> None:
         """Events the dispatcher never saw (it was cancelled first): log the stage failures."""

@@ -8,20 +8,22 @@ references are driven by exactly what drives the Trio orchestrator.  The same
 :class:`~trio_orch.testing.Misbehaviour` adds the comparison scenarios' faults;
 ``close_under_reader`` reproduces what pyzmq's asyncio socket does when it is
 closed under a pending ``recv``: the waiting coroutine gets ``CancelledError``
-although nobody cancelled its task.  The asyncio references have no push fast
-path, so there is no push variant.
+although nobody cancelled its task.  :class:`AsyncPushScriptedStage` is the
+twin of :class:`trio_orch.testing.PushScriptedStage`: the push fast path, for
+the references that have one (``asyncio-taskgroup``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 from trio_orch.testing import Misbehaviour, StageRecord, SubmitHook
 from trio_orch.types import StageOutput, StageUnavailable
 
-__all__ = ["AsyncScriptedStage", "misbehaving_get"]
+__all__ = ["AsyncPushScriptedStage", "AsyncScriptedStage", "misbehaving_get"]
 
 
 class _ClosedUnder:
@@ -207,3 +209,47 @@ class AsyncScriptedStage(StageRecord):
         if mb.aclose_error is not None:
             raise mb.aclose_error
         await asyncio.sleep(0)
+
+
+class AsyncPushScriptedStage(AsyncScriptedStage):
+    """An :class:`AsyncScriptedStage` with the push fast path (``pump(deliver)``).
+
+    Once the orchestrator pumps it, ``emit_batch_nowait`` (run in the loop,
+    e.g. by a ``call_soon_threadsafe`` callback) hands the batch straight to
+    the orchestrator, as :class:`trio_orch.testing.PushScriptedStage` does on
+    the Trio side.  Faults that live in ``receive`` do not apply once pumped.
+    """
+
+    def __init__(self, stage_id: int = 0, **kwargs: Any) -> None:
+        super().__init__(stage_id, **kwargs)
+        self._deliver: Callable[[list[StageOutput]], None] | None = None
+        self._ended = asyncio.Event()
+
+    def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
+        deliver = self._deliver
+        if deliver is None or self.dead or self.closed:
+            super().emit_batch_nowait(outputs)
+        else:
+            deliver(outputs)
+
+    def fail_nowait(self, exc: BaseException | None = None) -> None:
+        super().fail_nowait(exc)
+        self._ended.set()
+
+    async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None:
+        """Deliver what was emitted before, then every batch at once; raise when the stage dies."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if isinstance(item, BaseException):
+                raise item
+            if isinstance(item, list):
+                deliver(item)
+        self._deliver = deliver
+        try:
+            await self._ended.wait()
+        finally:
+            self._deliver = None
+        raise self._dead or RuntimeError(f"{self.name} died")
