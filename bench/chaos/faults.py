@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +82,22 @@ async def sigstop(run: ChaosRun) -> None:
     run.mark_fault()
     os.kill(run.worker_pid(2, 1), signal.SIGSTOP)  # the supervisor kills it after the heartbeat timeout
     await run.mark_restart(2, 1)
+
+
+def _queue_at(stage: int) -> Callable[[PipelineConfig], None]:
+    """Small batches at ``stage``: most of a replica's requests wait inside it, having produced nothing.
+
+    A replica then dies holding queued requests, which failover resends; with
+    the default batch every request it held was in its batch, with output.
+    """
+    def hook(cfg: PipelineConfig) -> None:
+        cfg.stages[stage].max_batch = FAILOVER_BATCH
+
+    return hook
+
+
+#: the batch of the stage whose replica the failover rows kill
+FAILOVER_BATCH = 4
 
 
 def _garbage_config(cfg: PipelineConfig) -> None:
@@ -307,8 +324,10 @@ async def remote_unknown_key(run: ChaosRun) -> None:
 
 #: name -> fault, in the matrix's order
 FAULTS: dict[str, Fault] = {f.name: f for f in (
-    PipelineFault("kill9", "kill -9 a talker replica under load", kill9),
-    PipelineFault("sigstop", "SIGSTOP a code2wav replica (hung: no heartbeats)", sigstop),
+    PipelineFault("kill9", f"kill -9 a talker replica under load (batches of {FAILOVER_BATCH}: requests "
+                  "queue in it)", kill9, RunSetup(config_hook=_queue_at(1), failover=True)),
+    PipelineFault("sigstop", f"SIGSTOP a code2wav replica (hung: no heartbeats; batches of {FAILOVER_BATCH})",
+                  sigstop, RunSetup(config_hook=_queue_at(2), failover=True)),
     PipelineFault("garbage", "workers send undecodable frames and outputs for unknown request ids", garbage,
                   RunSetup(config_hook=_garbage_config)),
     PipelineFault("slow_consumer", "the consumer reads slowly for 2 s, then not at all for 2 s (recover: "
@@ -327,7 +346,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   leave_rejoin),
     PipelineFault("remote_lost", "a talker joined over TCP stops answering mid-stream (SIGSTOP); resumed, it "
                   "joins again under a new identity", remote_lost,
-                  RunSetup(listen=True, joined_before_load=(1,))),
+                  RunSetup(listen=True, joined_before_load=(1,), config_hook=_queue_at(1), failover=True)),
     PipelineFault("remote_stale", "kill -9 a talker joined over TCP; it re-registers under its spent "
                   "identity (refused) while a fresh worker joins", remote_stale,
                   RunSetup(listen=True, joined_before_load=(1,))),

@@ -36,7 +36,7 @@ from trio_orch.cluster.launcher import Pipeline, open_pipeline
 from trio_orch.cluster.supervisor import RestartPolicy, Supervisor, open_supervisor
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import LeakProbe, TerminalLedger
-from trio_orch.types import Message
+from trio_orch.types import Message, OrchError
 
 __all__ = ["IMPLEMENTATION", "ChaosOptions", "ChaosResult", "ChaosRun", "Inject", "OutputStream", "RunSetup",
            "build_config", "run_fault"]
@@ -81,6 +81,9 @@ class ChaosResult:
     detect_s: float | None = None
     recover_s: float | None = None
     restarts: int = 0
+    #: requests that ended ``replica_died`` having produced nothing where the replica died (normal
+    #: mode; async-chunk: nothing shown to the user) -- failover should have resent every one of them
+    silent_deaths: int = 0
     notes: dict[str, Any] = field(default_factory=dict)
     wall_s: float = 0.0
     error: str | None = None
@@ -89,7 +92,8 @@ class ChaosResult:
     def ok(self) -> bool:
         return (self.error is None and self.without_terminal == 0 and self.duplicates == 0
                 and self.after_terminal == 0 and self.leaked_processes == 0 and self.leaked_fds == 0
-                and self.leaked_ipc_files == 0 and self.still_serving in ("yes", "n/a (stopped)"))
+                and self.leaked_ipc_files == 0 and self.silent_deaths == 0
+                and self.still_serving in ("yes", "n/a (stopped)"))
 
 
 def build_config(opts: ChaosOptions, *, async_chunk: bool = False) -> PipelineConfig:
@@ -156,6 +160,23 @@ class ChaosRun:
         self.on_accepted: Callable[[str], None] | None = None
         self._progress = trio.Event()
         self.load_done = trio.Event()  # every load request was sent (or refused)
+        self.silent_deaths = 0  # see ChaosResult.silent_deaths
+
+    def died_silent(self, msg: Message) -> bool:
+        """``msg`` is a ``replica_died`` terminal of a request that had produced nothing there.
+
+        Normal mode: the stage's timing of the request (the replica it was on)
+        saw no output; async-chunk: nothing of it reached the user (its
+        partial output is empty).  Read as the terminal arrives, while the
+        pool still remembers the request.
+        """
+        if type(msg) is not OrchError or msg.kind != "replica_died" or msg.stage_id is None:
+            return False
+        if self.orch.router.async_chunk:
+            return not any(msg.partial.values()) if msg.partial else True
+        timing_of = getattr(self.pipe.stages[msg.stage_id], "timing_of", None)
+        tm = timing_of(msg.request_id) if timing_of is not None else None
+        return tm is not None and tm.t_first is None
 
     # -------------------------------------------------------------- marks
     def mark_fault(self) -> None:
@@ -215,6 +236,8 @@ class RunSetup:
     listen: bool = False
     #: stages that get one joined remote replica each before the load starts (needs ``listen``)
     joined_before_load: tuple[int, ...] = ()
+    #: the fault kills or loses a replica that holds queued requests: its row always notes ``retried``
+    failover: bool = False
 
 
 async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOptions,
@@ -281,8 +304,9 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
             if orch.dropped_outputs:
                 res.notes["dropped_outputs"] = orch.dropped_outputs
             retried = sum(orch.statistics().core.retried_by_stage)
-            if retried:  # failover: requests a dead replica held, resent before they produced anything
-                res.notes["retried"] = retried
+            if retried or setup.failover:  # failover: requests a dead replica held, resent before they
+                res.notes["retried"] = retried  # produced anything
+            res.silent_deaths = run.silent_deaths
             if run.t_fault is not None:
                 res.detect_s = None if run.t_detect is None else max(0.0, run.t_detect - run.t_fault)
                 res.recover_s = None if run.t_recover is None else max(0.0, run.t_recover - run.t_fault)
@@ -321,6 +345,8 @@ async def _drive(run: ChaosRun, nursery: trio.Nursery, inject: Inject) -> None:
             if run.consumer_delay:
                 await trio.sleep(run.consumer_delay)
             first = msg.finished and msg.request_id not in ledger.terminal
+            if first and run.died_silent(msg):
+                run.silent_deaths += 1
             ledger.record(msg)
             if first and msg.request_id in mine:
                 mine.discard(msg.request_id)
