@@ -17,6 +17,7 @@ import json
 import wave
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -25,7 +26,9 @@ import pytest
 
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig
+from tests import http_helpers
 from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve, sse_events
+from tests.waiting import wait_until
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.engine import static_pipeline
 from trio_orch.http.openai_speech import Speed
@@ -79,8 +82,12 @@ def worker_server(front: str, config: PipelineConfig) -> Iterator[Served | TrioS
             probe.saw_dir(pipe.tmpdir)
             yield pipe
 
-    options = {"startup_timeout": STARTUP} if front == "asyncio" else {}  # the Trio run waits as long
-    served = serve(front, factory, engine_options=options, model_name="tiny", outputs=config.outputs())
+    # worker processes take longer to start than the helper's bound for an in-process one: both fronts
+    # wait for them up to STARTUP (the thread bridge's own timeout; the helper's wait for the Trio run)
+    options = {"startup_timeout": STARTUP} if front == "asyncio" else {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(http_helpers, "wait_until", partial(wait_until, hang=STARTUP))
+        served = serve(front, factory, engine_options=options, model_name="tiny", outputs=config.outputs())
     try:
         yield served
     finally:

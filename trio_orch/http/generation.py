@@ -152,5 +152,6 @@ class OpenAIRoute:
     def stream(self, body: AsyncIterator[bytes], media_type: str = SSEResponse.media_type) -> Response:
         """A streamed 200 of ``body``'s chunks; a client that leaves aborts the request under it."""
         response = SSEResponse(body, on_disconnect=self.disconnected)
-        response.headers["content-type"] = media_type
+        if media_type != SSEResponse.media_type:  # raw bytes (pcm): the same watch for the client leaving
+            response.headers["content-type"] = media_type
         return self.ok(response)
