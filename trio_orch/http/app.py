@@ -168,6 +168,11 @@ class ChatCompletions:
 
     def final_stage_for(self, req: ChatRequest) -> int | None:
         finals = self.engine.final_stage_ids
+        answers = sorted({self.outputs[k] for k in finals}) if self.outputs is not None else []
+        if answers and not set(answers) & {"text", "audio", "data"}:  # e.g. text2image: neither hint fits
+            route = " (POST /v1/images/generations)" if "image" in answers else ""
+            raise BadRequest(f"this pipeline answers with {' and '.join(answers)}{route}, not chat: it has "
+                             "no text or audio output for any modalities", "model")
         if req.audio:
             if self.outputs is not None and not any(self.outputs[k] in ("audio", "data") for k in finals):
                 raise BadRequest("this pipeline has no audio output: ask for modalities [\"text\"]",

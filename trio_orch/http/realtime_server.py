@@ -22,11 +22,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
+from starlette.responses import JSONResponse
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
 from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
+from trio_orch.http.schemas import error_body
 
 __all__ = ["realtime_route", "run_session"]
 
@@ -47,6 +49,14 @@ def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/
 
 async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, **limits: int) -> None:
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
+    answers = sorted({outputs[k] for k in engine.final_stage_ids}) if outputs is not None else []
+    if answers and not set(answers) & {"text", "audio", "data"}:  # e.g. text2image: nothing to stream
+        message = (f"this pipeline answers with {' and '.join(answers)}, not text or audio: it serves "
+                   "no realtime session")
+        log.warning("refused a realtime session: %s", message)
+        await ws.send_denial_response(JSONResponse(error_body(message, "invalid_request_error", "model"),
+                                                   status_code=400))
+        return
     await ws.accept()
     session = RealtimeSession(f"sess_{os.getpid():x}_{next(_ids)}", final_stage_ids=engine.final_stage_ids,
                               outputs=outputs, stage_params=engine.stage_params,
