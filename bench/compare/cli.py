@@ -39,9 +39,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     impls = [*names("compare"), *SKIPPED]
     parser.description = (
         "Run the cancellation/fault scenario matrix against the Trio orchestrator and the asyncio "
-        "references (vLLM-Omni event-driven, vLLM-Omni polling, asyncio.TaskGroup), all driving the same "
-        "routing core, and print what each one did. Verdicts are derived from measured numbers by each "
-        "scenario's stated rule; scenarios that hang are cut by a watchdog and reported as hangs. "
+        "references (vLLM-Omni event-driven, vLLM-Omni polling, asyncio.TaskGroup with the Trio shell's "
+        "design), all driving the same routing core, and print what each one did. Verdicts are derived "
+        "from measured numbers by each scenario's stated rule; scenarios that hang are cut by a watchdog "
+        "and reported as hangs. Each row's kind says whether a difference in it comes from the "
+        "concurrency model (model) or from a choice either model can make (design). "
         "--impl vllm-omni adds the real vLLM-Omni where it is installed; a scenario it cannot express "
         "is an n/a cell with the reason."
     )
