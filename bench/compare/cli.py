@@ -169,13 +169,16 @@ def _table(result: dict[str, Any]) -> Any:
     return table
 
 
-def _legend(result: dict[str, Any]) -> list[str]:
-    """One line per verdict word the table uses, then the kinds."""
+def _verdict_legend(result: dict[str, Any]) -> list[str]:
+    """One line per verdict word the table uses."""
     used = {r["verdict"] for sc in result["scenarios"] for r in sc["results"].values()}
-    lines = [f"{v}: {VERDICTS.get(v, 'see the scenario rule (--markdown)')}"
-             for v in sorted(used, key=lambda v: (v != "ok", v))]
-    lines += [f"{k}: {why}" for k, why in KIND_LEGEND.items()]
-    return lines
+    return [f"{v}: {VERDICTS.get(v, 'see the scenario rule (--markdown)')}"
+            for v in sorted(used, key=lambda v: (v != "ok", v))]
+
+
+def _legend(result: dict[str, Any]) -> list[str]:
+    """The verdicts the table uses, then the kinds."""
+    return [*_verdict_legend(result), *(f"{k}: {why}" for k, why in KIND_LEGEND.items())]
 
 
 def _legend_text(result: dict[str, Any]) -> str:
@@ -267,7 +270,9 @@ def markdown_report(result: dict[str, Any]) -> str:
                    + " | ".join(c.replace("|", "/") for c in cells) + " |")
     out.append("")
     out.append("Verdicts: " + "; ".join(f"**{line.split(': ', 1)[0]}** {line.split(': ', 1)[1]}"
-                                         for line in _legend(result)) + ".")
+                                         for line in _verdict_legend(result)) + ".")
+    out.append("")
+    out.append("Kinds: " + "; ".join(f"**{k}**: {why}" for k, why in KIND_LEGEND.items()) + ".")
     out.append("")
     out.append(f"Watchdog cut: {result['watchdog_cut_s']} s; shutdown grace (where an implementation bounds "
                f"its cleanup): {result['shutdown_grace_s']} s. Python {result['python']}, "
