@@ -324,7 +324,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.processes
 def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: Path, loop: str) -> None:
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the launcher's ipc sockets and logs go here
-    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--loop", loop],
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--loop", loop,
+                             "--served-model-name", "toy"],
                             cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

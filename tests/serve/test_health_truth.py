@@ -38,7 +38,7 @@ def supervised(cfg: PipelineConfig, policy: RestartPolicy,
             holder.append(pipe)
             yield pipe
 
-    served = Served(Engine(factory, startup_timeout=60).start(), model_name="echo",
+    served = Served(Engine(factory, startup_timeout=60).start(),  # serves "toy", the name chat() asks for
                     outputs=outputs_of(s.kind for s in cfg.stages))
     try:
         yield served, holder[0]

@@ -54,7 +54,7 @@ class Supervised:
                 self.pipe = pipe
                 yield pipe
 
-        self.served = Served(Engine(factory, startup_timeout=30).start(), model_name="echo",
+        self.served = Served(Engine(factory, startup_timeout=30).start(),  # serves "toy", as chat() asks
                              outputs=outputs_of(s.kind for s in self.cfg.stages), stage_names=["a", "b"],
                              extra_metrics=lambda: self.pipe.supervisor.prometheus_counters())
 
@@ -268,8 +268,10 @@ def test_every_family_parses_with_prometheus_client_with_its_declared_type(tmp_p
 # ---------------------------------------------------------------- drain
 def start_serve(*extra: str, env: dict[str, str] | None = None,
                 new_session: bool = False) -> tuple[subprocess.Popen[str], str]:
-    """``trio-orch serve --port 0 EXTRA...``; ``new_session``: in a session (process group) of its own."""
-    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *extra], cwd=ROOT,
+    """``trio-orch serve --port 0 --served-model-name toy EXTRA...`` (the name ``chat()`` asks for);
+    ``new_session``: in a session (process group) of its own."""
+    proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
+                             "--served-model-name", "toy", *extra], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=new_session)
     assert proc.stdout is not None
