@@ -163,10 +163,12 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
                 os.kill(victim, signal.SIGKILL)
                 metrics: dict[str, float] = {}
                 with trio.fail_after(30):
-                    while not any(k.startswith("trio_orch_supervisor_restarts_total") for k in metrics):
+                    while not any(k.startswith("trio_orch_supervisor_restarts_total") and n > 0
+                                  for k, n in metrics.items()):  # every (stage, cause) is there from 0
                         await trio.sleep(0.1)
                         metrics = parse_metrics((await client.get(server.url + "/metrics")).text)
-                deaths = [k for k in metrics if k.startswith("trio_orch_supervisor_deaths_total")]
+                deaths = [k for k, n in metrics.items()
+                          if k.startswith("trio_orch_supervisor_deaths_total") and n]
                 assert deaths and all('cause="exited"' in k for k in deaths)
                 r = await client.post(server.url + "/v1/chat/completions",
                                       json=chat_body(opts, 0, stream=False))

@@ -26,7 +26,7 @@ import zmq
 from stages.config import PipelineConfig, StageConfig, echo_config
 from trio_orch.cluster.launcher import Pipeline, WorkerHandle, open_pipeline, run_worker
 from trio_orch.cluster.pool import ReplicaPool
-from trio_orch.cluster.supervisor import RestartPolicy, Supervisor, classify_death, open_supervisor
+from trio_orch.cluster.supervisor import CAUSES, RestartPolicy, Supervisor, classify_death, open_supervisor
 from trio_orch.cluster.transport import ZmqStageClient
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.testing import LeakProbe, TerminalLedger
@@ -114,7 +114,10 @@ async def test_kill9_restarts_replica_and_places_new_requests_on_it() -> None:
         assert pipe.stages[0].placements[0] > before  # the replacement serves
         assert all(ledger.terminal[f"b{i}"] == "ok" for i in range(10))
         fams = sup.prometheus_counters()
-        assert fams["trio_orch_supervisor_restarts"][1] == {(("stage", "0"), ("cause", "exited")): 1}
+        restarts = fams["trio_orch_supervisor_restarts"][1]
+        assert {ls: n for ls, n in restarts.items() if n} == {(("stage", "0"), ("cause", "exited")): 1}
+        # every (stage, cause) is there from the start, at 0: rate() reads 0 rather than "no data"
+        assert set(restarts) == {(("stage", str(k)), ("cause", c)) for k in (0, 1) for c in CAUSES}
 
 
 @pytest.mark.slow

@@ -58,10 +58,13 @@ from trio_orch.cluster.launcher import (
 )
 from trio_orch.cluster.transport import ZmqStageClient
 
-__all__ = ["RestartEvent", "RestartPolicy", "Supervisor", "classify_death", "open_supervisor",
+__all__ = ["CAUSES", "RestartEvent", "RestartPolicy", "Supervisor", "classify_death", "open_supervisor",
            "supervised_pipeline"]
 
 log = logging.getLogger("trio_orch.cluster.supervisor")
+
+#: every cause :func:`classify_death` gives a death that is restarted (``left`` is a leave, not a failure)
+CAUSES = ("exited", "dying", "heartbeat_timeout", "other")
 
 #: extra worker flags for a restart attempt: (stage, replica, attempt number) -> argv tail
 ExtraArgs = Callable[[int, int, int], list[str]]
@@ -180,7 +183,11 @@ class Supervisor:
         fams: dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]] = {
             f"trio_orch_supervisor_{name}": (text, {}) for name, text in helps.items()}
         counts = dict(self._counts)  # one C-level copy: safe to call from another thread
-        for (name, stage, cause), n in counts.items():
+        for name in helps:  # every (stage, cause) from the start at 0: rate() reads 0, not "no data"
+            for stage in range(len(self.pipeline.config.stages)):
+                for cause in CAUSES:
+                    counts.setdefault((name, stage, cause), 0)
+        for (name, stage, cause), n in sorted(counts.items()):
             if f"trio_orch_supervisor_{name}" in fams:
                 fams[f"trio_orch_supervisor_{name}"][1][(("stage", str(stage)), ("cause", cause))] = n
         fams["trio_orch_bad_worker_messages"] = (

@@ -23,7 +23,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from stages.control import METHODS as RPC_METHODS
 from trio_orch.histogram import RTF_BUCKETS, Histogram, HistogramSnapshot
+from trio_orch.types import ERROR_KINDS
 
 if TYPE_CHECKING:
     from trio_orch.engine.base import EngineStatistics
@@ -221,14 +223,14 @@ class EngineCollector(Collector):
         for name, counts in (("trio_orch_rpc_calls", orch.rpc_calls if orch else {}),
                              ("trio_orch_rpc_errors", orch.rpc_errors if orch else {})):
             c = _counter(name, ["method"])
-            for method, n in sorted(counts.items()):
+            for method, n in sorted({**dict.fromkeys(RPC_METHODS, 0), **counts}.items()):  # 0 from the start
                 c.add_metric([method], n)
             yield c
         c = _counter("trio_orch_dropped_outputs")
         c.add_metric([], st.dropped_outputs)
         yield c
         for name, values in (("trio_orch_terminals", st.terminals_by_kind),
-                             ("trio_orch_errors", st.errors_by_kind)):
+                             ("trio_orch_errors", {**dict.fromkeys(ERROR_KINDS, 0), **st.errors_by_kind})):
             c = _counter(name, ["kind"])
             for kind, n in sorted(values.items()):
                 c.add_metric([kind], n)
