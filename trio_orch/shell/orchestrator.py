@@ -180,8 +180,11 @@ class Orchestrator:
     that report their replicas (:class:`~trio_orch.types.ReplicatedStageClient`)
     keep the core's availability and bounds in step with the replicas that are
     ready.  ``max_retries``: how many times a request is failed over -- resent
-    to its stage when the replica holding it died before answering it there --
-    before it ends with ``replica_died`` (0: never; see ``RoutingRules.failover``).
+    to its stage when the replica holding it died before answering it there,
+    once the stage has a live replica again if it has none (within the
+    request's deadline); in async-chunk mode restarted from stage 0 while
+    nothing reached the user -- before it ends with ``replica_died`` (0:
+    never; see ``FailoverRules`` in ``trio_orch/core/failover.py``).
     """
 
     def __init__(
