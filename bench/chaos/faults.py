@@ -70,8 +70,17 @@ class PipelineFault:
         return await run_fault(self.name, self.description, self.inject, opts, self.setup)
 
 
+async def holds_queued(run: ChaosRun, stage: int, replica: int) -> None:
+    """Wait until that replica holds more requests than its batch (some wait inside it), or the load ended."""
+    pool = run.pipe.stages[stage]
+    while pool.in_flight()[replica] <= FAILOVER_BATCH and not run.load_done.is_set():
+        await trio.sleep(0.005)
+    run.notes["held_when_hit"] = pool.in_flight()[replica]
+
+
 async def kill9(run: ChaosRun) -> None:
     await run.submitted_at_least(0.3)
+    await holds_queued(run, 1, 0)
     run.mark_fault()
     os.kill(run.worker_pid(1, 0), signal.SIGKILL)
     await run.mark_restart(1, 0)
@@ -79,6 +88,7 @@ async def kill9(run: ChaosRun) -> None:
 
 async def sigstop(run: ChaosRun) -> None:
     await run.submitted_at_least(0.3)
+    await holds_queued(run, 2, 1)
     run.mark_fault()
     os.kill(run.worker_pid(2, 1), signal.SIGSTOP)  # the supervisor kills it after the heartbeat timeout
     await run.mark_restart(2, 1)
