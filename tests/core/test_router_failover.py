@@ -178,7 +178,8 @@ def test_abort_and_shutdown_end_a_waiting_request_with_one_terminal_and_no_stage
     r.replicas_changed(0, 0, 1)
     r.route(0, died("r"))
     acts = r.abort("r") if end == "abort" else r.shutdown()
-    assert [type(a) for a in acts] == [Emit] and acts[0].message.kind == ("aborted" if end == "abort" else end)
+    assert [type(a) for a in acts] == [Emit]
+    assert acts[0].message.kind == ("aborted" if end == "abort" else end)
     assert r.replicas_changed(0, 1, 1) == []
 
 
@@ -198,7 +199,8 @@ def test_a_segment_given_while_the_failover_waits_is_sent_with_the_resend() -> N
     r.replicas_changed(0, 0, 1)
     assert r.route(0, died("r")) == []
     assert r.update("r", "s1", final=True) == []  # kept, not failed on a stage with no replica
-    assert r.replicas_changed(0, 1, 1) == [Submit(0, "r", "s0", resumable=True), Update(0, "r", "s1", final=True)]
+    resent = [Submit(0, "r", "s0", resumable=True), Update(0, "r", "s1", final=True)]
+    assert r.replicas_changed(0, 1, 1) == resent
     r.route(0, out("r", "o0", True))
     assert emitted(r.route(0, out("r", "o1", True)))[0].finished
 

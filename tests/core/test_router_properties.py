@@ -271,8 +271,8 @@ class RouterMachine(RuleBasedStateMachine):
         stale = started and kind == "replica_died" and rid in m.stale and (owner == rid or companion_open)
         # a request whose failover waits for a replica is on no replica there (async-chunk: anywhere)
         unheld = started and not stale and m.waiting is not None and (m.waiting == stage or self.async_chunk)
-        retry = started and not stale and not unheld and kind == "replica_died" and self.may_retry(m, stage) and (
-            owner == rid or companion_open)
+        retry = (started and not stale and not unheld and kind == "replica_died" and self.may_retry(m, stage)
+                 and (owner == rid or companion_open))
         restart = retry and self.async_chunk
         actions = self.router.route(stage, StageOutput(rid, None, True, "boom", kind))
         if stale:
