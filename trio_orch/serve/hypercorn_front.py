@@ -14,8 +14,11 @@ accepting work (``/health`` and new requests answer 503 ``draining``),
 lets in-flight requests finish for up to ``shutdown_timeout`` seconds,
 gives the rest their ``shutdown`` terminal and stops the workers; then the
 HTTP server shuts down the hypercorn way (stop accepting, a deadline of
-``graceful_timeout`` on its connection nursery's cancel scope).  A second
-signal ends the drain at once; a third cancels everything.
+``graceful_timeout`` on its connection nursery's cancel scope), its
+listener closed at once -- the connections still queued on it answered 503
+``draining`` rather than reset (:mod:`trio_orch.serve.listener`), a new one
+refused from then on.  A second signal ends the drain at once; a third
+cancels everything.
 
 The HTTP limits as hypercorn's own settings (:func:`hypercorn_config`):
 ``backlog`` -> ``backlog`` (and the listen call of the serve command, whose
@@ -47,6 +50,7 @@ from hypercorn.utils import wrap_app
 from trio_orch.engine import EngineStartupError, TrioEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
+from trio_orch.serve.listener import close_spare, spare
 
 __all__ = ["TrioServeOutcome", "hypercorn_config", "serve_http", "serve_trio"]
 
@@ -72,10 +76,32 @@ def hypercorn_config(limits: HTTPLimits, *, log_level: str = "warning", graceful
 async def serve_http(app: Any, sock: socket.socket, config: Config, *,
                      shutdown_trigger: Callable[[], Any] | None = None,
                      task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve ``app`` on the listening ``sock`` until ``shutdown_trigger()`` returns (or a cancel)."""
-    await worker_serve(wrap_app(app, config.wsgi_max_body_size, "asgi"), config,
-                       sockets=Sockets([], [sock], []), shutdown_trigger=shutdown_trigger,
-                       task_status=task_status)
+    """Serve ``app`` on the listening ``sock`` until ``shutdown_trigger()`` returns (or a cancel).
+
+    Once hypercorn closed ``sock``, the connections still queued on it are
+    answered 503 ``draining`` and the listener is closed for good.
+    """
+    listener = spare(sock)
+    try:
+        async with trio.open_nursery() as nursery:
+            async def close_after_hypercorn() -> None:
+                with trio.move_on_after(1.0):
+                    while sock.fileno() != -1:  # hypercorn closes it as it stops accepting
+                        await trio.sleep(0.001)
+                await trio.to_thread.run_sync(close_spare, listener)
+
+            async def trigger() -> None:
+                if shutdown_trigger is None:
+                    await trio.sleep_forever()
+                else:
+                    await shutdown_trigger()
+                nursery.start_soon(close_after_hypercorn)
+
+            await worker_serve(wrap_app(app, config.wsgi_max_body_size, "asgi"), config,
+                               sockets=Sockets([], [sock], []), shutdown_trigger=trigger,
+                               task_status=task_status)
+    finally:
+        listener.close()
 
 
 @dataclass

@@ -10,11 +10,16 @@ uvicorn's 503), ``backlog`` -> ``backlog``, ``keep_alive_timeout`` ->
 ``header_timeout`` is the :class:`~trio_orch.serve.connection_limits.HeadDeadline`
 on its H11 protocol.  :class:`DrainingServer` takes over SIGINT and SIGTERM
 from uvicorn: each calls ``on_signal`` (the serve command drains on the
-first, ends the drain on the second, exits on the third).
+first, ends the drain on the second, exits on the third).  When uvicorn
+stops it closes its listening sockets; the connections still queued on them
+are answered 503 ``draining`` first rather than reset
+(:mod:`trio_orch.serve.listener`), and a new connection is refused from then on.
 """
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +27,7 @@ import uvicorn
 
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.serve.connection_limits import HeadDeadline
+from trio_orch.serve.listener import close_spare, spare
 
 __all__ = ["DrainingServer", "uvicorn_config"]
 
@@ -40,6 +46,25 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.on_signal(sig)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, with the connections queued on its listeners answered, not reset."""
+        spares = [spare(s) for s in sockets or []]
+
+        def close_spares() -> None:
+            for s in spares:
+                close_spare(s)
+
+        for server in self.servers:
+            server.close()  # stop accepting now (uvicorn's own close is then a no-op)
+        answering = asyncio.ensure_future(asyncio.to_thread(close_spares))
+        # A connection accepted a moment ago has its request unread: uvicorn's shutdown would close it
+        # so, and a close with unread input is a reset.  Let the requests be read (and answered) first.
+        await asyncio.sleep(0.05)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            await answering
 
 
 def uvicorn_config(app: Any, limits: HTTPLimits, deadline: HeadDeadline, *, max_connections: int | None,
