@@ -379,7 +379,7 @@ def _openai_client_stream(url: str) -> tuple[str, bytes]:
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=60)
     stream = client.chat.completions.create(
-        model="trio-orch", messages=[{"role": "user", "content": "Hello!"}], stream=True,
+        model="toy", messages=[{"role": "user", "content": "Hello!"}], stream=True,
         modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"})
     text, pcm = [], []
     for chunk in stream:

@@ -20,6 +20,7 @@ import trio
 from stages.config import PipelineConfig, StageConfig, echo_config
 from trio_orch import OrchError, Orchestrator, OrchOutput
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError, open_pipeline
+from trio_orch.testing.fds import describe_fds, open_fds
 
 pytestmark = pytest.mark.processes  # real worker processes or servers
 
@@ -35,10 +36,6 @@ def tiny_speech_config(**kw: Any) -> PipelineConfig:
     return PipelineConfig(stages, final_stage_ids=[0, 2], **kw).validate()
 
 
-def _fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
-
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -50,7 +47,7 @@ def _alive(pid: int) -> bool:
 @asynccontextmanager
 async def checked_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
     """open_pipeline, then assert no process, ipc file or fd survives it."""
-    fds_before = _fds()
+    fds_before = open_fds()
     async with open_pipeline(config) as pipe:
         pids, tmpdir = pipe.pids, pipe.tmpdir
         assert all(_alive(p) for p in pids)
@@ -58,8 +55,8 @@ async def checked_pipeline(config: PipelineConfig) -> AsyncIterator[Pipeline]:
         yield pipe
     assert not any(_alive(p) for p in pids), "a worker process survived the pipeline"
     assert not os.path.exists(tmpdir), "the ipc directory was left behind"
-    leaked = {fd for fd in _fds() - fds_before if os.path.exists(f"/proc/self/fd/{fd}")}
-    assert not leaked, f"file descriptors left open: {[os.readlink(f'/proc/self/fd/{fd}') for fd in leaked]}"
+    leaked = describe_fds(open_fds() - fds_before)
+    assert not leaked, "file descriptors left open:\n" + "\n".join(leaked)
 
 
 async def collect(orch: Orchestrator, n_terminals: int, timeout: float = 30) -> list[OrchOutput | OrchError]:
@@ -181,7 +178,7 @@ async def test_shutdown_with_requests_in_flight_leaves_nothing_behind() -> None:
 
 
 async def test_cancelled_pipeline_stops_its_workers() -> None:
-    fds_before = _fds()
+    fds_before = open_fds()
     with trio.move_on_after(30) as scope:
         async with open_pipeline(echo_config(2)) as pipe:
             pids, tmpdir = pipe.pids, pipe.tmpdir
@@ -189,7 +186,7 @@ async def test_cancelled_pipeline_stops_its_workers() -> None:
             await trio.sleep_forever()
     assert scope.cancelled_caught
     assert not any(_alive(p) for p in pids) and not os.path.exists(tmpdir)
-    assert not {fd for fd in _fds() - fds_before if os.path.exists(f"/proc/self/fd/{fd}")}
+    assert not describe_fds(open_fds() - fds_before)
 
 
 async def test_startup_failure_names_the_stage_and_shows_stderr() -> None:
