@@ -18,6 +18,7 @@ accepted request ends with exactly one.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -223,7 +224,8 @@ class RouterMachine(RuleBasedStateMachine):
         parent = self.parent_of.get(rid)
         if parent is not None and rid not in self.live:  # a companion's output: collected, never shown
             m = self.live[parent]
-            routed = rid in self.router.companion_of and stage == 0 and not m.companions[rid]
+            routed = (rid in self.router.companion_of and stage == 0 and not m.companions[rid]
+                      and m.waiting != 0)  # while its parent's failover waits there, no replica holds it
             dropped = self.router.dropped_outputs
             if routed and finished:
                 m.companions[rid] = True
@@ -424,9 +426,13 @@ class AsyncChunkRouterMachine(RouterMachine):
     async_chunk = True
 
 
+# CI replays one fixed set of examples (a red run names a change, not a lucky draw); elsewhere each run
+# searches afresh.  TRIO_ORCH_HYPOTHESIS_EXAMPLES searches longer.
+SETTINGS = settings(max_examples=int(os.environ.get("TRIO_ORCH_HYPOTHESIS_EXAMPLES", "200")),
+                    stateful_step_count=60, deadline=None, derandomize=bool(os.environ.get("CI")))
 TestRouterNormalMode = RouterMachine.TestCase
-TestRouterNormalMode.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestRouterNormalMode.settings = SETTINGS
 TestRouterAsyncChunk = AsyncChunkRouterMachine.TestCase
-TestRouterAsyncChunk.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+TestRouterAsyncChunk.settings = SETTINGS
 TestRouterNormalMode = pytest.mark.slow(TestRouterNormalMode)
 TestRouterAsyncChunk = pytest.mark.slow(TestRouterAsyncChunk)

@@ -4,8 +4,9 @@ A real sleep in an in-process test is either a race ("long enough, usually")
 or dead time in the quick loop.  Such a test waits on an event, on
 ``trio.testing.wait_all_tasks_blocked``, or on virtual time: ``trio.sleep``
 and a timeout meant to run out (``move_on_after``) are allowed in a test that
-takes pytest-trio's ``autojump_clock`` (and in a helper only such tests use).  State another thread or process changes is
-polled through tests/waiting.py, the one file allowed to sleep.  A test that
+takes pytest-trio's ``autojump_clock`` (and in a helper only such tests use).
+State another thread or process changes is polled through tests/waiting.py,
+the one file allowed to sleep.  A test that
 starts processes (tests/conftest.py ``PROCESS_FOLDERS``, or marked
 ``processes``) may sleep between two looks at a condition, inside a loop --
 never one bare pause that hopes the other side got there.
