@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
@@ -49,9 +48,10 @@ from starlette.routing import BaseRoute, Route
 
 from stages.registry import text_stage
 from trio_orch import __version__
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed
 from trio_orch.http.admin import PREFIX as ADMIN_PREFIX
 from trio_orch.http.admin import AdminAuth, admin_routes
+from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import (
     Guard,
     HTTPLimits,
@@ -68,14 +68,13 @@ from trio_orch.http.openai_chat import (
     ChatRequest,
     ChatStream,
     map_chat_sampling,
-    orch_error_status,
     parse_chat_request,
 )
 from trio_orch.http.openai_images import IMAGES, image_route
 from trio_orch.http.openai_routes import GENERATION, openai_routes
 from trio_orch.http.realtime_server import realtime_route
 from trio_orch.http.schemas import BadRequest, ServedModels, error_body, parse_json_body
-from trio_orch.http.streaming import SSEResponse, sse, until_done_or_gone
+from trio_orch.http.streaming import SSEResponse, sse
 from trio_orch.types import OrchError
 
 __all__ = ["API_KEY_ENV", "CHAT", "GENERATION_PATHS", "ApiKeyAuth", "ChatCompletions", "WebSocketGuard",
@@ -142,29 +141,18 @@ class WebSocketGuard:
         await self.app(scope, receive, send)
 
 
-class ChatCompletions:
+class ChatCompletions(OpenAIRoute):
     """``POST /v1/chat/completions`` over ``engine`` (see :func:`create_app` for the arguments)."""
 
     def __init__(self, engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
                  limits: HTTPLimits, front: FrontMetrics, token_limit: int | None) -> None:
-        self.engine = engine
+        super().__init__(engine, CHAT, front, limits)
         self.models = models
         self.outputs = outputs
-        self.limits = limits
-        self.front = front
         self.token_limit = token_limit
 
     def route(self) -> Route:
         return Route(CHAT, self.handle, methods=["POST"])
-
-    def error(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-              code: str | None = None, retry_after: float | None = None) -> JSONResponse:
-        self.front.count(CHAT, status)
-        if status < 500:  # bad client input or shedding: say what was refused (counted by status)
-            log.log(logging.INFO if status == 429 else logging.WARNING,
-                    "refused a chat completion request (%d): %s", status, message)
-        headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-        return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
     def final_stage_for(self, req: ChatRequest) -> int | None:
         finals = self.engine.final_stage_ids
@@ -184,11 +172,6 @@ class ChatCompletions:
                              "ask for modalities [\"text\", \"audio\"]", "modalities")
         return text  # text only: the request stops after the stage that gives text
 
-    def disconnected(self) -> None:
-        self.front.disconnects += 1
-        self.front.count_finished("abort")
-        log.info("a client disconnected before its answer; its request was aborted")
-
     async def handle(self, request: Request) -> Response:
         engine, limits = self.engine, self.limits
         try:
@@ -198,54 +181,26 @@ class ChatCompletions:
             map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
                               outputs=self.outputs, final_stage_id=final)
         except BadRequest as exc:
-            return self.error(exc.status, str(exc), param=exc.param, code=exc.code)
-        if not engine.running:
-            why = engine.closed_reason or "it has not started"
-            return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
-        try:
-            handle = await engine.add_request_async(req.payload(), final_stage_id=final,
-                                                    sampling=req.sampling, want_timings=not req.stream)
-        except Overloaded as exc:
-            return self.error(429, str(exc), "rate_limit_error", code="overloaded",
-                              retry_after=exc.retry_after)
-        except EngineClosed as exc:
-            return self.error(503, str(exc), "server_error", code="engine_closed")
-        except ValueError as exc:
-            return self.error(400, str(exc))
-        if handle.rejection is not None:
-            return self.failed(handle.rejection)
+            return self.bad(exc)
+        handle = await self.admit(req.payload(), final_stage_id=final, sampling=req.sampling,
+                                  want_timings=not req.stream)
+        if isinstance(handle, JSONResponse):
+            return handle
         if req.stream:
             self.front.count(CHAT, 200)
-            return SSEResponse(self.stream(req, handle), on_disconnect=self.disconnected)
-        result, exc, left = await until_done_or_gone(partial(self.collect, req, handle), request.receive)
-        if left:  # the client left first: cancelling the collector aborted the request
-            self.disconnected()
-            self.front.count(CHAT, 499)
-            return Response(status_code=499)
-        if isinstance(exc, EngineClosed):
-            return self.error(503, str(exc), "server_error", code="engine_closed")
-        if exc is not None:
-            raise exc
-        if isinstance(result, OrchError):
-            return self.failed(result)
-        self.front.count(CHAT, 200)
-        return JSONResponse(result)
+            return SSEResponse(self.events(req, handle), on_disconnect=self.disconnected)
+        result = await self.wait(partial(self.answer, req, handle), request)  # 499 if the client left first
+        return result if isinstance(result, Response) else self.ok(JSONResponse(result))
 
-    def failed(self, err: OrchError) -> JSONResponse:
-        status = orch_error_status(err)
-        return self.error(status, f"request failed: {err.kind}: {err.message}", "server_error", code=err.kind,
-                          retry_after=1 if status == 503 else None)
-
-    async def collect(self, req: ChatRequest, handle: AsyncRequestHandle) -> dict[str, Any] | OrchError:
+    async def answer(self, req: ChatRequest, handle: AsyncRequestHandle) -> dict[str, Any] | OrchError:
+        """The non-streamed completion, or the request's error terminal."""
         cs = ChatStream(req, self.outputs, self.token_limit)
         try:
-            async for msgs in handle.batches():
-                for m in msgs:
-                    if isinstance(m, OrchError):
-                        return m
-                    cs.add(m)
+            err = await self.collect(handle, cs.add)
         finally:  # cancelled too (the client left): what was generated counts
             self.count_tokens(cs)
+        if err is not None:
+            return err
         self.observe_rtf(cs, handle)
         out = cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
         self.front.count_finished(cs.finish_reason())
@@ -259,7 +214,7 @@ class ChatCompletions:
         if rtf is not None:
             self.front.rtf.observe(rtf)
 
-    async def stream(self, req: ChatRequest, handle: AsyncRequestHandle) -> AsyncIterator[bytes]:
+    async def events(self, req: ChatRequest, handle: AsyncRequestHandle) -> AsyncIterator[bytes]:
         cs = ChatStream(req, self.outputs, self.token_limit)
         yield sse(cs.first_chunk())
         gen = handle.batches()

@@ -1,7 +1,7 @@
-"""What the OpenAI-shaped routes beside chat share: the body, refusals, admission and the wait.
+"""What the OpenAI-shaped routes share: the body, refusals, admission and the wait.
 
-The completions, speech and tokenizer routes (:mod:`trio_orch.http.openai_routes`)
-answer the way the chat route does: a refusal is OpenAI's error body with a
+The chat route (:mod:`trio_orch.http.app`) and the completions, speech and
+tokenizer routes (:mod:`trio_orch.http.openai_routes`) answer alike: a refusal is OpenAI's error body with a
 status, counted by route in ``/metrics`` and logged; a request is admitted
 before any byte of the answer goes out (429 with ``Retry-After`` when the
 engine sheds it, 503 when it is not running or a stage of the request's path
@@ -77,15 +77,16 @@ class OpenAIRoute:
         self.front.count(self.path, response.status_code)
         return response
 
-    async def admit(self, prompt: Any, *, final_stage_id: int | None,
-                    sampling: dict[int, dict[str, Any]]) -> AsyncRequestHandle | JSONResponse:
+    async def admit(self, prompt: Any, *, final_stage_id: int | None, sampling: dict[int, dict[str, Any]],
+                    want_timings: bool = False) -> AsyncRequestHandle | JSONResponse:
         """The accepted request's handle, or the refusal (429, 503, or a 400 the engine's checks gave)."""
         engine = self.engine
         if not engine.running:
             why = engine.closed_reason or "it has not started"
             return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
         try:
-            handle = await engine.add_request_async(prompt, final_stage_id=final_stage_id, sampling=sampling)
+            handle = await engine.add_request_async(prompt, final_stage_id=final_stage_id, sampling=sampling,
+                                                    want_timings=want_timings)
         except Overloaded as exc:
             return self.error(429, str(exc), "rate_limit_error", code="overloaded",
                               retry_after=exc.retry_after)
@@ -118,7 +119,7 @@ class OpenAIRoute:
         return result
 
     @staticmethod
-    async def collect(handle: AsyncRequestHandle, absorb: Callable[[OrchOutput], None]) -> OrchError | None:
+    async def collect(handle: AsyncRequestHandle, absorb: Callable[[OrchOutput], object]) -> OrchError | None:
         """Feed every output of the request to ``absorb``; its error terminal, if it ended in one."""
         async for msgs in handle.batches():
             for m in msgs:
