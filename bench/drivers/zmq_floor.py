@@ -1,15 +1,21 @@
-"""The ZMQ floor behind a :class:`~bench.drivers.base.Driver`: a bare pyzmq round trip, no event loop.
+"""The ZMQ floor behind a :class:`~bench.drivers.base.Driver`: the ZMQ path's hops and nothing else.
 
 The same ``stages.worker`` process, the same DEALER socket and wire framing
-(:mod:`stages.wire`) as a replica pool's client, but the benchmark's own
-thread sends the ``Submit`` and blocks in ``recv_multipart`` for the
-outputs: no orchestrator, no event loop, no thread hand-off.  What the ZMQ
-workloads measure above it is what the orchestrator and its transport add.
-Stage 0 only (``zmq_a_seq``, ``zmq_b_N``: final stage 0).
+(:mod:`stages.wire`) as a replica pool's client, and the two thread hops
+every implementation's bridge takes: the caller's request goes to the floor's
+thread (a ``SimpleQueue`` and an inproc doorbell), that thread encodes and
+sends the ``Submit``, waits on the socket with ``zmq.Poller`` (no event
+loop), decodes the outputs and hands them to the caller through a
+``SimpleQueue`` -- what arrived together leaving as one batch.  No routing,
+no tasks.  What the ZMQ workloads measure above it is what the
+orchestrator, its loop and its transport add.  Stage 0 only
+(``zmq_a_seq``, ``zmq_b_N``: final stage 0).
 """
 
 from __future__ import annotations
 
+import itertools
+import queue
 import shutil
 import subprocess
 import tempfile
@@ -18,7 +24,7 @@ from typing import Any
 
 import zmq
 
-from bench.drivers.base import Driver, thread_cpu_seconds
+from bench.drivers.base import Driver
 from stages.wire import (
     Heartbeat,
     InboundMsg,
@@ -33,11 +39,18 @@ from stages.wire import (
 from trio_orch.cluster.launcher import worker_argv
 from trio_orch.types import Message, OrchError, OrchOutput
 
-__all__ = ["ZmqFloorDriver"]
+__all__ = ["PATH", "ZmqFloorDriver"]
+
+#: what this floor bounds
+PATH = ("ZMQ: caller thread -> floor thread -> DEALER -> worker -> DEALER -> floor thread -> caller "
+        "thread (two futex wake-ups, the socket round trip, no loop)")
+
+_ids = itertools.count()
+_STOP = object()
 
 
 class ZmqFloorDriver(Driver):
-    """One echo worker of stage 0, driven by a blocking DEALER socket in the caller's thread."""
+    """One echo worker of stage 0, driven by a plain thread that owns its DEALER socket."""
 
     framework = "pyzmq"
 
@@ -45,10 +58,14 @@ class ZmqFloorDriver(Driver):
         super().__init__(*args, **kwargs)
         if self.workers is None:
             raise ValueError("the zmq floor needs a worker pipeline config (workers=...)")
+        self.path = "zmq"
         self.ctx: zmq.Context | None = None
         self.sock: zmq.Socket | None = None
+        self.bell: zmq.Socket | None = None  # the caller's end of the doorbell
+        self.bell_addr = f"inproc://zmq-floor-{next(_ids)}"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.caller: threading.Thread | None = None
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._batches: queue.SimpleQueue[list[Message] | None] = queue.SimpleQueue()
         self.out_codec = WireCodec(InboundMsg)
         self.in_codec = WireCodec(OutboundMsg)
 
@@ -62,11 +79,13 @@ class ZmqFloorDriver(Driver):
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.bind(addr)
+        self.bell = self.ctx.socket(zmq.PAIR)
+        self.bell.linger = 0
+        self.bell.bind(self.bell_addr)
         argv = worker_argv(cfg, 0, 0, cfg.stages[0], addr, self.worker_dir)
         self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
         self.worker_pids = [self.proc.pid]
-        self.caller = threading.current_thread()
         self.sock.rcvtimeo = int(timeout * 1000)
         try:
             while not isinstance(self.in_codec.decode(self.sock.recv_multipart(copy=False)), Ready):
@@ -75,32 +94,76 @@ class ZmqFloorDriver(Driver):
             self.close()
             raise TimeoutError(f"{self.name}: the worker did not start within {timeout}s") from None
         self.sock.rcvtimeo = -1
+        # the socket changes hands once, before the thread starts (a full barrier, as zmq asks)
+        self.thread = threading.Thread(target=self._thread_main, name=f"orchestrator-{self.name}",
+                                       daemon=True)
+        self.thread.start()
         return self
 
-    def cpu_seconds(self) -> float:
-        return thread_cpu_seconds(self.caller)  # the whole floor runs in the caller's thread
+    def _thread_main(self) -> None:
+        assert self.ctx is not None and self.sock is not None
+        sock, inbox, out = self.sock, self._inbox, self._batches
+        bell = self.ctx.socket(zmq.PAIR)
+        bell.linger = 0
+        bell.connect(self.bell_addr)
+        poller = zmq.Poller()
+        poller.register(bell, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        encode, decode = self.out_codec.encode, self.in_codec.decode
+        try:
+            while True:
+                ready = dict(poller.poll())
+                if bell in ready:
+                    while bell.poll(0):
+                        bell.recv()
+                    while True:
+                        try:
+                            item = inbox.get_nowait()
+                        except queue.Empty:
+                            break
+                        if item is _STOP:
+                            sock.send_multipart(encode(Shutdown("bench done")), zmq.NOBLOCK)
+                            return
+                        sock.send_multipart(encode(Submit(*item)), copy=False)
+                if sock in ready:
+                    batch: list[Message] = []
+                    while True:
+                        try:
+                            msg = decode(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+                        except zmq.Again:
+                            break
+                        if type(msg) is Outputs:
+                            batch.extend(OrchOutput(it.request_id, 0, it.data, it.finished,
+                                                    t_produced=it.t_produced) for it in msg.items)
+                        elif type(msg) is RequestError:
+                            batch.append(OrchError(msg.request_id, 0, "stage_failed", msg.message))
+                        elif type(msg) is not Heartbeat:
+                            continue
+                    if batch:
+                        out.put(batch)
+        except BaseException as exc:
+            self.run_error = exc
+        finally:
+            out.put(None)
+            bell.close(linger=0)  # the DEALER closes in close(), once the worker had its Shutdown
 
     def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
-        assert self.sock is not None
-        self.sock.send_multipart(self.out_codec.encode(Submit(request_id, prompt)), copy=False)
+        assert self.bell is not None
+        self._inbox.put((request_id, prompt))
+        self.bell.send(b"")
 
-    def next_batch(self, timeout: float = 10.0) -> list[Message]:
-        assert self.sock is not None
-        poll_ms = int(timeout * 1000)
-        while True:
-            if not self.sock.poll(poll_ms):
-                raise TimeoutError(f"no output within {timeout}s")
-            msg = self.in_codec.decode(self.sock.recv_multipart(copy=False))
-            if type(msg) is Outputs:
-                return [OrchOutput(it.request_id, 0, it.data, it.finished, t_produced=it.t_produced)
-                        for it in msg.items]
-            if type(msg) is RequestError:
-                return [OrchError(msg.request_id, 0, "stage_failed", msg.message)]
-            if type(msg) is not Heartbeat:
-                continue
+    def take_batch(self, timeout: float) -> list[Message] | None:
+        try:
+            return self._batches.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output within {timeout}s") from None
 
     def close(self, wait: float = 30.0) -> None:
-        if self.sock is not None:
+        if self.thread is not None and self.thread.is_alive() and self.bell is not None:
+            self._inbox.put(_STOP)
+            self.bell.send(b"")
+            self.thread.join(wait)
+        elif self.thread is None and self.sock is not None:  # the worker never got ready
             try:
                 self.sock.send_multipart(self.out_codec.encode(Shutdown("bench done")), zmq.NOBLOCK)
             except zmq.ZMQError:
@@ -114,6 +177,9 @@ class ZmqFloorDriver(Driver):
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+        if self.bell is not None:
+            self.bell.close(linger=0)
+            self.bell = None
         if self.ctx is not None:
             self.ctx.term()
             self.ctx = None
