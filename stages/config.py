@@ -28,8 +28,10 @@ have different replica counts.
 
 :data:`PIPELINES` are the built-in pipelines by name (``--pipeline``):
 ``speech`` (:func:`default_config`, thinker -> talker -> code2wav),
-``speech-pd`` (the same with the thinker split into prefill and decode) and
-``text2image`` (:func:`text2image_config`, encoder -> diffusion);
+``speech-pd`` (the same with the thinker split into prefill and decode),
+``text2image`` (:func:`text2image_config`, encoder -> diffusion) and
+``omni-in`` (:func:`omni_in_config`, image-encoder -> audio-encoder -> thinker:
+images and sounds in, text out);
 :func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
 The file's tables, keys, types and ranges are a typed schema
 (:mod:`stages.schema`): a wrong type, a value out of range, an unknown key or
@@ -54,7 +56,7 @@ from stages.registry import KindError, check_stage, outputs_of
 from stages.schema import check_file, set_fields
 
 __all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
-           "from_dict", "load_config", "pd_config", "text2image_config"]
+           "from_dict", "load_config", "omni_in_config", "pd_config", "text2image_config"]
 
 @dataclass
 class StageConfig:
@@ -234,8 +236,16 @@ def text2image_config(**pipeline: Any) -> PipelineConfig:
     return PipelineConfig(stages, final_stage_ids=[1], **pipeline).validate()
 
 
+def omni_in_config(**pipeline: Any) -> PipelineConfig:
+    """image-encoder -> audio-encoder -> thinker: a chat's images and sounds become features the
+    thinker reads before the prompt; stage 2's text is the output."""
+    stages = [StageConfig("image-encoder"), StageConfig("audio-encoder"), StageConfig("thinker")]
+    return PipelineConfig(stages, final_stage_ids=[2], **pipeline).validate()
+
+
 #: The built-in pipelines, by the name ``--pipeline`` takes.
-PIPELINES = {"speech": default_config, "speech-pd": pd_config, "text2image": text2image_config}
+PIPELINES = {"speech": default_config, "speech-pd": pd_config, "text2image": text2image_config,
+             "omni-in": omni_in_config}
 
 
 def builtin_config(name: str) -> PipelineConfig:

@@ -6,6 +6,10 @@
   letter-frequency bias) so its text decodes and reads like words.  A token is
   one byte and its text is ``chr(token)``: one character per token, which is
   how stop strings are matched and how held-back text maps back to tokens.
+  A payload may carry encoder features (``{"text": ..., "features":
+  float32[rows, feature_dim]}``, :mod:`stages.media`): projected into the
+  embedding space, they come before the prompt's tokens in the prefill, so
+  the answer depends on the image or sound they encode.
 - ``talker``: a causal transformer that turns thinker tokens into
   ``frames_per_token`` frames of ``codebooks`` speech codes each, emitted in
   chunks of ``chunk_frames`` frames; a speaker embedding (the request's
@@ -80,7 +84,8 @@ class Thinker(SlotModel):
     def __init__(self, d_model: PositiveInt = 128, layers: PositiveInt = 2, heads: PositiveInt = 4,
                  max_prompt: PositiveInt = 192, max_new_tokens: PositiveInt = 48,
                  min_new_tokens: NonNegativeInt = 8, temperature: NonNegativeFloat = 0.9,
-                 slots: PositiveInt = 32, device: str = "cpu", seed: int = 0) -> None:
+                 slots: PositiveInt = 32, device: str = "cpu", seed: int = 0,
+                 feature_dim: PositiveInt = 128) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed)
         self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens
@@ -96,6 +101,9 @@ class Thinker(SlotModel):
             bias[ord(ch)] = math.log(f)
         bias[EOS] = math.log(1.0)
         self.bias = bias.to(self.device)  # mostly letters and spaces, in English proportions
+        # drawn last, so the weights above are what they were before features existed
+        self.feature_dim = feature_dim
+        self.feat = nn.Linear(feature_dim, d_model).to(self.device)  # encoder features -> embeddings
 
     def admit(self, req: ReqState) -> None:
         if req.upstream:
@@ -106,7 +114,24 @@ class Thinker(SlotModel):
             text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
         if not isinstance(text, str) or not text:
             raise ValueError("thinker payload must be a non-empty string or {'text': str}")
-        self._start(req, list(text.encode()[-self.max_prompt:]), max_new)
+        feats = self._features(p)
+        room = self.max_prompt - (len(feats) if feats is not None else 0)
+        self._start(req, list(text.encode()[-room:]), max_new)
+        req.model["features"] = feats
+
+    def _features(self, payload: Any) -> torch.Tensor | None:
+        """The encoder features a payload carries (``stages.media``), checked: rows of ``feature_dim``."""
+        f = payload.get("features") if isinstance(payload, dict) else None
+        if f is None:
+            return None
+        a = np.asarray(f, dtype=np.float32)
+        if a.ndim != 2 or a.shape[1] != self.feature_dim:
+            raise ValueError(f"thinker: features must be float32[rows, {self.feature_dim}], got "
+                             f"{list(a.shape)} (the encoders' dim must be the thinker's feature_dim)")
+        if len(a) > self.max_prompt // 2:
+            raise ValueError(f"thinker: {len(a)} feature rows, over half the prompt room "
+                             f"({self.max_prompt})")
+        return torch.from_numpy(a.copy()).to(self.device) if len(a) else None
 
     def _start(self, req: ReqState, ids: list[int], max_new: int) -> None:
         """Set up a request for its prompt token ``ids``: limits, stop conditions, its sampler.
@@ -201,9 +226,12 @@ class Thinker(SlotModel):
         the prefill role's KV cache instead.
         """
         m = req.model
-        ids = torch.tensor(m["prompt"], device=self.device)
-        hidden = self.dec.prefill(self.emb(ids), self._slot(req))
-        m["pos"] = len(m["prompt"])
+        x = self.emb(torch.tensor(m["prompt"], device=self.device))
+        feats = m.get("features")
+        if feats is not None:  # the encoders' features come first, then the prompt's tokens
+            x = torch.cat([self.feat(feats), x[-(self.max_prompt - len(feats)):]])
+        hidden = self.dec.prefill(x, self._slot(req))
+        m["pos"] = len(x)
         return hidden
 
     def _emit(self, m: dict[str, Any], tok: int) -> StepResult:
@@ -232,7 +260,8 @@ class Thinker(SlotModel):
         self._warm("warm up")
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "max_new_tokens": self.max_new, "device": str(self.device)}
+        return {"kind": self.kind, "max_new_tokens": self.max_new, "device": str(self.device),
+                "feature_dim": self.feature_dim}
 
 
 class Talker(SlotModel):

@@ -56,6 +56,7 @@ from stages.forwarding import (
     placeholder_input,
     tokens_input,
 )
+from stages.media import audio_features_input, image_features_input
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
     NO_PARAMS,
@@ -69,7 +70,7 @@ from stages.sampling_params import (
 from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of",
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "input_media",
            "model_class", "outputs_of", "pcm_of", "prewarm_fn", "source_root",
            "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
 
@@ -114,7 +115,9 @@ class StageSpec:
     per-request sampling parameters the kind takes (name -> :class:`Param`;
     default: none, so any parameter sent to it is refused).  ``model`` is the
     ``"module:Class"`` path, imported only when needed; ``kind`` the name;
-    ``role`` the role of a split kind (:data:`ROLES`), else empty.
+    ``role`` the role of a split kind (:data:`ROLES`), else empty.  ``media``:
+    the medium a chat part may carry that this kind encodes ("image", "audio";
+    :mod:`stages.media`), else empty: a pipeline takes the media its stages encode.
     """
 
     output: str = "data"
@@ -124,6 +127,7 @@ class StageSpec:
     model: str = ""
     kind: str = ""
     role: str = ""
+    media: str = ""
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
@@ -134,6 +138,10 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
     "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
     "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
     "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
+    "image-encoder": StageSpec("embedding", image_features_input, model="stages.media_encoders:ImageEncoder",
+                               media="image"),
+    "audio-encoder": StageSpec("embedding", audio_features_input, model="stages.media_encoders:AudioEncoder",
+                               media="audio"),
 }.items()}
 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
@@ -421,6 +429,11 @@ def prewarm_fn(kinds: Iterable[str], roles: Sequence[str] | None = None) -> Call
         return specs[k].prewarm_input(k, prompt)
 
     return prewarm
+
+
+def input_media(kinds: Iterable[str]) -> frozenset[str]:
+    """The media a chat may carry into a pipeline of ``kinds``: those its stages encode."""
+    return frozenset(spec.media for spec in map(spec_for, kinds) if spec.media)
 
 
 def stage_params(kinds: Iterable[str]) -> list[StageParams]:
