@@ -183,6 +183,10 @@ class OpenAIRequest(Struct, kw_only=True):
 class ContentPart(Struct, kw_only=True):
     type: str
     text: str | None = None
+    #: ``{"url": ...}`` of an ``image_url`` part, ``{"data", "format"}`` of an ``input_audio`` one
+    #: (decoded by :mod:`trio_orch.http.media`)
+    image_url: dict[str, Any] | None = None
+    input_audio: dict[str, Any] | None = None
 
 
 class Message(Struct, kw_only=True):
@@ -218,7 +222,9 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
 
 _NO_TOOLS = "is not supported: this server has no tool calling"
 #: fields a schema declares that this server cannot honour: name -> (is the value one it can, why not).
-#: A route's schema may declare more of them (``echo``, ``best_of``, ...): add them here.
+#: A route's schema may declare more of them (``echo``, ``best_of``, ...): add them here.  A schema whose
+#: fields mean something else (the images route's ``response_format``) declares its own table as a
+#: ``UNSUPPORTED`` class variable.
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "n": (lambda v: v is None or v == 1, "only 'n': 1 is supported (one choice per request)"),
     "logprobs": (lambda v: not v, "'logprobs' is not supported: the stages report no log-probabilities"),
@@ -240,7 +246,8 @@ def decode(body: Any, schema: type[S], *, what: str) -> S:
     """``body`` (decoded JSON) as ``schema``; unknown fields logged once and ignored.
 
     Raises :class:`BadRequest` for a value that does not fit (naming its path)
-    and for fields of :data:`UNSUPPORTED` set to what this server cannot do.
+    and for fields of :data:`UNSUPPORTED` (or the schema's own table) set to
+    what this server cannot do.
     """
     if not isinstance(body, dict):
         raise BadRequest(f"the request body must be a JSON object, got {type_name(body)}")
@@ -253,7 +260,8 @@ def decode(body: Any, schema: type[S], *, what: str) -> S:
     if ignored:
         log.warning("ignored unknown field%s in %s: %s", "s" if len(ignored) > 1 else "", what,
                     ", ".join(repr(f) for f in ignored))
-    refused = [(name, why) for name, (ok, why) in UNSUPPORTED.items()
+    table: dict[str, tuple[Callable[[Any], bool], str]] = getattr(schema, "UNSUPPORTED", UNSUPPORTED)
+    refused = [(name, why) for name, (ok, why) in table.items()
                if name in info_fields(info) and not ok(getattr(req, name))]
     if refused:
         raise BadRequest("; ".join(why for _, why in refused), refused[0][0], code="unsupported_parameter")
