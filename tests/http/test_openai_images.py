@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import os
 import re
 import signal
@@ -101,21 +102,37 @@ def validating(request: pytest.FixtureRequest) -> Iterator[httpx.Client]:
     ({"prompt": "x", "size": "1024x1024"}, "size"),
     ({"prompt": "x", "size": "big"}, "size"),
     ({"prompt": "x", "response_format": "url"}, "response_format"),
-    ({"prompt": "x", "model": "dall-e-3"}, "model"),
     ({"prompt": "x", "negative_prompt": ["a"]}, "negative_prompt"),
     ({"prompt": "x", "guidance_scale": "high"}, "guidance_scale"),
     ({"prompt": "x", "guidance_scale": 1000}, "guidance_scale"),
     ({"prompt": "x", "num_inference_steps": 0}, "num_inference_steps"),
     ({"prompt": "x", "num_inference_steps": 8.5}, "num_inference_steps"),
     ({"prompt": "x", "seed": -1}, "seed"),
-    ({"prompt": "x", "quality": "hd"}, "quality"),
-    ([1, 2], "body"),
 ])
 def test_bad_input_is_a_400_naming_the_field(validating: httpx.Client, body: Any, param: str) -> None:
     r = validating.post("/v1/images/generations", json=body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+
+
+def test_a_model_not_served_is_a_404_and_a_body_not_an_object_a_400(validating: httpx.Client) -> None:
+    r = validating.post("/v1/images/generations", json={"prompt": "x", "model": "dall-e-3"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    assert "dall-e-3" in r.json()["error"]["message"]
+    r = validating.post("/v1/images/generations", json=[1, 2])
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.slow
+def test_an_unknown_field_is_ignored_and_logged(images: httpx.Client,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        r = images.post("/v1/images/generations", json={
+            "prompt": "a cat", "size": "32x32", "guidance_scale": 1, "num_inference_steps": 2,
+            "quality": "hd"})
+    assert png_of(r).size == (32, 32)
+    assert any("'quality'" in rec.getMessage() for rec in caplog.records)
 
 
 def test_malformed_json_is_a_400(validating: httpx.Client) -> None:

@@ -340,7 +340,7 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
                            token_limit=token_limit)
     routes: list[BaseRoute] = [
         chat.route(),
-        image_route(engine, model_name=models.name, outputs=outputs, front=front),
+        image_route(engine, models=models, outputs=outputs, front=front, limits=limits),
         *openai_routes(engine, models, outputs=outputs, limits=limits, front=front, token_limit=token_limit),
         realtime_route(engine, outputs),
         *_status_routes(engine, front, models=models, outputs=outputs, stage_names=stage_names,
