@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any, ClassVar, Literal
@@ -49,7 +49,7 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
-from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, decode, error_body, parse_json_body
+from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, error_body
 from trio_orch.http.streaming import sse
 from trio_orch.http.tokenizer import TOKENIZERS
 from trio_orch.types import OrchOutput
@@ -76,20 +76,17 @@ class SpeechRequest(msgspec.Struct, kw_only=True):
     seed: Seed | None = None
     stage_sampling: dict[str, Any] | None = None
 
-    #: ``response_format`` (read apart from the schema: the shared table of unsupported fields
-    #: knows chat's ``response_format``, a text format, by the same name)
-    response_format: ClassVar[str] = "wav"
+    response_format: Literal["wav", "pcm"] = "wav"
+
+    #: this route's own table of unsupported values: its ``response_format`` is an audio encoding
+    #: (chat's, by the same name, is a text format)
+    UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {}
 
     @classmethod
     def parse(cls, route: OpenAIRoute, raw: bytes) -> tuple[SpeechRequest, str]:
         """The request and its ``response_format`` (BadRequest naming the field that does not fit)."""
-        body = parse_json_body(raw, route.limits.max_json_depth)
-        fmt = body.pop("response_format", cls.response_format) if isinstance(body, dict) else None
-        req = decode(body, cls, what=f"a {route.path} request")
-        if fmt not in FORMATS:
-            raise BadRequest(f"'response_format' must be one of {', '.join(FORMATS)}, got {fmt!r}",
-                             "response_format")
-        return req, fmt
+        req = route.parse(raw, cls)
+        return req, req.response_format
 
     def check(self, max_chars: int | None, fmt: str) -> None:
         """BadRequest naming the first field this server cannot honour."""
