@@ -432,8 +432,17 @@ def prewarm_fn(kinds: Iterable[str], roles: Sequence[str] | None = None) -> Call
 
 
 def input_media(kinds: Iterable[str]) -> frozenset[str]:
-    """The media a chat may carry into a pipeline of ``kinds``: those its stages encode."""
-    return frozenset(spec.media for spec in map(spec_for, kinds) if spec.media)
+    """The media a chat may carry into a pipeline of ``kinds``: those its stages encode.
+
+    A name that is no kind (an in-process stage's label) encodes none.
+    """
+    found = set()
+    for kind in kinds:
+        try:
+            found.add(spec_for(kind).media)
+        except KindError:
+            continue
+    return frozenset(found - {""})
 
 
 def stage_params(kinds: Iterable[str]) -> list[StageParams]:

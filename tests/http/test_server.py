@@ -176,7 +176,7 @@ def test_disconnect_while_waiting_for_a_non_streamed_answer_aborts(served: Serve
     (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}], "logprobs": true}',
      "'logprobs' is not supported: the stages report no log-probabilities; 'tools' is not supported"),
     (b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
-     "'messages[0].content[0]': only text parts"),
+     "'messages[0].content[0]': this pipeline takes no image input"),
 ])
 def test_bad_requests_get_4xx_json_and_leave_the_server_fine(client: httpx.Client, body: bytes,
                                                              fragment: str) -> None:

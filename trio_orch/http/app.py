@@ -51,6 +51,7 @@ from trio_orch import __version__
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed
 from trio_orch.http.admin import PREFIX as ADMIN_PREFIX
 from trio_orch.http.admin import AdminAuth, admin_routes
+from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import (
     Guard,
@@ -145,8 +146,10 @@ class ChatCompletions(OpenAIRoute):
     """``POST /v1/chat/completions`` over ``engine`` (see :func:`create_app` for the arguments)."""
 
     def __init__(self, engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
-                 limits: HTTPLimits, front: FrontMetrics, token_limit: int | None) -> None:
+                 limits: HTTPLimits, front: FrontMetrics, token_limit: int | None,
+                 chat: ChatInput | None = None) -> None:
         super().__init__(engine, CHAT, front, limits)
+        self.chat = chat
         self.models = models
         self.outputs = outputs
         self.token_limit = token_limit
@@ -176,7 +179,7 @@ class ChatCompletions(OpenAIRoute):
         engine, limits = self.engine, self.limits
         try:
             body = parse_json_body(await request.body(), limits.max_json_depth)
-            req = parse_chat_request(body, self.models, limits.max_prompt_chars)
+            req = parse_chat_request(body, self.models, limits.max_prompt_chars, self.chat)
             final = self.final_stage_for(req)
             map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
                               outputs=self.outputs, final_stage_id=final)
@@ -312,7 +315,7 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
                outputs: Sequence[str] | None = None, limits: HTTPLimits | None = None,
                front: FrontMetrics | None = None, token_limit: int | None = None,
                stage_names: Sequence[str] | None = None, admin_token: str | None = None,
-               api_key: str | None = None) -> Starlette:
+               api_key: str | None = None, chat_input: ChatInput | None = None) -> Starlette:
     """The whole ASGI app over a started engine (either kind: the thread bridge or the in-loop one).
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's
@@ -325,7 +328,9 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
     in ``/health``; ``admin_token`` turns on the ``/admin/...`` control routes
     behind that bearer token.  ``model_name``: the served name, or names (the
     first is the one answers carry); ``api_key`` guards every route but the
-    open ones (:class:`ApiKeyAuth`).
+    open ones (:class:`ApiKeyAuth`); ``chat_input``: the chat template and
+    media limits (default: the default template), taking the media the
+    pipeline's stages encode.
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
@@ -336,12 +341,15 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
     text = text_stage(engine.final_stage_ids, outputs)
     if text is not None:
         front.expect_stage(text)  # its generated tokens are shown from the start, at 0
+    kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
+    chat_input = (chat_input or ChatInput()).for_kinds(kinds)
     chat = ChatCompletions(engine, models=models, outputs=outputs, limits=limits, front=front,
-                           token_limit=token_limit)
+                           token_limit=token_limit, chat=chat_input)
     routes: list[BaseRoute] = [
         chat.route(),
         image_route(engine, models=models, outputs=outputs, front=front, limits=limits),
-        *openai_routes(engine, models, outputs=outputs, limits=limits, front=front, token_limit=token_limit),
+        *openai_routes(engine, models, outputs=outputs, limits=limits, front=front, token_limit=token_limit,
+                       chat=chat_input),
         realtime_route(engine, outputs),
         *_status_routes(engine, front, models=models, outputs=outputs, stage_names=stage_names,
                         extra_metrics=extra_metrics),

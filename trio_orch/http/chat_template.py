@@ -19,7 +19,8 @@ always did.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,9 +28,11 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from stages.registry import input_media
+from trio_orch.http.media import MediaPolicy
 from trio_orch.http.schemas import BadRequest
 
-__all__ = ["DEFAULT_TEMPLATE", "ChatTemplate"]
+__all__ = ["DEFAULT_TEMPLATE", "ChatInput", "ChatTemplate"]
 
 DEFAULT_TEMPLATE = """\
 {%- for message in messages %}
@@ -100,3 +103,21 @@ class ChatTemplate:
         except jinja2.TemplateError as exc:
             raise BadRequest(f"the chat template ({self.name}) failed on these messages: "
                              f"{type(exc).__name__}: {exc}", "messages") from None
+
+
+@dataclass(frozen=True)
+class ChatInput:
+    """How the chat routes make a stage-0 payload: the template, the media policy, the media taken.
+
+    ``accepts``: the media ("image", "audio") the pipeline's stages encode
+    (:func:`for_kinds`); a part of another medium is a 400 naming it and
+    saying which pipeline takes it.
+    """
+
+    template: ChatTemplate = field(default_factory=ChatTemplate)
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+    accepts: frozenset[str] = frozenset()
+
+    def for_kinds(self, kinds: Iterable[str] | None) -> ChatInput:
+        """This, taking the media a pipeline of ``kinds`` encodes (None: an in-process one, none)."""
+        return replace(self, accepts=input_media(kinds) if kinds is not None else frozenset())

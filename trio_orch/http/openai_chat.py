@@ -7,7 +7,13 @@ schema's (:class:`~trio_orch.http.schemas.ChatCompletionRequest`: unknown
 fields ignored and logged, known ones this server cannot honour refused);
 what the schema cannot say (the messages carry text, audio formats fit
 streaming, the prompt's length, the model is one served here: else 404) is
-checked here, so nothing a client sends can fail later on the wire.
+checked here, so nothing a client sends can fail later on the wire.  The
+prompt is the messages rendered by the chat template
+(:class:`~trio_orch.http.chat_template.ChatTemplate`, ``serve
+--chat-template``); image and audio parts are placeholders there and are
+decoded (:mod:`trio_orch.http.media`) into arrays that go beside the prompt
+to the pipeline's encoder stages -- refused naming the part when the
+pipeline has no encoder for them.
 :class:`ChatStream` turns orchestrator messages into ``chat.completion.chunk``
 objects and accumulates the non-streaming answer.
 
@@ -38,6 +44,8 @@ import numpy as np
 from stages.registry import as_audio, as_text
 from stages.sampling_params import StageParams
 from trio_orch.http import openai_sampling
+from trio_orch.http.chat_template import ChatInput
+from trio_orch.http.media import AudioClip, decode_audio, decode_image
 from trio_orch.http.schemas import (
     MAX_TOKENS,
     BadRequest,
@@ -75,42 +83,86 @@ class ChatRequest:
     #: the sampling fields given (OpenAI's names; ``audio.voice`` under ``audio``), mapped to stages
     fields: dict[str, Any] = field(default_factory=dict)
     sampling: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its parameters
+    #: the decoded image parts (``uint8[h, w, 3]``) and audio parts, in the order the messages had them
+    images: list[np.ndarray] = field(default_factory=list)
+    audios: list[AudioClip] = field(default_factory=list)
 
     def payload(self) -> Any:
-        """What stage 0 takes: the prompt (limits and the like travel in ``sampling``)."""
-        return self.prompt
+        """What stage 0 takes: the prompt, with its media beside it (:mod:`stages.media`) if any.
+
+        Limits and the like travel in ``sampling``.
+        """
+        if not self.images and not self.audios:
+            return self.prompt
+        out: dict[str, Any] = {"text": self.prompt}
+        if self.images:
+            out["images"] = list(self.images)
+        if self.audios:
+            out["audios"] = [a.payload() for a in self.audios]
+        return out
 
 
-def _content_text(content: str | list[ContentPart], param: str) -> str:
+def _content_parts(content: list[ContentPart], param: str, chat: ChatInput,
+                   req: ChatRequest) -> list[dict[str, Any]]:
+    """A content list as the template sees it; each image or audio part decoded into ``req``."""
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        p = f"{param}[{j}]"
+        if part.type == "text" and part.text is not None:
+            parts.append({"type": "text", "text": part.text})
+            continue
+        medium = {"image_url": "image", "input_audio": "audio"}.get(part.type)
+        if medium is None:
+            raise BadRequest(f"'{p}': a part is {{'type': 'text', 'text': ...}}, {{'type': 'image_url', "
+                             "'image_url': {'url': ...}} or {'type': 'input_audio', 'input_audio': "
+                             f"{{'data': ..., 'format': 'wav'}}}}, got type {part.type!r}", p)
+        if medium not in chat.accepts:
+            raise BadRequest(f"'{p}': this pipeline takes no {medium} input: it has no {medium}-encoder "
+                             "stage (serve --pipeline omni-in takes images and audio)", p)
+        if len(req.images) + len(req.audios) >= chat.media.max_parts:
+            raise BadRequest(f"'{p}': more than {chat.media.max_parts} image and audio parts", p)
+        if medium == "image":
+            url = part.image_url.get("url") if isinstance(part.image_url, dict) else None
+            req.images.append(decode_image(url, chat.media, p))
+        else:
+            req.audios.append(decode_audio(part.input_audio, chat.media, p))
+        parts.append({"type": medium})
+    return parts
+
+
+def _says_something(content: str | list[dict[str, Any]] | None) -> bool:
     if isinstance(content, str):
-        return content
-    parts = []
-    for i, part in enumerate(content):
-        if part.type != "text" or part.text is None:
-            p = f"{param}[{i}]"
-            raise BadRequest(f"'{p}': only text parts {{'type': 'text', 'text': ...}} are supported", p)
-        parts.append(part.text)
-    return "".join(parts)
+        return bool(content.strip())
+    return any(p["type"] != "text" or p["text"].strip() for p in content or [])
 
 
-def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | None = None) -> ChatRequest:
+def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | None = None,
+                       chat: ChatInput | None = None, *, add_generation_prompt: bool = True) -> ChatRequest:
     """Validate a decoded JSON body against the schema and what it cannot say.
 
     ``models``: the served names (a request naming another model is a 404;
     answers carry the first name); ``max_prompt_chars`` bounds the prompt
-    built from the messages (400 ``context_length_exceeded``).
+    built from the messages (400 ``context_length_exceeded``); ``chat``: the
+    chat template that builds it and the media the pipeline takes (default:
+    the default template, no media).
     """
+    chat = chat if chat is not None else ChatInput()
     r = decode(body, ChatCompletionRequest, what="a chat completion request")
     model = models.resolve(r.model)
-    lines = []
+    req = ChatRequest(model, "")
+    messages: list[dict[str, Any]] = []
+    said = False
     for i, msg in enumerate(r.messages):
-        if msg.content is None:
-            if msg.role == "assistant":
-                continue
-            raise BadRequest(f"'messages[{i}].content' must be a string or an array of text parts, got null",
-                             f"messages[{i}].content")
-        lines.append(f"{msg.role}: {_content_text(msg.content, f'messages[{i}].content')}")
-    if not any(line.split(":", 1)[1].strip() for line in lines):
+        param = f"messages[{i}].content"
+        if msg.content is None and msg.role != "assistant":
+            raise BadRequest(f"'{param}' must be a string or an array of content parts, got null", param)
+        content: str | list[dict[str, Any]] | None = (
+            msg.content if msg.content is None or isinstance(msg.content, str)
+            else _content_parts(msg.content, param, chat, req))
+        said = said or _says_something(content)
+        messages.append({"role": msg.role, "content": content,
+                         **({"name": msg.name} if msg.name is not None else {})})
+    if not said:
         raise BadRequest("'messages' carry no text", "messages")
     modalities = r.modalities if r.modalities is not None else ["text"]
     if not modalities or any(m not in ("text", "audio") for m in modalities) or "text" not in modalities:
@@ -121,7 +173,7 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
     if r.stream and want_audio and fmt != "pcm16":
         raise BadRequest("streamed audio is 16-bit PCM: use \"audio\": {\"format\": \"pcm16\"} with stream",
                          "audio.format")
-    prompt = "\n".join(lines) + "\nassistant:"
+    prompt = chat.template.render(messages, add_generation_prompt=add_generation_prompt)
     if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
         raise BadRequest(f"the messages make a prompt of {len(prompt)} characters, over the limit of "
                          f"{max_prompt_chars}", "messages", code="context_length_exceeded")
@@ -129,7 +181,9 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
     if r.audio is not None and r.audio.voice is not None:
         fields["audio"] = {"voice": r.audio.voice}
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
-    return ChatRequest(model, prompt, r.stream, want_audio, fmt, voice, max_tokens, r.include_usage, fields)
+    req.prompt, req.stream, req.audio, req.audio_format, req.voice = prompt, r.stream, want_audio, fmt, voice
+    req.max_tokens, req.include_usage, req.fields = max_tokens, r.include_usage, fields
+    return req
 
 
 def map_chat_sampling(req: ChatRequest, stages: Sequence[StageParams] | None, *,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from starlette.routing import BaseRoute
 
 from trio_orch.engine import Engine
+from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_completions import COMPLETIONS, completions_route
@@ -27,15 +28,17 @@ GENERATION = frozenset({COMPLETIONS, SPEECH})
 
 
 def openai_routes(engine: Engine, models: ServedModels, *, outputs: Sequence[str] | None,
-                  limits: HTTPLimits, front: FrontMetrics, token_limit: int | None = None) -> list[BaseRoute]:
+                  limits: HTTPLimits, front: FrontMetrics, token_limit: int | None = None,
+                  chat: ChatInput | None = None) -> list[BaseRoute]:
     """``/v1/completions``, ``/v1/audio/speech``, ``/tokenize`` and ``/detokenize`` over ``engine``.
 
     ``models``: the names the server answers to; ``outputs``, ``limits``,
-    ``front`` and ``token_limit`` as for :func:`~trio_orch.http.app.create_app`.
+    ``front`` and ``token_limit`` as for :func:`~trio_orch.http.app.create_app`; ``chat``: the
+    chat template and media (for ``/tokenize`` with ``messages``).
     """
     return [
         completions_route(engine, models=models, outputs=outputs, limits=limits, front=front,
                           token_limit=token_limit),
         speech_route(engine, models=models, outputs=outputs, limits=limits, front=front),
-        *tokenizer_routes(engine, models=models, outputs=outputs, limits=limits, front=front),
+        *tokenizer_routes(engine, models=models, outputs=outputs, limits=limits, front=front, chat=chat),
     ]

@@ -9,7 +9,9 @@ same tokenizer for its input.  Which stage a route tokenizes for: the stage
 that gives the text (:func:`stages.registry.text_stage`), else stage 0.
 
 ``/tokenize`` takes ``prompt`` (text) or ``messages`` (a chat, made into the
-prompt the chat route would send); it answers ``tokens``, ``count`` and
+prompt the chat route would send: the same chat template, ``serve
+--chat-template``; ``add_generation_prompt`` false leaves the assistant's
+turn unopened); it answers ``tokens``, ``count`` and
 ``max_model_len`` (from the stage's workers when they report it, else null),
 and ``token_strs`` when ``return_token_strs`` is true.  ``/detokenize`` takes
 ``tokens`` and answers ``prompt``.  A pipeline with no stage whose tokenizer
@@ -29,6 +31,7 @@ from starlette.routing import Route
 
 from stages.registry import text_stage
 from trio_orch.engine import Engine
+from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
@@ -113,8 +116,9 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
 
 
 def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
-                     limits: HTTPLimits, front: FrontMetrics) -> list[Route]:
-    """``POST /tokenize`` and ``POST /detokenize`` for ``engine``'s pipeline (``models``: its names)."""
+                     limits: HTTPLimits, front: FrontMetrics, chat: ChatInput | None = None) -> list[Route]:
+    """``POST /tokenize`` and ``POST /detokenize`` for ``engine``'s pipeline (``models``: its names;
+    ``chat``: the chat route's template and media, for ``messages``)."""
     tok_route = OpenAIRoute(engine, TOKENIZE, front, limits)
     detok_route = OpenAIRoute(engine, DETOKENIZE, front, limits)
 
@@ -130,10 +134,8 @@ def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[
             raise BadRequest("give either 'prompt' or 'messages'", "prompt")
         if req.prompt is not None:
             return req.prompt
-        if not req.add_generation_prompt:
-            raise BadRequest("the chat prompt always ends with the assistant's turn: "
-                             "'add_generation_prompt' false is not supported", "add_generation_prompt")
-        return parse_chat_request({"messages": req.messages}, models).prompt
+        return parse_chat_request({"messages": req.messages}, models, chat=chat,
+                                  add_generation_prompt=req.add_generation_prompt).prompt
 
     async def tokenize(request: Request) -> Response:
         try:
