@@ -39,9 +39,9 @@ __all__ = ["PATHS", "FloorDriver"]
 
 #: what each floor bounds: the path -> the hops the floor takes
 PATHS = {
-    "thread": "thread hand-off: producer thread -> a second thread -> consumer thread "
-              "(two futex wake-ups, no loop)",
-    "loop": "in-loop: producer task -> memory channel -> consumer task (one task wake-up)",
+    "thread": "producer thread -> a second thread -> consumer thread (two futex wake-ups, no loop, "
+              "no task)",
+    "loop": "producer task -> memory channel -> consumer task (one task wake-up, no thread)",
 }
 
 _STOP = object()

@@ -42,7 +42,7 @@ from trio_orch.types import Message, OrchError, OrchOutput
 __all__ = ["PATH", "ZmqFloorDriver"]
 
 #: what this floor bounds
-PATH = ("ZMQ: caller thread -> floor thread -> DEALER -> worker -> DEALER -> floor thread -> caller "
+PATH = ("caller thread -> floor thread -> DEALER -> worker -> DEALER -> floor thread -> caller "
         "thread (two futex wake-ups, the socket round trip, no loop)")
 
 _ids = itertools.count()

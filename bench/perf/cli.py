@@ -19,14 +19,14 @@ import os
 import platform
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 from bench.implementations import IMPLEMENTATIONS, SKIPPED, names
 from bench.perf import report
-from bench.perf.stats import summarize
+from bench.perf.stats import COVERAGE, RESAMPLES, SEED, summarize
 from bench.perf.workloads import WORKLOADS, run_workload
+from bench.tables import StepProgress
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,16 +36,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "thread receives it through the thread bridge), forward and admission latency, throughput,\n"
         "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch (direct and through\n"
         "the production Engine bridge), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
-        "asyncio.TaskGroup) and the floor (a bare thread hand-off + one channel hop), interleaved in one\n"
-        "run (worker workloads: on those that support worker processes). Prints a table with ratios\n"
-        "against trio-orch and the performance targets; writes results.json, results.md and PNG plots\n"
-        "to --out.")
+        "asyncio.TaskGroup) and the floors, interleaved in one run (worker workloads: on those that\n"
+        "support worker processes). A floor takes every hop of its path and nothing else: the thread\n"
+        "hand-off floor (two plain-thread wake-ups), the in-loop floor (one task wake-up), the ZMQ floor\n"
+        "(the socket round trip and the two thread hops). p50 and p99 come with 95 % bootstrap intervals;\n"
+        "a ratio against trio-orch says lower / higher only where the intervals do not overlap (else =).\n"
+        "A full run takes at least 10,000 latency samples per implementation and workload. Prints the\n"
+        "tables (fitted to the terminal, with a legend) and the performance targets (a missed one names\n"
+        "the clause that failed); writes results.json, results.md and PNG plots to --out.")
     parser.epilog = ("workloads:\n"
                      + "\n".join(f"  {k:16s} {w.description}" for k, w in WORKLOADS.items())
                      + "\nimplementations:\n"
                      + "\n".join(f"  {k:18s} {i.description}" for k, i in IMPLEMENTATIONS.items()))
     parser.add_argument("--quick", action="store_true",
-                        help="smaller workloads and fewer rounds (under a minute)")
+                        help="smaller workloads and one round (a few minutes; intervals are wide)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds per workload (default 3, --quick 1)")
     parser.add_argument("--workloads", default=None,
@@ -82,28 +86,6 @@ def _pick(arg: str | None, known: dict[str, Any], what: str) -> list[str]:
     return picked
 
 
-class Progress:
-    """A one-line progress bar on stderr."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = total, 0, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-
-    def step(self, label: str) -> None:
-        self.done += 1
-        width = 30
-        filled = int(width * self.done / self.total)
-        line = (f"[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                f"{time.perf_counter() - self.t0:5.1f}s {label}")
-        if self.tty:
-            sys.stderr.write("\r" + line.ljust(100))
-            if self.done == self.total:
-                sys.stderr.write("\n")
-        else:
-            sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-
-
 def _impls_for(workload: str, impl_names: list[str]) -> list[str]:
     """The chosen implementations that can run ``workload``."""
     able = set(names(WORKLOADS[workload].needs))
@@ -116,7 +98,7 @@ def _rounds(workload: str, rounds: int) -> int:
 
 
 def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int, quick: bool,
-                  progress: Progress | None = None) -> tuple[dict[str, Any], dict[str, list[float]]]:
+                  progress: StepProgress | None = None) -> tuple[dict[str, Any], dict[str, list[float]]]:
     """Run everything; return (results, raw a_seq latencies per implementation)."""
     results: dict[str, Any] = {"implementations": impl_names, "workloads": {}}
     raw_a_seq: dict[str, list[float]] = {}
@@ -183,32 +165,39 @@ def run(args: argparse.Namespace) -> int:
         wls = []
     serving = args.serving or args.serving_only
     pipelines = serving_pipelines(args.quick) if serving else {}
-    progress = Progress(sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls)
-                        + 2 * rounds * len(pipelines))
+    total = sum(_rounds(w, rounds) * len(_impls_for(w, impls)) for w in wls) + 2 * rounds * len(pipelines)
     load_before = os.getloadavg()
-    results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
-    if serving:
-        import tempfile
+    with StepProgress(total, "bench") as progress:
+        results, raw = run_benchmark(wls, impls, rounds, args.quick, progress)
+        if serving:
+            import tempfile
 
-        from bench.perf import serving as sv
+            from bench.perf import serving as sv
 
-        with tempfile.TemporaryDirectory() as tmp:
-            flags = {name: [a.replace("{echo}", sv.echo_pipeline_file(16, tmp)) for a in f]
-                     for name, f in pipelines.items()}
-            raw_serving = sv.compare_fronts(flags, concurrency=args.concurrency, rounds=rounds,
-                                            seconds=2.0 if args.quick else 6.0, progress=progress)
-        results["serving"] = summarize_serving(raw_serving, args.concurrency)
-        results["targets"] = report.targets(results)
+            with tempfile.TemporaryDirectory() as tmp:
+                flags = {name: [a.replace("{echo}", sv.echo_pipeline_file(16, tmp)) for a in f]
+                         for name, f in pipelines.items()}
+                raw_serving = sv.compare_fronts(flags, concurrency=args.concurrency, rounds=rounds,
+                                                seconds=2.0 if args.quick else 6.0, progress=progress)
+            results["serving"] = summarize_serving(raw_serving, args.concurrency)
+            results["targets"] = report.targets(results)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "load_before": " ".join(f"{x:.2f}" for x in load_before),
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "intervals": {"coverage": COVERAGE, "resamples": RESAMPLES, "seed": SEED,
+                      "method": "percentile bootstrap over the samples of all rounds"},
+        "floors_hold": report.floors_hold(results),
         "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
         else "trio-orch bench",
     }
-    print(report.text_report(results))
+    from bench.tables import console
+
+    out = console()
+    for part in report.renderables(results):
+        out.print(part)
     args.out.mkdir(parents=True, exist_ok=True)
     report.write_json(results, args.out / "results.json")
     (args.out / "results.md").write_text(report.markdown_report(results))

@@ -10,100 +10,79 @@ import math
 from pathlib import Path
 from typing import Any
 
-from bench.perf.stats import ratio
+from bench.drivers.floor import PATHS
+from bench.drivers.zmq_floor import PATH as ZMQ_PATH
+from bench.perf.stats import ratio, verdict
+from bench.perf.targets import BASE, get, targets
 
-#: the implementation every ratio and target is judged against
-BASE = "trio"
+__all__ = ["BASE", "markdown_report", "plot", "readme_block", "table_rows", "targets", "text_report",
+           "update_between_markers", "write_json"]
+
+#: the floor rows' path column, by the path their workload runs
+FLOOR_LABEL = {"thread": "floor:\nthread", "loop": "floor:\nin-loop", "zmq": "floor:\nZMQ"}
+#: what each path column word means (the legend)
+PATH_LEGEND = {
+    "push": "the shell takes the push path: a stage hands each batch to the shell's routing "
+            "synchronously, no reader task in between",
+    "reader": "a reader task per stage receives and hands the batch on (one task wake-up more)",
+    "floor: thread": "the thread hand-off floor: " + PATHS["thread"],
+    "floor: in-loop": "the in-loop floor: " + PATHS["loop"],
+    "floor: ZMQ": "the ZMQ floor: " + ZMQ_PATH,
+}
+RATIO_LEGEND = ("x trio: this row / trio's. lower / higher: this row's 95 % interval lies wholly below / "
+                "above trio's (a difference); =: the intervals overlap (no difference is claimed)")
+CI_LEGEND = ("[lo-hi]: the 95 % percentile-bootstrap interval of that percentile over this run's samples "
+             "(10,000 seeded resamples)")
 
 
-def _get(results: dict[str, Any], wl: str, impl: str, *path: str) -> float | None:
-    node: Any = results.get("workloads", {}).get(wl, {}).get(impl)
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return node if isinstance(node, (int, float)) else None
+def _path(results: dict[str, Any], wl: str, impl: str) -> str:
+    res = get(results, wl, impl) or {}
+    if impl in ("floor", "zmq-floor"):
+        from bench.perf.workloads import path_of
 
-
-def _refs(results: dict[str, Any]) -> list[str]:
-    """The asyncio references (not trio-orch's own rows, not the floor)."""
-    return [i for i in results.get("implementations", []) if i.startswith(("omni", "asyncio"))]
-
-
-def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The performance targets (docs/performance.md), each judged from this run's numbers."""
-    rows: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, limit: str, ok: bool | None) -> None:
-        rows.append({"target": name, "value": value, "limit": limit,
-                     "met": ok if value is not None else None})
-
-    refs = _refs(results)
-    for pct, lim in (("p50_us", 30.0), ("p99_us", 60.0)):
-        v = _get(results, "a_seq", BASE, "latency", pct)
-        others = [_get(results, "a_seq", r, "latency", pct) for r in refs]
-        others_ok = all(o is None or (v is not None and v < o) for o in others)
-        add(f"a_seq {pct[:3]} <= {lim:.0f} us and below every asyncio reference", v,
-            f"<= {lim:.0f}", v is not None and v <= lim and others_ok)
-    v = _get(results, "c_chain", BASE, "forward", "p50_us")
-    add("forward latency p50 <= 50 us", v, "<= 50", v is not None and v <= 50)
-    v = _get(results, "b_512_unbatched", BASE, "throughput_per_s")
-    others = [_get(results, "b_512_unbatched", r, "throughput_per_s") for r in refs]
-    add("b_512_unbatched >= 50,000 outputs/s and above every asyncio reference", v, ">= 50000",
-        v is not None and v >= 50_000 and all(o is None or v > o for o in others))
-    v = _get(results, "b_64_batched", BASE, "cpu_us_per_output")
-    add("orchestrator CPU <= 25 us per output in b_64_batched", v, "<= 25", v is not None and v <= 25)
-    v = _get(results, "idle", BASE, "idle_cpu_pct")
-    add("idle CPU < 0.5 %", v, "< 0.5", v is not None and v < 0.5)
-    v = _get(results, "zmq_a_seq", BASE, "latency", "p50_us")
-    add("ZMQ echo workers: a_seq p50 <= 80 us", v, "<= 80", v is not None and v <= 80)
-    v = _get(results, "loop_a_seq", BASE, "latency", "p50_us")
-    others = [_get(results, "loop_a_seq", r, "latency", "p50_us") for r in refs]
-    add("in-loop a_seq p50 <= 12 us and below every asyncio reference", v, "<= 12",
-        v is not None and v <= 12 and all(o is None or v < o for o in others))
-    v = _get(results, "zmq_a_seq", BASE, "latency", "p50_us")
-    floor = _get(results, "zmq_a_seq", "zmq-floor", "latency", "p50_us")
-    others = [_get(results, "zmq_a_seq", r, "latency", "p50_us") for r in refs]
-    if floor is not None:
-        add("zmq_a_seq p50 <= 1.5 x the zmq floor and below every asyncio reference", v,
-            f"<= {1.5 * floor:.1f}",
-            v is not None and v <= 1.5 * floor and all(o is None or v < o for o in others))
-    for wl in ("b_512_unbatched", "b_64_unbatched", "zmq_b_64"):
-        v = _get(results, wl, BASE, "latency", "p99_us")
-        others = [_get(results, wl, r, "latency", "p99_us") for r in refs]
-        tput = _get(results, wl, BASE, "throughput_per_s")
-        best = max((o for o in (_get(results, wl, r, "throughput_per_s") for r in refs) if o is not None),
-                   default=None)
-        add(f"{wl} p99 <= every asyncio reference's (throughput not below theirs)", v,
-            f"<= {min((o for o in others if o is not None), default=float('nan')):.0f}",
-            v is not None and all(o is None or v <= o for o in others)
-            and (best is None or tput is None or tput >= best))
-    serving = results.get("serving", {}).get("echo workers", {})
-    trio_f, asy_f = serving.get("trio"), serving.get("asyncio")
-    if trio_f and asy_f:
-        conc = results["serving"].get("concurrency")
-        for key, what in (("ttfc", "time to first chunk"), ("inter_chunk", "inter-chunk latency")):
-            t, a = trio_f[key]["p50_us"], asy_f[key]["p50_us"]
-            add(f"serving (echo workers, {conc} clients): --loop trio p50 {what} >= 20 % below "
-                "--loop asyncio", t, f"<= {0.8 * a:.0f}", t <= 0.8 * a)
-        t, a = trio_f["requests_per_s"], asy_f["requests_per_s"]
-        add(f"serving (echo workers, {conc} clients): --loop trio requests/s not below --loop asyncio", t,
-            f">= {a:.1f}", t >= a)
-    return [r for r in rows if r["value"] is not None or r["target"].startswith(("a_seq", "forward"))]
+        return FLOOR_LABEL[path_of(wl)]
+    if "push" not in res:
+        return "-"
+    return "push" if res["push"] else "reader"
 
 
 def _fmt(v: float | None, digits: int = 1) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    if abs(v) >= 10_000:
+    if abs(v) >= 1_000:
         return f"{v:,.0f}"
     return f"{v:.{digits}f}"
 
 
+def concurrent(wl: str) -> bool:
+    """Many outputs in flight at once: latency there is queueing, the floor bounds throughput and CPU."""
+    return wl.startswith("b_") or "_b_" in wl
+
+
+def _ci(lat: dict[str, Any], pct: str) -> str:
+    """``p [lo-hi]``: a percentile and its interval."""
+    v, ci = lat.get(f"{pct}_us"), lat.get(f"{pct}_ci_us")
+    if v is None or v != v:
+        return "-"
+    if not ci or ci[0] != ci[0]:
+        return _fmt(v)
+    return f"{_fmt(v)}\n[{_fmt(ci[0])}-{_fmt(ci[1])}]"
+
+
+def _vs(lat: dict[str, Any], base: dict[str, Any], pct: str, is_base: bool) -> str:
+    """The ratio to trio's percentile, with the interval verdict (lower / higher / =)."""
+    r = ratio(lat.get(f"{pct}_us"), base.get(f"{pct}_us"))
+    if r is None:
+        return "-"
+    if is_base:
+        return f"{r:.2f}"
+    return f"{r:.2f}\n{verdict(lat.get(f'{pct}_ci_us'), base.get(f'{pct}_ci_us'))}"
+
+
 def table_rows(results: dict[str, Any]) -> list[list[str]]:
     """One row per (workload, implementation), ratios against the Trio orchestrator."""
-    header = ["workload", "impl", "p50 us", "p90 us", "p99 us", "max us", "outputs/s", "cpu us/out",
-              "p50 x trio", "p99 x trio", "tput x trio"]
+    header = ["workload", "impl", "path", "p50 us\n[95% CI]", "p99 us\n[95% CI]", "n", "outputs/s",
+              "cpu\nus/out", "p50\nx trio", "p99\nx trio", "tput\nx trio"]
     rows = [header]
     for wl, per_impl in results.get("workloads", {}).items():
         for impl, res in per_impl.items():
@@ -113,14 +92,58 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
             lat = res.get(key, {})
             base = per_impl.get(BASE, {}).get(key, {})
             rows.append([
-                wl, impl, _fmt(lat.get("p50_us")), _fmt(lat.get("p90_us")), _fmt(lat.get("p99_us")),
-                _fmt(lat.get("max_us")), _fmt(res.get("throughput_per_s"), 0),
+                wl, impl, _path(results, wl, impl), _ci(lat, "p50"), _ci(lat, "p99"),
+                f"{lat.get('n', 0):,}", _fmt(res.get("throughput_per_s"), 0),
                 _fmt(res.get("cpu_us_per_output")),
-                _fmt(ratio(lat.get("p50_us"), base.get("p50_us")), 2),
-                _fmt(ratio(lat.get("p99_us"), base.get("p99_us")), 2),
+                _vs(lat, base, "p50", impl == BASE), _vs(lat, base, "p99", impl == BASE),
                 _fmt(ratio(res.get("throughput_per_s"), per_impl.get(BASE, {}).get("throughput_per_s")), 2),
             ])
     return rows
+
+
+def floor_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Per workload with a floor: the floor's number and the best other row's; beaten or not.
+
+    One output in flight (a_seq, c_chain, ...): p50 and p99 latency, beaten
+    where another row's interval lies wholly below the floor's.  Many in
+    flight (b_*): latency there is time spent queued behind other outputs,
+    which depends on how producer and consumer share the interpreter, not on
+    the hops; the floor bounds the cost per output there -- throughput and
+    loop-thread CPU per output.
+    """
+    rows = [["workload", "floor of path", "measure", "floor", "best other", "verdict"]]
+    for wl, per_impl in results.get("workloads", {}).items():
+        floor = next((f for f in ("floor", "zmq-floor") if f in per_impl), None)
+        if floor is None or "latency" not in per_impl[floor]:
+            continue
+        others = {i: r for i, r in per_impl.items() if i != floor and "latency" in r}
+        if not others:
+            continue
+        mine = per_impl[floor]
+        bounds = _path(results, wl, floor).replace("floor:\n", "")
+        if not concurrent(wl):
+            for pct in ("p50", "p99"):
+                best, low = min(((i, r["latency"]) for i, r in others.items()),
+                                key=lambda x: x[1].get(f"{pct}_us", math.inf))
+                beaten = verdict(low.get(f"{pct}_ci_us"), mine["latency"].get(f"{pct}_ci_us")) == "lower"
+                rows.append([wl, bounds, f"{pct} us", _ci(mine["latency"], pct), f"{best} {_ci(low, pct)}",
+                             "BEATEN" if beaten else "holds"])
+            continue
+        best_t = max(others, key=lambda i: others[i].get("throughput_per_s", 0.0))
+        t_floor, t_best = mine.get("throughput_per_s"), others[best_t].get("throughput_per_s")
+        rows.append([wl, bounds, "outputs/s", _fmt(t_floor, 0), f"{best_t} {_fmt(t_best, 0)}",
+                     "BEATEN" if t_floor and t_best and t_best > t_floor else "holds"])
+        best_c = min(others, key=lambda i: others[i].get("cpu_us_per_output", math.inf))
+        c_floor, c_best = mine.get("cpu_us_per_output"), others[best_c].get("cpu_us_per_output")
+        beaten = c_floor is not None and c_best is not None and c_best < c_floor
+        rows.append([wl, bounds, "cpu us/out", _fmt(c_floor), f"{best_c} {_fmt(c_best)}",
+                     "BEATEN" if beaten else "holds"])
+    return rows
+
+
+def floors_hold(results: dict[str, Any]) -> bool:
+    """No implementation comes in under its floor beyond the intervals (every floor row holds)."""
+    return all(r[-1] == "holds" for r in floor_rows(results)[1:])
 
 
 def chain_rows(results: dict[str, Any]) -> list[list[str]]:
@@ -189,58 +212,96 @@ def misc_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def target_rows(results: dict[str, Any]) -> list[list[str]]:
+    """One row per target: its value, limit, whether met -- and for a missed one, the clauses that failed."""
     rows = [["target", "trio value", "limit", "met"]]
     for t in results.get("targets", []):
         met = {True: "yes", False: "MISSED", None: "not measured"}[t["met"]]
+        if t["met"] is False and t.get("failed"):
+            met = "MISSED: " + "; ".join(t["failed"])
         rows.append([t["target"], _fmt(t["value"], 1), t["limit"], met])
     return rows
 
 
-def render_text(rows: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, r in enumerate(rows):
-        cells = enumerate(zip(r, widths, strict=True))
-        lines.append("  ".join(c.rjust(w) if j >= 2 else c.ljust(w) for j, (c, w) in cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def legend(results: dict[str, Any]) -> list[str]:
+    """What the tables' words mean: the path column (only the words used), intervals, ratios."""
+    used = {r[2].replace("\n", " ") for r in table_rows(results)[1:]}
+    lines = [f"{k}: {v}" for k, v in PATH_LEGEND.items() if k in used]
+    return [*lines, CI_LEGEND, RATIO_LEGEND,
+            "floor holds / BEATEN: BEATEN where another row's interval lies wholly below the floor's"]
+
+
+def _sections(results: dict[str, Any]) -> list[tuple[str, list[list[str]], int]]:
+    """(title, rows, first numeric column) of every table this run has, in order."""
+    out = [("Dispatch latency and throughput (ratios: this implementation / trio)", table_rows(results), 3)]
+    if len(floor_rows(results)) > 1:
+        out.append(("Floors: each bounds the path beside it, hop for hop", floor_rows(results), 3))
+    if "c_chain" in results.get("workloads", {}):
+        out.append(("c_chain: admission and forward latency", chain_rows(results), 1))
+    if len(e2e_rows(results)) > 1:
+        out.append(("End to end, default torch pipeline (trio-orch)", e2e_rows(results), 1))
+    if len(spread_rows(results)) > 1:
+        out.append(("Tail latency: p99 of each round", spread_rows(results), 2))
+    if len(serving_rows(results)) > 1:
+        conc = results["serving"].get("concurrency")
+        out.append((f"Serving: serve --loop trio vs --loop asyncio, {conc} streaming clients",
+                    serving_rows(results), 2))
+    out += [("Idle CPU and shutdown", misc_rows(results), 1),
+            ("Targets (trio-orch, this run)", target_rows(results), 1)]
+    return out
 
 
 def render_markdown(rows: list[list[str]]) -> str:
-    out = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
-    out += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-    return "\n".join(out)
+    """A markdown table (a cell's line breaks, there for the terminal, become spaces)."""
+    def line(r: list[str]) -> str:
+        return "| " + " | ".join(c.replace("\n", " ").replace("|", "/") for c in r) + " |"
+
+    return "\n".join([line(rows[0]), "|" + "---|" * len(rows[0]), *(line(r) for r in rows[1:])])
 
 
-def text_report(results: dict[str, Any]) -> str:
-    parts = ["Dispatch latency and throughput (ratios: this implementation / trio)",
-             render_text(table_rows(results))]
-    if "c_chain" in results.get("workloads", {}):
-        parts += ["", "c_chain: admission and forward latency", render_text(chain_rows(results))]
-    if len(e2e_rows(results)) > 1:
-        parts += ["", "End to end, default torch pipeline (trio-orch)", render_text(e2e_rows(results))]
-    if len(spread_rows(results)) > 1:
-        parts += ["", "Tail latency: p99 of each round", render_text(spread_rows(results))]
-    if len(serving_rows(results)) > 1:
-        conc = results["serving"].get("concurrency")
-        parts += ["", f"Serving: trio-orch serve --loop trio vs --loop asyncio, {conc} streaming clients",
-                  render_text(serving_rows(results))]
-    parts += ["", "Idle CPU and shutdown", render_text(misc_rows(results)),
-              "", "Targets (trio-orch, this run)", render_text(target_rows(results))]
+def renderables(results: dict[str, Any]) -> list[Any]:
+    """The rich tables of this run and the legend, for a console."""
+    from bench.perf.workloads import WORKLOADS
+    from bench.tables import table
+
+    parts: list[Any] = []
+    for n, (title, rows, numeric) in enumerate(_sections(results)):
+        if n == 0:  # the main table, one per workload (the workload in the title): it fits 100 columns
+            parts.append(title)
+            for wl in dict.fromkeys(r[0] for r in rows[1:]):
+                what = WORKLOADS[wl].description if wl in WORKLOADS else ""
+                mine = [r[1:] for r in rows[1:] if r[0] == wl]
+                ns = {r[4] for r in mine}
+                if len(ns) == 1:  # the sample count in the title: the table fits 100 columns
+                    what += f" ({ns.pop()} samples each)"
+                    parts.append(table([c for j, c in enumerate(rows[0][1:]) if j != 4],
+                                       [[c for j, c in enumerate(r) if j != 4] for r in mine],
+                                       title=f"{wl}: {what}", numeric_from=numeric - 1))
+                else:
+                    parts.append(table(rows[0][1:], mine, title=f"{wl}: {what}", numeric_from=numeric - 1))
+            continue
+        parts.append(table(rows[0], rows[1:], title=title, numeric_from=numeric,
+                           wide=(0, 3) if title.startswith("Targets") else ()))
+    parts.append("Legend\n" + "\n".join(f"  {line}" for line in legend(results)))
     note = missed_note(results)
     if note:
-        parts += ["", note]
-    return "\n".join(parts)
+        parts.append(note)
+    return parts
+
+
+def text_report(results: dict[str, Any], columns: int | None = None) -> str:
+    """Every table of the run as plain text, ``columns`` wide (default: the terminal's)."""
+    from bench.tables import render
+
+    return render(renderables(results), columns)
 
 
 def missed_note(results: dict[str, Any]) -> str:
     """For missed targets: the same run's floor, and where the profile is."""
     if not any(t["met"] is False for t in results.get("targets", [])):
         return ""
-    floor = _get(results, "a_seq", "floor", "latency", "p50_us")
-    where = ("; " + f"the floor (thread hand-off + one channel hop, no routing) measured a_seq p50 "
-             f"{floor:.1f} us in this run") if floor is not None else ""
+    floor = get(results, "a_seq", "floor", "latency", "p50_us")
+    where = ("; " + f"the thread hand-off floor (two plain-thread wake-ups, no loop, no routing) measured "
+             f"a_seq p50 {floor:.1f} us in this run") if isinstance(floor, float) else ""
     return f"Missed targets are explained, with profiles, in docs/performance.md{where}."
 
 
@@ -249,21 +310,10 @@ def markdown_report(results: dict[str, Any]) -> str:
     parts = [f"# Benchmark results ({meta.get('mode', '?')} run, {meta.get('date', '?')})", "",
              f"Machine: {meta.get('machine', '?')}. Command: `{meta.get('command', 'trio-orch bench')}`. "
              f"Load (`uptime`) before / after: {meta.get('load_before', '?')} / "
-             f"{meta.get('load_after', '?')}.", "",
-             "## Dispatch latency and throughput", "", render_markdown(table_rows(results))]
-    if "c_chain" in results.get("workloads", {}):
-        parts += ["", "## c_chain: admission and forward latency", "", render_markdown(chain_rows(results))]
-    if len(e2e_rows(results)) > 1:
-        parts += ["", "## End to end, default torch pipeline (trio-orch)", "",
-                  render_markdown(e2e_rows(results))]
-    if len(spread_rows(results)) > 1:
-        parts += ["", "## Tail latency: p99 of each round", "", render_markdown(spread_rows(results))]
-    if len(serving_rows(results)) > 1:
-        conc = results["serving"].get("concurrency")
-        parts += ["", f"## Serving: `serve --loop trio` vs `--loop asyncio`, {conc} streaming clients", "",
-                  render_markdown(serving_rows(results))]
-    parts += ["", "## Idle CPU and shutdown", "", render_markdown(misc_rows(results)),
-              "", "## Targets", "", render_markdown(target_rows(results)), "", missed_note(results), ""]
+             f"{meta.get('load_after', '?')}.", ""]
+    for title, rows, _ in _sections(results):
+        parts += [f"## {title}", "", render_markdown(rows), ""]
+    parts += ["Legend:", "", *(f"- {line}" for line in legend(results)), "", missed_note(results), ""]
     return "\n".join(parts)
 
 
@@ -335,11 +385,15 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     meta = results.get("meta", {})
     rows = [r for r in table_rows(results)
             if r[0] in ("workload", "a_seq", "loop_a_seq", "b_512_unbatched", "zmq_a_seq")]
+    rows = [[c for j, c in enumerate(r) if j not in (5, 7)] for r in rows]  # n and cpu: in results.md
     parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
              f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
              f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
              *([render_markdown(serving_rows(results)), ""] if len(serving_rows(results)) > 1 else []),
              render_markdown(target_rows(results)), "", missed_note(results), "",
+             "Intervals: 95 % bootstrap; a ratio says lower / higher only where the intervals do not "
+             "overlap (else =); the path column and the floors: "
+             "[docs/performance.md](docs/performance.md).", "",
              f"![a_seq dispatch latency CDF]({out_dir}/a_seq_latency_cdf.png)"]
     return "\n".join(parts)
 

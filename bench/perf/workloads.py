@@ -30,7 +30,7 @@ from bench.perf.loop_workloads import loop_chain, loop_concurrent, loop_seq
 from stages.config import PipelineConfig, default_config, echo_config
 from trio_orch.types import Message, StageOutput
 
-__all__ = ["WORKLOADS", "Workload", "run_workload"]
+__all__ = ["WORKLOADS", "Workload", "path_of", "run_workload", "uses_push"]
 
 Result = dict[str, Any]
 perf = time.perf_counter
@@ -38,6 +38,11 @@ perf = time.perf_counter
 #: untimed outputs before a sequential workload is measured: the CPU's power state
 #: otherwise carries over from whatever ran before (e.g. a polling implementation)
 WARMUP = 200
+
+#: a full run's sizes: with its 3 rounds at least 10,000 latency samples per implementation and
+#: workload, enough for a p99 whose interval is a few per cent wide (``--quick`` stays small)
+FULL_SEQ = 3400
+FULL_CHAIN = 1700  #: two latency samples per request (its two final-output stages)
 
 def _receive_until(driver: Driver, want: Callable[[Any], bool], lat: list[float] | None) -> float:
     """Consume batches until a message satisfies ``want``; record latencies; return its time."""
@@ -272,34 +277,36 @@ def _e2e(driver: Driver, quick: bool) -> Result:
 
 
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (
-    Workload("a_seq", "one request, 1,000 outputs on a final stage, each handed over when the previous "
-             "arrived", "fed", _in_process, lambda d, q: seq(d, 300 if q else 1000, paced=False)),
+    Workload("a_seq", f"one request, {FULL_SEQ:,} outputs on a final stage, each handed over when "
+             "the previous arrived", "fed", _in_process,
+             lambda d, q: seq(d, 300 if q else FULL_SEQ, paced=False)),
     Workload("a_paced", "a_seq with a uniform random 0.2-3 ms gap before each output", "fed", _in_process,
-             lambda d, q: seq(d, 100 if q else 1000, paced=True)),
-    Workload("c_chain", "200 requests one after another, one output per stage: admission, forward, final",
-             "fed", _in_process, lambda d, q: chain(d, 50 if q else 200)),
-    Workload("b_64_batched", "64 concurrent requests x 50 outputs, one batch per step", "fed", _in_process,
-             lambda d, q: concurrent(d, 64, 20 if q else 50, batched=True)),
-    Workload("b_64_unbatched", "64 concurrent requests x 50 outputs, each output on its own", "fed",
-             _in_process, lambda d, q: concurrent(d, 64, 20 if q else 50, batched=False)),
+             lambda d, q: seq(d, 100 if q else FULL_SEQ, paced=True)),
+    Workload("c_chain", f"{FULL_CHAIN:,} requests one after another, one output per stage: admission, "
+             "forward, final", "fed", _in_process, lambda d, q: chain(d, 50 if q else FULL_CHAIN)),
+    Workload("b_64_batched", "64 concurrent requests x 60 outputs, one batch per step", "fed", _in_process,
+             lambda d, q: concurrent(d, 64, 20 if q else 60, batched=True)),
+    Workload("b_64_unbatched", "64 concurrent requests x 60 outputs, each output on its own", "fed",
+             _in_process, lambda d, q: concurrent(d, 64, 20 if q else 60, batched=False)),
     Workload("b_512_batched", "512 concurrent requests x 50 outputs, one batch per step", "fed", _in_process,
              lambda d, q: concurrent(d, 512, 10 if q else 50, batched=True)),
     Workload("b_512_unbatched", "512 concurrent requests x 50 outputs, each output on its own", "fed",
              _in_process, lambda d, q: concurrent(d, 512, 10 if q else 50, batched=False)),
     Workload("loop_a_seq", "a_seq with producer and consumer as tasks in the implementation's own loop "
-             "(no thread hand-off)", "in_loop", _in_loop, lambda d, q: loop_seq(d, 300 if q else 2000)),
+             "(no thread hand-off)", "in_loop", _in_loop, lambda d, q: loop_seq(d, 300 if q else FULL_SEQ)),
     Workload("loop_c_chain", "c_chain inside the implementation's own loop", "in_loop", _in_loop,
-             lambda d, q: loop_chain(d, 50 if q else 200)),
+             lambda d, q: loop_chain(d, 50 if q else FULL_CHAIN)),
     Workload("loop_b_512_unbatched", "b_512_unbatched with a producer task and a consumer task in the "
              "implementation's own loop", "in_loop", _in_loop,
              lambda d, q: loop_concurrent(d, 512, 10 if q else 50)),
     Workload("idle", "orchestrator-thread CPU with no requests (5 s)", "fed", _in_process,
              lambda d, q: idle(d, 1.0 if q else 5.0), once=True),
-    Workload("zmq_a_seq", "a_seq over ZMQ echo workers: 1,000 requests one after another, one output each",
-             "workers", _echo_workers(1, 1), lambda d, q: zmq_seq(d, 200 if q else 1000)),
-    Workload("zmq_b_64", "64 concurrent requests x 50 outputs from ZMQ echo workers (worker batches per "
-             "step)", "workers", _echo_workers(50, 20),
-             lambda d, q: zmq_concurrent(d, 64, 20 if q else 50)),
+    Workload("zmq_a_seq", f"a_seq over ZMQ echo workers: {FULL_SEQ:,} requests one after another, one "
+             "output each",
+             "workers", _echo_workers(1, 1), lambda d, q: zmq_seq(d, 200 if q else FULL_SEQ)),
+    Workload("zmq_b_64", "64 concurrent requests x 60 outputs from ZMQ echo workers (worker batches per "
+             "step)", "workers", _echo_workers(60, 20),
+             lambda d, q: zmq_concurrent(d, 64, 20 if q else 60)),
     Workload("e2e", "default torch pipeline, stage by stage: time to first text and to first audio",
              "pipeline", _torch(False), _e2e, once=True),
     Workload("e2e_async_chunk", "default torch pipeline with async-chunk: time to first text and to first "
@@ -307,11 +314,28 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 )}
 
 
+def path_of(workload: str) -> str:
+    """Which path a workload runs: ``thread`` (hand-off from threads), ``loop`` (in the loop) or ``zmq``."""
+    needs = WORKLOADS[workload].needs
+    return {"in_loop": "loop", "workers": "zmq", "pipeline": "zmq"}.get(needs, "thread")
+
+
+def uses_push(driver: Driver) -> bool:
+    """Whether a started driver's shell takes the push path (its stages offer ``pump`` and it uses it).
+
+    The Trio shell pumps every stage client that offers it; an asyncio
+    reference only where its class says so (``push_path``).
+    """
+    takes = getattr(type(getattr(driver, "orch", None)), "push_path", True)
+    return bool(takes) and any(callable(getattr(s, "pump", None)) for s in driver.stages)
+
+
 def run_workload(name: str, impl: str, quick: bool) -> Result:
     """Start a fresh driver for ``impl``, run the workload, stop it; the raw result (with ``shutdown_s``)."""
     wl = WORKLOADS[name]
     driver = make_driver(impl, **wl.setup(quick))
     driver.start()
+    push = None if getattr(driver, "path", None) else uses_push(driver)  # a floor has a path, no shell
     # what a serving process does once started (vLLM freezes its heap after start-up): the objects
     # alive now -- imported modules, earlier rounds -- move out of the collector's reach, so a full
     # collection during the measurement scans only what the workload made, for every implementation
@@ -325,4 +349,6 @@ def run_workload(name: str, impl: str, quick: bool) -> Result:
         shutdown_s = perf() - t
         gc.unfreeze()
     res["shutdown_s"] = shutdown_s
+    if push is not None:
+        res["push"] = push
     return res
