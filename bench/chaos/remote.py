@@ -5,9 +5,10 @@ pipeline with the local inboxes on 127.0.0.1 and, beside it, a registrar on
 ``tcp://127.0.0.1:<ephemeral>`` (:func:`open_remote_workers`).  The keys are
 made for the run, in memory: the head's key pair and :data:`ALLOWED` worker
 key pairs on its allow-list.  A fault starts ``python -m stages.headless``
-workers (:meth:`RemoteWorkers.start`): the worker's key pair and the pipeline
-config go in its environment, as the Ray backend hands them over, so nothing
-is written but each worker's stderr log.  Whatever the fault did to them, they
+workers (:meth:`RemoteWorkers.start`): the worker's key pair goes over an
+inherited pipe (``--keys-fd``) and the pipeline config in its environment, as
+the Ray backend hands them over, so no secret is in any environment or command
+line and nothing is written but each worker's stderr log.  Whatever the fault did to them, they
 are all stopped and reaped when the run ends, before the leak check.
 """
 
@@ -25,9 +26,9 @@ from pathlib import Path
 
 import trio
 
-from stages.auth import Keypair
+from stages.auth import Keypair, scrubbed_environ
 from stages.config import to_dict
-from stages.headless import CONFIG_ENV, KEYS_ENV
+from stages.headless import CONFIG_ENV
 from trio_orch.cluster.launcher import Pipeline
 from trio_orch.cluster.registrar import HeadKeys, Member, Registrar, open_registrar
 
@@ -62,19 +63,25 @@ class RemoteWorkers:
         registers again with a new identity.
         """
         pair = keypair if keypair is not None else self.workers[key]
-        env = {**os.environ,
-               KEYS_ENV: json.dumps({"public": pair.public.decode(), "secret": pair.secret.decode(),
-                                     "head": self.head.public.decode()}),
-               CONFIG_ENV: json.dumps(to_dict(self.pipe.config))}
+        keys = json.dumps({"public": pair.public.decode(), "secret": pair.secret.decode(),
+                           "head": self.head.public.decode()})
+        env = {**scrubbed_environ(), CONFIG_ENV: json.dumps(to_dict(self.pipe.config))}
+        read_end, write_end = os.pipe()
         argv = [sys.executable, "-m", "stages.headless", "--stage", str(stage),
-                "--head", self.registrar.address, "--advertise", LISTEN_HOST,
+                "--head", self.registrar.address, "--advertise", LISTEN_HOST, "--keys-fd", str(read_end),
                 "--head-timeout", str(head_timeout), "--register-timeout", "30", "--leave-grace", "2"]
         if member_id is not None:
             argv += ["--member-id", member_id]
         log = self.logs / f"worker-{len(self.procs)}.stderr"
-        with open(log, "wb") as err:  # the child keeps its own copy of the fd
-            proc = await trio.lowlevel.open_process(argv, env=env, stdin=subprocess.DEVNULL,
-                                                    stdout=subprocess.DEVNULL, stderr=err)
+        try:
+            with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
+                w.write(keys)
+            with open(log, "wb") as err:  # the child keeps its own copies of the fds
+                proc = await trio.lowlevel.open_process(argv, env=env, stdin=subprocess.DEVNULL,
+                                                        stdout=subprocess.DEVNULL, stderr=err,
+                                                        pass_fds=(read_end,))
+        finally:
+            os.close(read_end)
         self.procs.append(proc)
         self._log_of[proc.pid] = log
         return proc
