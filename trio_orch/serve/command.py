@@ -28,6 +28,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from stages.config import PIPELINES
@@ -36,7 +37,9 @@ from trio_orch.cluster.distributed import add_arguments as add_distributed_argum
 from trio_orch.engine import Engine, EngineStartupError
 from trio_orch.http.admin import TOKEN_ENV
 from trio_orch.http.app import API_KEY_ENV, create_app
+from trio_orch.http.chat_template import ChatInput, ChatTemplate
 from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.media import MediaPolicy
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
@@ -76,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
     parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
                         help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
-                             "/v1/images/generations); one pipeline per server process")
+                             "/v1/images/generations), omni-in (chat with images and audio in, text out); "
+                             "one pipeline per server process")
     parser.add_argument("--in-process", action="store_true",
                         help="serve a toy in-process pipeline instead (no worker processes, no torch)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
@@ -157,6 +161,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "(uvicorn's limit_concurrency; default: the file-descriptor limit minus 1024; "
                         "--loop asyncio only: hypercorn has no such limit, --loop trio refuses it)")
     h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
+    c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
+    c.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template that makes the messages one prompt, as vLLM's flag (for chat "
+                        "and /tokenize; default: the built-in 'role: content' lines ending 'assistant:')")
+    c.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="let image_url parts name file:// images inside DIR (default: none; remote "
+                        "http(s) URLs are always refused: send data: URLs)")
 
 
 class _Removed(argparse.Action):
@@ -197,6 +208,13 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes)
 
 
+def _chat_input(args: argparse.Namespace) -> ChatInput:
+    """The chat template and media policy from the command line; ValueError naming a bad file or folder."""
+    template = ChatTemplate.from_file(args.chat_template) if args.chat_template else ChatTemplate()
+    root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
+    return ChatInput(template, MediaPolicy(allowed_local_media_path=root))
+
+
 def _with_options(factory: Any, **options: Any) -> Any:
     """``factory`` whose pipeline spec carries ``options`` for its orchestrator too."""
     @asynccontextmanager
@@ -212,6 +230,7 @@ class _Pipeline:
     """What serve runs: the factory, its description and what the front needs to know of it."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        self.chat_input = _chat_input(args)
         self.supervisor: Any = None
         self.registrar: Any = None
         if args.in_process:
@@ -369,7 +388,7 @@ def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: Engine, limits: 
     return create_app(engine, model_name=args.served_model_name, extra_metrics=extra_metrics,
                       outputs=pipeline.outputs, limits=limits, front=front,
                       token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
-                      admin_token=args.admin_token, api_key=args.api_key)
+                      admin_token=args.admin_token, api_key=args.api_key, chat_input=pipeline.chat_input)
 
 
 def _announce(pipeline: _Pipeline, host: str, port: int, front: str) -> None:
