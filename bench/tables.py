@@ -21,26 +21,62 @@ __all__ = ["StepProgress", "console", "render", "table", "text"]
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None,
           numeric_from: int = 2, wide: Sequence[int] = ()) -> Any:
-    """A :class:`rich.table.Table`: columns from ``numeric_from`` on are right-aligned.
+    """A table that fits the width it is printed in: columns from ``numeric_from`` on are right-aligned.
 
-    ``wide``: the columns that take the spare width first (long text).
-    Cells may be strings or :class:`rich.text.Text`.
+    Cells may be strings (``\\n`` breaks a line) or :class:`rich.text.Text`.  Each
+    column gets at least its longest word, and the width left over goes to
+    the columns whose lines are longer than that, in proportion (``wide``:
+    columns that take twice their share) -- so cells wrap between words and
+    a word is folded only where the width cannot hold the longest words.
     """
-    from rich import box
-    from rich.table import Table
-    from rich.text import Text
+    return _Fitted(list(header), [list(r) for r in rows], title, numeric_from, tuple(wide))
 
-    cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
-    t = Table(title=Text(title) if title else None, title_justify="left", title_style="bold",
-              box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False, padding=(0, 1, 0, 0))
-    for i, name in enumerate(header):
-        # rich keeps a column at least as wide as its longest word while the width allows: cells wrap
-        # between words, and fold inside one only on a terminal too narrow for the longest words
-        t.add_column(Text(name), justify="right" if i >= numeric_from else "left", overflow="fold",
-                     ratio=3 if i in wide else None)
-    for row in cells:
-        t.add_row(*row)
-    return t
+
+class _Fitted:
+    """A rich renderable: the table laid out for the width at hand (see :func:`table`)."""
+
+    GAP = 1  # the box's column divider: one space between columns (no padding)
+
+    def __init__(self, header: list[str], rows: list[list[Any]], title: str | None, numeric_from: int,
+                 wide: tuple[int, ...]) -> None:
+        from rich.text import Text
+
+        self.header = [Text(h) for h in header]
+        self.rows = [[c if isinstance(c, Text) else Text(str(c)) for c in r] for r in rows]
+        self.title, self.numeric_from, self.wide = title, numeric_from, wide
+
+    def widths(self, width: int) -> list[int] | None:
+        """Column widths for ``width`` columns, or None where even the longest words do not fit."""
+        cols = list(zip(self.header, *self.rows, strict=True))
+        low = [max(len(w) for c in col for w in (c.plain.split() or [""])) for col in cols]
+        high = [max(len(line) for c in col for line in (c.plain.splitlines() or [""])) for col in cols]
+        room = width - self.GAP * (len(cols) - 1)
+        if sum(high) <= room:
+            return high
+        if sum(low) > room:
+            return None
+        spare = room - sum(low)
+        want = [(h - lo) * (2 if i in self.wide else 1)
+                for i, (lo, h) in enumerate(zip(low, high, strict=True))]
+        total = sum(want) or 1
+        out = [lo + min(h - lo, spare * w // total) for lo, h, w in zip(low, high, want, strict=True)]
+        return out
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich import box
+        from rich.table import Table
+        from rich.text import Text
+
+        widths = self.widths(options.max_width)
+        t = Table(title=Text(self.title) if self.title else None, title_justify="left", title_style="bold",
+                  box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False,
+                  padding=0)
+        for i, name in enumerate(self.header):
+            t.add_column(name, justify="right" if i >= self.numeric_from else "left", overflow="fold",
+                         width=None if widths is None else widths[i])
+        for row in self.rows:
+            t.add_row(*row)
+        yield t
 
 
 def console(*, stderr: bool = False, width: int | None = None, file: Any = None) -> Any:

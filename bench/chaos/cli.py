@@ -37,7 +37,7 @@ import trio
 from bench.chaos.faults import FAULTS
 from bench.chaos.run import IMPLEMENTATION, ChaosOptions, ChaosResult
 
-__all__ = ["configure", "main_async", "render_markdown", "render_table", "run"]
+__all__ = ["configure", "main_async", "render_markdown", "render_table", "renderables", "run"]
 
 QUICK_REQUESTS = 200
 
@@ -75,8 +75,7 @@ def _fmt_s(v: float | None) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def _row(r: ChaosResult) -> list[str]:
-    failed = ", ".join(f"{k} {n}" for k, n in r.failed.items()) or "-"
+def _notes(r: ChaosResult) -> str:
     notes = ", ".join(f"{k}={v}" for k, v in r.notes.items())
     if r.restarts:
         notes = f"restarts={r.restarts}" + (f", {notes}" if notes else "")
@@ -84,26 +83,58 @@ def _row(r: ChaosResult) -> list[str]:
         notes = f"refused={r.refused}" + (f", {notes}" if notes else "")
     if r.error:
         notes = f"ERROR {r.error}" + (f", {notes}" if notes else "")
+    return notes or "-"
+
+
+def _row(r: ChaosResult) -> list[str]:
+    failed = ", ".join(f"{k} {n}" for k, n in r.failed.items()) or "-"
     leaks = f"{r.leaked_processes}/{r.leaked_fds}/{r.leaked_ipc_files}"
     return [r.fault, str(r.accepted), str(r.completed), failed, str(r.without_terminal),
             str(r.duplicates + r.after_terminal), leaks, r.still_serving, _fmt_s(r.detect_s),
-            _fmt_s(r.recover_s), "ok" if r.ok else "FAIL", notes or "-"]
+            _fmt_s(r.recover_s), "ok" if r.ok else "FAIL", _notes(r)]
 
 
 HEADERS = ["fault", "accepted", "completed", "failed by kind", "no terminal", "dup/after",
            "leaked proc/fd/ipc", "serving after", "detect s", "recover s", "verdict", "notes"]
 
+#: the terminal table's columns: (header, the cell from a markdown row), narrow enough for 100 columns
+_TERMINAL = [("fault", lambda c: c[0]), ("completed\n/accepted", lambda c: f"{c[2]}/{c[1]}"),
+             ("failed by kind", lambda c: c[3]), ("no terminal\n/dup/after", lambda c: f"{c[4]}/{c[5]}"),
+             ("leaked\nproc/fd/ipc", lambda c: c[6]), ("serving\nafter", lambda c: c[7]),
+             ("detect\n/recover s", lambda c: f"{c[8]}/{c[9]}"), ("verdict", lambda c: c[10])]
 
-def render_table(results: list[ChaosResult]) -> str:
-    rows = [HEADERS, *(_row(r) for r in results)]
-    widths = [max(len(row[i]) for row in rows[:]) for i in range(len(HEADERS) - 1)]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [c.ljust(w) for c, w in zip(row[:-1], widths, strict=True)] + [row[-1]]
-        lines.append("  ".join(cells))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths) + "  -----")
-    return "\n".join(lines)
+LEGEND = [
+    "completed/accepted: requests that finished / that the orchestrator accepted",
+    "failed by kind: terminals that were errors, by kind",
+    "no terminal/dup/after: requests without a terminal / second terminals and messages after one "
+    "(must be 0/0)",
+    "leaked proc/fd/ipc: worker processes alive, descriptors left open, ipc files left after shutdown "
+    "(must be 0/0/0)",
+    "serving after: the probe requests sent after the fault all finished",
+    "detect/recover s: seconds from the fault to its detection and to the replacement being ready",
+    "verdict: ok where the row keeps every guarantee, FAIL where it breaks one",
+]
+
+
+def renderables(results: list[ChaosResult]) -> list[Any]:
+    """The rich table (fits 100 columns: each row's notes are listed under it), notes and legend."""
+    from bench.tables import table, text
+
+    rows = [_row(r) for r in results]
+    parts: list[Any] = [table([h for h, _ in _TERMINAL], [[cell(c) for _, cell in _TERMINAL] for c in rows],
+                              title="Chaos matrix", numeric_from=len(_TERMINAL))]
+    notes = [f"  {c[0]}: {c[11]}" for c in rows if c[11] != "-"]
+    if notes:
+        parts.append(text("Notes\n" + "\n".join(notes)))
+    parts.append(text("Legend\n" + "\n".join(f"  {line}" for line in LEGEND)))
+    return parts
+
+
+def render_table(results: list[ChaosResult], columns: int | None = None) -> str:
+    """The table, the notes and the legend as plain text, ``columns`` wide (default: the terminal's)."""
+    from bench.tables import render
+
+    return render(renderables(results), columns)
 
 
 def render_markdown(results: list[ChaosResult], meta: dict[str, Any]) -> str:
@@ -130,13 +161,16 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
                         max_new_tokens=args.max_new_tokens, request_timeout=args.request_timeout,
                         probe_requests=args.probe, progress=not args.no_progress, seed=args.seed,
                         device=args.device)
+    from bench.tables import console, text
+
+    err = console(stderr=True)
     results = []
     for i, name in enumerate(names, 1):
         f = faults[name]
-        print(f"[{i}/{len(names)}] {name}: {f.description}", file=sys.stderr, flush=True)
+        err.print(text(f"[{i}/{len(names)}] {name}: {f.description}"))
         res = await f.run(opts)
-        print(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed {res.failed or '-'}, "
-              f"{res.without_terminal} without terminal, {res.wall_s:.1f}s", file=sys.stderr, flush=True)
+        err.print(text(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed "
+                       f"{res.failed or '-'}, {res.without_terminal} without terminal, {res.wall_s:.1f}s"))
         results.append(res)
     return results
 
@@ -153,7 +187,11 @@ def run(args: argparse.Namespace) -> int:
         results = trio.run(main_async, args)
     finally:
         orch_log.setLevel(saved_level)
-    print(render_table(results))
+    from bench.tables import console
+
+    out = console()
+    for part in renderables(results):
+        out.print(part)
     meta = {"command": "trio-orch chaos " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["chaos"]
             else "trio-orch chaos", "implementation": IMPLEMENTATION,
             "workers": results[0].workers if results else "-",
