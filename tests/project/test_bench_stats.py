@@ -1,0 +1,178 @@
+"""The benchmark's statistics, verdicts and tables, on numbers made here (no process, no timing).
+
+The benchmark's own runs are process tests (tests/bench/); what is checked
+here is what turns samples into claims: the bootstrap intervals, the rule
+that calls a difference only where intervals do not overlap, the floors'
+verdict, the targets' failed clauses and tables that fit the terminal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.chaos.cli import render_table as chaos_table
+from bench.chaos.run import ChaosResult
+from bench.drivers.floor import FloorDriver
+from bench.perf import report
+from bench.perf.stats import bootstrap_ci, percentiles_us, summarize, verdict
+from bench.perf.targets import targets
+from trio_orch.types import OrchOutput, StageOutput
+
+
+def _samples(median_us: float, n: int, seed: int) -> list[float]:
+    """Skewed latencies in seconds (lognormal, like the benchmark's) with the given median."""
+    rng = np.random.default_rng(seed)
+    return list(rng.lognormal(np.log(median_us * 1e-6), 0.4, n))
+
+
+def test_the_drawn_bootstrap_agrees_with_resampling_by_brute_force() -> None:
+    x = np.sort(np.asarray(_samples(100.0, 2000, seed=1)) * 1e6)
+    rng = np.random.default_rng(7)
+    resampled = x[rng.integers(0, x.size, (4000, x.size))]
+    for q in (0.5, 0.99):
+        brute = np.percentile(np.quantile(resampled, q, axis=1), [2.5, 97.5])
+        lo, hi = bootstrap_ci(x, q)
+        width = brute[1] - brute[0]
+        assert abs(lo - brute[0]) < 0.1 * width and abs(hi - brute[1]) < 0.1 * width
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 101, 20_000])
+def test_intervals_bracket_their_percentile_and_are_reproducible(n: int) -> None:
+    lat = percentiles_us(_samples(50.0, n, seed=n))
+    for pct in ("p50", "p99"):
+        lo, hi = lat[f"{pct}_ci_us"]
+        assert lo <= lat[f"{pct}_us"] <= hi
+    assert percentiles_us(_samples(50.0, n, seed=n)) == lat  # seeded: the same samples, the same interval
+
+
+def test_more_samples_give_a_narrower_p99_interval() -> None:
+    few, many = percentiles_us(_samples(50.0, 500, 3)), percentiles_us(_samples(50.0, 50_000, 3))
+    assert np.diff(many["p99_ci_us"])[0] < np.diff(few["p99_ci_us"])[0] / 4
+
+
+def test_a_difference_is_called_only_where_the_intervals_do_not_overlap() -> None:
+    assert verdict([1.0, 2.0], [3.0, 4.0]) == "lower"
+    assert verdict([5.0, 6.0], [3.0, 4.0]) == "higher"
+    assert verdict([1.0, 3.5], [3.0, 4.0]) == "="
+    assert verdict([3.0, 4.0], [3.0, 4.0]) == "="
+    assert verdict(None, [3.0, 4.0]) == "=" and verdict([float("nan")] * 2, [1.0, 2.0]) == "="
+
+
+def _run(median_us: float, n: int, seed: int, cost_us: float, **extra: object) -> dict[str, object]:
+    """One round: latencies around ``median_us``, ``cost_us`` of wall time and half of it CPU per output."""
+    return {"latency": _samples(median_us, n, seed), "outputs": n, "elapsed_s": n * cost_us * 1e-6,
+            "cpu_s": n * cost_us * 0.5e-6, "shutdown_s": 0.001, **extra}
+
+
+def _results(medians: dict[str, dict[str, float]], n: int = 3000,
+             cost: dict[str, float] | None = None) -> dict[str, object]:
+    """A results dict as the benchmark builds it: per workload, per implementation, summarized rounds.
+
+    ``cost``: wall time per output by implementation (default: its median latency).
+    """
+    impls = list(dict.fromkeys(i for per in medians.values() for i in per))
+    results: dict[str, object] = {"implementations": impls, "workloads": {}}
+    for w, (wl, per) in enumerate(medians.items()):
+        results["workloads"][wl] = {  # type: ignore[index]
+            impl: summarize([_run(m, n, 100 * w + k, (cost or {}).get(impl, m),
+                                  **({} if "floor" in impl else {"push": True}))])
+            for k, (impl, m) in enumerate(per.items())}
+    results["targets"] = targets(results)
+    return results
+
+
+def test_ratio_cells_say_lower_higher_or_equal_from_the_intervals() -> None:
+    res = _results({"a_seq": {"floor": 20.0, "trio": 40.0, "asyncio-taskgroup": 80.0, "omni-event": 40.2}})
+    rows = {r[1]: r for r in report.table_rows(res)[1:]}
+    assert rows["trio"][8] == "1.00" and rows["trio"][2] == "push"
+    assert rows["asyncio-taskgroup"][8].endswith("higher") and rows["floor"][8].endswith("lower")
+    assert rows["omni-event"][8].endswith("=")  # 0.5 % apart: within the intervals
+    assert rows["floor"][2].startswith("floor")
+    for r in rows.values():  # every p50 and p99 cell shows its interval
+        assert "[" in r[3] and "[" in r[4]
+
+
+def test_the_floor_is_beaten_only_beyond_its_interval() -> None:
+    held = _results({"a_seq": {"floor": 30.0, "trio": 30.1, "asyncio-taskgroup": 60.0}})
+    assert report.floors_hold(held)
+    beaten = _results({"a_seq": {"floor": 30.0, "trio": 20.0}})
+    rows = report.floor_rows(beaten)
+    assert rows[1][:3] == ["a_seq", "thread", "p50 us"] and rows[1][-1] == "BEATEN"
+    assert not report.floors_hold(beaten)
+
+
+def test_with_many_outputs_in_flight_the_floor_bounds_throughput_not_queueing_latency() -> None:
+    # trio: a fifth of the floor's queueing latency, a tenth of its throughput -- the floor holds
+    res = _results({"b_64_unbatched": {"floor": 500.0, "trio": 100.0}}, cost={"floor": 2.0, "trio": 20.0})
+    measures = {r[2]: r[-1] for r in report.floor_rows(res)[1:]}
+    assert measures == {"outputs/s": "holds", "cpu us/out": "holds"}
+    faster = _results({"b_64_unbatched": {"floor": 500.0, "trio": 100.0}}, cost={"floor": 20.0, "trio": 2.0})
+    assert {r[2]: r[-1] for r in report.floor_rows(faster)[1:]} == {"outputs/s": "BEATEN",
+                                                                      "cpu us/out": "BEATEN"}
+
+
+def test_a_missed_target_names_the_clause_that_failed() -> None:
+    # trio meets the 30 us limit but is not clearly below asyncio-taskgroup: the clause says so
+    res = _results({"a_seq": {"trio": 20.0, "asyncio-taskgroup": 20.05}})
+    row = next(t for t in res["targets"] if t["target"].startswith("a_seq p50"))  # type: ignore[union-attr]
+    assert row["met"] is False and row["value"] <= 30
+    assert row["failed"] == [row["failed"][0]] and "asyncio-taskgroup" in row["failed"][0]
+    assert "intervals overlap" in row["failed"][0]
+    cell = next(r for r in report.target_rows(res) if r[0] == row["target"])[3]
+    assert cell.startswith("MISSED: not below asyncio-taskgroup")
+    met = _results({"a_seq": {"trio": 20.0, "asyncio-taskgroup": 60.0}})
+    assert next(t for t in met["targets"] if t["target"].startswith("a_seq p50"))["met"] is True  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("columns", [100, 120])
+def test_the_bench_report_fits_the_terminal_and_keeps_words_whole(columns: int) -> None:
+    res = _results({"a_seq": {"floor": 20.0, "trio": 40.0, "asyncio-taskgroup": 80.0},
+                    "b_512_unbatched": {"floor": 9000.0, "trio": 12000.0, "asyncio-taskgroup": 15000.0}})
+    text = report.text_report(res, columns)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= columns
+    assert any("asyncio-taskgroup" in line for line in lines)  # not folded mid-word
+    assert "Legend" in text and "[lo-hi]" in text and "lower / higher" in text
+
+
+def test_the_chaos_matrix_fits_100_columns_with_its_notes_and_legend() -> None:
+    row = ChaosResult("connector_peer_killed", "kill -9 the peer", "echo", requests=10, accepted=1020,
+                      completed=1019, failed={"replica_died": 1, "stage_unavailable": 3}, still_serving="yes",
+                      detect_s=0.1, recover_s=0.5, restarts=1, notes={"retried": 3, "held_when_hit": 7})
+    text = chaos_table([row, row], 100)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "connector_peer_killed " in text and "stage_unavailable" in text
+    assert "restarts=1, retried=3, held_when_hit=7" in text and "Legend" in text
+
+
+def test_the_thread_floor_hands_over_between_plain_threads_and_batches_what_arrived_together() -> None:
+    floor = FloorDriver(2, {1})
+    assert floor.framework == "threads" and floor.path == "thread"
+    floor.start()
+    try:
+        floor.post_request("r", "p")
+        assert floor.wait_submission(5)[:2] == (0, "r")
+        floor.emit_batch(0, [StageOutput("r", "x", True)])  # not a final stage: a submit, no message
+        assert floor.wait_submission(5)[:2] == (1, "r")
+        floor.emit_batch(1, [StageOutput("r", "y", False)])
+        got = floor.next_batch(5)
+        assert got == [OrchOutput("r", 1, "y", False)]
+    finally:
+        floor.close()
+    assert floor.stopped
+
+
+def test_the_in_loop_floor_delivers_a_producer_tasks_output_to_the_consumer_task() -> None:
+    floor = FloorDriver(1, {0}, in_loop_consumer=True)
+    assert floor.path == "loop"
+    floor.start()
+    try:
+        async def body() -> list[object]:
+            floor.loop_emit(0, [StageOutput("r", 1, False)])
+            floor.loop_emit(0, [StageOutput("r", 2, True)])
+            return await floor.loop_next_batch()  # both: everything in the channel at once
+
+        assert [m.data for m in floor.run_in_loop(body)] == [1, 2]
+    finally:
+        floor.close()
