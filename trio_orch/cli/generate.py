@@ -13,7 +13,9 @@ as the same fields of a chat request do (:mod:`trio_orch.http.openai_sampling`);
 per line, into one resumable request (:mod:`trio_orch.cli.generate_stream`).  A
 pipeline whose output is an image (``--pipeline text2image``) draws the
 denoising progress and writes a PNG instead (:mod:`trio_orch.http.text2image`;
-``--seed`` is then the image's seed).  With ``--listen`` replicas may join
+``--seed`` is then the image's seed).  ``--image FILE`` and ``--audio FILE``
+send images and WAVs with the prompt to a pipeline with encoder stages
+(``--pipeline omni-in``), decoded as the chat route decodes them.  With ``--listen`` replicas may join
 over TCP (docs/distributed.md); a stage with no local replica is waited for
 (``--join-timeout``) before the request goes in.
 
@@ -32,13 +34,22 @@ import signal
 import sys
 import time
 import wave
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 
 from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
-from stages.registry import as_audio, as_text, spec_for, stage_params, takes_companions, text_stage
+from stages.registry import (
+    as_audio,
+    as_text,
+    input_media,
+    spec_for,
+    stage_params,
+    takes_companions,
+    text_stage,
+)
 from stages.sampling_params import VOICES
 from trio_orch.cli import EXIT_SIGNAL
 from trio_orch.cli.generate_stream import first_line, stream_input
@@ -47,6 +58,7 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.http import text2image
+from trio_orch.http.media import MediaPolicy, read_image_file, wav_clip
 from trio_orch.http.openai_chat import check_max_tokens
 from trio_orch.http.openai_sampling import SamplingError, map_sampling
 from trio_orch.http.schemas import BadRequest
@@ -76,6 +88,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch device of the workers (default: cpu, or the config's)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    parser.add_argument("--image", dest="image_files", action="append", default=[], metavar="FILE",
+                        help="an image to send with the prompt (repeatable; the pipeline needs an "
+                             "image-encoder stage: --pipeline omni-in)")
+    parser.add_argument("--audio", dest="audio_files", action="append", default=[], metavar="FILE",
+                        help="a PCM WAV to send with the prompt (repeatable; the pipeline needs an "
+                             "audio-encoder stage: --pipeline omni-in)")
     parser.add_argument("--stream-input", action="store_true",
                         help="read the prompt from standard input, one segment per line, into one "
                              "request that takes more input while it answers (end of input ends it); "
@@ -158,6 +176,29 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     return cfg
 
 
+def _media(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, Any]:
+    """The ``--image`` and ``--audio`` files, decoded as the chat route decodes them (ValueError)."""
+    given = {"image": args.image_files, "audio": args.audio_files}
+    for medium, files in given.items():
+        if files and medium not in input_media(cfg.kinds()):
+            raise ValueError(f"--{medium}: this pipeline has no {medium}-encoder stage "
+                             "(try --pipeline omni-in)")
+    policy = MediaPolicy(max_parts=10**6)
+    try:
+        images = [read_image_file(Path(f), policy, f"--image {f}", anywhere=True) for f in args.image_files]
+        audios = [wav_clip(_read(f, "--audio"), policy, f"--audio {f}").payload() for f in args.audio_files]
+    except BadRequest as exc:
+        raise ValueError(str(exc).replace("'", "")) from None
+    return {k: v for k, v in (("images", images), ("audios", audios)) if v}
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read it: {exc.strerror or exc}") from None
+
+
 def _makes_images(cfg: PipelineConfig) -> bool:
     return any(cfg.outputs()[k] == "image" for k in cfg.final_stage_ids)
 
@@ -226,6 +267,8 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
                     orch: Orchestrator) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
     payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
+    if args.media:  # and the images and sounds beside it, for the encoder stages (stages.media)
+        payload = {"text": args.text, **args.media}
     outputs = cfg.outputs()  # how each stage's outputs are shown
     rid = "generate-1"
     pcm: list[np.ndarray] = []
@@ -351,6 +394,7 @@ async def _job(args: argparse.Namespace) -> int:
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
         head_options(args, cfg)  # --listen, --keys, stages without a local replica
+        args.media = _media(args, cfg)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -181,7 +181,8 @@ def wav_clip(data: bytes, policy: MediaPolicy, param: str) -> AudioClip:
     except BadRequest:
         raise
     except (wave.Error, EOFError, ValueError) as exc:
-        raise BadRequest(f"'{param}': not a readable PCM WAV ({exc})", param) from None
+        why = str(exc) or type(exc).__name__
+        raise BadRequest(f"'{param}': not a readable PCM WAV ({why})", param) from None
     if width not in (1, 2, 3, 4) or channels < 1:
         raise BadRequest(f"'{param}': unsupported WAV sample width {width} bytes", param)
     usable = len(frames) - len(frames) % (width * channels)
