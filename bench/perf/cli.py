@@ -25,6 +25,7 @@ from typing import Any
 from bench.implementations import IMPLEMENTATIONS, SKIPPED, names
 from bench.perf import report
 from bench.perf.stats import COVERAGE, RESAMPLES, SEED, summarize
+from bench.perf.targets import targets
 from bench.perf.workloads import WORKLOADS, run_workload
 from bench.tables import StepProgress
 
@@ -116,7 +117,7 @@ def run_benchmark(workload_names: list[str], impl_names: list[str], rounds: int,
         results["workloads"][wl] = {i: summarize(runs[i]) for i in impls}
         if wl == "a_seq":
             raw_a_seq = {i: [x for run in runs[i] for x in run["latency"]] for i in impls}
-    results["targets"] = report.targets(results)
+    results["targets"] = targets(results)
     return results, raw_a_seq
 
 
@@ -180,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
                 raw_serving = sv.compare_fronts(flags, concurrency=args.concurrency, rounds=rounds,
                                                 seconds=2.0 if args.quick else 6.0, progress=progress)
             results["serving"] = summarize_serving(raw_serving, args.concurrency)
-            results["targets"] = report.targets(results)
+            results["targets"] = targets(results)
     results["meta"] = {
         "mode": "quick" if args.quick else "full", "rounds": rounds,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

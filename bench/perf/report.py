@@ -13,10 +13,10 @@ from typing import Any
 from bench.drivers.floor import PATHS
 from bench.drivers.zmq_floor import PATH as ZMQ_PATH
 from bench.perf.stats import ratio, verdict
-from bench.perf.targets import BASE, get, targets
+from bench.perf.targets import BASE, get
 
-__all__ = ["BASE", "markdown_report", "plot", "readme_block", "table_rows", "targets", "text_report",
-           "update_between_markers", "write_json"]
+__all__ = ["floor_rows", "floors_hold", "markdown_report", "plot", "readme_block", "renderables",
+           "table_rows", "target_rows", "text_report", "update_between_markers", "write_json"]
 
 #: the floor rows' path column, by the path their workload runs
 FLOOR_LABEL = {"thread": "floor:\nthread", "loop": "floor:\nin-loop", "zmq": "floor:\nZMQ"}

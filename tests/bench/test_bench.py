@@ -11,10 +11,11 @@ import pytest
 from bench.implementations import make_driver, names
 from bench.perf import report
 from bench.perf.cli import run_benchmark
+from bench.perf.targets import targets
 from bench.perf.workloads import echo_pipeline, run_workload, zmq_seq
 from trio_orch.cli import main
 
-LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us"}
+LATENCY_FIELDS = {"n", "p50_us", "p90_us", "p99_us", "max_us", "mean_us", "p50_ci_us", "p99_ci_us"}
 
 
 @pytest.mark.slow
@@ -38,7 +39,9 @@ def test_quick_benchmark_reports_every_field_for_every_implementation() -> None:
     # ratios are computed from the numbers in the same run
     rows = report.table_rows(results)
     trio_row = next(r for r in rows if r[:2] == ["a_seq", "trio"])
-    assert trio_row[-3:] == ["1.00", "1.00", "1.00"]
+    assert trio_row[-3:] == ["1.00", "1.00", "1.00"] and trio_row[2] == "push"
+    assert next(r for r in rows if r[:2] == ["a_seq", "asyncio-taskgroup"])[2] == "push"  # the same path
+    assert next(r for r in rows if r[:2] == ["a_seq", "omni-event"])[2] == "reader"
     targets = {t["target"] for t in results["targets"]}
     assert any(n.startswith("a_seq p50") for n in targets) and any(n.startswith("idle") for n in targets)
 
@@ -53,6 +56,14 @@ def test_bench_command_writes_json_markdown_and_plots(tmp_path: Path, capsys) ->
     data = json.loads((tmp_path / "r.json").read_text())
     assert set(data["workloads"]) == {"a_seq", "b_64_batched"}
     assert set(data["workloads"]["a_seq"]) == {"trio", "floor"}
+    for per_impl in data["workloads"].values():  # every percentile's interval brackets it
+        for res in per_impl.values():
+            lat = res["latency"]
+            for pct in ("p50", "p99"):
+                lo, hi = lat[f"{pct}_ci_us"]
+                assert lo <= lat[f"{pct}_us"] <= hi
+    assert data["meta"]["intervals"]["coverage"] == 0.95 and isinstance(data["meta"]["floors_hold"], bool)
+    assert "Legend" in text and "Floors" in text
     assert "| a_seq | trio |" in (out / "results.md").read_text()
     for png in ("a_seq_latency_cdf.png", "throughput_vs_concurrency.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -99,8 +110,10 @@ def test_in_loop_workloads_consume_every_output_inside_the_loop(impl: str) -> No
 
 
 def test_zmq_floor_round_trips_through_a_real_worker_and_leaves_nothing() -> None:
+    """The floor's own thread owns the socket (the two thread hops every bridge takes); it ends with close."""
     driver = make_driver("zmq-floor", workers=echo_pipeline(1)).start()
     pids, tmpdir = list(driver.worker_pids), driver.worker_dir
+    assert driver.thread is not None and driver.thread.is_alive()
     assert len(pids) == 1 and Path(f"/proc/{pids[0]}").exists() and tmpdir and Path(tmpdir).exists()
     try:
         res = zmq_seq(driver, 50)
@@ -109,6 +122,7 @@ def test_zmq_floor_round_trips_through_a_real_worker_and_leaves_nothing() -> Non
     assert res["outputs"] == 50 and len(res["latency"]) == 50
     assert all(math.isfinite(x) for x in res["latency"])
     assert not Path(f"/proc/{pids[0]}").exists() and not Path(tmpdir).exists()
+    assert not driver.thread.is_alive()
     assert names("workers")[0] == "zmq-floor" and "zmq-floor" not in names("fed")
 
 
@@ -122,7 +136,7 @@ def test_serving_targets_are_judged_from_the_run_numbers() -> None:
 
     raw = {"echo workers": {"trio": [run(0.010, 0.002, 100)], "asyncio": [run(0.020, 0.002, 90)]}}
     results = {"serving": summarize_serving(raw, 64), "workloads": {}, "implementations": ["trio"]}
-    verdicts = {t["target"].split(": ", 1)[1]: t["met"] for t in report.targets(results)
+    verdicts = {t["target"].split(": ", 1)[1]: t["met"] for t in targets(results)
                 if t["target"].startswith("serving")}
     assert verdicts == {"--loop trio p50 time to first chunk >= 20 % below --loop asyncio": True,
                         "--loop trio p50 inter-chunk latency >= 20 % below --loop asyncio": False,

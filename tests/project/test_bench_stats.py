@@ -176,3 +176,19 @@ def test_the_in_loop_floor_delivers_a_producer_tasks_output_to_the_consumer_task
         assert [m.data for m in floor.run_in_loop(body)] == [1, 2]
     finally:
         floor.close()
+
+
+@pytest.mark.parametrize("workload", ["a_seq", "loop_a_seq"])
+def test_asyncio_taskgroup_takes_the_push_path_wherever_trio_does(workload: str) -> None:
+    """In the benchmark's own configuration (the thread and the in-loop workloads; ZMQ: see the docs)."""
+    from bench.implementations import make_driver
+    from bench.perf.workloads import WORKLOADS, uses_push
+
+    took = {}
+    for impl in ("trio", "asyncio-taskgroup", "omni-event"):
+        driver = make_driver(impl, **WORKLOADS[workload].setup(True)).start()
+        try:
+            took[impl] = uses_push(driver)
+        finally:
+            driver.close()
+    assert took == {"trio": True, "asyncio-taskgroup": True, "omni-event": False}
