@@ -1,0 +1,152 @@
+"""Images and audio through a real server to encoder workers and the thinker; the chat template over HTTP.
+
+A real server on loopback (the ``serving`` fixture's helpers) over the
+omni-in pipeline's worker processes (image-encoder -> audio-encoder ->
+thinker): the same text and seed with a red and a blue image, or a low and
+a high tone, give different answers; a corrupt image is a 400 naming its
+part, before anything reaches a stage.  A second server, over a thinker
+alone with a chat template that adds a preamble, counts more ``/tokenize``
+tokens for the same messages than the default template does.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import wave
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+
+from stages.config import PipelineConfig, StageConfig, builtin_config
+from tests import http_helpers
+from tests.http_helpers import HANG, Served, TrioServed, serve
+from tests.waiting import wait_until
+from trio_orch.cluster.launcher import open_pipeline
+from trio_orch.http.chat_template import ChatInput, ChatTemplate
+from trio_orch.testing import LeakProbe
+
+pytestmark = pytest.mark.processes  # worker processes behind a real server
+
+STARTUP = 120.0
+SMALL = {"d_model": 32, "layers": 1, "heads": 2}
+OMNI = builtin_config("omni-in")
+for _st in OMNI.stages:
+    if _st.kind == "thinker":
+        _st.model = dict(SMALL)
+THINKER = PipelineConfig([StageConfig("thinker", model=dict(SMALL))]).validate()
+PREAMBLE = ("You are a careful assistant. Answer in one short sentence.\n"
+            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def worker_server(front: str, config: PipelineConfig, **app: Any) -> Iterator[Served | TrioServed]:
+    """``config``'s workers behind ``front``; no process, descriptor or ipc file is left after."""
+    probe = LeakProbe()
+
+    @asynccontextmanager
+    async def factory() -> AsyncIterator[Any]:
+        async with open_pipeline(config) as pipe:
+            probe.saw(pipe.pids)
+            probe.saw_dir(pipe.tmpdir)
+            yield pipe
+
+    options = {"startup_timeout": STARTUP} if front == "asyncio" else {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(http_helpers, "wait_until", partial(wait_until, hang=STARTUP))
+        served = serve(front, factory, engine_options=options, model_name="omni", outputs=config.outputs(),
+                       **app)
+    try:
+        yield served
+    finally:
+        served.stop()
+    assert probe.leaks() == {"processes": 0, "fds": 0, "ipc_files": 0}
+
+
+@pytest.fixture(scope="module")
+def omni() -> Iterator[Served | TrioServed]:
+    yield from worker_server("trio", OMNI)
+
+
+@pytest.fixture(scope="module")
+def templated() -> Iterator[Served | TrioServed]:
+    yield from worker_server("asyncio", THINKER, chat_input=ChatInput(ChatTemplate(PREAMBLE, "preamble")))
+
+
+def png_url(rgb: tuple[int, int, int]) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), rgb).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def wav_b64(freq: float, rate: int = 16000) -> str:
+    t = np.arange(rate // 2) / rate
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((0.5 * np.sin(2 * np.pi * freq * t) * 32767).astype("<i2").tobytes())
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def ask(c: httpx.Client, part: dict[str, Any]) -> httpx.Response:
+    body = {"model": "omni", "seed": 11, "max_tokens": 16, "temperature": 0.9,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, part]}]}
+    return c.post("/v1/chat/completions", json=body)
+
+
+def answer(c: httpx.Client, part: dict[str, Any]) -> str:
+    r = ask(c, part)
+    assert r.status_code == 200, r.text
+    text: str = r.json()["choices"][0]["message"]["content"]
+    assert text
+    return text
+
+
+def test_a_red_and_a_blue_image_give_different_answers_and_the_same_one_the_same(omni: Served) -> None:
+    with httpx.Client(base_url=omni.url, timeout=HANG) as c:
+        red = answer(c, {"type": "image_url", "image_url": {"url": png_url((255, 0, 0))}})
+        blue = answer(c, {"type": "image_url", "image_url": {"url": png_url((0, 0, 255))}})
+        assert red != blue
+        assert answer(c, {"type": "image_url", "image_url": {"url": png_url((255, 0, 0))}}) == red
+
+
+def test_two_tones_give_different_answers(omni: Served) -> None:
+    with httpx.Client(base_url=omni.url, timeout=HANG) as c:
+        low = answer(c, {"type": "input_audio", "input_audio": {"data": wav_b64(220), "format": "wav"}})
+        high = answer(c, {"type": "input_audio", "input_audio": {"data": wav_b64(1760), "format": "wav"}})
+        assert low != high
+
+
+def test_a_corrupt_png_or_a_remote_url_is_a_400_naming_the_part(omni: Served) -> None:
+    corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()
+    with httpx.Client(base_url=omni.url, timeout=HANG) as c:
+        for url, says in ((corrupt, "not a readable image"), ("https://example.com/a.png", "not fetched")):
+            r = ask(c, {"type": "image_url", "image_url": {"url": url}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "messages[0].content[1]" and says in err["message"]
+        assert answer(c, {"type": "text", "text": " Plain text still works."})
+
+
+def test_tokenize_counts_the_template_s_preamble(omni: Served, templated: Served) -> None:
+    messages = [{"role": "user", "content": "hi"}]
+    with httpx.Client(base_url=omni.url, timeout=HANG) as plain, \
+            httpx.Client(base_url=templated.url, timeout=HANG) as pre:
+        default = plain.post("/tokenize", json={"messages": messages}).json()
+        preamble = pre.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
+        assert default["tokens"] == list(b"user: hi\nassistant:")
+        assert preamble["count"] > default["count"]
+        assert "".join(preamble["token_strs"]).startswith("You are a careful assistant.")
+        opened = pre.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert opened["count"] == preamble["count"] - len(b"assistant:")
+        r = pre.post("/v1/chat/completions", json={"model": "omni", "messages": messages, "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == preamble["count"]
