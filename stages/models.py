@@ -69,7 +69,10 @@ _FREQ = {" ": 13.0, "e": 10.2, "t": 7.5, "a": 6.5, "o": 6.2, "i": 5.7, "n": 5.7,
 class Thinker(SlotModel):
     """Text LLM: prompt bytes -> one sampled byte token per step.
 
-    Payload: a string, or ``{"text": str, "max_new_tokens": int}``.  Output per
+    Payload: a string, or ``{"text": str, "max_new_tokens": int}``; with
+    ``"say": str`` the answer is that text, token by token, then end-of-text
+    (forced decoding: the speech route has the talker speak its input word for
+    word through the whole pipeline).  Output per
     step: ``{"text": str, "tokens": int32[n]}`` (n is 1, or 0 while text that may
     begin a stop string is held back, or more when held text is released); the
     last output also says ``"finish_reason"``: ``"stop"`` (end-of-text, a stop
@@ -114,10 +117,21 @@ class Thinker(SlotModel):
             text, max_new = p.get("text"), int(p.get("max_new_tokens", self.max_new))
         if not isinstance(text, str) or not text:
             raise ValueError("thinker payload must be a non-empty string or {'text': str}")
+        say = p.get("say") if isinstance(p, dict) else None
+        if say is not None and (not isinstance(say, str) or not say):
+            raise ValueError("thinker: 'say' must be a non-empty string")
         feats = self._features(p)
         room = self.max_prompt - (len(feats) if feats is not None else 0)
         self._start(req, list(text.encode()[-room:]), max_new)
         req.model["features"] = feats
+        if say is not None:  # forced: the tokens of ``say``, then EOS; no token budget cuts it short
+            m = req.model
+            fits = self.dec.max_len - 2 - len(m["prompt"])  # the cache holds the prompt, then the answer
+            if len(say.encode()) > fits:
+                raise ValueError(f"thinker: 'say' is {len(say.encode())} bytes, over the {fits} that fit "
+                                 "after this prompt")
+            m["say"], m["min_new"] = [*say.encode(), EOS], 0
+            m["max_new"] = len(m["say"])
 
     def _features(self, payload: Any) -> torch.Tensor | None:
         """The encoder features a payload carries (``stages.media``), checked: rows of ``feature_dim``."""
@@ -212,6 +226,9 @@ class Thinker(SlotModel):
         results = []
         for r, s, tok in zip(reqs, samplers, toks.tolist(), strict=True):
             m = r.model
+            forced = m.get("say")
+            if forced is not None:
+                tok = forced[min(m["n"], len(forced) - 1)]
             m["n"] += 1
             m["last"] = tok
             m["out"].append(tok)
@@ -260,8 +277,8 @@ class Thinker(SlotModel):
         self._warm("warm up")
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "max_new_tokens": self.max_new, "device": str(self.device),
-                "feature_dim": self.feature_dim}
+        return {"kind": self.kind, "max_new_tokens": self.max_new, "max_prompt": self.max_prompt,
+                "max_say": self.dec.max_len - 3, "device": str(self.device), "feature_dim": self.feature_dim}
 
 
 class Talker(SlotModel):

@@ -244,6 +244,26 @@ def test_speech_from_the_speech_pipeline_is_a_wav_at_the_vocoder_s_rate(speech: 
 
 @SERVES
 @pytest.mark.slow
+def test_the_speech_pipeline_speaks_its_input_word_for_word(speech: Served) -> None:
+    talker = speech.engine.stages[1].replicas[0].ready.info  # type: ignore[attr-defined]
+    vocoder = speech.engine.stages[2].replicas[0].ready.info  # type: ignore[attr-defined]
+    limit = speech.engine.stages[0].replicas[0].ready.info["max_say"]  # type: ignore[attr-defined]
+    with sdk(speech.url) as c:
+        def say(text: str) -> bytes:
+            return wav_frames(c.audio.speech.create(model="tiny", voice="echo", input=text,
+                                                    response_format="wav").content, vocoder["sample_rate"])
+
+        hello = say("hello there")
+        # every byte of the input, and nothing else, went through the talker
+        assert len(hello) == 2 * len(b"hello there") * talker["frames_per_token"] * vocoder["hop"]
+        assert say("hello there") == hello and say("hello thera") != hello
+        with pytest.raises(openai.BadRequestError) as long:
+            c.audio.speech.create(model="tiny", voice="echo", input="x" * (limit + 1))
+    assert long.value.status_code == 400 and param_of(long.value) == "input"
+
+
+@SERVES
+@pytest.mark.slow
 def test_tokenize_and_detokenize_round_trip_with_the_thinker_s_tokens(speech: Served) -> None:
     text = "héllo, wörld"
     with httpx.Client(base_url=speech.url, timeout=HANG) as c:
@@ -251,7 +271,9 @@ def test_tokenize_and_detokenize_round_trip_with_the_thinker_s_tokens(speech: Se
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["tokens"] == list(text.encode()) and got["count"] == len(text.encode())
-        assert "max_model_len" in got and len(got["token_strs"]) == got["count"]
+        info = speech.engine.stages[0].replicas[0].ready.info  # type: ignore[attr-defined]
+        assert got["max_model_len"] == info["max_prompt"] + info["max_new_tokens"]
+        assert len(got["token_strs"]) == got["count"]
         back = c.post("/detokenize", json={"model": "tiny", "tokens": got["tokens"]})
         assert back.status_code == 200 and back.json() == {"prompt": text}
         chat = c.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
@@ -295,6 +317,22 @@ def test_the_byte_tokenizer_is_the_thinker_s() -> None:
         thinker.admit(req)
         assert req.model["prompt"] == tok.encode(text)
         assert tok.decode([*tok.encode(text), EOS]) == text
+
+
+def test_a_thinker_told_what_to_say_says_it_and_ends() -> None:
+    from stages.models import Thinker
+
+    thinker = Thinker(d_model=16, layers=1, heads=2, max_prompt=16, max_new_tokens=4, slots=2)
+    req = ReqState("r", {"text": " ", "say": "more than four"})
+    thinker.admit(req)
+    text, done = "", False
+    while not done:
+        [res] = thinker.step([req])
+        text += res.data["text"] if res.data else ""
+        done = res.finished
+    assert text == "more than four" and res.data["finish_reason"] == "stop"
+    with pytest.raises(ValueError, match="'say' is 20 bytes"):
+        thinker.admit(ReqState("long", {"text": " ", "say": "x" * 20}))
 
 
 def test_speed_resamples_across_chunks_as_it_would_the_whole() -> None:

@@ -16,9 +16,13 @@ How the input reaches the speech stages depends on the pipeline:
   codes (a talker first: ``talker -> code2wav``) gets the input's tokens as
   its input, as if a thinker had just said them: the input is spoken word for
   word, and nothing generates text;
-- a pipeline with a text stage first (the speech pipeline) runs it on the
-  input as its prompt, with a token budget as long as the input, and speaks
-  what it says: the built-in thinker cannot be made to repeat a text.
+- a pipeline whose first stage is the built-in thinker (the speech
+  pipeline) has it *say* the input (its ``say`` payload: forced decoding, the
+  input's tokens as its answer), so the talker and vocoder speak the input
+  word for word, through every stage of the pipeline; an input longer than
+  the thinker's cache holds (``max_say`` in its info) is a 400 naming ``input``;
+- another text stage first (a plug-in) runs on the input as its prompt, with
+  a token budget as long as the input, and what it says is spoken.
 
 ``pcm`` streams as the vocoder makes it (a chunked body, one piece per
 dispatcher batch; a request that fails midway ends its body early, and says
@@ -51,7 +55,7 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
 from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, error_body
 from trio_orch.http.streaming import sse
-from trio_orch.http.tokenizer import TOKENIZERS
+from trio_orch.http.tokenizer import TOKENIZERS, stage_info
 from trio_orch.types import OrchOutput
 
 __all__ = ["FORMATS", "SPEECH", "SpeechRequest", "Speed", "speech_route"]
@@ -166,6 +170,12 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
                                     (openai_sampling.EXTENSION, req.stage_sampling)) if v is not None}
         if first is not None:
             payload: Any = {"tokens": np.asarray(first.encode(req.input), dtype=np.int32)}
+        elif kinds is not None and kinds[0] == "thinker":
+            limit = stage_info(engine, 0).get("max_say")
+            if isinstance(limit, int) and len(req.input.encode()) > limit:
+                raise BadRequest(f"'input' is {len(req.input.encode())} bytes: this pipeline speaks at most "
+                                 f"{limit} per request", "input", code="context_length_exceeded")
+            payload = {"text": " ", "say": req.input}
         else:
             payload = req.input
             stages = engine.stage_params
