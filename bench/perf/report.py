@@ -12,6 +12,7 @@ from typing import Any
 
 from bench.drivers.floor import PATHS
 from bench.drivers.zmq_floor import PATH as ZMQ_PATH
+from bench.perf.headlines import headlines
 from bench.perf.stats import ratio, verdict
 from bench.perf.targets import BASE, get
 
@@ -31,6 +32,11 @@ PATH_LEGEND = {
 }
 RATIO_LEGEND = ("x trio: this row / trio's. lower / higher: this row's 95 % interval lies wholly below / "
                 "above trio's (a difference); =: the intervals overlap (no difference is claimed)")
+HEADLINE_NOTE = ("model: trio vs asyncio-taskgroup (the same routing core and design choices, one on Trio, "
+                 "one on asyncio; their thread bridges differ as their loops do); design: omni-event vs "
+                 "asyncio-taskgroup (both asyncio, vLLM-Omni's design vs the Trio shell's); above the floor: "
+                 "trio vs the floor of its path. Lower / higher only where the 95 % intervals do not "
+                 "overlap.")
 CI_LEGEND = ("[lo-hi]: the 95 % percentile-bootstrap interval of that percentile over this run's samples "
              "(10,000 seeded resamples)")
 
@@ -282,6 +288,9 @@ def renderables(results: dict[str, Any]) -> list[Any]:
         parts.append(table(rows[0], rows[1:], title=title, numeric_from=numeric,
                            wide=(0, 3) if title.startswith("Targets") else ()))
     parts.append("Legend\n" + "\n".join(f"  {line}" for line in legend(results)))
+    lines = headlines(results)
+    if lines:
+        parts.append("Headlines (p50)\n" + "\n".join(f"  {h}" for h in lines))
     note = missed_note(results)
     if note:
         parts.append(note)
@@ -314,6 +323,10 @@ def markdown_report(results: dict[str, Any]) -> str:
     for title, rows, _ in _sections(results):
         parts += [f"## {title}", "", render_markdown(rows), ""]
     parts += ["Legend:", "", *(f"- {line}" for line in legend(results)), "", missed_note(results), ""]
+    lines = headlines(results) + headlines(results, "p99")
+    if lines:
+        parts[4:4] = ["## Headlines: model, design, floor", "", HEADLINE_NOTE, "",
+                      *(f"- {h}" for h in lines), ""]
     return "\n".join(parts)
 
 

@@ -192,3 +192,15 @@ def test_asyncio_taskgroup_takes_the_push_path_wherever_trio_does(workload: str)
         finally:
             driver.close()
     assert took == {"trio": True, "asyncio-taskgroup": True, "omni-event": False}
+
+
+def test_headlines_separate_the_model_the_design_and_the_floor() -> None:
+    from bench.perf.headlines import headlines
+
+    res = _results({"a_seq": {"floor": 20.0, "trio": 40.0, "asyncio-taskgroup": 40.1, "omni-event": 80.0}})
+    (line,) = headlines(res)
+    model, design, floor = line.split(" -- ", 1)[1].split("; ")
+    assert model.startswith("model: trio") and model.endswith("no difference (the intervals overlap)")
+    assert design.startswith("design: omni-event") and design.endswith("omni-event higher")
+    assert floor.startswith("above the floor: trio") and floor.endswith("trio higher")
+    assert "[" in model and "x," in model  # both values with their intervals, and the ratio
