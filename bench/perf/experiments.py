@@ -21,12 +21,14 @@ from bench.perf.stats import percentiles_us
 from trio_orch.core import Router
 from trio_orch.types import StageOutput
 
-#: label -> (implementation, driver options): the Trio orchestrator with and without the push fast path
+#: label -> (implementation, driver options): the Trio shell and the TaskGroup reference (the same
+#: design on asyncio) with and without the push fast path, the floor, vLLM-Omni's design
 INPROC_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "floor": ("floor", {}),
     "trio": ("trio", {"push": True}),
     "trio (receive loop)": ("trio", {"push": False}),  # readers loop on receive()
-    "asyncio-taskgroup": ("asyncio-taskgroup", {}),
+    "asyncio-taskgroup": ("asyncio-taskgroup", {"push": True}),
+    "asyncio-taskgroup (receive loop)": ("asyncio-taskgroup", {"push": False}),
     "omni-event": ("omni-event", {}),
 }
 
@@ -107,11 +109,11 @@ def inproc(rounds: int, n: int) -> None:
                 c = workloads.chain(d, n // 10)
                 d.close()
                 fwd.setdefault(label, []).extend(c["forward"])
-    print(f"{'in-process':24s} {'a_seq p50':>10s} {'a_seq p99':>10s} {'fwd p50':>9s}")
+    print(f"{'in-process':34s} {'a_seq p50':>10s} {'a_seq p99':>10s} {'fwd p50':>9s}")
     for name, xs in lat.items():
         p = percentiles_us(xs)
         f = percentiles_us(fwd.get(name, []))
-        print(f"{name:24s} {p['p50_us']:10.1f} {p['p99_us']:10.1f} {f['p50_us']:9.1f}")
+        print(f"{name:34s} {p['p50_us']:10.1f} {p['p99_us']:10.1f} {f['p50_us']:9.1f}")
 
 
 def zmq(rounds: int, n: int) -> None:
