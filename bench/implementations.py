@@ -132,11 +132,12 @@ def _vllm_omni() -> list[Implementation]:
 SKIPPED: dict[str, str] = {} if available() else {i.name: missing_reason() for i in _vllm_omni()}
 
 IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
-    Implementation("floor", "the floor: bare Trio-token hand-off + one channel hop + queue put, no routing",
-                   FloorDriver, frozenset({"fed", "in_loop"})),
-    Implementation("zmq-floor", "the ZMQ floor: a bare pyzmq round trip through the same worker process "
-                   "and framing, in the caller's thread, no event loop", ZmqFloorDriver,
-                   frozenset({"workers"})),
+    Implementation("floor", "the floors of the in-process paths, every hop the path needs and nothing else: "
+                   "thread workloads, two plain-thread wake-ups (no loop); loop_* workloads, one task "
+                   "wake-up; no routing", FloorDriver, frozenset({"fed", "in_loop"})),
+    Implementation("zmq-floor", "the ZMQ floor: the same worker process and framing, a plain thread owning "
+                   "the socket, the two thread hops every bridge takes; no loop, no routing",
+                   ZmqFloorDriver, frozenset({"workers"})),
     Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
                    TrioDriver, frozenset(CAPABILITIES)),
     Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "

@@ -120,10 +120,18 @@ class StepProgress:
 
     def __enter__(self) -> StepProgress:
         if self.tty and self.total:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
 
             self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), console=console(stderr=True), transient=True)
+                                 TimeElapsedColumn(), TimeRemainingColumn(), console=console(stderr=True),
+                                 transient=True)
             self._bar.start()
             self._task = self._bar.add_task(self.what, total=self.total)
         return self

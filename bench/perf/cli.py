@@ -42,9 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "hand-off floor (two plain-thread wake-ups), the in-loop floor (one task wake-up), the ZMQ floor\n"
         "(the socket round trip and the two thread hops). p50 and p99 come with 95 % bootstrap intervals;\n"
         "a ratio against trio-orch says lower / higher only where the intervals do not overlap (else =).\n"
-        "A full run takes at least 10,000 latency samples per implementation and workload. Prints the\n"
-        "tables (fitted to the terminal, with a legend) and the performance targets (a missed one names\n"
-        "the clause that failed); writes results.json, results.md and PNG plots to --out.")
+        "A full run (3 rounds) takes at least 10,000 latency samples per implementation and workload.\n"
+        "Prints the tables (fitted to the terminal, with a legend) and the performance targets (a\n"
+        "missed one names the clause that failed); writes results.json, results.md and PNG plots to\n"
+        "--out.")
     parser.epilog = ("workloads:\n"
                      + "\n".join(f"  {k:16s} {w.description}" for k, w in WORKLOADS.items())
                      + "\nimplementations:\n"
