@@ -3,9 +3,12 @@
 - ``thinker``: a small decoder-only transformer over a byte vocabulary with a
   KV cache; batched sampled (or greedy, ``temperature=0``) decoding, one token
   per request per step; sampling is restricted to printable ASCII (with a
-  letter-frequency bias) so its text decodes and reads like words.  A token is
-  one byte and its text is ``chr(token)``: one character per token, which is
-  how stop strings are matched and how held-back text maps back to tokens.
+  letter-frequency bias) so its text decodes and reads like words.  Its
+  tokenizer (:mod:`stages.tokenizer`, the ``tokenizer`` option: a
+  ``tokenizer.json``) is byte-level by default: a token is one byte, 256 is
+  end-of-text.  Text is decoded incrementally, whole characters only; stop
+  strings are matched on it, and held-back text maps back to the tokens
+  whose characters it holds.
   A payload may carry encoder features (``{"text": ..., "features":
   float32[rows, feature_dim]}``, :mod:`stages.media`): projected into the
   embedding space, they come before the prompt's tokens in the prefill, so
@@ -55,6 +58,7 @@ from stages.sampling_params import (
     with_defaults,
 )
 from stages.schema import NonNegativeFloat, NonNegativeInt, PositiveInt
+from stages.tokenizer import TextTokenizer, load_tokenizer
 from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
 __all__ = ["Code2Wav", "Talker", "Thinker"]
@@ -64,6 +68,27 @@ EOS = 256  # thinker vocabulary: 256 bytes + EOS
 _FREQ = {" ": 13.0, "e": 10.2, "t": 7.5, "a": 6.5, "o": 6.2, "i": 5.7, "n": 5.7, "s": 5.3, "h": 4.9,
          "r": 5.0, "d": 3.4, "l": 3.3, "u": 2.3, "c": 2.2, "m": 2.0, "w": 1.9, "f": 1.8, "g": 1.6,
          "y": 1.6, "p": 1.5, "b": 1.2, ",": 1.0, ".": 1.0, "v": 0.8, "k": 0.6}
+
+
+def _text_bias(tok: TextTokenizer) -> torch.Tensor:
+    """Logit bias toward printable text: letters and spaces in English proportions, end-of-text.
+
+    The byte-level tokenizer's printable ASCII bytes; for another tokenizer,
+    every token whose text is printable ASCII (one letter: its frequency).
+    """
+    bias = torch.full((tok.vocab_size,), -math.inf)
+    if tok.source == "byte-level":
+        for c in range(32, 127):
+            bias[c] = math.log(0.05)
+        for ch, f in _FREQ.items():
+            bias[ord(ch)] = math.log(f)
+    else:
+        for t in range(tok.vocab_size):
+            text = tok.decode([t])
+            if text and all(32 <= ord(c) < 127 for c in text):
+                bias[t] = math.log(_FREQ.get(text, 0.05))
+    bias[tok.eos] = math.log(1.0)
+    return bias
 
 
 class Thinker(SlotModel):
@@ -88,22 +113,18 @@ class Thinker(SlotModel):
                  max_prompt: PositiveInt = 192, max_new_tokens: PositiveInt = 48,
                  min_new_tokens: NonNegativeInt = 8, temperature: NonNegativeFloat = 0.9,
                  slots: PositiveInt = 32, device: str = "cpu", seed: int = 0,
-                 feature_dim: PositiveInt = 128) -> None:
+                 feature_dim: PositiveInt = 128, tokenizer: str = "") -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed)
         self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens
         self.temperature = temperature
-        self.emb = nn.Embedding(EOS + 1, d_model).to(self.device)
+        self.tok = load_tokenizer(tokenizer)  # default: byte-level, ids = bytes, EOS = 256
+        self.eos, self.vocab = self.tok.eos, self.tok.vocab_size
+        self.emb = nn.Embedding(self.vocab, d_model).to(self.device)
         self.dec = TinyDecoder(d_model, layers, heads, max_prompt + max_new_tokens, slots)
         self.dec = self.dec.to(self.device).eval()
-        self.head = nn.Linear(d_model, EOS + 1).to(self.device)
-        bias = torch.full((EOS + 1,), -math.inf)
-        for c in range(32, 127):
-            bias[c] = math.log(0.05)
-        for ch, f in _FREQ.items():
-            bias[ord(ch)] = math.log(f)
-        bias[EOS] = math.log(1.0)
-        self.bias = bias.to(self.device)  # mostly letters and spaces, in English proportions
+        self.head = nn.Linear(d_model, self.vocab).to(self.device)
+        self.bias = _text_bias(self.tok).to(self.device)  # mostly letters and spaces, in English proportions
         # drawn last, so the weights above are what they were before features existed
         self.feature_dim = feature_dim
         self.feat = nn.Linear(feature_dim, d_model).to(self.device)  # encoder features -> embeddings
@@ -122,15 +143,16 @@ class Thinker(SlotModel):
             raise ValueError("thinker: 'say' must be a non-empty string")
         feats = self._features(p)
         room = self.max_prompt - (len(feats) if feats is not None else 0)
-        self._start(req, list(text.encode()[-room:]), max_new)
+        self._start(req, self.tok.encode(text)[-room:], max_new)
         req.model["features"] = feats
         if say is not None:  # forced: the tokens of ``say``, then EOS; no token budget cuts it short
             m = req.model
             fits = self.dec.max_len - 2 - len(m["prompt"])  # the cache holds the prompt, then the answer
-            if len(say.encode()) > fits:
-                raise ValueError(f"thinker: 'say' is {len(say.encode())} bytes, over the {fits} that fit "
+            said = self.tok.encode(say)
+            if len(said) > fits:
+                raise ValueError(f"thinker: 'say' is {len(said)} tokens, over the {fits} that fit "
                                  "after this prompt")
-            m["say"], m["min_new"] = [*say.encode(), EOS], 0
+            m["say"], m["min_new"] = [*said, self.eos], 0
             m["max_new"] = len(m["say"])
 
     def _features(self, payload: Any) -> torch.Tensor | None:
@@ -159,8 +181,9 @@ class Thinker(SlotModel):
                      "max_new": max(1, min(max_new, sp["max_tokens"], self.max_new)),
                      "min_new": sp["min_tokens"], "stop_ids": frozenset(sp["stop_token_ids"]),
                      "stop": StopText(sp["stop"]) if sp["stop"] else None, "held": [],
-                     "sampler": RequestSampler(sp, EOS + 1, seed_source=self.gen, prompt=ids),
-                     "cap": min(sp["max_tokens"], self.max_new), "params": sp, "ctx": ids, "out": []}
+                     "sampler": RequestSampler(sp, self.vocab, seed_source=self.gen, prompt=ids),
+                     "cap": min(sp["max_tokens"], self.max_new), "params": sp, "ctx": ids, "out": [],
+                     "detok": self.tok.decoder()}
 
     def extend(self, req: ReqState, payload: Any) -> None:
         """The next input segment: its text joins the context in the KV cache; generation goes on.
@@ -179,7 +202,7 @@ class Thinker(SlotModel):
         if not isinstance(text, str) or not text:
             raise ValueError("thinker segment must be a non-empty string or {'text': str}")
         m = req.model
-        new = list(text.encode())
+        new = self.tok.encode(text)
         m["n"], m["max_new"] = 0, max(1, min(max_new, m["cap"]))
         sp = m["params"]
         m["stop"] = StopText(sp["stop"]) if sp["stop"] else None  # stop strings apply per segment
@@ -220,7 +243,7 @@ class Thinker(SlotModel):
         logits = (self.head(torch.stack(hidden)) + self.bias).float().cpu()  # type: ignore[arg-type]
         for i, r in enumerate(reqs):
             if r.model["n"] < r.model["min_new"]:
-                logits[i, EOS] = -math.inf
+                logits[i, self.eos] = -math.inf
         samplers = [r.model["sampler"] for r in reqs]
         toks = sample(samplers, logits)
         results = []
@@ -253,18 +276,23 @@ class Thinker(SlotModel):
 
     def _emit(self, m: dict[str, Any], tok: int) -> StepResult:
         """The step's output for one request: its released text and tokens, and whether it ended."""
-        ended = tok == EOS or tok in m["stop_ids"]
+        ended = tok == self.eos or tok in m["stop_ids"]
         length = m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
-        held: list[int] = m["held"]
+        held: list[tuple[int, int]] = m["held"]  # (token, characters its decoding completed)
+        piece = m["detok"].push(tok) if not ended else ""  # whole characters only
         if not ended:
-            held.append(tok)
-        text, stopped = chr(tok) if not ended else "", False
+            held.append((tok, len(piece)))
+        text, stopped = piece, False
         if m["stop"] is not None:
             text, stopped = m["stop"].push(text)
             if (ended or length) and not stopped:
                 text += m["stop"].flush()
-        toks = np.array(held[: len(text)], dtype=np.int32)  # one character per token
-        del held[: len(text)]
+        n = chars = 0  # release the held tokens whose characters the text covers
+        while n < len(held) and chars + held[n][1] <= len(text):
+            chars += held[n][1]
+            n += 1
+        toks = np.array([t for t, _ in held[:n]], dtype=np.int32)
+        del held[:n]
         done = ended or stopped or length
         if not done and not len(toks):
             return StepResult(None, False, None)  # held back: it may begin a stop string
@@ -278,7 +306,9 @@ class Thinker(SlotModel):
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "max_new_tokens": self.max_new, "max_prompt": self.max_prompt,
-                "max_say": self.dec.max_len - 3, "device": str(self.device), "feature_dim": self.feature_dim}
+                "max_say": self.dec.max_len - 3, "device": str(self.device), "feature_dim": self.feature_dim,
+                "tokenizer": "" if self.tok.source == "byte-level" else self.tok.source,
+                "vocab_size": self.vocab, "eos": self.eos}
 
 
 class Talker(SlotModel):
