@@ -402,6 +402,8 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
              f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
              f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
+             *(["Headlines (p50). " + HEADLINE_NOTE, "", *(f"- {h}" for h in headlines(results)), ""]
+               if headlines(results) else []),
              *([render_markdown(serving_rows(results)), ""] if len(serving_rows(results)) > 1 else []),
              render_markdown(target_rows(results)), "", missed_note(results), "",
              "Intervals: 95 % bootstrap; a ratio says lower / higher only where the intervals do not "
