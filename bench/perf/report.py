@@ -1,6 +1,8 @@
-"""Benchmark output: terminal table, markdown, JSON, PNG plots, target verdicts.
+"""Benchmark output: terminal tables (:mod:`bench.tables`), markdown, JSON, PNG plots, the floors' verdict.
 
 Every number comes from the result dictionary of one run; nothing is typed in.
+Targets are judged in :mod:`bench.perf.targets`, headlines written in
+:mod:`bench.perf.headlines`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ FLOOR_LABEL = {"thread": "floor:\nthread", "loop": "floor:\nin-loop", "zmq": "fl
 PATH_LEGEND = {
     "push": "the shell takes the push path: a stage hands each batch to the shell's routing "
             "synchronously, no reader task in between",
-    "reader": "a reader task per stage receives and hands the batch on (one task wake-up more)",
+    "reader": "a reader task per stage receives each batch and hands it on (task wake-ups the push path "
+              "does not have)",
     "floor: thread": "the thread hand-off floor: " + PATHS["thread"],
     "floor: in-loop": "the in-loop floor: " + PATHS["loop"],
     "floor: ZMQ": "the ZMQ floor: " + ZMQ_PATH,
