@@ -1,9 +1,12 @@
 """The pipeline's tokenizer, and vLLM's ``POST /tokenize`` and ``POST /detokenize`` over it.
 
-The built-in text model (``stages.models.Thinker``) reads bytes: a token is
-one byte of the prompt's UTF-8 text and 256 is end-of-text, so its tokenizer
-is a few lines and runs here, in the server, without torch or a model
-(:class:`ByteTokenizer`; a test checks it against the thinker itself).  The
+The built-in text model (``stages.models.Thinker``) reads bytes by default: a
+token is one byte of the prompt's UTF-8 text and 256 is end-of-text, so its
+tokenizer is a few lines and runs here, in the server, without torch or a
+model (:class:`ByteTokenizer`; tests check it against the thinker itself and
+against the library-built byte-level tokenizer the thinker uses).  A thinker
+given a ``tokenizer.json`` (``[stages.model] tokenizer``) reports it in its
+ready info, and the routes load the same file (:mod:`stages.tokenizer`).  The
 talker reads the thinker's tokens, so a pipeline that begins with it has the
 same tokenizer for its input.  Which stage a route tokenizes for: the stage
 that gives the text (:func:`stages.registry.text_stage`), else stage 0.
@@ -30,6 +33,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import text_stage
+from stages.tokenizer import TextTokenizer, load_tokenizer
 from trio_orch.engine import Engine
 from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.generation import OpenAIRoute
@@ -66,6 +70,9 @@ class ByteTokenizer:
         return "<eos>" if token == self.eos else bytes([token]).decode("utf-8", "backslashreplace")
 
 
+#: what a route tokenizes with: the byte tokenizer, or a stage's ``tokenizer.json``
+Tokenizer = ByteTokenizer | TextTokenizer
+
 #: stage kind -> the tokenizer of the tokens it reads (the talker reads the thinker's)
 TOKENIZERS: dict[str, ByteTokenizer] = {"thinker": ByteTokenizer(), "talker": ByteTokenizer()}
 
@@ -79,14 +86,24 @@ def stage_info(engine: Engine, stage: int) -> dict[str, Any]:
     return {}
 
 
-def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[int, ByteTokenizer] | None:
-    """The stage a prompt is tokenized for (its text stage, else stage 0) and its tokenizer; None: unknown."""
+def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[int, Tokenizer] | None:
+    """The stage a prompt is tokenized for (its text stage, else stage 0) and its tokenizer; None: unknown.
+
+    A thinker whose workers report a ``tokenizer`` file (``[stages.model] tokenizer``) has that one
+    (:func:`stages.tokenizer.load_tokenizer`, loaded once); otherwise the byte tokenizer.
+    """
     kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
     if kinds is None:
         return None
     k = text_stage(engine.final_stage_ids, outputs)
     for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
         if kinds[stage] in TOKENIZERS:
+            path = stage_info(engine, stage).get("tokenizer")
+            if isinstance(path, str) and path:
+                try:
+                    return stage, load_tokenizer(path)
+                except ValueError:
+                    return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
             return stage, TOKENIZERS[kinds[stage]]
     return None
 
@@ -122,7 +139,7 @@ def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[
     tok_route = OpenAIRoute(engine, TOKENIZE, front, limits)
     detok_route = OpenAIRoute(engine, DETOKENIZE, front, limits)
 
-    def tokenizer() -> tuple[int, ByteTokenizer]:
+    def tokenizer() -> tuple[int, Tokenizer]:
         found = pipeline_tokenizer(engine, outputs)
         if found is None:
             raise BadRequest("this pipeline has no stage whose tokenizer the server knows (a thinker's, or "
