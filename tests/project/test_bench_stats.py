@@ -204,3 +204,14 @@ def test_headlines_separate_the_model_the_design_and_the_floor() -> None:
     assert design.startswith("design: omni-event") and design.endswith("omni-event higher")
     assert floor.startswith("above the floor: trio") and floor.endswith("trio higher")
     assert "[" in model and "x," in model  # both values with their intervals, and the ratio
+
+
+@pytest.mark.parametrize("workload", ["a_seq", "c_chain", "b_64_unbatched", "b_512_batched", "loop_a_seq",
+                                      "loop_c_chain", "loop_b_512_unbatched"])
+def test_a_full_run_takes_at_least_10000_latency_samples_per_implementation(workload: str) -> None:
+    """Measured on the floor (the cheapest implementation): a full run's size, its default 3 rounds."""
+    from bench.perf.workloads import run_workload
+
+    res = run_workload(workload, "floor", quick=False)
+    assert 3 * len(res["latency"]) >= 10_000
+    assert len(run_workload(workload, "floor", quick=True)["latency"]) < 10_000  # --quick stays small
