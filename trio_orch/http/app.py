@@ -76,6 +76,7 @@ from trio_orch.http.openai_routes import GENERATION, openai_routes
 from trio_orch.http.realtime_server import realtime_route
 from trio_orch.http.schemas import BadRequest, ServedModels, error_body, parse_json_body
 from trio_orch.http.streaming import SSEResponse, sse
+from trio_orch.http.tokenizer import prompt_token_count
 from trio_orch.types import OrchError
 
 __all__ = ["API_KEY_ENV", "CHAT", "GENERATION_PATHS", "ApiKeyAuth", "ChatCompletions", "WebSocketGuard",
@@ -180,6 +181,7 @@ class ChatCompletions(OpenAIRoute):
         try:
             body = parse_json_body(await request.body(), limits.max_json_depth)
             req = parse_chat_request(body, self.models, limits.max_prompt_chars, self.chat)
+            req.prompt_tokens = prompt_token_count(engine, self.outputs, req.prompt)
             final = self.final_stage_for(req)
             map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
                               outputs=self.outputs, final_stage_id=final)

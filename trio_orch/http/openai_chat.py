@@ -86,6 +86,8 @@ class ChatRequest:
     #: the decoded image parts (``uint8[h, w, 3]``) and audio parts, in the order the messages had them
     images: list[np.ndarray] = field(default_factory=list)
     audios: list[AudioClip] = field(default_factory=list)
+    #: the prompt's length in the text stage's tokens (None: its UTF-8 bytes, the byte tokenizer's)
+    prompt_tokens: int | None = None
 
     def payload(self) -> Any:
         """What stage 0 takes: the prompt, with its media beside it (:mod:`stages.media`) if any.
@@ -326,7 +328,9 @@ class ChatStream:
         return self._chunk({}, self.finish_reason())
 
     def usage(self) -> dict[str, Any]:
-        prompt_tokens = len(self.req.prompt.encode())
+        prompt_tokens = self.req.prompt_tokens
+        if prompt_tokens is None:
+            prompt_tokens = len(self.req.prompt.encode())
         completion = self.text_outputs
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion}

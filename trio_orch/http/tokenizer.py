@@ -42,8 +42,8 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import parse_chat_request
 from trio_orch.http.schemas import BadRequest, ServedModels
 
-__all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "pipeline_tokenizer", "stage_info",
-           "tokenizer_routes"]
+__all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "Tokenizer", "pipeline_tokenizer",
+           "prompt_token_count", "stage_info", "tokenizer_routes"]
 
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
@@ -106,6 +106,12 @@ def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[i
                     return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
             return stage, TOKENIZERS[kinds[stage]]
     return None
+
+
+def prompt_token_count(engine: Engine, outputs: Sequence[str] | None, prompt: str) -> int | None:
+    """``prompt``'s length in the pipeline's tokens (usage's ``prompt_tokens``; None: no tokenizer known)."""
+    found = pipeline_tokenizer(engine, outputs)
+    return len(found[1].encode(prompt)) if found is not None else None
 
 
 def max_model_len(engine: Engine, stage: int) -> int | None:
