@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from trio_orch.cli import main
 from trio_orch.http.chat_template import DEFAULT_TEMPLATE, ChatInput, ChatTemplate
 from trio_orch.http.media import MediaPolicy, decode_audio, decode_image, wav_clip
 from trio_orch.http.openai_chat import parse_chat_request
@@ -205,3 +206,15 @@ def test_a_chat_of_media_alone_says_something_and_an_empty_one_does_not() -> Non
     assert req.prompt == "user: <audio>\nassistant:" and len(req.audios) == 1
     assert refusal({"messages": [{"role": "user", "content": [{"type": "text", "text": " "}]}]}).param == \
         "messages"
+
+
+def test_serve_refuses_a_broken_template_or_media_folder_before_it_listens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{{ messages[0].content ")
+    for argv, says in ((["--chat-template", str(bad)], "bad.jinja: line 1"),
+                       (["--chat-template", str(tmp_path / "none.jinja")], "cannot read chat template"),
+                       (["--allowed-local-media-path", str(bad)], "is not a directory")):
+        assert main(["serve", "--in-process", "--port", "0", *argv]) == 2
+        captured = capsys.readouterr()
+        assert says in captured.err and "starting" not in captured.out
