@@ -102,7 +102,7 @@ class ImageEncoder(_Encoder):
         if a.ndim != 3 or a.shape[2] != 3 or a.dtype != np.uint8 or not a.size:
             raise ValueError("image-encoder: an image is uint8[height, width, 3], "
                              f"got {a.dtype}{list(a.shape)}")
-        return a
+        return a.copy()  # arrays from the wire are read-only views of its frames
 
     def _encode(self, item: np.ndarray) -> torch.Tensor:
         x = torch.from_numpy(np.ascontiguousarray(item)).to(self.device)
@@ -139,7 +139,7 @@ class AudioEncoder(_Encoder):
     def _check(self, item: Any) -> tuple[np.ndarray, int]:
         if not isinstance(item, dict) or item.get("pcm") is None:
             raise ValueError("audio-encoder: a clip is {'pcm': float32[samples], 'sample_rate': int}")
-        pcm = np.asarray(item["pcm"], dtype=np.float32).reshape(-1)
+        pcm = np.array(item["pcm"], dtype=np.float32).reshape(-1)  # a copy: wire arrays are read-only
         rate = item.get("sample_rate", self.rate)
         if not isinstance(rate, int | np.integer) or rate < 1 or not len(pcm):
             raise ValueError("audio-encoder: a clip needs samples and a positive integer sample_rate")

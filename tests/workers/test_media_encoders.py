@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 from stages.base import ReqState, StageModel  # noqa: E402
 from stages.config import builtin_config  # noqa: E402
 from stages.registry import build_model, forward_fn, input_media, spec_for  # noqa: E402
+from stages.wire import InboundMsg, Submit, WireCodec  # noqa: E402
 
 SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 KINDS = ["image-encoder", "audio-encoder", "thinker"]
@@ -135,3 +136,15 @@ def test_the_thinker_refuses_features_of_the_wrong_width_or_too_many() -> None:
     with pytest.raises(ValueError, match="over half the prompt room"):
         thinker.admit(ReqState("r", {"text": "hi", "features": np.zeros((11, 8), np.float32)}))
     assert one(thinker, {"text": "hi", "features": np.zeros((10, 8), np.float32)}, max_tokens=3)
+
+
+def test_the_media_payload_crosses_the_wire_as_frames_and_encodes_the_same(omni: Omni) -> None:
+    prompt = {"text": "user: <image><audio>\nassistant:", "images": [solid((0, 200, 100))],
+              "audios": [tone(500)]}
+    codec = WireCodec(InboundMsg)
+    frames = codec.encode(Submit("r", prompt, 0))
+    assert len(frames) == 3  # the header, the image's pixels, the clip's samples: never in the header
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, Submit)
+    sent = one(omni.models[0], got.payload)[0]["features"]
+    assert np.array_equal(sent, one(omni.models[0], prompt)[0]["features"])
