@@ -65,6 +65,12 @@ def audio_part(data: bytes, fmt: str = "wav") -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": base64.b64encode(data).decode(), "format": fmt}}
 
 
+def path_of(folder: Path, template: str) -> Path:
+    path = folder / "template.jinja"
+    path.write_text(template)
+    return path
+
+
 def refusal(body: dict[str, Any], chat_input: ChatInput = OMNI) -> BadRequest:
     with pytest.raises(BadRequest) as err:
         parse_chat_request(body, MODELS, chat=chat_input)
@@ -103,6 +109,9 @@ def test_a_template_that_raises_refuses_the_messages_and_a_broken_file_is_named(
     with pytest.raises(ValueError, match="cannot read"):
         ChatTemplate.from_file(tmp_path / "missing.jinja")
     assert ChatTemplate(DEFAULT_TEMPLATE) == ChatTemplate()
+    inline = ChatTemplate.from_arg("{{ messages[-1].content }}!")  # vLLM's flag: no such file, Jinja
+    assert inline.render([{"role": "user", "content": "hi"}]) == "hi!"
+    assert ChatTemplate.from_arg(str(path_of(tmp_path, "{{ 'file' }}"))).render([]) == "file"
 
 
 # ------------------------------------------------------------------------------------------ images

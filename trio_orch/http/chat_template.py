@@ -93,6 +93,14 @@ class ChatTemplate:
             raise ValueError(f"cannot read chat template {p}: {exc}") from None
         return cls(text, str(p))
 
+    @classmethod
+    def from_arg(cls, value: str) -> ChatTemplate:
+        """``--chat-template``'s value, as vLLM reads it: a file, or the template itself when it is
+        no file and holds Jinja (``{{`` or ``{%``)."""
+        if not Path(value).is_file() and ("{{" in value or "{%" in value):
+            return cls(value, "given on the command line")
+        return cls.from_file(value)
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
         """The prompt for ``messages``; BadRequest (naming ``messages``) when the template refuses them."""
         try:

@@ -163,8 +163,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
-                   help="Jinja chat template that makes the messages one prompt, as vLLM's flag (for chat "
-                        "and /tokenize; default: the built-in 'role: content' lines ending 'assistant:')")
+                   help="Jinja chat template that makes the messages one prompt, as vLLM's flag: a file, "
+                        "or the template itself (for chat and /tokenize; default: the built-in "
+                        "'role: content' lines ending 'assistant:')")
     c.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image_url parts name file:// images inside DIR (default: none; remote "
                         "http(s) URLs are always refused: send data: URLs)")
@@ -210,7 +211,7 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
 
 def _chat_input(args: argparse.Namespace) -> ChatInput:
     """The chat template and media policy from the command line; ValueError naming a bad file or folder."""
-    template = ChatTemplate.from_file(args.chat_template) if args.chat_template else ChatTemplate()
+    template = ChatTemplate.from_arg(args.chat_template) if args.chat_template else ChatTemplate()
     root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
     return ChatInput(template, MediaPolicy(allowed_local_media_path=root))
 
