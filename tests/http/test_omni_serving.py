@@ -1,7 +1,8 @@
 """Images and audio through a real server to encoder workers and the thinker; the chat template over HTTP.
 
-A real server on loopback (the ``serving`` fixture's helpers) over the
-omni-in pipeline's worker processes (image-encoder -> audio-encoder ->
+A real server on loopback, on both fronts (the ``serving`` fixture's helper,
+module-scoped here: workers take a while to start), over the omni-in
+pipeline's worker processes (image-encoder -> audio-encoder ->
 thinker): the same text and seed with a red and a blue image, or a low and
 a high tone, give different answers; a corrupt image is a 400 naming its
 part, before anything reaches a stage.  A second server, over a thinker
@@ -26,7 +27,7 @@ from PIL import Image
 
 from stages.config import PipelineConfig, StageConfig, builtin_config
 from tests import http_helpers
-from tests.http_helpers import HANG, Served, TrioServed, serve
+from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve
 from tests.waiting import wait_until
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.http.chat_template import ChatInput, ChatTemplate
@@ -69,9 +70,9 @@ def worker_server(front: str, config: PipelineConfig, **app: Any) -> Iterator[Se
     assert probe.leaks() == {"processes": 0, "fds": 0, "ipc_files": 0}
 
 
-@pytest.fixture(scope="module")
-def omni() -> Iterator[Served | TrioServed]:
-    yield from worker_server("trio", OMNI)
+@pytest.fixture(scope="module", params=FRONTS)
+def omni(request: pytest.FixtureRequest) -> Iterator[Served | TrioServed]:
+    yield from worker_server(request.param, OMNI)
 
 
 @pytest.fixture(scope="module")
