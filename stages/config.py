@@ -52,6 +52,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stages.media import FEATURE_DIM
 from stages.registry import KindError, check_stage, outputs_of
 from stages.schema import check_file, set_fields
 
@@ -132,6 +133,7 @@ class PipelineConfig:
         if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
         self._check_roles()
+        self._check_features()
         return self
 
     def admission_bounds(self, *, serving: bool) -> list[int | None]:
@@ -168,6 +170,21 @@ class PipelineConfig:
             elif s.role == "decode" and (k == 0 or st[k - 1].role != "prefill"):
                 raise ValueError(f"pipeline config: stage {k} has role 'decode': the stage before it must "
                                  "have role 'prefill'")
+
+    def _check_features(self) -> None:
+        """A built-in encoder feeds a later thinker, whose ``feature_dim`` is the encoder's ``dim``."""
+        for k, s in enumerate(self.stages):
+            if s.kind not in ("image-encoder", "audio-encoder"):
+                continue
+            t = next((j for j in range(k + 1, len(self.stages)) if self.stages[j].kind == "thinker"), None)
+            if t is None:
+                raise ValueError(f"pipeline config: stage {k} ({s.kind}) feeds no thinker: its features "
+                                 "are read by a later thinker stage only")
+            dim = s.model.get("dim", FEATURE_DIM)
+            want = self.stages[t].model.get("feature_dim", FEATURE_DIM)
+            if dim != want:
+                raise ValueError(f"pipeline config: stage {k} ({s.kind}) makes rows of dim {dim}, but stage "
+                                 f"{t} (thinker) reads feature_dim {want}: make them equal")
 
     def kinds(self) -> list[str]:
         return [s.kind for s in self.stages]

@@ -22,7 +22,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MEDIA_KEYS", "audio_features_input", "features_of", "image_features_input", "media_of"]
+__all__ = ["FEATURE_DIM", "MEDIA_KEYS", "audio_features_input", "features_of", "image_features_input",
+           "media_of"]
+
+#: the default width of a feature row: the built-in encoders' ``dim``, the thinker's ``feature_dim``
+FEATURE_DIM = 128
 
 #: payload key -> the encoder kind's medium that reads it
 MEDIA_KEYS = {"image": "images", "audio": "audios"}

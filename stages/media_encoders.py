@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from stages.base import ReqState, StageModel, StepResult
-from stages.media import features_of, media_of
+from stages.media import FEATURE_DIM, features_of, media_of
 from stages.schema import PositiveInt
 
 __all__ = ["AudioEncoder", "ImageEncoder"]
@@ -85,7 +85,7 @@ class ImageEncoder(_Encoder):
     kind = "image-encoder"
     medium = "image"
 
-    def __init__(self, image_size: PositiveInt = 32, patch: PositiveInt = 8, dim: PositiveInt = 128,
+    def __init__(self, image_size: PositiveInt = 32, patch: PositiveInt = 8, dim: PositiveInt = FEATURE_DIM,
                  device: str = "cpu", seed: int = 0) -> None:
         if image_size % patch:
             raise ValueError(f"image-encoder: image_size {image_size} is not a multiple of patch {patch}")
@@ -126,7 +126,7 @@ class AudioEncoder(_Encoder):
     medium = "audio"
 
     def __init__(self, sample_rate: PositiveInt = 16000, frame: PositiveInt = 400, hop: PositiveInt = 160,
-                 max_frames: PositiveInt = 16, dim: PositiveInt = 128, device: str = "cpu",
+                 max_frames: PositiveInt = 16, dim: PositiveInt = FEATURE_DIM, device: str = "cpu",
                  seed: int = 0) -> None:
         self._setup(dim, device, seed, 13)
         self.rate, self.frame, self.hop, self.max_frames = sample_rate, frame, hop, max_frames

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from stages.base import ReqState, StepResult
+from stages.media import FEATURE_DIM
 from stages.sampling import RequestSampler, StopText, sample
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
@@ -113,7 +114,7 @@ class Thinker(SlotModel):
                  max_prompt: PositiveInt = 192, max_new_tokens: PositiveInt = 48,
                  min_new_tokens: NonNegativeInt = 8, temperature: NonNegativeFloat = 0.9,
                  slots: PositiveInt = 32, device: str = "cpu", seed: int = 0,
-                 feature_dim: PositiveInt = 128, tokenizer: str = "") -> None:
+                 feature_dim: PositiveInt = FEATURE_DIM, tokenizer: str = "") -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed)
         self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens

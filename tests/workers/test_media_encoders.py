@@ -15,7 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from stages.base import ReqState, StageModel  # noqa: E402
-from stages.config import builtin_config  # noqa: E402
+from stages.config import PipelineConfig, StageConfig, builtin_config  # noqa: E402
 from stages.registry import build_model, forward_fn, input_media, spec_for  # noqa: E402
 from stages.wire import InboundMsg, Submit, WireCodec  # noqa: E402
 
@@ -148,3 +148,14 @@ def test_the_media_payload_crosses_the_wire_as_frames_and_encodes_the_same(omni:
     assert isinstance(got, Submit)
     sent = one(omni.models[0], got.payload)[0]["features"]
     assert np.array_equal(sent, one(omni.models[0], prompt)[0]["features"])
+
+
+def test_the_config_refuses_an_encoder_the_thinker_cannot_read() -> None:
+    with pytest.raises(ValueError, match="dim 64, but stage 1 \\(thinker\\) reads feature_dim 128"):
+        PipelineConfig([StageConfig("image-encoder", model={"dim": 64}), StageConfig("thinker")],
+                       final_stage_ids=[1]).validate()
+    with pytest.raises(ValueError, match="feeds no thinker"):
+        PipelineConfig([StageConfig("thinker"), StageConfig("audio-encoder")], final_stage_ids=[0]).validate()
+    narrow = [StageConfig("audio-encoder", model={"dim": 8}),
+              StageConfig("thinker", model={"feature_dim": 8})]
+    assert PipelineConfig(narrow, final_stage_ids=[1]).validate().kinds() == ["audio-encoder", "thinker"]
