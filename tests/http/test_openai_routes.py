@@ -331,7 +331,7 @@ def test_a_thinker_told_what_to_say_says_it_and_ends() -> None:
         text += res.data["text"] if res.data else ""
         done = res.finished
     assert text == "more than four" and res.data["finish_reason"] == "stop"
-    with pytest.raises(ValueError, match="'say' is 20 bytes"):
+    with pytest.raises(ValueError, match="'say' is 20 tokens"):
         thinker.admit(ReqState("long", {"text": " ", "say": "x" * 20}))
 
 
