@@ -227,3 +227,13 @@ def test_serve_refuses_a_broken_template_or_media_folder_before_it_listens(
         assert main(["serve", "--in-process", "--port", "0", *argv]) == 2
         captured = capsys.readouterr()
         assert says in captured.err and "starting" not in captured.out
+
+
+def test_only_common_raster_formats_are_decoded() -> None:
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, format="JPEG")
+    assert decode_image(data_url(buf.getvalue(), "image/jpeg"), MediaPolicy(), "p").shape == (8, 8, 3)
+    buf = io.BytesIO()
+    Image.new("RGB", (8, 8), (1, 2, 3)).save(buf, format="PPM")  # Pillow reads it, this server does not
+    with pytest.raises(BadRequest, match="not a readable image"):
+        decode_image(data_url(buf.getvalue(), "image/x-portable-pixmap"), MediaPolicy(), "p")

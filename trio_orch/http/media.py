@@ -4,7 +4,7 @@ An ``image_url`` part's URL is a ``data:image/...;base64,`` URL, or -- only
 when the server allows a directory (``serve --allowed-local-media-path``, as
 vLLM's) -- a ``file://`` URL of a file inside it.  Remote ``http(s)`` URLs
 are refused with a 400: the server fetches nothing on a client's behalf.
-Images are decoded with Pillow, bounded in encoded bytes and in pixels
+Images are decoded with Pillow (:data:`IMAGE_FORMATS` only), bounded in encoded bytes and pixels
 (Pillow's decompression-bomb guard is not the limit here; ours is checked
 before the pixels are decoded), converted to RGB and shrunk to at most
 :attr:`MediaPolicy.max_side` on their longer side: a ``uint8[height, width,
@@ -35,7 +35,13 @@ from PIL import Image, UnidentifiedImageError
 
 from trio_orch.http.schemas import BadRequest
 
-__all__ = ["AudioClip", "MediaPolicy", "decode_audio", "decode_image", "read_image_file", "wav_clip"]
+__all__ = ["IMAGE_FORMATS", "AudioClip", "MediaPolicy", "decode_audio", "decode_image", "read_image_file",
+           "wav_clip"]
+
+
+#: the image formats decoded (Pillow's names): common raster formats only -- never one whose
+#: plug-in runs an outside program (EPS runs Ghostscript)
+IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
 
 
 @dataclass(frozen=True)
@@ -135,7 +141,7 @@ def _pixels(data: bytes, policy: MediaPolicy, param: str) -> np.ndarray:
     if len(data) > policy.max_image_bytes:
         raise _too_big(param, "image", policy.max_image_bytes)
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with Image.open(io.BytesIO(data), formats=IMAGE_FORMATS) as img:
             w, h = img.size
             if w * h > policy.max_image_pixels:
                 raise BadRequest(f"'{param}': the image is {w}x{h}, over the limit of "
