@@ -58,14 +58,20 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     ``sampling`` = this stage's sampling parameters for the request (None: its
     defaults); ``resumable``: more input segments follow as :class:`Update`
     messages, so the worker keeps the request (and its model state) after a
-    segment finishes.  Fields only ever get appended with a default, so a peer
-    one version behind still decodes the message (it ignores what it does not know)."""
+    segment finishes; ``priority`` (lower first) and ``deadline_in`` (seconds
+    left until the request's deadline, None: none) order the worker's waiting
+    requests as the orchestrator orders its queue (``stages/scheduling.py``).
+    Fields only ever get appended with a default, so a peer one version
+    behind still decodes the message (it ignores what it does not know; an
+    absent priority is 0)."""
 
     request_id: str
     payload: Any
     downstream: int = -1
     sampling: dict[str, Any] | None = None
     resumable: bool = False
+    priority: int = 0
+    deadline_in: float | None = None
 
 
 class Update(msgspec.Struct, tag="update", array_like=True):

@@ -29,7 +29,6 @@ import shutil
 import signal
 import sys
 import time
-from collections import deque
 from typing import Any
 
 import zmq
@@ -40,6 +39,7 @@ from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
+from stages.scheduling import WaitingQueue
 from stages.segments import SegmentTracker
 from stages.wire import (
     Abort,
@@ -101,7 +101,8 @@ class Worker:
         self.cordoned = False  # the orchestrator confirmed it places nothing more here
         self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
         self.active: dict[str, ReqState] = {}
-        self.waiting: deque[ReqState] = deque()
+        #: submitted, not in the batch yet: they join it by priority, deadline, arrival (stages/scheduling.py)
+        self.waiting: WaitingQueue[ReqState] = WaitingQueue()
         self.segments = SegmentTracker(model)
         # per request: when it arrived, and when the batch took it (perf_counter), for its timing
         self.t_arrived: dict[str, float] = {}
@@ -258,8 +259,9 @@ class Worker:
                 if (not msg.resumable or self.segments.route_chunk(req, data, end, segment)) \
                         and not self.feed(req, data, end):
                     return
-        self.t_arrived[rid] = time.perf_counter()
-        self.waiting.append(req)
+        self.t_arrived[rid] = now = time.perf_counter()
+        left = msg.deadline_in
+        self.waiting.push(req, priority=msg.priority, deadline=None if left is None else now + left, now=now)
 
     def update(self, msg: Update) -> None:
         """The next input segment of a resumable request (it starts once the current one finished)."""
@@ -328,7 +330,7 @@ class Worker:
         if self.waiting and len(self.active) < self.args.max_batch:
             t = time.perf_counter()
             while self.waiting and len(self.active) < self.args.max_batch:
-                req = self.waiting.popleft()
+                req = self.waiting.pop()
                 self.active[req.request_id] = req
                 self.t_batched[req.request_id] = t
         batch: list[ReqState] = []

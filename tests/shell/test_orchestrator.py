@@ -243,8 +243,8 @@ async def test_shutdown_with_requests_in_flight_leaves_no_task() -> None:
             await orch.add_request(f"r{i}", "p")
         await stages[0].emit("r0", "partial")
         assert await nxt(orch) == OrchOutput("r0", 0, "partial", False)
-        # run() itself, 3 readers, the dispatcher, the request handler, the deadline keeper
-        assert len(orchestrator_tasks()) == 7
+        # run() itself, 3 readers, the dispatcher, the request handler, the intake, the deadline keeper
+        assert len(orchestrator_tasks()) == 8
         await orch.shutdown()
         assert orchestrator_tasks() == []
         msgs = await drain(orch)
@@ -418,7 +418,7 @@ async def test_deadline_of_a_request_still_queued(autojump_clock: trio.testing.M
     stages = three()
     stages[0].hold_submits()
     async with open_orchestrator(stages, {0, 2}) as orch:
-        orch.add_request_nowait("stuck", "p")
+        orch.add_request_nowait("stuck", "p", priority=-1)  # starts first, despite the other's deadline
         orch.add_request_nowait("queued", "p", timeout=2)
         msg = await nxt(orch)
         assert msg == OrchError("queued", None, "timeout", "its deadline passed while queued")

@@ -77,7 +77,8 @@ class ReplicaPool:
     :meth:`add_replica`; their owner tasks run elsewhere (the launcher's
     nursery).  ``placements`` counts submits per replica; ``replica_of(rid)``
     says where an active request lives; ``timings`` keeps the last
-    ``keep_timings`` requests' :class:`StageTiming`.
+    ``keep_timings`` requests' :class:`StageTiming`.  A submit's priority and
+    deadline are passed to its replica (``accepts_priority``).
     """
 
     def __init__(self, stage_id: int, *, name: str | None = None, keep_timings: int = 1024) -> None:
@@ -327,8 +328,11 @@ class ReplicaPool:
         return min(live, key=lambda i: (getattr(self.replicas[i], "suspect", False), self._load[i], i))
 
     # ------------------------------------------------------------------ stage-client protocol
+    accepts_priority = True
+
     async def submit(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
-                     resumable: bool = False, companion_of: str | None = None) -> None:
+                     resumable: bool = False, companion_of: str | None = None, priority: int = 0,
+                     deadline_in: float | None = None) -> None:
         """Bind ``request_id`` to a replica (its reserved one, else the least loaded) and submit it there.
 
         ``sampling``: this stage's parameters for the request, passed to the
@@ -373,6 +377,10 @@ class ReplicaPool:
                 opts["sampling"] = sampling
             if resumable:
                 opts["resumable"] = True
+            if priority:
+                opts["priority"] = priority
+            if deadline_in is not None:
+                opts["deadline_in"] = deadline_in
             await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
         except BaseException:
             self._unbind(request_id)

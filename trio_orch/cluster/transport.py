@@ -95,6 +95,9 @@ class ZmqStageClient:
     :class:`~trio_orch.cluster.pool.ReplicaPool` merges its replicas this way).
     """
 
+    #: a submit's priority and deadline go to the worker, which batches by them
+    accepts_priority = True
+
     def __init__(self, ctx: zmq.Context, address: str, *, stage_id: int = 0, replica: int = 0,
                  heartbeat_timeout: float | None = None, sink: Sink | None = None,
                  name: str | None = None, max_message_bytes: int | None = None,
@@ -190,15 +193,17 @@ class ZmqStageClient:
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
                      sampling: dict[str, Any] | None = None, resumable: bool = False,
-                     companion_of: str | None = None) -> None:
+                     companion_of: str | None = None, priority: int = 0,
+                     deadline_in: float | None = None) -> None:
         """Queue a submit; raise :class:`StageUnavailable` if the replica is dead or closed.
 
         ``resumable``: more input segments follow through :meth:`update`.
+        ``priority``/``deadline_in`` (seconds left): the worker's batch order.
         ``companion_of`` is accepted for the stage-client protocol and needs
         nothing here: one replica is always its companion's parent's.
         """
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream, sampling, resumable))
+        self._queue(Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in))
         await trio.lowlevel.checkpoint()
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,

@@ -125,13 +125,23 @@ class Emit:
 Action = Submit | Update | Abort | Emit
 
 
-def stage_io_options(action: Submit | Update) -> dict[str, Any]:
+def stage_io_options(action: Submit | Update, stage: Any = None,
+                     schedule: tuple[int, float | None] | None = None) -> dict[str, Any]:
     """The keyword arguments a shell passes to ``stage.submit``/``stage.update`` for ``action``.
 
     Only what is set, so stage clients that know neither resumable requests
-    nor sampling parameters keep working unchanged.
+    nor sampling parameters keep working unchanged.  ``schedule`` (the
+    request's priority and seconds left, ``AdmissionRules.schedule``) goes
+    with a submit to a stage client that declares ``accepts_priority``, when
+    it says anything (a priority other than 0, or a deadline).
     """
     opts: dict[str, Any] = {}
+    if schedule is not None and type(action) is Submit and getattr(stage, "accepts_priority", False):
+        priority, left = schedule
+        if priority:
+            opts["priority"] = priority
+        if left is not None:
+            opts["deadline_in"] = left
     if type(action) is Update:
         if action.final:
             opts["final"] = True
@@ -145,14 +155,15 @@ def stage_io_options(action: Submit | Update) -> dict[str, Any]:
     return opts
 
 
-def stage_call(stage: Any, action: Submit | Update) -> Awaitable[Any]:
+def stage_call(stage: Any, action: Submit | Update,
+               schedule: tuple[int, float | None] | None = None) -> Awaitable[Any]:
     """The stage client's coroutine for ``action`` (``update`` or ``submit``), not yet awaited.
 
     Every shell awaits it in its own framework; the keyword arguments are
     only those :func:`stage_io_options` sets, so plain clients keep working.
     Nothing runs here: the core still does no I/O.
     """
-    opts = stage_io_options(action)
+    opts = stage_io_options(action, stage, schedule)
     if type(action) is Update:
         return stage.update(action.request_id, action.payload, **opts)
     if opts:

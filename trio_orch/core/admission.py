@@ -11,6 +11,8 @@ shutdown) with a terminal and without any stage I/O.
 
 from __future__ import annotations
 
+import heapq
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -78,6 +80,13 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         return final_stage_id
 
     @staticmethod
+    def check_priority(priority: object) -> int:
+        """A request's priority is an int (lower values start first, as vLLM's); raises ValueError."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int (lower values are served first), got {priority!r}")
+        return priority
+
+    @staticmethod
     def check_timeout(timeout: float | None) -> None:
         """A per-request deadline must be a positive number of seconds (or None)."""
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -117,9 +126,10 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
 
     def accept(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                timeout: float | None = None, resumable: bool = False, sampling: Any = None,
-               companions: Mapping[str, Any] | None = None) -> Ticket:
+               companions: Mapping[str, Any] | None = None, priority: int = 0) -> Ticket:
         """Validate and register a request; the shell queues the returned ticket.
 
+        ``priority``: lower values start first (see :meth:`start_key`).
         ``resumable``: more input segments may follow (:meth:`update`).
         ``sampling``: per-stage parameters (see :meth:`resolve_sampling`).
         ``companions``: ``{id: stage-0 prompt}``, registered with the request
@@ -132,11 +142,14 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
             raise RuntimeError("orchestrator is not accepting requests: it is shutting down")
         final = self.resolve_final_stage(request_id, final_stage_id)
         self.check_timeout(timeout)
+        self.check_priority(priority)
         if request_id in self.queued or request_id in self.requests or request_id in self.companion_of:
             raise ValueError(f"duplicate request id {request_id!r}: a request with this id is active")
         params = self.resolve_sampling(sampling)
         comps = self.resolve_companions(request_id, companions, final, bool(resumable))
-        ticket = Ticket(request_id, prompt, final, timeout, bool(resumable), params)
+        self.accepted_total += 1
+        ticket = Ticket(request_id, prompt, final, timeout, bool(resumable), params, priority,
+                        self.accepted_total)
         self.queued[request_id] = ticket
         if comps:
             ticket.companions = comps
@@ -148,6 +161,7 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         """Undo :meth:`accept` for a ticket that never reached the request queue (no terminal)."""
         if self.queued.get(ticket.request_id) is ticket:
             del self.queued[ticket.request_id]
+            self.unqueue(ticket)
             for cid in ticket.companions:
                 self.companion_of.pop(cid, None)
 
@@ -164,6 +178,7 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
         if self.queued.get(rid) is not ticket:
             return NOTHING
         del self.queued[rid]
+        self.unqueue(ticket)
         prompt, final = ticket.prompt, ticket.final_stage_id
         targets = range(final + 1) if self.async_chunk else (0,)
         for k in targets:
@@ -199,6 +214,65 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
             actions.append(companion)
         actions.extend(self.past_final(req))
         return actions
+
+    # ------------------------------------------------------------------ who starts first
+    def start_key(self, ticket: Ticket, queued_at: float) -> tuple[int, float, int]:
+        """The order in which queued tickets start: smallest key first.
+
+        ``(priority + aging epoch, deadline, arrival)``: the lowest priority
+        value first; among equals the earliest deadline (none: last), then
+        arrival order.  Aging: time is cut into epochs of ``priority_aging``
+        seconds and a ticket queued one epoch earlier counts one priority level
+        better, so a request of priority p is passed only by requests of
+        priority q queued less than ``(p - q + 1) * priority_aging`` seconds
+        after it -- a stream of more urgent requests delays it by a bounded
+        time and never starves it.  The key depends on the moment it was queued
+        alone, so it never changes while the ticket waits.
+        """
+        epoch = math.floor(queued_at / self.priority_aging)
+        deadline = math.inf if ticket.deadline is None else ticket.deadline
+        return (ticket.priority + epoch, deadline, ticket.seq)
+
+    def enqueue(self, ticket: Ticket, now: float) -> None:
+        """The shell queued an accepted ticket at ``now`` (its clock): it waits in the start queue.
+
+        Its deadline (``now`` + its timeout) travels with its submits.  A
+        ticket no longer current (it ended meanwhile) is not queued.
+        """
+        if self.queued.get(ticket.request_id) is not ticket or ticket.order is not None:
+            return
+        if ticket.timeout is not None:
+            ticket.deadline = now + ticket.timeout
+        ticket.order = key = self.start_key(ticket, now)
+        heapq.heappush(self.start_queue, (key, ticket))
+        self.start_queued += 1
+
+    def next_ticket(self) -> Ticket | None:
+        """The queued ticket that starts next (the smallest :meth:`start_key`); None if none waits.
+
+        It stays queued until :meth:`start` (the shell asks :meth:`can_start`
+        first, and asks again whenever a better ticket may have arrived).
+        """
+        heap = self.start_queue
+        while heap:
+            key, ticket = heap[0]
+            if ticket.order == key and self.queued.get(ticket.request_id) is ticket:
+                return ticket
+            heapq.heappop(heap)  # started, ended or withdrawn since it was queued
+        return None
+
+    def schedule(self, request_id: str, now: float) -> tuple[int, float | None]:
+        """What a stage is told with a request's submit: its priority and the seconds left until its
+        deadline (None: no deadline), so a worker picks its batch by the same order.
+
+        A companion has its parent's.
+        """
+        req = self.requests.get(self.companion_of.get(request_id, request_id))
+        if req is None:
+            return (0, None)
+        ticket = req.ticket
+        left = None if ticket.deadline is None else max(0.0, ticket.deadline - now)
+        return (ticket.priority, left)
 
     def past_final(self, req: RequestState) -> list[Action]:
         """Async-chunk: the stage after a request's final stage drops what its final stage streams.
@@ -289,10 +363,11 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
 
     def add(self, request_id: str, prompt: Any, final_stage_id: int | None = None, *,
             timeout: float | None = None, resumable: bool = False, sampling: Any = None,
-            companions: Mapping[str, Any] | None = None) -> list[Action]:
+            companions: Mapping[str, Any] | None = None, priority: int = 0) -> list[Action]:
         """:meth:`accept` and :meth:`start` in one step (no queue between them)."""
         return self.start(self.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
-                                      resumable=resumable, sampling=sampling, companions=companions))
+                                      resumable=resumable, sampling=sampling, companions=companions,
+                                      priority=priority))
 
     def refuse(self, ticket: Ticket, err: OrchError) -> list[Action]:
         """A request that could not start: its terminal; nothing was submitted, its companions go."""

@@ -33,15 +33,23 @@ class Ticket:
     to :meth:`~trio_orch.core.Router.start`; identity, not the id, decides
     whether it is still current (an id may be reused after its terminal).
     ``timeout`` is the request's deadline in seconds (None: none), for the
-    shell's timer.
+    shell's timer.  ``priority`` (lower first), ``seq`` (arrival order) and,
+    once the shell queued it, ``deadline`` (absolute, the shell's clock) and
+    ``order`` (its key in the start queue, see ``AdmissionRules.start_key``)
+    decide when it starts.
     """
 
-    __slots__ = ("companions", "final_stage_id", "input_closed", "prompt", "request_id", "resumable",
-                 "sampling", "timeout", "updates")
+    __slots__ = ("companions", "deadline", "final_stage_id", "input_closed", "order", "priority", "prompt",
+                 "request_id", "resumable", "sampling", "seq", "timeout", "updates")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int, timeout: float | None,
-                 resumable: bool = False, sampling: dict[int, Any] | None = None) -> None:
+                 resumable: bool = False, sampling: dict[int, Any] | None = None, priority: int = 0,
+                 seq: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority
+        self.seq = seq
+        self.deadline: float | None = None
+        self.order: tuple[int, float, int] | None = None  # set while in the start queue
         self.prompt = prompt
         self.final_stage_id = final_stage_id
         self.timeout = timeout
@@ -183,6 +191,7 @@ class CoreState:
         check_sampling: Callable[[int, Any], Any] | None = None,
         max_inflight: Sequence[int | None] | None = None,
         max_retries: int = 1,
+        priority_aging: float = 1.0,
     ) -> None:
         if num_stages < 1:
             raise ValueError(f"need at least one stage, got num_stages={num_stages}")
@@ -194,7 +203,16 @@ class CoreState:
             raise ValueError(f"final_stage_ids {bad} out of range: stages are 0..{num_stages - 1}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
+        if isinstance(priority_aging, bool) or not isinstance(priority_aging, (int, float)) \
+                or not priority_aging > 0:
+            raise ValueError(f"priority_aging must be a positive number of seconds, got {priority_aging!r}")
         self.num_stages = num_stages
+        #: seconds of earlier queueing worth one priority level (see ``AdmissionRules.start_key``)
+        self.priority_aging = float(priority_aging)
+        #: the start queue: a heap of (key, ticket) for tickets the shell queued, stale ones popped lazily
+        self.start_queue: list[tuple[tuple[int, float, int], Ticket]] = []
+        self.start_queued = 0  #: tickets in the start queue that are still current
+        self.accepted_total = 0  #: acceptance counter: every ticket's ``seq``
         #: failovers per request at most (0: a replica's death ends its requests, see ``failover``)
         self.max_retries = max_retries
         self.final_stage_ids = finals
@@ -337,9 +355,16 @@ class CoreState:
             self.companion_of.pop(cid, None)
         return [Abort(0, running)] if running and self.available[0] else []
 
+    def unqueue(self, ticket: Ticket) -> None:
+        """The ticket leaves the start queue (started, ended or withdrawn); its heap entry goes stale."""
+        if ticket.order is not None:
+            ticket.order = None
+            self.start_queued -= 1
+
     def end_queued(self, ticket: Ticket, kind: str, message: str) -> list[Action]:
         """A request ended before it started: only its terminal, no stage holds it."""
         del self.queued[ticket.request_id]
+        self.unqueue(ticket)
         for cid in ticket.companions:
             self.companion_of.pop(cid, None)
         self.count_terminal(kind)

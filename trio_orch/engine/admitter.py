@@ -122,7 +122,8 @@ class Admitter:
                     try:
                         await orch.add_request(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
                                                timeout=s.timeout, sampling=s.sampling, resumable=s.resumable,
-                                               companions=s.companions, wait_start=False)
+                                               companions=s.companions, wait_start=False,
+                                               priority=s.priority)
                     except Exception as exc:
                         self.refused(s, exc)
                         continue
@@ -156,7 +157,7 @@ class Admitter:
                 try:
                     orch.add_request_nowait(s.request_id, s.prompt, final_stage_id=s.final_stage_id,
                                             timeout=s.timeout, sampling=s.sampling, resumable=s.resumable,
-                                            companions=s.companions)
+                                            companions=s.companions, priority=s.priority)
                 except trio.WouldBlock:
                     pass
                 except Exception as exc:

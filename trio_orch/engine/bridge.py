@@ -267,7 +267,7 @@ class Engine:
     # ------------------------------------------------------------------ plain threads
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
                     timeout: float | None = None, request_timeout: float | None = None,
-                    sampling: Any = None, resumable: bool = False) -> RequestHandle:
+                    sampling: Any = None, resumable: bool = False, priority: int = 0) -> RequestHandle:
         """Submit a request from a plain thread; return its :class:`RequestHandle` once accepted.
 
         Blocks while the request channel is full, for at most ``timeout``
@@ -277,12 +277,13 @@ class Engine:
         ``sampling``: per-stage sampling parameters (a list indexed by stage,
         or a mapping stage -> parameters), checked against each stage's.
         ``resumable``: it takes more input (:meth:`update_request`) until a ``final`` one.
+        ``priority``: an int, lower values served first (default 0).
         Raises ``ValueError`` for bad parameters or a duplicate active id and
         :class:`EngineClosed` once the engine is closed.  Do not call it on an
         asyncio loop's thread (it blocks): use :meth:`generate` there.
         """
         s = self.engine.open(SyncStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                             want_ack=True, sampling=sampling)
+                             want_ack=True, sampling=sampling, priority=priority)
         h = RequestHandle(self, s)
         deadline = None if timeout is None else monotonic() + timeout
         while True:
@@ -345,7 +346,8 @@ class Engine:
     def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                          final_stage_id: int | None = None, request_timeout: float | None = None,
                          sampling: Any = None, resumable: bool = False,
-                         companions: Mapping[str, Any] | None = None) -> AsyncGenerator[list[Message], None]:
+                         companions: Mapping[str, Any] | None = None,
+                         priority: int = 0) -> AsyncGenerator[list[Message], None]:
         """:meth:`TrioEngine.generate_batches` for asyncio code: never blocks the event loop.
 
         For consumers that write in bulk (one HTTP chunk per batch); cancelling
@@ -353,7 +355,8 @@ class Engine:
         """
         return stream_batches(self.engine, partial(self._open_here, prompt, request_id, final_stage_id,
                                                    request_timeout, resumable, sampling=sampling,
-                                                   companions=dict(companions) if companions else None))
+                                                   companions=dict(companions) if companions else None,
+                                                   priority=priority))
 
     def generate(self, prompt: Any, **kwargs: Any) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: :meth:`generate_batches`, one message at a time."""
@@ -362,11 +365,11 @@ class Engine:
     async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
                                 final_stage_id: int | None = None, request_timeout: float | None = None,
                                 resumable: bool = False, sampling: Any = None,
-                                want_timings: bool = False) -> AsyncRequestHandle:
+                                want_timings: bool = False, priority: int = 0) -> AsyncRequestHandle:
         """:meth:`TrioEngine.add_request_async` for asyncio code (waits without blocking the loop)."""
         return await open_accepted(self, self._open_here(prompt, request_id, final_stage_id, request_timeout,
                                                          resumable, want_ack=True, sampling=sampling,
-                                                         want_timings=want_timings))
+                                                         want_timings=want_timings, priority=priority))
 
     async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None:
         """:meth:`update_request` for asyncio code: awaited, never blocks the loop.

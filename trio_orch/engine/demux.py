@@ -56,13 +56,16 @@ class Stream:
     for a stage that did not run it or does not time requests).
     """
 
-    __slots__ = ("companions", "detached", "final_stage_id", "prompt", "request_id", "resumable", "sampling",
-                 "seen", "state", "t_open", "timeout", "timings", "want_ack", "want_timings", "withdrawn")
+    __slots__ = ("companions", "detached", "final_stage_id", "priority", "prompt", "request_id", "resumable",
+                 "sampling", "seen", "state", "t_open", "timeout", "timings", "want_ack", "want_timings",
+                 "withdrawn")
 
     def __init__(self, request_id: str, prompt: Any, final_stage_id: int | None,
                  timeout: float | None, want_ack: bool = False, sampling: Any = None,
-                 resumable: bool = False, want_timings: bool = False, companions: Any = None) -> None:
+                 resumable: bool = False, want_timings: bool = False, companions: Any = None,
+                 priority: int = 0) -> None:
         self.request_id = request_id
+        self.priority = priority  # lower starts first (checked when opened)
         self.prompt = prompt
         self.companions = companions  # {id: stage-0 prompt} of its companion requests (CFG), or None
         self.final_stage_id = final_stage_id

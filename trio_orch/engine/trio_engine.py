@@ -310,6 +310,7 @@ class TrioEngine(ControlPlane):
             raise EngineClosed(self._closed_message())
         rid = request_id if request_id is not None else f"req-{self._id_prefix}-{next(self._ids)}"
         self._orch.router.resolve_final_stage(rid, final_stage_id)  # immutable config: thread-safe
+        self._orch.router.check_priority(kw.get("priority", 0))
         if request_timeout is not None and not request_timeout > 0:
             raise ValueError(f"request_timeout must be a positive number of seconds, got {request_timeout!r}")
         s = cls(rid, prompt, final_stage_id, request_timeout, resumable=bool(resumable), **kw)
@@ -327,7 +328,8 @@ class TrioEngine(ControlPlane):
     def generate_batches(self, prompt: Any, *, request_id: str | None = None,
                          final_stage_id: int | None = None, request_timeout: float | None = None,
                          sampling: Any = None, resumable: bool = False,
-                         companions: Mapping[str, Any] | None = None) -> AsyncGenerator[list[Message], None]:
+                         companions: Mapping[str, Any] | None = None,
+                         priority: int = 0) -> AsyncGenerator[list[Message], None]:
         """The request's messages, one list per dispatcher batch, the terminal last (Trio tasks).
 
         Waits while the request channel is full, within the admission bounds
@@ -336,12 +338,14 @@ class TrioEngine(ControlPlane):
         ``sampling``: per-stage sampling parameters (a list indexed by stage,
         or a mapping stage -> parameters; a bad one raises ValueError).
         ``companions``: ``{id: stage-0 prompt}``, as for ``Orchestrator.add_request``.
+        ``priority``: an int, lower values served first (default 0; see docs/scheduling.md).
         The request is registered when the iteration starts; to send a
         resumable request's updates right away, use :meth:`add_request_async`.
         """
         return stream_batches(self, partial(self.open, TrioStream, prompt, request_id, final_stage_id,
                                             request_timeout, resumable, sampling=sampling,
-                                            companions=dict(companions) if companions else None))
+                                            companions=dict(companions) if companions else None,
+                                            priority=priority))
 
     def generate(self, prompt: Any, **kwargs: Any) -> AsyncIterator[Message]:
         """``async for out in engine.generate(prompt)``: :meth:`generate_batches`, one message at a time."""
@@ -350,7 +354,7 @@ class TrioEngine(ControlPlane):
     async def add_request_async(self, prompt: Any, *, request_id: str | None = None,
                                 final_stage_id: int | None = None, request_timeout: float | None = None,
                                 resumable: bool = False, sampling: Any = None,
-                                want_timings: bool = False) -> AsyncRequestHandle:
+                                want_timings: bool = False, priority: int = 0) -> AsyncRequestHandle:
         """Submit a request; return its :class:`AsyncRequestHandle` once accepted.
 
         Once it returns the orchestrator knows the request, so updates of a
@@ -363,7 +367,7 @@ class TrioEngine(ControlPlane):
         ``handle.timings`` holds each stage's timing once the terminal was taken.
         """
         s = self.open(TrioStream, prompt, request_id, final_stage_id, request_timeout, resumable,
-                      want_ack=True, sampling=sampling, want_timings=want_timings)
+                      want_ack=True, sampling=sampling, want_timings=want_timings, priority=priority)
         return await open_accepted(self, s)
 
     def abort(self, request_id: str) -> None:

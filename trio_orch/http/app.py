@@ -188,7 +188,7 @@ class ChatCompletions(OpenAIRoute):
         except BadRequest as exc:
             return self.bad(exc)
         handle = await self.admit(req.payload(), final_stage_id=final, sampling=req.sampling,
-                                  want_timings=not req.stream)
+                                  want_timings=not req.stream, priority=req.priority)
         if isinstance(handle, JSONResponse):
             return handle
         if req.stream:

@@ -78,7 +78,7 @@ class OpenAIRoute:
         return response
 
     async def admit(self, prompt: Any, *, final_stage_id: int | None, sampling: dict[int, dict[str, Any]],
-                    want_timings: bool = False) -> AsyncRequestHandle | JSONResponse:
+                    want_timings: bool = False, priority: int = 0) -> AsyncRequestHandle | JSONResponse:
         """The accepted request's handle, or the refusal (429, 503, or a 400 the engine's checks gave)."""
         engine = self.engine
         if not engine.running:
@@ -86,7 +86,7 @@ class OpenAIRoute:
             return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
         try:
             handle = await engine.add_request_async(prompt, final_stage_id=final_stage_id, sampling=sampling,
-                                                    want_timings=want_timings)
+                                                    want_timings=want_timings, priority=priority)
         except Overloaded as exc:
             return self.error(429, str(exc), "rate_limit_error", code="overloaded",
                               retry_after=exc.retry_after)

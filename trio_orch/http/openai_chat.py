@@ -80,6 +80,7 @@ class ChatRequest:
     voice: str = "alloy"
     max_tokens: int | None = None
     include_usage: bool = False
+    priority: int = 0  #: lower values are served first
     #: the sampling fields given (OpenAI's names; ``audio.voice`` under ``audio``), mapped to stages
     fields: dict[str, Any] = field(default_factory=dict)
     sampling: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its parameters
@@ -151,7 +152,7 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
     chat = chat if chat is not None else ChatInput()
     r = decode(body, ChatCompletionRequest, what="a chat completion request")
     model = models.resolve(r.model)
-    req = ChatRequest(model, "")
+    req = ChatRequest(model, "", priority=r.priority)
     messages: list[dict[str, Any]] = []
     said = False
     for i, msg in enumerate(r.messages):

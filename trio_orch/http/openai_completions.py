@@ -188,7 +188,7 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
             return route.bad(exc)
         except openai_sampling.SamplingError as exc:
             return route.error(400, str(exc), param=exc.param)
-        admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling)
+        admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling, priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
         tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs)

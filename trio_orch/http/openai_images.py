@@ -32,7 +32,6 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
-from msgspec import Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -42,7 +41,7 @@ from trio_orch.engine import Engine, Overloaded
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.schemas import UNSUPPORTED, BadRequest, ServedModels
+from trio_orch.http.schemas import UNSUPPORTED, BadRequest, Scheduled, ServedModels
 from trio_orch.http.text2image import ImageOptionError, ImageRequest, parse_size
 from trio_orch.types import OrchError, OrchOutput
 
@@ -52,7 +51,7 @@ IMAGES = "/v1/images/generations"
 _MADE = ("width", "height", "steps", "guidance_scale", "guided_by")  # the extension: how it was made
 
 
-class ImageGenerationRequest(Struct, kw_only=True):
+class ImageGenerationRequest(Scheduled, kw_only=True):
     """``POST /v1/images/generations`` (OpenAI's fields, then the diffusion extensions)."""
 
     prompt: str
@@ -94,10 +93,10 @@ def image_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] 
     makes_images = outputs is not None and any(outputs[k] == "image" for k in engine.final_stage_ids)
     route = OpenAIRoute(engine, IMAGES, front, limits)
 
-    async def collect(req: ImageRequest, rid: str) -> OrchOutput | OrchError | JSONResponse:
+    async def collect(req: ImageRequest, rid: str, priority: int) -> OrchOutput | OrchError | JSONResponse:
         try:
             async for m in engine.generate(req.stage0_prompt(), request_id=rid,
-                                           companions=req.companions(rid)):
+                                           companions=req.companions(rid), priority=priority):
                 if m.finished:
                     return m
         except Overloaded as exc:
@@ -119,7 +118,8 @@ def image_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] 
             why = engine.closed_reason or "it has not started"
             return route.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
         rid = f"img-{uuid.uuid4().hex[:16]}"
-        msg = await route.wait(partial(collect, req, rid), request)  # 499 if the client left first
+        # 499 if the client left first
+        msg = await route.wait(partial(collect, req, rid, body.priority), request)
         if isinstance(msg, Response):
             return msg
         png = image_of(msg.data)

@@ -39,7 +39,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Annotated, Any, ClassVar, Literal
 
-import msgspec
 import numpy as np
 from msgspec import Meta
 from starlette.requests import Request
@@ -53,7 +52,7 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
-from trio_orch.http.schemas import BadRequest, Seed, ServedModels, Voice, error_body
+from trio_orch.http.schemas import BadRequest, Scheduled, Seed, ServedModels, Voice, error_body
 from trio_orch.http.streaming import sse
 from trio_orch.http.tokenizer import TOKENIZERS, stage_info
 from trio_orch.types import OrchOutput
@@ -68,7 +67,7 @@ FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 _MAX_INPUT = 4096  # OpenAI's bound on ``input``
 
 
-class SpeechRequest(msgspec.Struct, kw_only=True):
+class SpeechRequest(Scheduled, kw_only=True):
     """The body of ``POST /v1/audio/speech`` (the fields this server reads)."""
 
     input: Annotated[str, Meta(min_length=1, max_length=_MAX_INPUT)]
@@ -232,7 +231,8 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
             return route.bad(exc)
         except openai_sampling.SamplingError as exc:
             return route.error(400, str(exc), param=exc.param)
-        admitted = await route.admit(payload, final_stage_id=audio_finals[-1], sampling=sampling)
+        admitted = await route.admit(payload, final_stage_id=audio_finals[-1], sampling=sampling,
+                                     priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
         front.count_tokens(len(req.input.encode()), {})

@@ -36,7 +36,7 @@ from msgspec import Meta, Struct
 from msgspec import inspect as mi
 
 __all__ = ["MAX_TOKENS", "UNSUPPORTED", "AudioOptions", "BadRequest", "ChatCompletionRequest", "ContentPart",
-           "Message", "OpenAIRequest", "ServedModels", "StreamOptions", "decode", "error_body",
+           "Message", "OpenAIRequest", "Scheduled", "ServedModels", "StreamOptions", "decode", "error_body",
            "parse_json_body", "type_name"]
 
 log = logging.getLogger("trio_orch.serve.command")
@@ -139,7 +139,14 @@ class StreamOptions(Struct, kw_only=True):
     include_usage: bool = False
 
 
-class OpenAIRequest(Struct, kw_only=True):
+class Scheduled(Struct, kw_only=True):
+    """What every generation route takes: ``priority``, an int, lower values served first (vLLM's
+    convention; default 0).  Anything else (``"high"``, 1.5, true) is a 400 naming it."""
+
+    priority: int = 0
+
+
+class OpenAIRequest(Scheduled, kw_only=True):
     """What every generation route takes: the model, streaming, ``user``, the sampling fields.
 
     The sampling fields (:meth:`sampling_fields`) are range-checked here only

@@ -5,7 +5,8 @@ per stage client, the dispatcher, the request handler and the deadline
 keeper.  Readers only move outputs into the dispatcher's channel (their own
 failure becomes a message too); the dispatcher routes them through
 :class:`~trio_orch.core.Router` and performs the resulting I/O; the request
-handler starts accepted requests taken from a bounded channel.  Every
+handler starts accepted requests from the core's start queue (fed by the
+intake from the request channel) in the core's order.  Every
 decision -- acceptance, routing, every terminal -- is made by the core,
 synchronously between checkpoints; this module only moves events in and
 performs actions out.  Whatever way ``run()`` ends -- ``shutdown()``, an
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -65,7 +67,7 @@ class OrchestratorStatistics:
     state: str  #: new, running, stopping or stopped
     core: RouterStatistics  #: requests, counters and terminals, as the routing core sees them
     stage_deaths: Mapping[int, str]  #: stage -> why it died
-    request_channel: trio.MemoryChannelStatistics  #: the bounded admission channel
+    request_channel: trio.MemoryChannelStatistics  #: the admission channel (unbuffered: the intake takes)
     events_pending: int  #: outputs and commands waiting for the dispatcher
     paused: str | None = None  #: the pause mode in effect (None: not paused)
     rpc_calls: Mapping[str, int] = field(default_factory=dict)  #: collective RPCs made, by method
@@ -164,7 +166,9 @@ class Orchestrator:
     (``prewarm_fn(k, prompt)`` for k >= 1) and the terminal is gated until all
     of them finished.  ``request_queue_size`` bounds the admission channel
     (``add_request`` waits when it is full; 0: a request is only taken when
-    the request handler is free to take it, so at most one waits for room).  ``shutdown_grace`` bounds, in
+    the request handler is free to take it, so at most one waits for room); the queued requests
+    start in the core's order (``priority``, lower first; deadline; arrival; aged by
+    ``priority_aging`` seconds per level, see ``AdmissionRules.start_key``).  ``shutdown_grace`` bounds, in
     seconds, the stage aborts and ``aclose`` calls made while stopping.
     ``output_sink``, if given, receives each batch of messages instead of the
     channel read by :meth:`next_output` (the thread bridge uses it).
@@ -203,6 +207,7 @@ class Orchestrator:
         rpc_timeout: float = 5.0,
         max_inflight: Sequence[int | None] | None = None,
         max_retries: int = 1,
+        priority_aging: float = 1.0,
     ) -> None:
         if request_queue_size < 0:
             raise ValueError(f"request_queue_size must be >= 0, got {request_queue_size}")
@@ -210,13 +215,21 @@ class Orchestrator:
         self.stages = list(stages)
         self.router = Router(len(self.stages), final_stage_ids, async_chunk=async_chunk,
                              forward_fn=forward_fn, prewarm_fn=prewarm_fn, check_sampling=check_sampling,
-                             max_inflight=max_inflight, max_retries=max_retries)
+                             max_inflight=max_inflight, max_retries=max_retries,
+                             priority_aging=priority_aging)
         self.shutdown_grace = shutdown_grace
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
         self._queue_size = request_queue_size
-        self._req_send, self._req_recv = trio.open_memory_channel[tuple[Ticket, trio.Event | None] | _Update](
-            request_queue_size)
+        # Unbuffered: tickets go into the core's start queue (see _queue_full), so the core orders
+        # every queued request; the channel only holds the adds that wait for room there.
+        self._req_send, self._req_recv = trio.open_memory_channel[
+            tuple[Ticket, trio.Event | None] | _Update](0)
+        self._queue_room: trio.Event | None = None  # set when the start queue may have room again
+        self._intake_closed = False
+        self._intake_scope: trio.CancelScope | None = None  # around the intake's receive
+        self._updates: deque[_Update] = deque()  # taken by the intake, applied by the handler in order
+        self._dones: dict[Ticket, trio.Event] = {}  # queued tickets whose add_request waits for the start
         self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
         #: the dispatcher waits on an empty channel and nothing was sent since: a pushed batch
         #: may be routed at once by whoever delivers it (see _reader)
@@ -231,10 +244,7 @@ class Orchestrator:
         self._drain_timeout: float | None = None
         self._drain_scope: trio.CancelScope | None = None
         self._room: trio.Event | None = None  # set when the request handler waits for room
-        #: the request handler is doing stage I/O (a start or an update), and, with no request
-        #: queue, the one startable request given to it meanwhile, its next (add_request_nowait)
-        self._busy = False
-        self._next: Ticket | None = None
+        self._busy = False  #: the request handler is doing stage I/O (a start or an update)
         self._pause_waiter: trio.Event | None = None  # set once a pause asked for is complete
         self._stop_requested = trio.Event()
         self._drained = trio.Event()
@@ -281,7 +291,7 @@ class Orchestrator:
     async def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                           timeout: float | None = None, resumable: bool = False,
                           sampling: Any = None, companions: Mapping[str, Any] | None = None,
-                          wait_start: bool = True) -> None:
+                          wait_start: bool = True, priority: int = 0) -> None:
         """Accept a request; return once it is registered and submitted.
 
         ``timeout`` (seconds, default ``request_timeout``) bounds the request's
@@ -292,9 +302,11 @@ class Orchestrator:
         gets its entry with every submit and update (never interpreted here).
         ``companions``: ``{id: prompt}`` requests that run stage 0 next to this
         one (e.g. CFG's negative prompt) and condition its forward; they never
-        reach the user (see :mod:`trio_orch.core.companions`).
+        reach the user (see :mod:`trio_orch.core.companions`).  ``priority``
+        (an int, lower first; default 0): queued requests start in the core's
+        order, and each stage worker batches by the same key.
 
-        Waits while the request channel is full.  Raises ``ValueError`` for a
+        Waits while the request queue is full.  Raises ``ValueError`` for a
         duplicate active id or bad parameters and ``RuntimeError`` once the
         orchestrator stopped accepting; in both cases nothing is registered.
         If the caller is cancelled after the request was accepted, the request
@@ -303,8 +315,36 @@ class Orchestrator:
         when there is room and gets its terminal like any other), which lets a
         front that admits many requests keep the channel full.
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions,
+                              priority)
         done = trio.Event()
+        if self._enqueue_now(ticket, done):
+            pass
+        else:
+            await self._send_ticket(ticket, done)
+        if not wait_start:
+            return
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            self.abort_nowait(request_id)
+            raise
+
+    def _enqueue_now(self, ticket: Ticket, done: trio.Event | None) -> bool:
+        """Into the core's start queue at once if it has room and nobody waits to enter it."""
+        if (self._queue_full()
+                or self._req_send.statistics().tasks_waiting_send or self._intake_closed):
+            return False
+        self.router.enqueue(ticket, trio.current_time())
+        if done is not None:
+            self._dones[ticket] = done
+        if self._queue_full() and self._intake_scope is not None:
+            self._intake_scope.cancel()  # full: the intake stops taking from the channel
+        self._room_may_have_changed()
+        return True
+
+    async def _send_ticket(self, ticket: Ticket, done: trio.Event) -> None:
+        """The start queue is full: wait in the request channel (in arrival order) for the intake."""
         self._sending.add(ticket)
         try:
             await self._req_send.send((ticket, done))
@@ -315,13 +355,6 @@ class Orchestrator:
             raise
         finally:
             self._sending.discard(ticket)
-        if not wait_start:
-            return
-        try:
-            await done.wait()
-        except trio.Cancelled:
-            self.abort_nowait(request_id)
-            raise
 
     def capacity(self) -> float:
         """At most how many accepted requests it holds at once: started, the one the request handler
@@ -336,36 +369,40 @@ class Orchestrator:
         return stages + (1 + self._queue_size if self._queue_size else 0)
 
     def has_room(self) -> bool:
-        """Whether the request channel has space now (an add would not wait); a hint for admission."""
-        stats = self._req_send.statistics()
-        return (stats.current_buffer_used < stats.max_buffer_size or stats.tasks_waiting_receive > 0
-                or self._hand_free())
+        """Whether the request queue has space now (an add would not wait); a hint for admission."""
+        waiting = self._req_send.statistics().tasks_waiting_send
+        return not self._queue_full() and not waiting
 
-    def _hand_free(self) -> bool:
-        """No request queue, and the handler is busy with stage I/O and nobody is next in line."""
-        return not self._queue_size and self._busy and self._next is None
+    def _queue_full(self) -> bool:
+        """The start queue holds ``request_queue_size`` requests, plus the one the handler holds
+        while it waits for room (not while it does a start's stage I/O) -- with no queue, the one
+        startable request that is the busy handler's next."""
+        size = self._queue_size
+        return self.router.start_queued >= size + (0 if self._busy and size else 1)
 
     def add_request_nowait(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                            timeout: float | None = None, resumable: bool = False,
-                           sampling: Any = None, companions: Mapping[str, Any] | None = None) -> None:
+                           sampling: Any = None, companions: Mapping[str, Any] | None = None,
+                           priority: int = 0) -> None:
         """Like :meth:`add_request` without waiting; raises ``trio.WouldBlock`` when full.
 
         Synchronous, so a thread bridge can call it via the Trio token.  With
         no request queue (``request_queue_size=0``) nothing waits for room: a
         request that could not start at once is refused the same way.  One
         that could start while the handler is busy with stage I/O (starting
-        another, or an input update) is the handler's next: it is not refused for want of a
-        taker, and it still precedes any later input update of its own.
+        another, or an input update) is the handler's next (the start queue's
+        one place): it is not refused for want of a taker, and it still
+        precedes any later input update of its own.
         """
-        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions)
+        ticket = self._accept(request_id, prompt, final_stage_id, timeout, resumable, sampling, companions,
+                              priority)
         try:
-            if not self._queue_size:
-                if not self.router.can_start(ticket):
-                    raise trio.WouldBlock
-                if self._hand_free() and not self._req_send.statistics().tasks_waiting_receive:
-                    self._next = ticket
-                    return
-            self._req_send.send_nowait((ticket, None))
+            if not self._queue_size and not self.router.can_start(ticket):
+                raise trio.WouldBlock
+            if self._intake_closed:
+                raise trio.ClosedResourceError
+            if not self._enqueue_now(ticket, None):
+                raise trio.WouldBlock
         except BaseException as exc:
             self._withdraw(ticket)
             if isinstance(exc, (trio.ClosedResourceError, trio.BrokenResourceError)):
@@ -574,6 +611,7 @@ class Orchestrator:
                 # started, not start_soon: it waits on the request channel before we report ready,
                 # so that with no request queue the first request is not refused for want of a taker
                 await nursery.start(self._request_handler, name="trio_orch.request_handler")
+                await nursery.start(self._intake, name="trio_orch.intake")
                 nursery.start_soon(self._deadlines.run, self._expire, name="trio_orch.deadline_keeper")
                 self._watch_replicas()
                 task_status.started(self)
@@ -710,59 +748,113 @@ class Orchestrator:
                 for ev in waiters:  # no abort I/O was needed (or we are being cancelled)
                     ev.set()
 
-    async def _request_handler(self, *,
-                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Start accepted requests and apply input updates, in order: the core decides."""
-        task_status.started()  # no checkpoint until the loop below parks in receive
+    async def _intake(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Move tickets from the request channel into the core's start queue while it has room.
+
+        Input updates go to the request handler, in the order they came.  It
+        takes while the handler does stage I/O, so the queue fills as it did
+        when the channel itself buffered, and the core orders what waits.
+        """
+        router = self.router
+        task_status.started()
         while True:
-            item: tuple[Ticket, trio.Event | None] | _Update
-            if self._next is not None:
-                item, self._next = (self._next, None), None
-            else:
+            while self._queue_full():
+                self._queue_room = room = trio.Event()
+                await room.wait()
+            # cancelled when adds that went straight in fill the queue: a cancelled receive took nothing
+            item: tuple[Ticket, trio.Event | None] | _Update | None = None
+            with trio.CancelScope() as self._intake_scope:
                 try:
                     item = await self._req_recv.receive()
                 except trio.EndOfChannel:
+                    self._intake_closed = True
+                    self._room_may_have_changed()
                     return
-            if type(item) is _Update:
-                try:
-                    actions = self.router.update(item.request_id, item.segment, final=item.final)
-                except ValueError as exc:  # it ended (or got its final segment) after the call
-                    item.error = exc
-                    actions = []
-                self._busy = True
-                try:
-                    await self._perform(actions)
-                finally:
-                    self._busy = False
-                    item.done.set()
+            self._intake_scope = None
+            if item is None:
                 continue
-            ticket, done = item
-            try:
-                while not self.router.can_start(ticket):  # admission bound: wait for room
-                    self._room = room = trio.Event()
-                    await room.wait()
-                self._busy = True
-                await self._perform(self.router.start(ticket))
-            finally:
-                self._busy = False
+            if type(item) is _Update:
+                self._updates.append(item)
+            else:
+                ticket, done = item
+                router.enqueue(ticket, trio.current_time())
                 if done is not None:
-                    done.set()
+                    if ticket.order is not None:
+                        self._dones[ticket] = done
+                    else:
+                        done.set()  # it ended before it was queued
+            self._room_may_have_changed()
+
+    async def _request_handler(self, *,
+                               task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Apply input updates in order and start queued requests in the core's order: the core decides."""
+        router = self.router
+        task_status.started()  # no checkpoint until the loop below parks
+        while True:
+            if self._updates:
+                await self._apply_update(self._updates.popleft())
+                continue
+            ticket = router.next_ticket()
+            if ticket is not None and router.can_start(ticket):
+                await self._start_when_room(ticket, self._dones.pop(ticket, None))
+                continue
+            if ticket is None and self._intake_closed:
+                return
+            # wait for room on the stages, a new arrival (maybe the better pick) or an update
+            self._room = room = trio.Event()
+            await room.wait()
+
+    async def _apply_update(self, item: _Update) -> None:
+        try:
+            actions = self.router.update(item.request_id, item.segment, final=item.final)
+        except ValueError as exc:  # it ended (or got its final segment) after the call
+            item.error = exc
+            actions = []
+        self._busy = True
+        try:
+            await self._perform(actions)
+        finally:
+            self._busy = False
+            item.done.set()
+
+    async def _start_when_room(self, ticket: Ticket, done: trio.Event | None) -> None:
+        try:
+            while not self.router.can_start(ticket):  # admission bound: wait for room
+                self._room = room = trio.Event()
+                await room.wait()
+            self._busy = True
+            await self._perform(self.router.start(ticket))
+        finally:
+            self._busy = False
+            if done is not None:
+                done.set()
+            self._room_may_have_changed()  # the start queue has room for one more
 
     def _expire(self, request_id: str) -> None:
         """The deadline keeper's callback: a queued request ends now, a started one via the dispatcher."""
         if self.router.is_queued(request_id):
-            self._deliver_now(self.router.expire(request_id))
+            self._end_queued(request_id, self.router.expire)
             return
         state = self.router.requests.get(request_id)
         if state is not None:
             self._post_event(None, _Command("expire", state, None))
 
     # ------------------------------------------------------------------ helpers
+    def _end_queued(self, request_id: str, rule: Callable[[str], list[Action]]) -> None:
+        """A queued request ends (abort, deadline): its terminal, and its add_request stops waiting."""
+        ticket = self.router.queued[request_id]
+        self._deliver_now(rule(request_id))
+        done = self._dones.pop(ticket, None)
+        if done is not None:
+            done.set()
+
     def _accept(self, request_id: str, prompt: Any, final_stage_id: int | None, timeout: float | None,
-                resumable: bool, sampling: Any, companions: Mapping[str, Any] | None) -> Ticket:
+                resumable: bool, sampling: Any, companions: Mapping[str, Any] | None,
+                priority: int = 0) -> Ticket:
         ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id,
                                     timeout=self.request_timeout if timeout is None else timeout,
-                                    resumable=resumable, sampling=sampling, companions=companions)
+                                    resumable=resumable, sampling=sampling, companions=companions,
+                                    priority=priority)
         if ticket.timeout is not None:
             self._deadlines.set(request_id, ticket.timeout)
         return ticket
@@ -776,7 +868,7 @@ class Orchestrator:
     def _abort(self, request_id: str, done: _AbortWait | None) -> bool:
         """Start an abort; return True if the caller should wait on ``done``."""
         if self.router.is_queued(request_id):
-            self._deliver_now(self.router.abort(request_id))
+            self._end_queued(request_id, self.router.abort)
             return False
         state = self.router.requests.get(request_id)
         if state is None:
@@ -839,6 +931,10 @@ class Orchestrator:
         if room is not None:
             self._room = None
             room.set()
+        queue_room = self._queue_room
+        if queue_room is not None and not self._queue_full():
+            self._queue_room = None
+            queue_room.set()
 
     def _on_stage_died(self, stage_id: int, death: StageDied) -> list[Action]:
         msg = death.describe(stage_id)
@@ -897,8 +993,10 @@ class Orchestrator:
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
                     continue  # ended while an earlier action awaited
+                stage = self.stages[a.stage_id]
+                schedule = router.schedule(a.request_id, trio.current_time()) if type(a) is Submit else None
                 try:
-                    await stage_call(self.stages[a.stage_id], a)
+                    await stage_call(stage, a, schedule)
                 except Exception as exc:
                     why = stage_call_failed(a, exc)
                     await self._perform(router.submit_failed(a.stage_id, a.request_id, why))
@@ -982,6 +1080,7 @@ class Orchestrator:
         """
         self.router.stop_accepting()
         self._req_send.close()
+        self._intake_closed = True
         handed_over: set[Ticket] = set()
         while True:
             try:
@@ -998,6 +1097,13 @@ class Orchestrator:
                 done.set()
         for ticket in self._sending - handed_over:
             self._withdraw(ticket)
+        while self._updates:
+            upd = self._updates.popleft()
+            upd.error = RuntimeError("orchestrator shut down before the update was handled")
+            upd.done.set()
+        for done in self._dones.values():  # queued: their shutdown terminal follows
+            done.set()
+        self._dones.clear()
         actions = self.router.shutdown()
         self._deliver_now(actions)
         for ev in list(self._waiters):
