@@ -141,6 +141,7 @@ class AsyncioOrchestrator:
         # (a duplicate, refused) or no longer does (a new incarnation): both orders are correct.
         self.lock = threading.Lock()
         self._sending: set[Ticket] = set()  # accepted; the serving thread is putting them in the queue
+        self._dones: dict[Ticket, threading.Event] = {}  # in the core's start queue, callers waiting
         self.stage_deaths: dict[int, str] = {}
         self._stop_requested = asyncio.Event()
         self.stopping = asyncio.Event()  # set by the variant's run() when it stops: loops end
@@ -160,18 +161,19 @@ class AsyncioOrchestrator:
     def add_request(self, request_id: str, prompt: Any, *, final_stage_id: int | None = None,
                     timeout: float | None = None, done: threading.Event | None = None,
                     resumable: bool = False, sampling: Any = None,
-                    companions: Mapping[str, Any] | None = None) -> None:
+                    companions: Mapping[str, Any] | None = None, priority: int = 0) -> None:
         """(Serving thread.)  Accept a request and queue it; ``done`` is set once it started.
 
         Raises ``ValueError`` (bad input, duplicate live id) or ``RuntimeError``
         (shutting down) with nothing registered.  Blocks while the request
         queue is full.  ``timeout`` is the request's deadline in seconds;
-        ``resumable``, ``sampling`` and ``companions`` as for the Trio
-        orchestrator.
+        ``resumable``, ``sampling``, ``companions`` and ``priority`` as for
+        the Trio orchestrator.
         """
         with self.lock:
             ticket = self.router.accept(request_id, prompt, final_stage_id=final_stage_id, timeout=timeout,
-                                        resumable=resumable, sampling=sampling, companions=companions)
+                                        resumable=resumable, sampling=sampling, companions=companions,
+                                        priority=priority)
             self._sending.add(ticket)
         try:
             if ticket.timeout is not None:  # armed at acceptance, before the add is queued (FIFO)
@@ -293,13 +295,25 @@ class AsyncioOrchestrator:
 
     # ------------------------------------------------------------------ tasks
     async def request_handler(self) -> None:
-        """Take adds and aborts from the serving thread, in order."""
+        """Take adds and aborts from the serving thread, in order.
+
+        The adds that are there together go into the core's start queue and
+        start in its order (priority, deadline, arrival): no admission bound
+        holds them here, so only what arrived at once is reordered.
+        """
         q = self.request_queue.async_q
         while True:
-            msg = await q.get()
-            if type(msg) is AddMsg:
-                await self._handle_add(msg)
-            elif type(msg) is UpdateMsg:
+            msg: AddMsg | AbortMsg | UpdateMsg | RpcMsg | None = await q.get()
+            while type(msg) is AddMsg:
+                self._enqueue(msg)
+                try:
+                    msg = q.get_nowait()
+                except asyncio.QueueEmpty:
+                    msg = None
+            await self._start_queued()
+            if msg is None:
+                continue
+            if type(msg) is UpdateMsg:
                 await self.handle_update(msg)
             elif type(msg) is RpcMsg:
                 await self.handle_rpc(msg)
@@ -319,14 +333,28 @@ class AsyncioOrchestrator:
             if msg.done is not None:
                 msg.done.set()
 
-    async def _handle_add(self, msg: AddMsg) -> None:
+    def _enqueue(self, msg: AddMsg) -> None:
+        self.router.enqueue(msg.ticket, self.loop.time())
+        if msg.done is not None:
+            self._dones[msg.ticket] = msg.done
+
+    async def _start_queued(self) -> None:
+        """Start every queued ticket, the core's ``next_ticket`` first; release every add's caller."""
+        dones = self._dones
         try:
-            with self.lock:
-                actions = self.router.start(msg.ticket)
-            await self.perform(actions)
+            while (ticket := self.router.next_ticket()) is not None:
+                with self.lock:
+                    actions = self.router.start(ticket)
+                try:
+                    await self.perform(actions)
+                finally:
+                    done = dones.pop(ticket, None)
+                    if done is not None:
+                        done.set()
         finally:
-            if msg.done is not None:
-                msg.done.set()
+            for done in dones.values():  # ended while queued: no start to wait for
+                done.set()
+            dones.clear()
 
     def route(self, stage_id: int, item: Any) -> list[Action]:
         if type(item) is list:
@@ -365,7 +393,9 @@ class AsyncioOrchestrator:
                 if not router.is_started(a.request_id):
                     continue
                 try:
-                    await stage_call(self.stages[a.stage_id], a)
+                    stage = self.stages[a.stage_id]
+                    schedule = router.schedule(a.request_id, self.loop.time()) if type(a) is Submit else None
+                    await stage_call(stage, a, schedule)
                 except Exception as exc:
                     why = stage_call_failed(a, exc)
                     await self.perform(router.submit_failed(a.stage_id, a.request_id, why))
@@ -464,6 +494,9 @@ class AsyncioOrchestrator:
                     m.refuse("orchestrator shut down before the call was handled")
             for ticket in self._sending - handed_over:
                 self.router.withdraw(ticket)
+            for done in self._dones.values():
+                done.set()
+            self._dones.clear()
             actions = self.router.shutdown()
         self._deliver([a.message for a in actions if type(a) is Emit])
         return [a for a in actions if type(a) is not Emit]

@@ -94,6 +94,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--audio", dest="audio_files", action="append", default=[], metavar="FILE",
                         help="a PCM WAV to send with the prompt (repeatable; the pipeline needs an "
                              "audio-encoder stage: --pipeline omni-in)")
+    parser.add_argument("--priority", type=int, default=0, metavar="N",
+                        help="the request's priority: an int, lower values are served first when "
+                             "requests wait for room (vLLM's convention; default 0)")
     parser.add_argument("--stream-input", action="store_true",
                         help="read the prompt from standard input, one segment per line, into one "
                              "request that takes more input while it answers (end of input ends it); "
@@ -275,7 +278,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
     rate = 24000
     t_text = t_audio = t_last_audio = None
     t0 = time.perf_counter()
-    await orch.add_request(rid, payload, sampling=args.sampling)
+    await orch.add_request(rid, payload, sampling=args.sampling, priority=args.priority)
     print("text: ", end="", flush=True)
     while True:
         msg = await orch.next_output()
@@ -354,7 +357,8 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                 return await text2image.generate_image(orch, args.image, args.out or "out.png"), None
             if args.stream_input:
                 out = args.out or "out.wav"
-                rc, pcm, rate = await stream_input(cfg, orch, args.sampling, first=args.first_line)
+                rc, pcm, rate = await stream_input(cfg, orch, args.sampling, first=args.first_line,
+                                                   priority=args.priority)
                 if pcm is not None:
                     write_wav(out, pcm, rate)
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)

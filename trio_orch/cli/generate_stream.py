@@ -57,12 +57,13 @@ async def _feed(orch: Orchestrator, stream: TextIO) -> int:
 
 
 async def stream_input(cfg: PipelineConfig, orch: Orchestrator, sampling: Any = None,
-                       stream: TextIO | None = None, *, first: str | None = None
+                       stream: TextIO | None = None, *, first: str | None = None, priority: int = 0
                        ) -> tuple[int, np.ndarray | None, int]:
     """Run the session through ``orch``; return (exit code, the audio or None, its sample rate).
 
     ``sampling``: the request's per-stage parameters (they hold for every segment).
     ``first``: the first line, if the caller read it already (:func:`first_line`).
+    ``priority``: the request's (lower first).
     """
     stream = stream or sys.stdin
     outputs = outputs_of(s.kind for s in cfg.stages)
@@ -74,7 +75,7 @@ async def stream_input(cfg: PipelineConfig, orch: Orchestrator, sampling: Any = 
     pcm: list[np.ndarray] = []
     rate = 24000
     failed: OrchError | None = None
-    await orch.add_request(RID, first, resumable=True, sampling=sampling)
+    await orch.add_request(RID, first, resumable=True, sampling=sampling, priority=priority)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_feed, orch, stream)
         while True:
