@@ -180,6 +180,9 @@ class PipelineConfig:
             if t is None:
                 raise ValueError(f"pipeline config: stage {k} ({s.kind}) feeds no thinker: its features "
                                  "are read by a later thinker stage only")
+            if self.stages[t].role:
+                raise ValueError(f"pipeline config: stage {k} ({s.kind}) feeds a split thinker (stage {t}, "
+                                 f"role {self.stages[t].role!r}): its prefill/decode halves take no features")
             dim = s.model.get("dim", FEATURE_DIM)
             want = self.stages[t].model.get("feature_dim", FEATURE_DIM)
             if dim != want:

@@ -156,6 +156,9 @@ def test_the_config_refuses_an_encoder_the_thinker_cannot_read() -> None:
                        final_stage_ids=[1]).validate()
     with pytest.raises(ValueError, match="feeds no thinker"):
         PipelineConfig([StageConfig("thinker"), StageConfig("audio-encoder")], final_stage_ids=[0]).validate()
+    with pytest.raises(ValueError, match="split thinker"):
+        PipelineConfig([StageConfig("image-encoder"), StageConfig("thinker", role="prefill"),
+                        StageConfig("thinker", role="decode")], final_stage_ids=[2]).validate()
     narrow = [StageConfig("audio-encoder", model={"dim": 8}),
               StageConfig("thinker", model={"feature_dim": 8})]
     assert PipelineConfig(narrow, final_stage_ids=[1]).validate().kinds() == ["audio-encoder", "thinker"]
