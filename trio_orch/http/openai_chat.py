@@ -111,7 +111,9 @@ def _content_parts(content: list[ContentPart], param: str, chat: ChatInput,
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
-        if part.type == "text" and part.text is not None:
+        if part.type == "text":
+            if part.text is None:
+                raise BadRequest(f"'{p}': a text part needs 'text', a string", p)
             parts.append({"type": "text", "text": part.text})
             continue
         medium = {"image_url": "image", "input_audio": "audio"}.get(part.type)
