@@ -176,6 +176,9 @@ class PipelineConfig:
         for k, s in enumerate(self.stages):
             if s.kind not in ("image-encoder", "audio-encoder"):
                 continue
+            if self.async_chunk:
+                raise ValueError(f"pipeline config: stage {k} ({s.kind}) encodes whole requests: a pipeline "
+                                 "with encoder stages runs stage by stage, not async_chunk")
             t = next((j for j in range(k + 1, len(self.stages)) if self.stages[j].kind == "thinker"), None)
             if t is None:
                 raise ValueError(f"pipeline config: stage {k} ({s.kind}) feeds no thinker: its features "

@@ -156,6 +156,8 @@ def test_the_config_refuses_an_encoder_the_thinker_cannot_read() -> None:
                        final_stage_ids=[1]).validate()
     with pytest.raises(ValueError, match="feeds no thinker"):
         PipelineConfig([StageConfig("thinker"), StageConfig("audio-encoder")], final_stage_ids=[0]).validate()
+    with pytest.raises(ValueError, match="not async_chunk"):
+        builtin_config("omni-in").with_overrides(async_chunk=True)
     with pytest.raises(ValueError, match="split thinker"):
         PipelineConfig([StageConfig("image-encoder"), StageConfig("thinker", role="prefill"),
                         StageConfig("thinker", role="decode")], final_stage_ids=[2]).validate()
