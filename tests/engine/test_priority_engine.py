@@ -44,6 +44,9 @@ async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one() -> Non
     stage = ScriptedStage(0)
     async with open_trio_engine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
         busy = await engine.add_request_async("p", request_id="busy")
+        with trio.fail_after(HANG):  # a hang guard: until the stage holds it (the pipeline is full)
+            while submitted(stage) != ["busy"]:
+                await trio.sleep(0.001)
         low = await engine.add_request_async("p", request_id="low", priority=1)
         results: list[str] = []
 
@@ -53,12 +56,14 @@ async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one() -> Non
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(urgent)
-            await trio.testing.wait_all_tasks_blocked()
+            with trio.fail_after(HANG):  # a hang guard: until both wait in the start queue
+                while engine.stats().queued_requests < 2:
+                    await trio.sleep(0.001)
             with pytest.raises(ValueError, match="priority must be an int"):
                 await engine.add_request_async("p", priority=1.5)  # type: ignore[arg-type]
             for rid in ["busy", "urgent", "low"]:
                 with trio.fail_after(HANG):  # a hang guard, not a timing
-                    while submitted(stage)[-1] != rid:
+                    while submitted(stage)[-1:] != [rid]:
                         await trio.testing.wait_all_tasks_blocked()
                         await trio.sleep(0)
                 await stage.emit(rid, "x", finished=True)
