@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 import trio
+import trio.testing
 
 from tests.waiting import HANG, wait_until
 from trio_orch.engine import Engine, static_pipeline
@@ -40,7 +41,8 @@ def test_the_thread_adapter_starts_a_later_urgent_request_first_from_threads_and
             assert h.get(timeout=HANG) == OrchOutput(h.request_id, 0, "x", True)
 
 
-async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one() -> None:
+async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one(
+        autojump_clock: trio.testing.MockClock) -> None:
     stage = ScriptedStage(0)
     async with open_trio_engine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
         busy = await engine.add_request_async("p", request_id="busy")
