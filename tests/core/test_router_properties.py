@@ -73,6 +73,7 @@ class RouterMachine(RuleBasedStateMachine):
         self.incarnations = 0
         self.tickets: list[tuple[Any, int]] = []  # every accepted ticket, with its incarnation
         self.parent_of: dict[str, str] = {}  # live companion id -> its parent
+        self.clock = 0.0  # the shell's clock, for the start queue
 
     # ---------------------------------------------------------------- helpers
     def apply(self, actions: list) -> None:
@@ -393,7 +394,34 @@ class RouterMachine(RuleBasedStateMachine):
         else:
             assert not self.router.has_room(ticket.final_stage_id)
 
+    @rule(data=st.data(), priority=st.integers(-3, 3), later=st.floats(0, 3))
+    def enqueue(self, data: st.DataObject, priority: int, later: float) -> None:
+        """A shell queues a ticket (stale ones included: nothing happens) in the start queue."""
+        if not self.tickets:
+            return
+        ticket, _ = data.draw(st.sampled_from(self.tickets))
+        if ticket.order is None:
+            ticket.priority = priority  # as if accepted with it
+        self.clock += later
+        self.router.enqueue(ticket, self.clock)
+
+    @rule()
+    def start_next(self) -> None:
+        """What the Trio shell does: start the core's next ticket once ``can_start`` says yes."""
+        ticket = self.router.next_ticket()
+        if ticket is not None and self.router.can_start(ticket):
+            self.apply(self.router.start(ticket))
+
     # ---------------------------------------------------------------- invariants
+    @invariant()
+    def the_start_queue_holds_the_queued_tickets_and_gives_the_smallest_key(self) -> None:
+        waiting = [t for t in self.router.queued.values() if t.order is not None]
+        assert self.router.start_queued == len(waiting)
+        nxt = self.router.next_ticket()
+        assert (nxt is None) == (not waiting)
+        if nxt is not None:
+            assert nxt.order == min(t.order for t in waiting if t.order is not None)
+
     @invariant()
     def claims_count_the_started_requests_that_still_have_to_pass_each_stage(self) -> None:
         want = [0, 0, 0]
