@@ -236,12 +236,13 @@ class AdmissionRules(StreamingRules, CompanionRules, ControlRules):
     def enqueue(self, ticket: Ticket, now: float) -> None:
         """The shell queued an accepted ticket at ``now`` (its clock): it waits in the start queue.
 
-        Its deadline (``now`` + its timeout) travels with its submits.  A
-        ticket no longer current (it ended meanwhile) is not queued.
+        Its deadline (``now`` + its timeout, unless the shell set it when it
+        accepted the ticket) travels with its submits.  A ticket no longer
+        current (it ended meanwhile) is not queued.
         """
         if self.queued.get(ticket.request_id) is not ticket or ticket.order is not None:
             return
-        if ticket.timeout is not None:
+        if ticket.timeout is not None and ticket.deadline is None:
             ticket.deadline = now + ticket.timeout
         ticket.order = key = self.start_key(ticket, now)
         heapq.heappush(self.start_queue, (key, ticket))

@@ -857,6 +857,7 @@ class Orchestrator:
                                     priority=priority)
         if ticket.timeout is not None:
             self._deadlines.set(request_id, ticket.timeout)
+            ticket.deadline = trio.current_time() + ticket.timeout  # the start order's, from acceptance
         return ticket
 
     def _withdraw(self, ticket: Ticket) -> None:
