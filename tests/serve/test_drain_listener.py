@@ -6,7 +6,9 @@ over, from several threads at once, until the process has exited: while it
 drains each gets the 503 ``draining`` answer; once the drain ended the
 listener is closed and a connection is refused by the kernel.  The
 connections that were queued on the listener as it closed are answered too
-(not reset).  Outcomes are counted, never timed.
+(not reset); on the Trio front, a connection hypercorn accepted in the
+instant it stopped may be closed unanswered (at most one per prober).
+Outcomes are counted, never timed.
 """
 
 from __future__ import annotations
@@ -98,8 +100,11 @@ def test_after_the_drain_a_connection_is_refused_never_reset_or_left_hanging(loo
         assert events and events[-1] == "[DONE]"  # the request in flight finished
         print(loop, dict(outcomes))
         # a listener left open but not accepting would show as hung (or reset at exit)
-        assert set(outcomes) <= {"answered 503", "refused"}, outcomes
+        assert set(outcomes) <= {"answered 503", "refused", "closed unanswered"}, outcomes
         assert outcomes["answered 503"] > 0
+        # hypercorn's shutdown closes the connections it accepted but has not read a request from yet:
+        # only at the instant it stops, so at most one per prober (docs/operating.md, the drain)
+        assert outcomes["closed unanswered"] <= (len(probers) if loop == "trio" else 0), outcomes
     finally:
         if proc.poll() is None:
             proc.kill()

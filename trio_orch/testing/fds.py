@@ -8,6 +8,7 @@ connected to, and the thread list says who else was running at the time.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 
 __all__ = ["describe_fds", "open_fds"]
@@ -33,7 +34,7 @@ def describe_fds(fds: set[int]) -> list[str]:
             continue  # closed meanwhile: it was transient, not a leak
         line = f"fd {fd} -> {target}"
         if target.startswith("socket:["):
-            line += f" [{_socket_row(target[8:-1])}]"
+            line += f" [{_socket_row(target[8:-1])}; {_socket_ends(fd)}]"
         lines.append(line)
     if lines:
         lines.append("threads: " + ", ".join(sorted(t.name for t in threading.enumerate())))
@@ -53,3 +54,23 @@ def _socket_row(inode: str) -> str:
             if inode in cols:
                 return f"{table}: {' '.join(cols)}"
     return "not in a table"
+
+
+def _socket_ends(fd: int) -> str:
+    """Family, type and both ends of socket ``fd``, read through a duplicate (the original is untouched)."""
+    try:
+        dup = os.dup(fd)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    try:
+        with socket.socket(fileno=dup) as s:
+            ends = []
+            for name, get in (("local", s.getsockname), ("peer", s.getpeername)):
+                try:
+                    ends.append(f"{name} {get()!r}")
+                except OSError as exc:
+                    ends.append(f"{name} ({exc.strerror})")
+            return f"{s.family.name} {s.type.name} " + " ".join(ends)
+    except OSError as exc:
+        os.close(dup)
+        return f"unreadable: {exc}"
