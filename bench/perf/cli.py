@@ -197,11 +197,11 @@ def run(args: argparse.Namespace) -> int:
         "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
         else "trio-orch bench",
     }
-    from bench.tables import console
+    from bench.tables import console, text
 
     out = console()
     for part in report.renderables(results):
-        out.print(part)
+        out.print(text(part) if isinstance(part, str) else part)  # brackets in a legend are not markup
     args.out.mkdir(parents=True, exist_ok=True)
     report.write_json(results, args.out / "results.json")
     (args.out / "results.md").write_text(report.markdown_report(results))
