@@ -18,6 +18,7 @@ from __future__ import annotations
 import gc
 import math
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -334,7 +335,13 @@ def run_workload(name: str, impl: str, quick: bool) -> Result:
     """Start a fresh driver for ``impl``, run the workload, stop it; the raw result (with ``shutdown_s``)."""
     wl = WORKLOADS[name]
     driver = make_driver(impl, **wl.setup(quick))
-    driver.start()
+    try:
+        driver.start()
+    except (RuntimeError, TimeoutError) as exc:  # worker processes starting on a loaded machine
+        print(f"{name} {impl}: start failed ({exc}: {exc.__cause__}); starting once more", file=sys.stderr)
+        driver.close()
+        driver = make_driver(impl, **wl.setup(quick))
+        driver.start()
     push = None if getattr(driver, "path", None) else uses_push(driver)  # a floor has a path, no shell
     # what a serving process does once started (vLLM freezes its heap after start-up): the objects
     # alive now -- imported modules, earlier rounds -- move out of the collector's reach, so a full
