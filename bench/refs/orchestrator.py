@@ -297,23 +297,17 @@ class AsyncioOrchestrator:
     async def request_handler(self) -> None:
         """Take adds and aborts from the serving thread, in order.
 
-        The adds that are there together go into the core's start queue and
-        start in its order (priority, deadline, arrival): no admission bound
-        holds them here, so only what arrived at once is reordered.
+        An add goes into the core's start queue and the core's next ticket
+        starts (priority, deadline, arrival): no admission bound holds
+        requests here, so each starts as it arrives, as the vLLM-Omni loop does.
         """
         q = self.request_queue.async_q
         while True:
-            msg: AddMsg | AbortMsg | UpdateMsg | RpcMsg | None = await q.get()
-            while type(msg) is AddMsg:
+            msg = await q.get()
+            if type(msg) is AddMsg:
                 self._enqueue(msg)
-                try:
-                    msg = q.get_nowait()
-                except asyncio.QueueEmpty:
-                    msg = None
-            await self._start_queued()
-            if msg is None:
-                continue
-            if type(msg) is UpdateMsg:
+                await self._start_queued()
+            elif type(msg) is UpdateMsg:
                 await self.handle_update(msg)
             elif type(msg) is RpcMsg:
                 await self.handle_rpc(msg)

@@ -313,7 +313,7 @@ def test_request_deadline_expires_running_and_queued(impl: str) -> None:
         assert isinstance(msg, OrchError) and (msg.request_id, msg.kind) == ("slow", "timeout")
         assert h.wait_until(lambda: h.aborts(0) == ["slow"])
         h.hold_submits(0)
-        h.add_request("blocker", "p", wait=False)  # the handler blocks in its submit
+        h.add_request("blocker", "p", wait=False, priority=-1)  # starts first; blocks in its submit
         h.add_request("queued", "p", wait=False, deadline=0.2)  # expires while queued
         msg = h.next_output()
         assert isinstance(msg, OrchError) and (msg.request_id, msg.kind) == ("queued", "timeout")
