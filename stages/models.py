@@ -270,7 +270,9 @@ class Thinker(SlotModel):
         x = self.emb(torch.tensor(m["prompt"], device=self.device))
         feats = m.get("features")
         if feats is not None:  # the encoders' features come first, then the prompt's tokens
-            x = torch.cat([self.feat(feats), x[-(self.max_prompt - len(feats)):]])
+            f = self.feat(feats)
+            f = f / f.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)  # unit RMS, as token embeddings
+            x = torch.cat([f, x[-(self.max_prompt - len(feats)):]])
         hidden = self.dec.prefill(x, self._slot(req))
         m["pos"] = len(x)
         return hidden

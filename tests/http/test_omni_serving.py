@@ -5,9 +5,8 @@ module-scoped here: workers take a while to start), over the omni-in
 pipeline's worker processes (image-encoder -> audio-encoder ->
 thinker): the same text and seed with a red and a blue image, or a low and
 a high tone, give different answers; a corrupt image is a 400 naming its
-part, before anything reaches a stage.  A second server, over a thinker
-alone with a chat template that adds a preamble, counts more ``/tokenize``
-tokens for the same messages than the default template does.
+part, before anything reaches a stage.  The chat template over HTTP is
+tests/http/test_template_serving.py.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from tests import http_helpers
 from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve
 from tests.waiting import wait_until
 from trio_orch.cluster.launcher import open_pipeline
-from trio_orch.http.chat_template import ChatInput, ChatTemplate
 from trio_orch.testing import LeakProbe
 
 pytestmark = pytest.mark.processes  # worker processes behind a real server
@@ -42,9 +40,7 @@ for _st in OMNI.stages:
     if _st.kind == "thinker":
         _st.model = dict(SMALL)
 THINKER = PipelineConfig([StageConfig("thinker", model=dict(SMALL))]).validate()
-PREAMBLE = ("You are a careful assistant. Answer in one short sentence.\n"
-            "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}")
+
 
 
 def worker_server(front: str, config: PipelineConfig, **app: Any) -> Iterator[Served | TrioServed]:
@@ -73,11 +69,6 @@ def worker_server(front: str, config: PipelineConfig, **app: Any) -> Iterator[Se
 @pytest.fixture(scope="module", params=FRONTS)
 def omni(request: pytest.FixtureRequest) -> Iterator[Served | TrioServed]:
     yield from worker_server(request.param, OMNI)
-
-
-@pytest.fixture(scope="module")
-def templated() -> Iterator[Served | TrioServed]:
-    yield from worker_server("asyncio", THINKER, chat_input=ChatInput(ChatTemplate(PREAMBLE, "preamble")))
 
 
 def png_url(rgb: tuple[int, int, int]) -> str:
@@ -135,19 +126,3 @@ def test_a_corrupt_png_or_a_remote_url_is_a_400_naming_the_part(omni: Served) ->
             err = r.json()["error"]
             assert err["param"] == "messages[0].content[1]" and says in err["message"]
         assert answer(c, {"type": "text", "text": " Plain text still works."})
-
-
-def test_tokenize_counts_the_template_s_preamble(omni: Served, templated: Served) -> None:
-    messages = [{"role": "user", "content": "hi"}]
-    with httpx.Client(base_url=omni.url, timeout=HANG) as plain, \
-            httpx.Client(base_url=templated.url, timeout=HANG) as pre:
-        default = plain.post("/tokenize", json={"messages": messages}).json()
-        preamble = pre.post("/tokenize", json={"messages": messages, "return_token_strs": True}).json()
-        assert default["tokens"] == list(b"user: hi\nassistant:")
-        assert preamble["count"] > default["count"]
-        assert "".join(preamble["token_strs"]).startswith("You are a careful assistant.")
-        opened = pre.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
-        assert opened["count"] == preamble["count"] - len(b"assistant:")
-        r = pre.post("/v1/chat/completions", json={"model": "omni", "messages": messages, "max_tokens": 4})
-        assert r.status_code == 200, r.text
-        assert r.json()["usage"]["prompt_tokens"] == preamble["count"]
