@@ -42,7 +42,6 @@ for _st in OMNI.stages:
 THINKER = PipelineConfig([StageConfig("thinker", model=dict(SMALL))]).validate()
 
 
-
 def worker_server(front: str, config: PipelineConfig, **app: Any) -> Iterator[Served | TrioServed]:
     """``config``'s workers behind ``front``; no process, descriptor or ipc file is left after."""
     probe = LeakProbe()
