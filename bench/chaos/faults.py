@@ -99,15 +99,21 @@ def _queue_at(stage: int) -> Callable[[PipelineConfig], None]:
 
     A replica then dies holding queued requests, which failover resends; with
     the default batch every request it held was in its batch, with output.
+    Each step also takes a while (``FAILOVER_STEP_MS``), so that stage is the
+    pipeline's bottleneck on any machine: its replicas hold more than a batch
+    for as long as the load lasts, not only when the machine happens to be slow.
     """
     def hook(cfg: PipelineConfig) -> None:
         cfg.stages[stage].max_batch = FAILOVER_BATCH
+        cfg.stages[stage].worker_args += ["--step-delay-ms", str(FAILOVER_STEP_MS)]
 
     return hook
 
 
 #: the batch of the stage whose replica the failover rows kill
 FAILOVER_BATCH = 4
+#: how long each step of that stage takes (ms): 2 replicas pass at most 2 * 4 / 20 ms = 400 requests/s
+FAILOVER_STEP_MS = 20
 
 
 def _garbage_config(cfg: PipelineConfig) -> None:

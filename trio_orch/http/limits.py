@@ -20,7 +20,9 @@ once the body is in (:class:`Shedder`: under a flood, parsing
 requests that would be shed anyway would starve the admitted ones of CPU).
 A client that disconnects during its upload costs one log line.  An
 exception from a route becomes an OpenAI-shaped 500, counted and logged
-once.  Every refusal has OpenAI's ``{"error": {...}}`` body.
+once.  Every refusal has OpenAI's ``{"error": {...}}`` body, and reads and
+drops the rest of a body it did not want first (bounded): a connection closed
+with its input unread is reset, and the client would lose the answer.
 
 Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
 Trio ASGI server.  Limits on connections (how many, how long an idle one
@@ -198,11 +200,11 @@ class LimitsMiddleware:
         for guard in self.guards:  # authentication before anything that could tell the caller more
             refusal = guard(scope)
             if refusal is not None:
-                await self._discard_body(receive)
+                await self._discard_body(scope, receive)
                 await self._refuse(send, route, refusal)
                 return
         if self.front.draining and scope.get("method") == "POST" and route in self.generation_paths:
-            await self._discard_body(receive)  # before the shedder: not a 429, nothing parsed
+            await self._discard_body(scope, receive)  # before the shedder: not a 429, nothing parsed
             await self._refuse(send, route, self.DRAINING)
             return
         shedder = self.shedder
@@ -213,6 +215,8 @@ class LimitsMiddleware:
             try:
                 body = await self._read_body(scope, receive)
             except _Refused as exc:
+                if exc.status != 408:  # a slow client is not waited for twice
+                    await self._discard_body(scope, receive)
                 await self._refuse(send, route, Refusal(exc.status, str(exc), exc.code))
                 return
             except _ClientLeft:
@@ -234,7 +238,10 @@ class LimitsMiddleware:
                 self.front.pending -= 1
 
     async def _shed(self, route: str, send: Send) -> bool:
-        """Answer 429 if the Shedder refuses ``route`` now; whether it did."""
+        """Answer 429 if the Shedder refuses ``route`` now; whether it did.
+
+        Its body is left unread (the cheap refusal): the answer keeps the
+        connection open, so the server reads the body on and nothing resets."""
         shedder = self.shedder
         assert shedder is not None
         if not shedder.refuse(route, self.front.pending):
@@ -281,13 +288,25 @@ class LimitsMiddleware:
             raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
                            "request_timeout") from None
 
-    async def _discard_body(self, receive: Receive) -> None:
-        """Read and drop what the client sends (at most the body limit, within the body timeout)
-        before a refusal: closing a connection with its body unread resets it, and the client
-        would lose the answer (a 401, a 503 ``draining``) with it."""
+    #: how far past the body limit a refusal still reads (and drops) a body, so that its client reads it
+    LINGER_BYTES = 1 << 20
+
+    async def _discard_body(self, scope: Scope, receive: Receive) -> None:
+        """Read and drop the rest of the body before a refusal (a 401, 413, 415, 503).
+
+        Closing a connection with its body unread resets it, and the client
+        would lose the answer with it.  Bounded: within the body timeout, at
+        most the body limit plus :data:`LINGER_BYTES`; a body announced larger
+        than that is not read at all (answered at once; its client may see a
+        reset).  After a replayed body it returns at once (``more_body`` over).
+        """
+        bound = self.limits.max_body_bytes + self.LINGER_BYTES
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > bound:
+            return
         with anyio.move_on_after(self.limits.body_timeout):
             size = 0
-            while size <= self.limits.max_body_bytes:
+            while size <= bound:
                 message = await receive()
                 if message["type"] != "http.request":
                     return
