@@ -146,15 +146,9 @@ class TrioDriver(Driver):
         orch = self.orch
         assert orch is not None
         try:
-            batch = [await orch.next_output()]
+            return await orch.next_batch()
         except trio.EndOfChannel:
             return None
-        nowait = orch.next_output_nowait
-        while True:
-            try:
-                batch.append(nowait())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return batch
 
     def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
         assert self.orch is not None

@@ -12,6 +12,9 @@ still differs from Trio's the difference is the concurrency model's:
   second time (TaskGroup re-cancels its children when its parent is);
 - **the push path**: a stage client that offers ``pump(deliver)`` hands its
   batches over synchronously, routed at once while the dispatcher is idle;
+- **one dispatcher pass per batch of events**: its inbox is a deque with one
+  waiter (:mod:`bench.refs.inbox`, the twin of the Trio shell's), drained
+  whole; everything in it is routed, then the I/O done once;
 - **the abort path**: a serving thread's abort goes straight to the loop
   (``call_soon_threadsafe``): a queued request gets its terminal at once, a
   started one through the dispatcher, in order with the outputs -- not
@@ -50,6 +53,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from bench.refs.control import RpcMsg, concurrent_rpc
+from bench.refs.inbox import Inbox
 from bench.refs.orchestrator import AsyncioOrchestrator
 from trio_orch.core import Abort, RequestState
 from trio_orch.shell.orchestrator import BURST_GAP
@@ -93,10 +97,10 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
     _last_inline = 0.0
     _tg: asyncio.TaskGroup | None = None
     #: what the readers (and aborts) post for the dispatcher: (stage id or None, outputs, death or command)
-    ready_q: asyncio.Queue[tuple[int | None, Any]]
+    ready_q: Inbox[tuple[int | None, Any]]
 
     async def run(self) -> None:
-        self.ready_q = asyncio.Queue()
+        self.ready_q = Inbox()
         self._side: set[asyncio.Task[None]] = set()
         cancelled_from_outside = False
         stop_deadline: asyncio.Timeout | None = None
@@ -158,7 +162,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
     def _post(self, stage_id: int | None, item: Any) -> None:
         """Queue an event for the dispatcher (every event goes through here: it ends ``_idle``)."""
         self._idle = False
-        self.ready_q.put_nowait((stage_id, item))
+        self.ready_q.post((stage_id, item))
 
     async def stage_abort(self, a: Abort) -> None:
         """In a task of the group while running (a hung stage stalls nobody); inline while stopping."""
@@ -198,27 +202,28 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         task.add_done_callback(lambda t: msg.refuse("orchestrator stopped before the call ran"))
 
     async def _dispatcher(self) -> None:
+        """Drain what is ready, route it all, then do the I/O (the Trio shell's dispatcher)."""
         ready = self.ready_q
         router = self.router
         while True:
-            try:
-                stage_id, item = ready.get_nowait()
-            except asyncio.QueueEmpty:
+            if not ready:
                 self._idle = True
                 try:
-                    stage_id, item = await ready.get()
+                    await ready.wait()
                 finally:
                     self._idle = False
-            if type(item) is _Perform:
-                await self.perform(item.actions)
-                continue
-            if type(item) is _AbortCmd:
-                rid = item.state.request_id
-                if router.requests.get(rid) is item.state:
-                    await self.perform(router.abort(rid))
-                continue
-            assert stage_id is not None
-            await self.perform(self.route(stage_id, item))
+            actions: list[Any] = []
+            for stage_id, item in ready.take():
+                if type(item) is _Perform:
+                    actions.extend(item.actions)
+                elif type(item) is _AbortCmd:
+                    rid = item.state.request_id
+                    if router.requests.get(rid) is item.state:
+                        actions.extend(router.abort(rid))
+                else:
+                    assert stage_id is not None
+                    actions.extend(self.route(stage_id, item))
+            await self.perform(actions)
 
     async def reader(self, stage_id: int, stage: StageClient) -> None:
         """Move a stage's outputs to the dispatcher; report the stage's death.
@@ -259,11 +264,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
 
     def _report_unrouted_events(self) -> None:
         """Events the dispatcher never saw (it was cancelled first): log the stage failures."""
-        while True:
-            try:
-                stage_id, item = self.ready_q.get_nowait()
-            except asyncio.QueueEmpty:
-                return
+        for stage_id, item in self.ready_q.take():
             if type(item) is StageDied and stage_id is not None:
                 msg = item.describe(stage_id).replace(" died: ", " failed while stopping: ", 1)
                 log.warning("%s", msg)

@@ -9,6 +9,7 @@ changes an implementation and watches its verdict change.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -129,8 +130,15 @@ def test_verdicts_are_derived_from_measurements() -> None:
 def test_changing_an_implementation_changes_its_cell(monkeypatch: pytest.MonkeyPatch) -> None:
     """TaskGroup's reader tells its own cancellation from the stage's; give it omni's and S3 turns silent."""
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "ok"
+    class Put:  # omni's reader awaits put() on its asyncio.Queue; TaskGroup's inbox takes a post
+        def __init__(self, inbox: Any) -> None:
+            self.inbox = inbox
+
+        async def put(self, item: Any) -> None:
+            self.inbox.post(item)
+
     monkeypatch.setattr(TaskGroupOrchestrator, "reader",
-                        lambda self, k, stage: OmniEventDriven.reader(self, k, stage, self.ready_q))
+                        lambda self, k, stage: OmniEventDriven.reader(self, k, stage, Put(self.ready_q)))
     assert run_scenario(by_number(3), "asyncio-taskgroup").verdict == "silent"
 
 

@@ -47,6 +47,7 @@ from trio_orch.core import (
     stage_call_failed,
 )
 from trio_orch.shell.deadlines import DeadlineKeeper
+from trio_orch.shell.inbox import Inbox
 from trio_orch.shell.join_gate import JoinGate
 from trio_orch.types import Message, ReplicatedStageClient, RpcResult, StageClient, StageDied, StageOutput
 
@@ -230,12 +231,14 @@ class Orchestrator:
         self._intake_scope: trio.CancelScope | None = None  # around the intake's receive
         self._updates: deque[_Update] = deque()  # taken by the intake, applied by the handler in order
         self._dones: dict[Ticket, trio.Event] = {}  # queued tickets whose add_request waits for the start
-        self._ev_send, self._ev_recv = trio.open_memory_channel[Any](math.inf)
-        #: the dispatcher waits on an empty channel and nothing was sent since: a pushed batch
+        self._inbox: Inbox[tuple[int | None, Any]] = Inbox()  # every event for the dispatcher
+        #: the dispatcher waits on an empty inbox and nothing was posted since: a pushed batch
         #: may be routed at once by whoever delivers it (see _reader)
         self._idle = False
         self._last_inline = 0.0  # perf_counter of the last pushed batch that found the dispatcher idle
-        self._out_send, self._out_recv = trio.open_memory_channel[Message](math.inf)
+        # one item per delivered batch (not per message): next_output() takes from _out_buf first
+        self._out_send, self._out_recv = trio.open_memory_channel[list[Message]](math.inf)
+        self._out_buf: deque[Message] = deque()
         self._sink: OutputSink = output_sink or self._send_to_channel
         self._deadlines = DeadlineKeeper()
         self._sending: set[Ticket] = set()  # accepted, their add_request waits for room in the channel
@@ -282,7 +285,7 @@ class Orchestrator:
             state=self._state, core=self.router.statistics(),
             stage_deaths=MappingProxyType(dict(self.stage_deaths)),
             request_channel=self._req_send.statistics(),
-            events_pending=self._ev_recv.statistics().current_buffer_used,
+            events_pending=len(self._inbox),
             paused=self.router.paused,
             rpc_calls=MappingProxyType(dict(self.rpc_calls)),
             rpc_errors=MappingProxyType(dict(self.rpc_errors)),
@@ -553,17 +556,53 @@ class Orchestrator:
         self._abort(request_id, None)
 
     async def next_output(self) -> Message:
-        """The next message in delivery order; ``trio.EndOfChannel`` once all is delivered."""
-        return await self._out_recv.receive()
+        """The next message in delivery order; ``trio.EndOfChannel`` once all is delivered.
+
+        A message of a batch already taken is returned after a cancellation
+        check only (``checkpoint_if_cancelled``), as a channel's ready item is:
+        one full checkpoint per batch, not per message.
+        """
+        buf = self._out_buf
+        if buf:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return buf.popleft()
+        buf.extend(await self._out_recv.receive())
+        return buf.popleft()
 
     def next_output_nowait(self) -> Message:
         """The next message if one is ready; ``trio.WouldBlock`` if none, ``trio.EndOfChannel`` at the end."""
-        return self._out_recv.receive_nowait()
+        buf = self._out_buf
+        if not buf:
+            buf.extend(self._out_recv.receive_nowait())
+        return buf.popleft()
+
+    async def next_batch(self) -> list[Message]:
+        """Every message ready now, in delivery order, waiting for the first; ``EndOfChannel`` at the end.
+
+        For consumers that handle messages in batches (a front, a benchmark):
+        one call and one checkpoint per batch the dispatcher delivered.
+        """
+        buf = self._out_buf
+        if buf:
+            await trio.lowlevel.checkpoint()
+            batch = list(buf)
+            buf.clear()
+        else:
+            batch = list(await self._out_recv.receive())
+        recv = self._out_recv.receive_nowait
+        while True:
+            try:
+                batch.extend(recv())
+            except (trio.WouldBlock, trio.EndOfChannel):
+                return batch
 
     async def outputs(self) -> AsyncIterator[Message]:
         """Iterate over messages until the orchestrator stopped and all were delivered."""
-        async for msg in self._out_recv:
-            yield msg
+        while True:
+            try:
+                yield await self.next_output()
+            except trio.EndOfChannel:
+                return
 
     def request_shutdown(self, timeout: float | None = None) -> None:
         """Stop accepting and begin shutting down (synchronous, idempotent).
@@ -678,7 +717,7 @@ class Orchestrator:
     def _post_event(self, stage_id: int | None, item: Any) -> None:
         """Queue an event for the dispatcher (every event goes through here: it ends ``_idle``)."""
         self._idle = False
-        self._ev_send.send_nowait((stage_id, item))
+        self._inbox.post((stage_id, item))
 
     def _route_now(self, stage_id: int, outs: list[StageOutput]) -> None:
         """Route a pushed batch synchronously while the dispatcher is idle (the push fast path).
@@ -705,23 +744,18 @@ class Orchestrator:
 
     async def _dispatcher(self) -> None:
         """Single router of outputs and commands; drains what is ready, then does I/O."""
-        recv = self._ev_recv
+        inbox = self._inbox
         router = self.router
         while True:
-            try:
-                first = recv.receive_nowait()
-            except trio.WouldBlock:
+            if not inbox:
                 self._idle = True
                 try:
-                    first = await recv.receive()
+                    await inbox.wait()
                 finally:
                     self._idle = False
-            batch = [first]
-            while True:
-                try:
-                    batch.append(recv.receive_nowait())
-                except trio.WouldBlock:
-                    break
+            batch = inbox.take()
+            if not batch:  # closed: the orchestrator is stopping
+                return
             actions: list[Action] = []
             commands: list[_Command] = []
             for stage_id, item in batch:
@@ -944,9 +978,7 @@ class Orchestrator:
         return self.router.stage_died(stage_id, msg)
 
     def _send_to_channel(self, msgs: list[Message]) -> None:
-        send = self._out_send.send_nowait
-        for m in msgs:
-            send(m)
+        self._out_send.send_nowait(msgs)  # the batch is the channel's item (see next_output)
 
     def _deliver(self, msgs: list[Message]) -> None:
         deadlines = self._deadlines
@@ -1109,17 +1141,13 @@ class Orchestrator:
         self._deliver_now(actions)
         for ev in list(self._waiters):
             ev.set()
-        self._ev_send.close()
+        self._inbox.close()
         self._report_unrouted_events()
         return [a for a in actions if type(a) is not Emit]
 
     def _report_unrouted_events(self) -> None:
         """Events the dispatcher never saw (it was cancelled first): log stage failures."""
-        while True:
-            try:
-                stage_id, item = self._ev_recv.receive_nowait()
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return
+        for stage_id, item in self._inbox.take():
             if type(item) is StageDied:
                 msg = item.describe(stage_id).replace(" died: ", " failed while stopping: ", 1)
                 log.warning("%s", msg)
