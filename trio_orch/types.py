@@ -14,6 +14,7 @@ from typing import Any, Protocol, runtime_checkable
 __all__ = [
     "ERROR_KINDS",
     "Message",
+    "NowaitSubmitClient",
     "OrchError",
     "OrchOutput",
     "PushStageClient",
@@ -199,6 +200,23 @@ class PushStageClient(StageClient, Protocol):
     """
 
     async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None: ...
+
+
+@runtime_checkable
+class NowaitSubmitClient(StageClient, Protocol):
+    """Optional: a stage client that can take a submit synchronously.
+
+    ``submit_nowait(request_id, payload, **options)`` takes the same
+    arguments as ``submit`` and returns True once it did what ``submit``
+    would (or raised as it would), or False having done nothing -- the
+    orchestrator then awaits ``submit``.  A shell starting a burst of
+    requests sends their submits back to back this way, with one checkpoint
+    after the batch instead of one per submit: the stage's next step sees
+    the whole burst (an asyncio shell gets this for free, since awaiting a
+    send that completes at once does not suspend).
+    """
+
+    def submit_nowait(self, request_id: str, payload: Any, **options: Any) -> bool: ...
 
 
 @runtime_checkable

@@ -343,6 +343,48 @@ class ReplicaPool:
         parent's, or one reserved by the upstream stage, which already sends
         it data) gets a ``replica_died`` output.
         """
+        placed = self._bind_submit(request_id, resumable, companion_of)
+        if placed is None:
+            return
+        idx, downstream = placed
+        opts = self._submit_options(sampling, resumable, priority, deadline_in)
+        try:
+            await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
+        except BaseException:
+            self._unbind(request_id)
+            raise
+
+    def submit_nowait(self, request_id: str, payload: Any, *, sampling: dict[str, Any] | None = None,
+                      resumable: bool = False, companion_of: str | None = None, priority: int = 0,
+                      deadline_in: float | None = None) -> bool:
+        """:meth:`submit` done synchronously, where every live replica takes a submit so; whether it was.
+
+        False (nothing done, nothing bound) when a replica has only the
+        awaited ``submit``: the caller awaits :meth:`submit` then.
+        """
+        replicas = self.replicas
+        if not all(hasattr(replicas[i], "submit_nowait") for i in self.live_replicas()):
+            return False
+        placed = self._bind_submit(request_id, resumable, companion_of)
+        if placed is None:
+            return True
+        idx, downstream = placed
+        try:
+            replicas[idx].submit_nowait(request_id, payload, downstream=downstream,
+                                        **self._submit_options(sampling, resumable, priority, deadline_in))
+        except BaseException:
+            self._unbind(request_id)
+            raise
+        return True
+
+    def _bind_submit(self, request_id: str, resumable: bool,
+                     companion_of: str | None) -> tuple[int, int] | None:
+        """Choose the replica of a submit and bind the request to it: ``(replica, downstream replica)``.
+
+        None when the replica it must go to is gone: its ``replica_died``
+        output is on its way (:meth:`_lost`).  The state changes are all made
+        here, before the I/O; the caller unbinds if the send raises.
+        """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         if request_id in self._bound:
@@ -350,7 +392,8 @@ class ReplicaPool:
         if companion_of is not None:
             idx = self._parent_replica(request_id, companion_of)
         elif request_id in self._doomed:
-            return self._lost(request_id, f"the replica reserved for {request_id!r} died")
+            self._lost(request_id, f"the replica reserved for {request_id!r} died")
+            return None
         else:
             idx = self._reserved.pop(request_id, None)
             self._reserved_at.pop(request_id, None)
@@ -360,7 +403,8 @@ class ReplicaPool:
             else:
                 idx = self._place()
         if idx not in self.live_replicas():
-            return self._lost(request_id, f"replica {idx}, chosen for {request_id!r}, died")
+            self._lost(request_id, f"replica {idx}, chosen for {request_id!r}, died")
+            return None
         downstream = -1
         if self.downstream is not None:
             downstream = self.downstream.reserve(request_id)
@@ -371,20 +415,22 @@ class ReplicaPool:
                                                retried_from=self._died.pop(request_id, None)))
         if resumable:
             self._segments[request_id] = [1, False]
-        try:
-            opts: dict[str, Any] = {}
-            if sampling is not None:
-                opts["sampling"] = sampling
-            if resumable:
-                opts["resumable"] = True
-            if priority:
-                opts["priority"] = priority
-            if deadline_in is not None:
-                opts["deadline_in"] = deadline_in
-            await self.replicas[idx].submit(request_id, payload, downstream=downstream, **opts)
-        except BaseException:
-            self._unbind(request_id)
-            raise
+        return idx, downstream
+
+    @staticmethod
+    def _submit_options(sampling: dict[str, Any] | None, resumable: bool, priority: int,
+                        deadline_in: float | None) -> dict[str, Any]:
+        """The replica's submit options: only those set."""
+        opts: dict[str, Any] = {}
+        if sampling is not None:
+            opts["sampling"] = sampling
+        if resumable:
+            opts["resumable"] = True
+        if priority:
+            opts["priority"] = priority
+        if deadline_in is not None:
+            opts["deadline_in"] = deadline_in
+        return opts
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,
                      sampling: Any = None) -> None:

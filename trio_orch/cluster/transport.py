@@ -202,9 +202,18 @@ class ZmqStageClient:
         ``companion_of`` is accepted for the stage-client protocol and needs
         nothing here: one replica is always its companion's parent's.
         """
+        self.submit_nowait(request_id, payload, downstream=downstream, sampling=sampling,
+                           resumable=resumable, priority=priority, deadline_in=deadline_in)
+        await trio.lowlevel.checkpoint()
+
+    def submit_nowait(self, request_id: str, payload: Any, *, downstream: int = -1,
+                      sampling: dict[str, Any] | None = None, resumable: bool = False,
+                      companion_of: str | None = None, priority: int = 0,
+                      deadline_in: float | None = None) -> bool:
+        """:meth:`submit` without its checkpoint (sent at once, or queued for the owner); always True."""
         self._check_alive()
         self._queue(Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in))
-        await trio.lowlevel.checkpoint()
+        return True
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,
                      sampling: Any = None) -> None:

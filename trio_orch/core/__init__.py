@@ -23,6 +23,7 @@ from trio_orch.core.actions import (
     Update,
     stage_call,
     stage_call_failed,
+    stage_call_nowait,
     stage_io_options,
 )
 from trio_orch.core.membership import JoinRefused
@@ -30,4 +31,5 @@ from trio_orch.core.router import Router, RouterStatistics
 from trio_orch.core.state import RequestState, Ticket
 
 __all__ = ["Abort", "Action", "Emit", "JoinRefused", "RequestState", "Router", "RouterStatistics", "Submit",
-           "Ticket", "Update", "stage_call", "stage_call_failed", "stage_io_options"]
+           "Ticket", "Update", "stage_call", "stage_call_failed", "stage_call_nowait",
+           "stage_io_options"]

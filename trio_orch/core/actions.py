@@ -15,7 +15,7 @@ from typing import Any
 from trio_orch.types import Message
 
 __all__ = ["Abort", "Action", "Emit", "Submit", "Update", "stage_call", "stage_call_failed",
-           "stage_io_options"]
+           "stage_call_nowait", "stage_io_options"]
 
 
 class Submit:
@@ -169,6 +169,22 @@ def stage_call(stage: Any, action: Submit | Update,
     if opts:
         return stage.submit(action.request_id, action.payload, **opts)
     return stage.submit(action.request_id, action.payload)
+
+
+def stage_call_nowait(stage: Any, action: Submit | Update,
+                      schedule: tuple[int, float | None] | None = None) -> bool:
+    """Do a submit synchronously where the stage client offers it (``submit_nowait``); whether it did.
+
+    False: nothing was done (no such method, or the client cannot now), and
+    the shell awaits :func:`stage_call` as usual.  Updates always go the
+    awaited way.
+    """
+    if type(action) is not Submit:
+        return False
+    nowait = getattr(stage, "submit_nowait", None)
+    if nowait is None:
+        return False
+    return bool(nowait(action.request_id, action.payload, **stage_io_options(action, stage, schedule)))
 
 
 def stage_call_failed(action: Submit | Update, exc: BaseException) -> str:

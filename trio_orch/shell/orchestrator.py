@@ -45,6 +45,7 @@ from trio_orch.core import (
     Update,
     stage_call,
     stage_call_failed,
+    stage_call_nowait,
 )
 from trio_orch.shell.deadlines import DeadlineKeeper
 from trio_orch.shell.inbox import Inbox
@@ -830,7 +831,7 @@ class Orchestrator:
                 continue
             ticket = router.next_ticket()
             if ticket is not None and router.can_start(ticket):
-                await self._start_when_room(ticket, self._dones.pop(ticket, None))
+                await self._start_burst(ticket)
                 continue
             if ticket is None and self._intake_closed:
                 return
@@ -851,18 +852,31 @@ class Orchestrator:
             self._busy = False
             item.done.set()
 
-    async def _start_when_room(self, ticket: Ticket, done: trio.Event | None) -> None:
-        try:
-            while not self.router.can_start(ticket):  # admission bound: wait for room
-                self._room = room = trio.Event()
-                await room.wait()
+    async def _start_burst(self, ticket: Ticket) -> None:
+        """Start ``ticket``, then every queued ticket that can start after it, one after the other.
+
+        Each start is decided and its stage I/O done before the next ticket
+        leaves the queue (a submit that blocks holds the rest queued, as the
+        request channel's bound expects); but where the stage clients take a
+        submit synchronously there is no checkpoint between them, only one
+        after the burst.  The whole burst then reaches the stages back to
+        back and a worker's next step batches all of it.
+        """
+        router = self.router
+        synced = False
+        while ticket is not None and router.can_start(ticket):
+            done = self._dones.pop(ticket, None)
             self._busy = True
-            await self._perform(self.router.start(ticket))
-        finally:
-            self._busy = False
-            if done is not None:
-                done.set()
-            self._room_may_have_changed()  # the start queue has room for one more
+            try:
+                synced = await self._perform(router.start(ticket), checkpoint=False) or synced
+            finally:
+                self._busy = False
+                if done is not None:
+                    done.set()
+                self._room_may_have_changed()  # the start queue has room for one more
+            ticket = router.next_ticket()
+        if synced:
+            await trio.lowlevel.checkpoint()
 
     def _expire(self, request_id: str) -> None:
         """The deadline keeper's callback: a queued request ends now, a started one via the dispatcher."""
@@ -1007,8 +1021,14 @@ class Orchestrator:
         if not self.router.live_count and self._stop_requested.is_set():
             self._drained.set()
 
-    async def _perform(self, actions: list[Action], waiters: list[_AbortWait] | None = None) -> None:
+    async def _perform(self, actions: list[Action], waiters: list[_AbortWait] | None = None, *,
+                       checkpoint: bool = True) -> bool:
         """Deliver the emits at once, submit in decision order, abort in the background.
+
+        A submit the stage client takes synchronously (``submit_nowait``) has
+        no checkpoint of its own: one follows the batch, unless
+        ``checkpoint=False`` (the caller does it after more I/O).  Returns
+        whether such a submit was made.
 
         Stage aborts are best-effort cleanup: they run in a task of the run
         nursery so a stage that hangs in ``abort`` never stalls routing for
@@ -1018,10 +1038,11 @@ class Orchestrator:
         confirmed those aborts (or did not, in time).
         """
         if not actions:
-            return
+            return False
         self._deliver_now(actions)
         router = self.router
         aborts: list[Abort] = []
+        synced = False  # a submit was done synchronously: one checkpoint at the end, for all of them
         for i, a in enumerate(actions):
             if type(a) is Submit or type(a) is Update:
                 if not router.is_started(a.request_id):
@@ -1029,7 +1050,10 @@ class Orchestrator:
                 stage = self.stages[a.stage_id]
                 schedule = router.schedule(a.request_id, trio.current_time()) if type(a) is Submit else None
                 try:
-                    await stage_call(stage, a, schedule)
+                    if stage_call_nowait(stage, a, schedule):
+                        synced = True
+                    else:
+                        await stage_call(stage, a, schedule)
                 except Exception as exc:
                     why = stage_call_failed(a, exc)
                     await self._perform(router.submit_failed(a.stage_id, a.request_id, why))
@@ -1048,6 +1072,9 @@ class Orchestrator:
                     waiters.clear()  # the abort task releases them
             else:
                 await self._abort_all(aborts, [])
+        if synced and checkpoint:
+            await trio.lowlevel.checkpoint()
+        return synced
 
     @staticmethod
     def _resubmits(actions: list[Action], i: int, abort: Abort) -> bool:

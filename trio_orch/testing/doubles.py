@@ -227,14 +227,18 @@ class ScriptedStage(StageRecord):
                      sampling: Any = None, companion_of: str | None = None) -> None:
         while self._submit_gate is not None:
             await self._submit_gate.wait()
+        self._take_submit(request_id, payload, resumable, sampling, companion_of)
+        if self.misbehaviour.helper_per_submit and self.helper_nursery is not None:
+            self.helper_nursery.start_soon(trio.sleep, 3600, name=f"{self.name}.heartbeat[{request_id}]")
+        await trio.lowlevel.checkpoint()
+
+    def _take_submit(self, request_id: str, payload: Any, resumable: bool, sampling: Any,
+                     companion_of: str | None) -> None:
         if self._dead is not None or self.closed:
             raise StageUnavailable(f"{self.name} is not running")
         self.record_submit(request_id, payload, resumable, sampling, companion_of)
         if self.on_submit is not None:
             self.on_submit(self.stage_id, request_id)
-        if self.misbehaviour.helper_per_submit and self.helper_nursery is not None:
-            self.helper_nursery.start_soon(trio.sleep, 3600, name=f"{self.name}.heartbeat[{request_id}]")
-        await trio.lowlevel.checkpoint()
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,
                      sampling: Any = None) -> None:
@@ -348,6 +352,14 @@ class PushScriptedStage(ScriptedStage):
     def __init__(self, stage_id: int = 0, **kwargs: Any) -> None:
         super().__init__(stage_id, **kwargs)
         self._deliver: Callable[[list[StageOutput]], None] | None = None
+
+    def submit_nowait(self, request_id: str, payload: Any, *, resumable: bool = False,
+                      sampling: Any = None, companion_of: str | None = None) -> bool:
+        """:meth:`submit` without its checkpoint, as a replica pool offers it; False while gated."""
+        if self._submit_gate is not None or self.misbehaviour.helper_per_submit:
+            return False
+        self._take_submit(request_id, payload, resumable, sampling, companion_of)
+        return True
 
     def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
         deliver = self._deliver
