@@ -789,6 +789,8 @@ class Orchestrator:
         Input updates go to the request handler, in the order they came.  It
         takes while the handler does stage I/O, so the queue fills as it did
         when the channel itself buffered, and the core orders what waits.
+        Every add waiting when it wakes is taken in the same pass, so a burst
+        is queued whole and the handler starts it in one go.
         """
         router = self.router
         task_status.started()
@@ -808,16 +810,24 @@ class Orchestrator:
             self._intake_scope = None
             if item is None:
                 continue
-            if type(item) is _Update:
-                self._updates.append(item)
-            else:
-                ticket, done = item
-                router.enqueue(ticket, trio.current_time())
-                if done is not None:
-                    if ticket.order is not None:
-                        self._dones[ticket] = done
-                    else:
-                        done.set()  # it ended before it was queued
+            now = trio.current_time()
+            while True:  # and every other add already waiting to be taken: one pass for a burst
+                if type(item) is _Update:
+                    self._updates.append(item)
+                else:
+                    ticket, done = item
+                    router.enqueue(ticket, now)
+                    if done is not None:
+                        if ticket.order is not None:
+                            self._dones[ticket] = done
+                        else:
+                            done.set()  # it ended before it was queued
+                if self._queue_full():
+                    break
+                try:
+                    item = self._req_recv.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break  # the end is seen by the next receive
             self._room_may_have_changed()
 
     async def _request_handler(self, *,
