@@ -559,15 +559,20 @@ class Orchestrator:
     async def next_output(self) -> Message:
         """The next message in delivery order; ``trio.EndOfChannel`` once all is delivered.
 
-        A message of a batch already taken is returned after a cancellation
-        check only (``checkpoint_if_cancelled``), as a channel's ready item is:
-        one full checkpoint per batch, not per message.
+        A message that is ready comes after a cancellation check only
+        (``checkpoint_if_cancelled``): no schedule point, as asyncio's
+        ``Queue.get`` of a ready item -- a consumer that keeps up pays one
+        scheduler pass per wait, not one per message.  When none is ready it
+        waits (a full checkpoint).
         """
         buf = self._out_buf
-        if buf:
-            await trio.lowlevel.checkpoint_if_cancelled()
-            return buf.popleft()
-        buf.extend(await self._out_recv.receive())
+        if not buf:
+            try:
+                buf.extend(self._out_recv.receive_nowait())
+            except trio.WouldBlock:
+                buf.extend(await self._out_recv.receive())
+                return buf.popleft()
+        await trio.lowlevel.checkpoint_if_cancelled()
         return buf.popleft()
 
     def next_output_nowait(self) -> Message:
@@ -581,21 +586,26 @@ class Orchestrator:
         """Every message ready now, in delivery order, waiting for the first; ``EndOfChannel`` at the end.
 
         For consumers that handle messages in batches (a front, a benchmark):
-        one call and one checkpoint per batch the dispatcher delivered.
+        one call per batch the dispatcher delivered; the same checkpoint rule
+        as :meth:`next_output`.
         """
         buf = self._out_buf
-        if buf:
-            await trio.lowlevel.checkpoint()
-            batch = list(buf)
-            buf.clear()
-        else:
-            batch = list(await self._out_recv.receive())
         recv = self._out_recv.receive_nowait
+        batch = list(buf)
+        buf.clear()
         while True:
             try:
                 batch.extend(recv())
-            except (trio.WouldBlock, trio.EndOfChannel):
-                return batch
+            except trio.WouldBlock:
+                break
+            except trio.EndOfChannel:
+                if batch:
+                    break
+                raise
+        if batch:
+            await trio.lowlevel.checkpoint_if_cancelled()
+            return batch
+        return list(await self._out_recv.receive())
 
     async def outputs(self) -> AsyncIterator[Message]:
         """Iterate over messages until the orchestrator stopped and all were delivered."""

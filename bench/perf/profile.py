@@ -1,0 +1,155 @@
+"""Where the work per output goes: counts from a profiled run, Trio and asyncio side by side.
+
+``python -m bench.perf.profile`` runs each workload once per implementation
+under :mod:`cProfile`, in the threads the implementation starts (its loop
+thread, a ZMQ client's), and reports per output:
+
+* **loop passes** -- ``epoll.poll`` calls: how often the event loop went
+  round (Trio's scheduler pass, asyncio's ``_run_once``);
+* **task steps** -- ``Context.run`` calls: a Trio task step, an asyncio
+  callback or task step;
+* **calls** -- every Python function call;
+* the functions with the largest share of the loop thread's own time
+  (waiting in ``poll`` and in locks left out).
+
+Counts, not times, are the point: they hardly move with the machine's load
+(a profiled run is several times slower than a real one, and timings on a
+busy 2-vCPU VM are noise), so a design change shows as fewer passes, steps
+or calls per output in any run.  Timings belong to ``trio-orch bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from bench.perf.workloads import WORKLOADS, run_workload
+
+__all__ = ["Profiled", "main", "markdown", "profile_one"]
+
+#: builtins that only wait (their time is idle, not work)
+WAITS = ("poll", "acquire", "get", "wait", "select", "waitpid", "read", "enable", "sleep")
+
+DEFAULT_WORKLOADS = "loop_a_seq,loop_b_512_unbatched,b_512_unbatched,zmq_a_seq,zmq_b_64"
+DEFAULT_IMPLS = "trio,asyncio-taskgroup"
+
+
+class Profiled(dict[str, Any]):
+    """One (workload, implementation): the counts per output and the top functions."""
+
+
+@contextmanager
+def _profile_threads() -> Iterator[list[cProfile.Profile]]:
+    """Profile every thread started inside the block, from its start to its end."""
+    profiles: list[cProfile.Profile] = []
+    run = threading.Thread.run
+
+    def profiled(self: threading.Thread) -> None:
+        prof = cProfile.Profile()
+        profiles.append(prof)
+        prof.enable()
+        try:
+            run(self)
+        finally:
+            prof.disable()
+
+    threading.Thread.run = profiled  # type: ignore[method-assign]
+    try:
+        yield profiles
+    finally:
+        threading.Thread.run = run  # type: ignore[method-assign]
+
+
+def _is_wait(func: tuple[str, int, str]) -> bool:
+    filename, _, name = func
+    return (filename == "~" and any(w in name for w in WAITS)) or name == "poll"
+
+
+def profile_one(workload: str, impl: str, quick: bool = True, top: int = 6) -> Profiled:
+    """Run ``workload`` on ``impl`` once (after a warm-up run) with every new thread profiled."""
+    run_workload(workload, impl, True)  # imports, caches, the first worker start
+    with _profile_threads() as profiles:
+        res = run_workload(workload, impl, quick)
+    stats: pstats.Stats | None = None
+    for prof in profiles:
+        try:
+            stats = pstats.Stats(prof) if stats is None else stats.add(prof)
+        except TypeError:  # a thread that never called anything
+            continue
+    assert stats is not None, "no thread was profiled"
+    outputs = max(1, int(res["outputs"]))
+    table: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = stats.stats  # type: ignore[attr-defined]
+    passes = sum(nc for f, (_, nc, _, _, _) in table.items() if f[0] == "~" and "poll" in f[2]
+                 and "epoll" in f[2])
+    steps = sum(nc for f, (_, nc, _, _, _) in table.items() if f[0] == "~"
+                and "'run' of '_contextvars.Context'" in f[2])
+    calls = sum(nc for _, (_, nc, _, _, _) in table.items())
+    work = {f: tt for f, (_, _, tt, _, _) in table.items() if not _is_wait(f)}
+    total = sum(work.values()) or 1.0
+    best = sorted(work.items(), key=lambda kv: -kv[1])[:top]
+    return Profiled(workload=workload, impl=impl, outputs=outputs, passes=passes / outputs,
+                    steps=steps / outputs, calls=calls / outputs,
+                    top=[(_label(f), tt / total) for f, tt in best])
+
+
+def _label(func: tuple[str, int, str]) -> str:
+    filename, line, name = func
+    if filename == "~":
+        return name.strip("<>{}").replace("built-in method ", "").replace("method ", "")
+    for root in ("site-packages/", "/lib/python3", "/work/main/", "/"):
+        if root in filename:
+            filename = filename.split(root, 1)[1]
+            break
+    return f"{filename}:{line}({name})"
+
+
+def markdown(rows: list[Profiled]) -> str:
+    """The counts table and, per row, where the loop thread's own time went."""
+    lines = ["| workload | implementation | loop passes / output | task steps / output | calls / output |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workload']} | {r['impl']} | {r['passes']:.3f} | {r['steps']:.2f} | "
+                     f"{r['calls']:.1f} |")
+    lines.append("")
+    for r in rows:
+        shares = "; ".join(f"`{name}` {share:.0%}" for name, share in r["top"])
+        lines.append(f"- **{r['workload']}, {r['impl']}**: {shares}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.perf.profile", description=__doc__.split("\n\n")[0],
+                                epilog="Counts hardly move with the machine's load; timings do (see "
+                                       "trio-orch bench).")
+    p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
+                   help=f"comma-separated workloads (default {DEFAULT_WORKLOADS})")
+    p.add_argument("--impls", default=DEFAULT_IMPLS, help=f"comma-separated implementations (default "
+                                                          f"{DEFAULT_IMPLS})")
+    p.add_argument("--full", action="store_true", help="the full-size workloads (default: the --quick sizes)")
+    p.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
+    args = p.parse_args(argv)
+    workloads = [w for w in args.workloads.split(",") if w]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        p.error(f"unknown workload(s) {', '.join(unknown)}: choose from {', '.join(WORKLOADS)}")
+    rows: list[Profiled] = []
+    for w in workloads:
+        for impl in (i for i in args.impls.split(",") if i):
+            print(f"profiling {w} on {impl} ...", file=sys.stderr, flush=True)
+            rows.append(profile_one(w, impl, quick=not args.full))
+    text = markdown(rows)
+    print(text)
+    if args.markdown is not None:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
