@@ -1,0 +1,29 @@
+"""``python -m bench.perf.ab``: one workload on two commits, alternating, and the table of both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.perf.ab import MEASURES, main
+
+pytestmark = pytest.mark.processes  # child interpreters, a git worktree
+
+
+def test_the_same_commit_on_both_sides_gives_a_row_per_measure_and_the_worktree_is_removed(
+        tmp_path: Path) -> None:
+    out = tmp_path / "ab.md"
+    assert main(["--base", "HEAD", "--workloads", "loop_a_seq", "--rounds", "1", "--markdown", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| loop_a_seq | trio |")]
+    assert [r.split(" | ")[2] for r in rows] == list(MEASURES)
+    for r in rows:  # both sides measured: positive numbers and a finite ratio
+        base, head, ratio = (float(x.replace(",", "")) for x in r.strip("| ").split(" | ")[3:6])
+        assert base > 0 and head > 0 and ratio > 0
+    assert not list(Path("/tmp").glob("trio-orch-ab-*/base/bench"))  # the temporary worktree is gone
+
+
+def test_an_unknown_revision_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--base", "no-such-revision-anywhere"])
+    assert "unknown revision 'no-such-revision-anywhere'" in capsys.readouterr().err
