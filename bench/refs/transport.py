@@ -4,7 +4,8 @@ The twin of :class:`trio_orch.cluster.transport.ZmqStageClient` for the asyncio
 orchestrators: one DEALER socket per worker replica, bound here (the worker
 connects), speaking :mod:`stages.wire`.  ``receive`` awaits one multipart
 message, then takes whatever else is already queued without waiting, so a
-burst comes back as one batch; pyzmq's asyncio socket handles the
+burst comes back as one batch (``pump(deliver)``: the same batches pushed,
+for a shell with the push path); pyzmq's asyncio socket handles the
 edge-triggered ZMQ fd.  The replica is dead when it sends ``Dying``, when its
 process exits (``mark_dead``), or after ``heartbeat_timeout`` seconds of
 silence; ``receive`` then raises :class:`ReplicaDied`, after the outputs that
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -112,6 +114,17 @@ class AsyncZmqStageClient:
             await self._recv_some()
         batch, self._pending = self._pending, []
         return batch
+
+    async def pump(self, deliver: Callable[[list[StageOutput]], None]) -> None:
+        """The push path, as the Trio client offers it: each batch goes to ``deliver`` as it is read.
+
+        Called in the reading task, synchronously, so a shell that routes a
+        pushed batch at once (``asyncio-taskgroup``) saves its queue hop to the
+        dispatcher; raises :class:`ReplicaDied` once dead and drained, as
+        :meth:`receive` does.
+        """
+        while True:
+            deliver(await self.receive())
 
     async def aclose(self) -> None:
         """Ask the worker to stop (best effort) and close the socket; idempotent."""

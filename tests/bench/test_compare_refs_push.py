@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 
 from bench.implementations import make_driver
+from bench.perf.workloads import uses_push
 from bench.refs.testing import AsyncPushScriptedStage
+from stages.config import echo_config
 from trio_orch.testing import PushScriptedStage
 from trio_orch.types import OrchError, OrchOutput
 
@@ -47,3 +49,21 @@ def test_a_pumped_stage_that_dies_ends_its_requests(impl: str) -> None:
         h.fail_stage(1, RuntimeError("stage 1 process exited"))
         msg = h.next_output()
         assert isinstance(msg, OrchError) and msg.kind == "replica_died" and msg.finished
+
+
+@pytest.mark.processes
+@pytest.mark.parametrize(("impl", "push"),
+                         [("trio", True), ("asyncio-taskgroup", True), ("omni-event", False)])
+def test_over_zmq_workers_the_shells_with_the_push_path_take_it(impl: str, push: bool) -> None:
+    """The asyncio ZMQ client pumps as the Trio one does; the vLLM-Omni-shaped reference keeps receive()."""
+    with make_driver(impl, workers=echo_config(1, final_stage_ids=[0], outputs=3)).start() as h:
+        assert uses_push(h) is push
+        for rid in ("a", "b"):
+            h.add_request(rid, "x")
+        msgs = []
+        while sum(m.finished for m in msgs) < 2:
+            msgs.append(h.next_output(timeout=10))
+        for rid in ("a", "b"):
+            mine = [m for m in msgs if m.request_id == rid]
+            assert [m.finished for m in mine] == [False, False, True] and all(
+                isinstance(m, OrchOutput) for m in mine)
