@@ -20,6 +20,19 @@ and the request queue is closed once the orchestrator returned;
 ``TimeoutError`` past its timeout.  What vLLM-Omni has no counterpart for
 (:attr:`VllmOmniDriver.LACKS`) makes the comparison's cell ``n/a``.
 
+A consumer inside the orchestrator's loop (``in_loop_consumer``) awaits
+the output queue's async side there (:meth:`VllmOmniDriver.loop_next_batch`),
+the queue vLLM-Omni's orchestrator puts on; the serving thread's
+``sync_q.get`` stays for whatever the scenario leaves.  ``async_chunk`` is
+vLLM-Omni's own mode (``Orchestrator(async_chunk=True)``): its orchestrator
+prewarms the later stages when stage 0 took a request and forwards nothing
+itself, the chunks travelling through stage connectors the benchmark's fed
+stages stand in for.  A forward function (``forward_fn``) makes the stages
+after stage 0 diffusion stages whose ``custom_process_input_func`` it is:
+the only stages to which vLLM-Omni bundles CFG companions' outputs, so
+``add_request(companions=...)`` is vLLM-Omni's ``AddCompanionRequestMessage``
+per companion, put after the parent's as its engine puts them.
+
 ``event_driven`` picks the orchestration loop: ``True`` one reader task per
 replica awaiting ``get_output_async`` (what vLLM-Omni enables for qwen3-tts
 and with ``VLLM_OMNI_EVENT_DRIVEN_ORCH=1``), ``False`` the 1 ms polling loop
@@ -35,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -44,12 +58,15 @@ from typing import Any, ClassVar
 
 from bench.drivers.asyncio import AsyncioLoopDriver
 from bench.drivers.base import Unsupported
-from bench.drivers.vllm_omni_stage import FedEngineClient, PassThroughOutputProcessor
+from bench.drivers.vllm_omni_stage import FedDiffusionClient, FedEngineClient, PassThroughOutputProcessor
 from trio_orch.types import Message, OrchError, OrchOutput, RpcResult
 
 __all__ = ["VllmOmniDriver", "available", "missing_reason"]
 
 REQUEST_QUEUE_SIZE = 256  #: vLLM-Omni's engine bounds its request queue at this
+#: what vLLM-Omni's orchestrator logs (WARNING) for each output of a request it holds no state for
+DROPPED_OUTPUT_LOG = "[Orchestrator] Dropping output for unknown req"
+CFG_ROLE = "cfg_text"  #: the role vLLM-Omni's prompt expansion gives a negative-prompt companion
 
 
 def available() -> bool:
@@ -69,22 +86,25 @@ class VllmOmniDriver(AsyncioLoopDriver):
 
     #: what the comparison's scenarios may need that this implementation has no counterpart for, and why
     LACKS: ClassVar[dict[str, str]] = {
-        "async_chunk": "vLLM-Omni's async-chunk mode prewarms later stages through its chunk connectors and "
-                       "stage input processors, which fed stage clients do not have",
-        "in_loop": "vLLM-Omni's serving side takes outputs from the orchestrator thread (the output queue's "
-                   "sync side or a drain thread); nothing consumes inside its loop",
+        "in_loop": "not offered for vllm-omni by the registry (bench/implementations.py) yet, although its "
+                   "driver consumes inside vLLM-Omni's loop (loop_next_batch, loop_add); rows 20 and 22 "
+                   "would stay n/a: they build a second orchestrator with the references' constructor, "
+                   "and vLLM-Omni's takes janus queues and stage pools",
         "deadline": "vLLM-Omni's orchestrator keeps no per-request deadline (its add_request takes none)",
-        "companions": "vLLM-Omni's CFG companions reach the next stage through its KV connectors, not "
-                      "through a forward hook a fed stage could observe",
-        "membership": "vLLM-Omni's replicas join through its MembershipController and coordination hub; no "
-                      "in-process timed handshake to drive",
+        "membership": "vLLM-Omni's replicas join through its MembershipController, which needs a "
+                      "coordination hub from the start and puts every stage pool in distributed mode "
+                      "(requests go only to replicas the hub lists as up), where the fed in-process stages "
+                      "cannot serve; without it a register message is ignored",
     }
 
     def __init__(self, *args: Any, event_driven: bool = True, **kwargs: Any) -> None:
         kwargs.pop("push", None)  # no push path over there
         super().__init__(*args, **kwargs)
-        if self.workers is not None or self.in_loop_consumer or self.async_chunk:
-            raise Unsupported(f"{self.name}: only in-process fed stages, consumed from the thread")
+        if self.workers is not None:
+            raise Unsupported(f"{self.name}: only in-process fed stages")
+        if self.forward_fn is not None and any(k > 0 for k in self.misbehaviour):
+            raise Unsupported(f"{self.name}: its diffusion stages are polled without an await; no "
+                              "cancellation fault to give them")
         if any(m.hang_aclose for m in self.misbehaviour.values()):
             raise Unsupported("vLLM's client shutdown() is synchronous: a hung one would block the loop "
                               "thread for good, past any watchdog")
@@ -99,6 +119,7 @@ class VllmOmniDriver(AsyncioLoopDriver):
         self._submitted: dict[str, threading.Event] = {}
         self._rpc_ids = itertools.count()
         self._rpc_lock = threading.Lock()
+        self._drops = _DropCounter()
 
     @property
     def startup_timeout(self) -> float:
@@ -128,6 +149,7 @@ class VllmOmniDriver(AsyncioLoopDriver):
                 pass
             finally:
                 self.tasks_pending_at_loop_end = sum(1 for t in asyncio.all_tasks(loop) if not t.done())
+                logging.getLogger("vllm_omni.engine.orchestrator").removeHandler(self._drops)
                 asyncio.set_event_loop(None)
                 loop.close()
                 if self.request_queue is not None:
@@ -141,24 +163,33 @@ class VllmOmniDriver(AsyncioLoopDriver):
             from vllm import SamplingParams
             from vllm_omni.engine.orchestrator import Orchestrator
             from vllm_omni.engine.stage_pool import StagePool
+            from vllm_omni.inputs.data import OmniDiffusionSamplingParams
 
             _route_vllm_logs()
+            logging.getLogger("vllm_omni.engine.orchestrator").addHandler(self._drops)
             self.request_queue = janus.Queue(maxsize=min(self.request_queue_size, REQUEST_QUEUE_SIZE))
             self.output_queue = janus.Queue()
             self.rpc_queue = janus.Queue()
-            self.stages = [FedEngineClient(k, k in self.final_stage_ids, self._on_submit,
-                                           self.misbehaviour.get(k)) for k in range(self.num_stages)]
+            self.stages = [self._stage_client(k) for k in range(self.num_stages)]
             stage_config = _StageConfig()
             pools = [StagePool(k, [c], output_processor=PassThroughOutputProcessor(),
                                stage_vllm_config=stage_config) for k, c in enumerate(self.stages)]
-            self._sampling = [SamplingParams(max_tokens=16, detokenize=False) for _ in self.stages]
+            self._sampling = [OmniDiffusionSamplingParams() if c.stage_type == "diffusion"
+                              else SamplingParams(max_tokens=16, detokenize=False) for c in self.stages]
             self.orch = Orchestrator(self.request_queue.async_q, self.output_queue.async_q,
-                                     self.rpc_queue.async_q, pools,
+                                     self.rpc_queue.async_q, pools, async_chunk=self.async_chunk,
                                      event_driven_orch_default=self.event_driven)
         except BaseException as exc:
             self.set_started(exc)
             return
         await self.run_orchestrator(self.orch.run, self.output_queue)
+
+    def _stage_client(self, k: int) -> FedEngineClient:
+        """Stage ``k``'s replica: a diffusion stage past stage 0 when a forward function is given."""
+        final = k in self.final_stage_ids
+        if k > 0 and self.forward_fn is not None:
+            return FedDiffusionClient(k, final, self._on_submit, self.forward_fn)
+        return FedEngineClient(k, final, self._on_submit, self.misbehaviour.get(k))
 
     def _on_submit(self, stage_id: int, request_id: str) -> None:
         self.record_submission(stage_id, request_id)
@@ -172,20 +203,36 @@ class VllmOmniDriver(AsyncioLoopDriver):
                  resumable: bool = False) -> Any:
         """An add as vLLM-Omni's engine builds it in the caller's thread (stage-0 request ready to submit)."""
         from vllm_omni.engine.messages import StageSubmissionMessage
-        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
 
         final = max(self.final_stage_ids) if final_stage_id is None else final_stage_id
         outputs = sorted(k for k in self.final_stage_ids if k <= final)
         prompt = {"prompt_token_ids": [1]}
-        request = build_engine_core_request_from_tokens(request_id, prompt, self._sampling[0])
-        request.external_req_id = request_id
-        request.resumable = resumable
+        request = self._stage0_request(request_id, resumable)
         now = time.time()
         return StageSubmissionMessage(
             type=kind, request_id=request_id, prompt=request, original_prompt=prompt,
             output_prompt_text=None, sampling_params_list=self._sampling, final_stage_id=final,
             preprocess_ms=0.0, request_timestamp=now, enqueue_ts=time.perf_counter(),
             final_output_stage_ids=outputs)
+
+    def _stage0_request(self, request_id: str, resumable: bool = False) -> Any:
+        """The ready-to-submit stage-0 request the engine's input processing makes (one token)."""
+        from vllm_omni.engine.orchestrator import build_engine_core_request_from_tokens
+
+        request = build_engine_core_request_from_tokens(request_id, {"prompt_token_ids": [1]},
+                                                        self._sampling[0])
+        request.external_req_id = request_id
+        request.resumable = resumable
+        return request
+
+    def _companion(self, parent_id: str, companion_id: str) -> Any:
+        """A CFG companion as vLLM-Omni's engine builds it: stage-0 request, the parent's params."""
+        from vllm_omni.engine.messages import AddCompanionRequestMessage
+
+        return AddCompanionRequestMessage(
+            companion_id=companion_id, parent_id=parent_id, role=CFG_ROLE,
+            prompt=self._stage0_request(companion_id), companion_prompt_text=None,
+            sampling_params_list=self._sampling)
 
     def post_request(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
         """Put the add on the request queue's sync side (blocks while 256 are queued, as there)."""
@@ -199,10 +246,16 @@ class VllmOmniDriver(AsyncioLoopDriver):
         Raises what the put raises once the request queue is closed.
         """
         resumable = bool(options.pop("resumable", False))
+        companions = dict(options.pop("companions", None) or {})
         if options or deadline is not None:
             raise Unsupported(f"{self.name}: add_request options {sorted(options)} / deadline")
+        if companions and self.forward_fn is None:
+            raise Unsupported(f"{self.name}: vLLM-Omni bundles CFG companions only into a diffusion stage's "
+                              "input (give the driver a forward function)")
         ev = self._submitted.setdefault(request_id, threading.Event()) if wait else None
         self.request_queue.sync_q.put(self._message(request_id, final_stage_id, resumable=resumable))
+        for companion_id in companions:  # the engine puts them after the parent's message
+            self.request_queue.sync_q.put(self._companion(request_id, companion_id))
         if ev is None:
             return
         end = time.monotonic() + timeout
@@ -281,14 +334,60 @@ class VllmOmniDriver(AsyncioLoopDriver):
             if out is not None:
                 return [out]
 
+    async def loop_next_batch(self) -> list[Message] | None:
+        """(In the loop.)  One message from the output queue's async side; None once it is shut down."""
+        import janus
+
+        while True:
+            try:
+                msg = await self.output_queue.async_q.get()
+            except janus.AsyncQueueShutDown:
+                return None
+            out = _to_message(msg)
+            if out is not None:
+                return [out]
+
+    def loop_add(self, request_id: str, prompt: Any, final_stage_id: int | None = None) -> None:
+        """(In the loop.)  The add message on the request queue's async side, without waiting."""
+        self.request_queue.async_q.put_nowait(self._message(request_id, final_stage_id))
+
     @property
     def router(self) -> Any:
         """vLLM-Omni's request table, read as a scenario reads a routing core's (``requests``)."""
         return RequestTable(self.orch)
 
     @property
+    def dropped_outputs(self) -> int:
+        """The outputs vLLM-Omni's orchestrator dropped, as it reports them: one warning each."""
+        return self._drops.count
+
+    @property
     def active_requests(self) -> int:
         return len(self.orch.request_states) if self.orch is not None else 0
+
+
+class _DropCounter(logging.Handler):
+    """Counts vLLM-Omni's "dropping output for unknown req" warnings (it keeps no counter of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if str(record.msg).startswith(DROPPED_OUTPUT_LOG):
+            self.count += 1
+
+
+@dataclass(slots=True)
+class RequestView:
+    """One ``OrchestratorRequestState`` as a scenario reads a routing core's request."""
+
+    state: Any
+
+    @property
+    def finished(self) -> set[int]:
+        """The stages that finished the request (``finished_stage_ids``)."""
+        return set(self.state.finished_stage_ids)
 
 
 @dataclass(slots=True)
@@ -298,8 +397,9 @@ class RequestTable:
     orch: Any
 
     @property
-    def requests(self) -> dict[str, Any]:
-        return dict(self.orch.request_states) if self.orch is not None else {}
+    def requests(self) -> dict[str, RequestView]:
+        states = dict(self.orch.request_states) if self.orch is not None else {}
+        return {rid: RequestView(st) for rid, st in states.items()}
 
     @property
     def live_count(self) -> int:

@@ -24,6 +24,12 @@ Faults are translated into what vLLM's client would show, never invented:
   calling thread and ``aclose_error`` is raised from it (``hang_aclose``
   would block the loop thread for good: the driver refuses it).
 
+:class:`FedDiffusionClient` is the same for a diffusion stage, the only
+kind to which vLLM-Omni's orchestrator hands CFG companions' outputs: it
+polls such a stage without waiting (``get_diffusion_output_nowait``) and
+builds its input with the stage's ``custom_process_input_func`` from the
+parent's output and its companions' (the benchmark's forward function).
+
 :class:`PassThroughOutputProcessor` is the pool's output processor: one
 request output per engine-core output, the benchmark's data untouched (in a
 deployment vLLM's ``OutputProcessor`` detokenises there; every
@@ -33,6 +39,7 @@ implementation's stages hand over finished data instead).
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +49,8 @@ from bench.refs.testing import misbehaving_get
 from trio_orch.testing import Misbehaviour, StageRecord
 from trio_orch.types import StageOutput
 
-__all__ = ["FedEngineClient", "FedRequestOutput", "PassThroughOutputProcessor", "RawOutput"]
+__all__ = ["FedDiffusionClient", "FedEngineClient", "FedRequestOutput", "PassThroughOutputProcessor",
+           "RawOutput"]
 
 
 @dataclass(slots=True)
@@ -226,3 +234,72 @@ class FedEngineClient(StageRecord):
         if self._submit_gate is not None:
             self._submit_gate.set()
             self._submit_gate = None
+
+
+class FedDiffusionClient(FedEngineClient):
+    """A diffusion stage replica's client: vLLM-Omni's diffusion surface, fed like the LLM one.
+
+    vLLM-Omni submits to it with ``add_request_async(request_id, prompt,
+    sampling_params, **kwargs)`` -- the prompt being what
+    ``custom_process_input_func`` built -- and polls it with
+    ``get_diffusion_output_nowait`` (one request output or None).
+    ``forward`` is the benchmark's forward function ``(stage, prompt, outputs,
+    companions)``; it is called as that hook, with the parent's output data
+    and ``{companion id: [its output data]}`` (None when none came).
+    Cancellation faults act on a read, and this stage is never read with an
+    await: the driver refuses them here.
+    """
+
+    stage_type = "diffusion"
+    final_output_type = "image"
+
+    def __init__(self, stage_id: int, final_output: bool, on_submit: Callable[[int, str], None],
+                 forward: Callable[..., Any]) -> None:
+        super().__init__(stage_id, final_output, on_submit)
+        self.engine_input_source = [stage_id - 1]
+        self.request_address = f"inproc://bench-diffusion-stage-{stage_id}"
+        self._ready: collections.deque[Any] = collections.deque()
+        self._forward = forward
+        self.custom_process_input_func = self._process_input
+
+    def _process_input(self, source_outputs: list[Any], prompt: Any, requires_multimodal_data: bool) -> Any:
+        """vLLM-Omni's ``custom_process_input_func``: ``[parent, *companions]`` -> the stage's input."""
+        parent, *companions = source_outputs
+        bundle = {c.request_id: [c.data] for c in companions} or None
+        return self._forward(self.stage_id - 1, prompt, [parent.data], bundle)
+
+    async def add_request_async(self, request_id: str, prompt: Any = None, sampling_params: Any = None,
+                                **kwargs: Any) -> None:  # type: ignore[override]
+        while self._submit_gate is not None:
+            await self._submit_gate.wait()
+        if self._dead is not None:
+            raise self._dead
+        if any(r == request_id for r, _ in self.submissions):
+            self.record_update(request_id, prompt, True, sampling_params)
+            return
+        self.record_submit(request_id, prompt, False, sampling_params, None)
+        self.on_submit(self.stage_id, request_id)
+
+    def get_diffusion_output_nowait(self) -> Any:
+        if self._dead is not None:
+            raise self._dead
+        return self._ready.popleft() if self._ready else None
+
+    async def get_output_async(self) -> Any:
+        raise RuntimeError("a diffusion stage is polled (get_diffusion_output_nowait), never awaited")
+
+    def emit_batch_nowait(self, outputs: list[StageOutput]) -> None:
+        """Each output becomes one ready diffusion request output, as a finished generation does."""
+        self._ready.extend(FedRequestOutput(o.request_id, o.data, o.finished, o.error,
+                                            final_output_type=self.final_output_type) for o in outputs)
+
+    def fail_nowait(self, exc: BaseException | None = None) -> None:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        if self._dead is None:
+            dead = EngineDeadError()
+            dead.__cause__ = exc
+            self._dead = dead
+
+    def close_under_reader(self) -> None:
+        raise RuntimeError("a diffusion stage has no pending read to close")

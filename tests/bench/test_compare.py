@@ -330,6 +330,19 @@ def test_the_real_vllm_omni_gets_measured_verdicts_and_honest_na_cells() -> None
     assert na.verdict == "n/a" and "deadline" in na.reason and na.driver_error is None
 
 
+@pytest.mark.skipif(not vllm_omni.available(), reason="vLLM-Omni is not installed (bench/setup_vllm_omni.sh)")
+def test_the_real_vllm_omni_is_measured_in_its_async_chunk_mode_and_with_cfg_companions() -> None:
+    """Where it is installed: rows 2 and 5 run its own async-chunk mode, 14 and 15 its CFG companions
+    into a diffusion stage -- measured cells, not n/a; membership stays n/a with its reason."""
+    for n in (2, 5, 14, 15):
+        out = run_scenario(by_number(n), "vllm-omni")
+        assert out.driver_error is None and out.verdict not in ("n/a", "error"), (n, out.reason)
+        if n == 15:
+            assert out.metrics["missing_forwards"] == 0 and out.metrics["forwards_without_companion"] == 0
+    na = run_scenario(by_number(17), "vllm-omni")
+    assert na.verdict == "n/a" and "MembershipController" in na.reason and na.driver_error is None
+
+
 def test_the_committed_comparison_has_every_scenario() -> None:
     """docs/cancellation.md is regenerated when a scenario is added (its documented command)."""
     from pathlib import Path

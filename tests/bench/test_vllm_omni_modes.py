@@ -1,0 +1,116 @@
+"""The real vLLM-Omni driven in the comparison's other modes: in-loop consumer, async chunk, CFG companions.
+
+Skipped where vLLM-Omni is not installed (``bash bench/setup_vllm_omni.sh``);
+there, run with ``.venv-vllm/bin/python -m pytest``.  Each test drives the
+installed ``vllm_omni.engine.orchestrator.Orchestrator``: what it asserts is
+what that code did with the fed stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from bench.drivers import vllm_omni
+from trio_orch.types import OrchOutput, StageOutput
+
+pytestmark = pytest.mark.skipif(not vllm_omni.available(),
+                                reason="vLLM-Omni is not installed (bench/setup_vllm_omni.sh)")
+
+
+def _driver(*args: Any, **kwargs: Any) -> vllm_omni.VllmOmniDriver:
+    kwargs.setdefault("name", "vllm-omni")
+    return vllm_omni.VllmOmniDriver(*args, **kwargs)
+
+
+@pytest.mark.parametrize("event_driven", [True, False])
+def test_a_consumer_inside_vllm_omnis_loop_reads_its_output_queue(event_driven: bool) -> None:
+    """The comparison's in-loop consumer (row 7's) over vLLM-Omni: every output, in order, under
+    cancellations; loop_add's request reaches stage 0 and its output comes back in the loop."""
+    from bench.compare.scenarios.client import N7, _asyncio_consumer
+
+    with _driver(1, {0}, in_loop_consumer=True, event_driven=event_driven) as h:
+        h.add_request("r1", "p")
+        got, cancellations = h.run_in_loop(_asyncio_consumer, h, timeout=30)
+        assert [m.data for m in got] == list(range(N7)) and got[-1].finished
+        assert cancellations > 0
+
+        async def add_in_loop() -> list[Any] | None:
+            h.loop_add("r2", "p")
+            while not any(r == "r2" for r, _ in h.submissions(0)):
+                await asyncio.sleep(0.001)
+            h.loop_emit(0, [StageOutput("r2", "x", True)])
+            return await h.loop_next_batch()
+
+        assert h.run_in_loop(add_in_loop, timeout=10) == [OrchOutput("r2", 0, "x", True)]
+        assert not h.shutdown().hung
+
+
+def test_a_swallowed_deadline_inside_vllm_omnis_loop_is_measured() -> None:
+    """Row 18's client in vLLM-Omni's loop: asyncio.timeout cancels once, the library swallows it,
+    so only the outer watchdog ends the wait (asyncio's rule, whichever orchestrator feeds the queue)."""
+    from bench.compare.scenarios.model import _asyncio_swallowed_deadline
+
+    with _driver(1, {0}, in_loop_consumer=True) as h:
+        m = h.run_in_loop(_asyncio_swallowed_deadline, h, timeout=30)
+    assert m["swallowed"] == 1 and m["cut"] and not m["deadline_ended_wait"]
+
+
+def test_vllm_omnis_async_chunk_mode_prewarms_later_stages_and_forwards_nothing() -> None:
+    """With async_chunk its orchestrator submits to every later stage when stage 0 took the request,
+    forwards no finished stage (the stage connectors carry the chunks), and holds the final output
+    until every stage it submitted to has finished."""
+    with _driver(3, {2}, async_chunk=True) as h:
+        h.add_request("r1", "p")
+        assert h.wait_until(lambda: all(h.submissions(k) for k in range(3)), timeout=10)
+        h.emit_batch(0, [StageOutput("r1", "hidden", True)])
+        h.emit_batch(2, [StageOutput("r1", "wav", True)])
+        with pytest.raises(TimeoutError):
+            h.next_output(timeout=0.3)  # stage 1 has not finished yet
+        h.emit_batch(1, [StageOutput("r1", "codes", True)])
+        assert h.next_output(timeout=10) == OrchOutput("r1", 2, "wav", True)
+        assert [len(h.submissions(k)) for k in range(3)] == [1, 1, 1]
+
+
+def test_vllm_omni_bundles_a_cfg_companion_into_the_diffusion_stages_input() -> None:
+    """A forward function makes stage 1 a diffusion stage: vLLM-Omni defers the parent until its
+    companion finished and calls the stage's input hook with both outputs."""
+    from bench.compare.scenarios.companions import cfg_forward
+
+    with _driver(2, {1}, forward_fn=cfg_forward) as h:
+        assert h.stages[1].stage_type == "diffusion"
+        h.add_request("r1", "a cat", companions={"r1:neg": "blurry"})
+        assert h.wait_until(lambda: len(h.submissions(0)) == 2, timeout=10)
+        h.emit_batch(0, [StageOutput("r1", "p-enc", True)])
+        time.sleep(0.2)
+        assert h.submissions(1) == []  # the companion has not finished: no forward yet
+        h.emit_batch(0, [StageOutput("r1:neg", "c-enc", True)])
+        assert h.wait_until(lambda: h.submissions(1), timeout=10)
+        assert h.submissions(1) == [("r1", {"cond": ["p-enc"], "uncond": {"r1:neg": ["c-enc"]}})]
+        h.emit_batch(1, [StageOutput("r1", "png", True)])
+        assert h.next_output(timeout=10) == OrchOutput("r1", 1, "png", True)
+
+
+def test_vllm_omni_aborts_a_companion_with_its_parent_and_reports_its_late_output() -> None:
+    with _driver(2, {1}, forward_fn=lambda *a: {"in": a[2]}) as h:
+        h.add_request("r1", "a cat", companions={"r1:neg": "blurry"})
+        assert h.wait_until(lambda: len(h.submissions(0)) == 2, timeout=10)
+        h.abort("r1")
+        assert h.wait_until(lambda: "r1:neg" in h.aborts(0), timeout=10)
+        assert h.dropped_outputs == 0
+        h.emit_batch(0, [StageOutput("r1:neg", "late", True)])
+        assert h.wait_until(lambda: h.dropped_outputs == 1, timeout=10)  # its warning, counted
+        assert h.submissions(1) == []
+
+
+def test_companions_need_a_diffusion_stage_and_its_stages_take_no_cancellation_faults() -> None:
+    from bench.drivers.base import Unsupported
+    from trio_orch.testing import Misbehaviour
+
+    with _driver(2, {1}) as h, pytest.raises(Unsupported, match="diffusion stage"):
+        h.add_request("r1", "p", companions={"r1:neg": "n"})
+    with pytest.raises(Unsupported, match="polled without an await"):
+        _driver(2, {1}, forward_fn=lambda *a: a, misbehaviour={1: Misbehaviour(swallow_cancel_once=True)})
