@@ -342,10 +342,64 @@ class Orchestrator:
         self.router.enqueue(ticket, trio.current_time())
         if done is not None:
             self._dones[ticket] = done
+        elif self._start_inline(ticket):
+            return True
         if self._queue_full() and self._intake_scope is not None:
             self._intake_scope.cancel()  # full: the intake stops taking from the channel
         self._room_may_have_changed()
         return True
+
+    def _start_inline(self, ticket: Ticket) -> bool:
+        """Start a just-queued ``ticket`` here, in the caller, if the request handler would start it next
+        and has nothing else to do; whether it did.
+
+        The request handler is parked (waiting for room), no input update
+        waits, ``ticket`` is the core's next and can start, and every stage
+        takes submits synchronously: the start is decided and its submits
+        sent between the same two checkpoints -- one request-handler wake-up
+        fewer per request, and a burst of adds posted together still goes out
+        back to back.  Single-writer as the handler's own start: it runs
+        between checkpoints, in the orchestrator's thread.  Stage I/O that
+        cannot be done synchronously goes to the dispatcher, in order.
+        """
+        router = self.router
+        if (self._room is None or self._busy or self._updates or self._state != "running"
+                or router.next_ticket() is not ticket or not router.can_start(ticket)
+                or not all(hasattr(stage, "submit_nowait") for stage in self.stages)):
+            return False
+        self._perform_now(router.start(ticket))
+        self._queue_may_have_room()
+        return True
+
+    def _perform_now(self, actions: list[Action]) -> None:
+        """Actions done synchronously (an inline start, a pushed batch): emits delivered, submits sent
+        where the stage takes them so; from the first that cannot be, the rest go to the dispatcher in
+        order."""
+        self._deliver_now(actions)
+        router = self.router
+        later: list[Action] = []
+        for a in actions:
+            if type(a) is Emit:
+                continue
+            if later or type(a) is not Submit:
+                later.append(a)
+                continue
+            if not router.is_started(a.request_id):
+                continue  # ended by an earlier action's failure
+            schedule = router.schedule(a.request_id, trio.current_time())
+            try:
+                sent = stage_call_nowait(self.stages[a.stage_id], a, schedule)
+            except Exception as exc:
+                failed = router.submit_failed(a.stage_id, a.request_id, stage_call_failed(a, exc))
+                self._deliver_now(failed)
+                later.extend(x for x in failed if type(x) is not Emit)
+                continue
+            if not sent:
+                later.append(a)
+                continue
+            later.extend(x for x in router.submitted(a.stage_id, a.request_id) if type(x) is Abort)
+        if later:
+            self._post_event(None, _Perform(later))
 
     async def _send_ticket(self, ticket: Ticket, done: trio.Event) -> None:
         """The start queue is full: wait in the request channel (in arrival order) for the intake."""
@@ -735,23 +789,19 @@ class Orchestrator:
 
         Routing stays single-writer: this runs between checkpoints, like the
         dispatcher's own pass, and only when the dispatcher is blocked on an
-        empty channel, so no earlier event can be overtaken.  Emits are
-        delivered here; stage I/O (submits, updates, aborts) is handed to the
-        dispatcher in decision order, which also ends the idle state so later
-        batches queue behind it.
+        empty inbox, so no earlier event can be overtaken.  Emits are
+        delivered here, and so are submits (forwards) to stage clients that
+        take them synchronously; other stage I/O (updates, aborts, awaited
+        submits) is handed to the dispatcher in decision order, which also
+        ends the idle state so later batches queue behind it.
         """
         router = self.router
         actions: list[Action] = []
         for out in outs:
             actions.extend(router.route(stage_id, out))
         self._room_may_have_changed()
-        if not actions:
-            return
-        io = [a for a in actions if type(a) is not Emit]
-        if len(io) < len(actions):
-            self._deliver_now(actions)
-        if io:
-            self._post_event(None, _Perform(io))
+        if actions:
+            self._perform_now(actions)  # a forward to a stage that takes submits synchronously: sent here
 
     async def _dispatcher(self) -> None:
         """Single router of outputs and commands; drains what is ready, then does I/O."""
@@ -996,10 +1046,20 @@ class Orchestrator:
                 pass  # stopping: the shutdown terminals already went out
 
     def _room_may_have_changed(self) -> None:
+        """Wake the request handler if it waits and has something to look at again, and the intake.
+
+        Nothing queued, no input update and the intake open: there is nothing
+        for it to start, so it sleeps on (an arrival wakes it) -- routing an
+        output must not cost a handler wake-up and a scheduler pass.
+        """
         room = self._room
-        if room is not None:
+        if room is not None and (self.router.start_queued or self._updates or self._intake_closed):
             self._room = None
             room.set()
+        self._queue_may_have_room()
+
+    def _queue_may_have_room(self) -> None:
+        """Wake the intake if it waits for room in the start queue and there is some."""
         queue_room = self._queue_room
         if queue_room is not None and not self._queue_full():
             self._queue_room = None
