@@ -32,7 +32,7 @@ LIMIT7 = 5.0
 PAUSE7 = 0.001  # the producer pauses after every 5 outputs, so the consumer often waits
 
 
-async def _trio_consumer(h: Any) -> tuple[list[Any], int]:
+async def trio_consumer(h: Any) -> tuple[list[Any], int]:
     """In the Trio thread: produce N7 outputs while a consumer receives under tiny deadlines."""
     import trio
 
@@ -63,7 +63,7 @@ async def _trio_consumer(h: Any) -> tuple[list[Any], int]:
     return got, timeouts
 
 
-async def _asyncio_consumer(h: Any) -> tuple[list[Any], int]:
+async def asyncio_consumer(h: Any) -> tuple[list[Any], int]:
     """In the asyncio loop: the same, with ``asyncio.wait_for`` (omni) or ``asyncio.timeout`` (modern)."""
     import asyncio
 
@@ -104,7 +104,7 @@ def measure_consumer_cancelled(impl: str) -> dict[str, Any]:
     with LogCapture():
         h = start(impl, 1, {0}, in_loop_consumer=True)
         h.add_request("r1", "p")
-        consumer = _trio_consumer if h.framework == "trio" else _asyncio_consumer
+        consumer = trio_consumer if h.framework == "trio" else asyncio_consumer
         got, timeouts = h.run_in_loop(consumer, h, timeout=LIMIT7 + CUT)
         m = stop_and_drain(h)
     values = Counter(x.data for x in got if x.request_id == "r1")

@@ -55,7 +55,7 @@ DEADLINE18 = 0.05
 SLACK18 = 0.1
 
 
-async def _trio_swallowed_deadline(h: Driver) -> dict[str, Any]:
+async def trio_swallowed_deadline(h: Driver) -> dict[str, Any]:
     """A client waits for output under a deadline; its library catches the cancellation once, retries."""
     import trio
 
@@ -78,7 +78,7 @@ async def _trio_swallowed_deadline(h: Driver) -> dict[str, Any]:
             "cut": watchdog.cancelled_caught, "swallowed": swallowed}
 
 
-async def _asyncio_swallowed_deadline(h: Driver) -> dict[str, Any]:
+async def asyncio_swallowed_deadline(h: Driver) -> dict[str, Any]:
     """The same client with ``asyncio.timeout``; the watchdog is a second, outer timeout."""
     import asyncio
 
@@ -112,7 +112,7 @@ async def _asyncio_swallowed_deadline(h: Driver) -> dict[str, Any]:
 def measure_swallowed_deadline(impl: str) -> dict[str, Any]:
     with LogCapture():
         h = start(impl, 1, {0}, in_loop_consumer=True)
-        client = _trio_swallowed_deadline if h.framework == "trio" else _asyncio_swallowed_deadline
+        client = trio_swallowed_deadline if h.framework == "trio" else asyncio_swallowed_deadline
         m = h.run_in_loop(client, h, timeout=2 * CUT)
         m.update(stop_and_drain(h))
     m["deadline_s"] = DEADLINE18
