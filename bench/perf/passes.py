@@ -1,11 +1,14 @@
 """Where the work per output goes: counts from a profiled run, Trio and asyncio side by side.
 
-``python -m bench.perf.profile`` runs each workload once per implementation
+``python -m bench.perf.passes`` runs each workload once per implementation
 under :mod:`cProfile`, in the threads the implementation starts (its loop
 thread, a ZMQ client's), and reports per output:
 
-* **loop passes** -- ``epoll.poll`` calls: how often the event loop went
-  round (Trio's scheduler pass, asyncio's ``_run_once``);
+* **epoll waits** -- ``epoll.poll`` calls: how often the event loop went
+  round (Trio's scheduler pass, asyncio's ``_run_once``), over the whole
+  profiled run (start, warm-up outputs, measurement, stop) divided by the
+  measured outputs, so a sequential workload's start-up and warm-up add a
+  little to both sides;
 * **task steps** -- ``Context.run`` calls: a Trio task step, an asyncio
   callback or task step;
 * **calls** -- every Python function call;
@@ -112,7 +115,7 @@ def _label(func: tuple[str, int, str]) -> str:
 
 def markdown(rows: list[Profiled]) -> str:
     """The counts table and, per row, where the loop thread's own time went."""
-    lines = ["| workload | implementation | loop passes / output | task steps / output | calls / output |",
+    lines = ["| workload | implementation | epoll waits / output | task steps / output | calls / output |",
              "|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['workload']} | {r['impl']} | {r['passes']:.3f} | {r['steps']:.2f} | "
@@ -125,7 +128,7 @@ def markdown(rows: list[Profiled]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.perf.profile", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m bench.perf.passes", description=__doc__.split("\n\n")[0],
                                 epilog="Counts hardly move with the machine's load; timings do (see "
                                        "trio-orch bench).")
     p.add_argument("--workloads", default=DEFAULT_WORKLOADS,
