@@ -1,4 +1,4 @@
-"""``python -m bench.perf.profile``: the per-output counts of a profiled run, and its table."""
+"""``python -m bench.perf.passes``: the per-output counts of a profiled run, and its table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.perf.profile import main, markdown, profile_one
+from bench.perf.passes import main, markdown, profile_one
 
 
 def test_a_profiled_in_loop_run_counts_calls_per_output_and_names_where_the_time_went() -> None:
