@@ -116,7 +116,7 @@ def _references() -> list[Implementation]:
 
 def _vllm_omni() -> list[Implementation]:
     """The installed vLLM-Omni's orchestrator, event-driven and polling (its two orchestration loops)."""
-    supports = frozenset({"fed", "compare"})
+    supports = frozenset({"fed", "compare", "in_loop"})
     lacks = VllmOmniDriver.LACKS
     return [
         Implementation("vllm-omni", "the installed vLLM-Omni: its Orchestrator and StagePool in a thread "

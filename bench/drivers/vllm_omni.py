@@ -86,10 +86,6 @@ class VllmOmniDriver(AsyncioLoopDriver):
 
     #: what the comparison's scenarios may need that this implementation has no counterpart for, and why
     LACKS: ClassVar[dict[str, str]] = {
-        "in_loop": "not offered for vllm-omni by the registry (bench/implementations.py) yet, although its "
-                   "driver consumes inside vLLM-Omni's loop (loop_next_batch, loop_add); rows 20 and 22 "
-                   "would stay n/a: they build a second orchestrator with the references' constructor, "
-                   "and vLLM-Omni's takes janus queues and stage pools",
         "deadline": "vLLM-Omni's orchestrator keeps no per-request deadline (its add_request takes none)",
         "membership": "vLLM-Omni's replicas join through its MembershipController, which needs a "
                       "coordination hub from the start and puts every stage pool in distributed mode "

@@ -21,7 +21,8 @@ def test_every_job_finds_its_implementations_in_table_order() -> None:
     assert names("compare") == [*names("scripted"), *real_omni]  # compare (the real one on --impl)
     assert names("fed") == [n for n in IMPLEMENTATIONS if n != "zmq-floor"]  # bench, in-process
     assert set(SKIPPED).isdisjoint(IMPLEMENTATIONS)
-    assert names("in_loop") == ["floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # loop_*
+    in_loop = ["floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]  # loop_*
+    assert names("in_loop") == in_loop + (["vllm-omni", "vllm-omni-poll"] if vllm_omni.available() else [])
     assert names("workers") == ["zmq-floor", "trio", "omni-event", "omni-poll", "asyncio-taskgroup"]
     assert names("pipeline") == ["trio"]  # chaos, the torch pipeline
     assert all(i.description and i.supports <= set(CAPABILITIES) for i in IMPLEMENTATIONS.values())

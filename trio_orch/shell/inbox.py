@@ -23,39 +23,65 @@ from typing import Generic, TypeVar
 
 import trio
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "InboxCore"]
 
 T = TypeVar("T")
 
 
-class Inbox(Generic[T]):
-    """Many posters, one taker (see the module docstring)."""
+class InboxCore(Generic[T]):
+    """What every event loop's inbox shares: the deque, the close flag, post and take.
+
+    A subclass says how its one taker waits (:meth:`wait`) and is woken
+    (:meth:`_wake`), and what a post after close raises.
+    """
 
     __slots__ = ("_closed", "_items", "_waiter")
 
+    #: raised by a post after :meth:`close`
+    closed_error: type[Exception] = RuntimeError
+
     def __init__(self) -> None:
         self._items: deque[T] = deque()
-        self._waiter: trio.lowlevel.Task | None = None
+        self._waiter: object | None = None
         self._closed = False
 
     def __len__(self) -> int:
         return len(self._items)
 
     def post(self, item: T) -> None:
-        """Queue ``item`` and wake the taker if it waits; :class:`trio.ClosedResourceError` once closed."""
+        """Queue ``item`` and wake the taker if it waits; ``closed_error`` once closed."""
         if self._closed:
-            raise trio.ClosedResourceError("the inbox is closed")
+            raise self.closed_error("the inbox is closed")
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(waiter)
+        if self._waiter is not None:
+            self._wake()
 
     def take(self) -> list[T]:
         """Everything queued, oldest first (an empty list if nothing is)."""
         items = list(self._items)
         self._items.clear()
         return items
+
+    def close(self) -> None:
+        """Refuse later posts (idempotent); a waiting taker wakes up and finds what is left."""
+        self._closed = True
+        if self._waiter is not None:
+            self._wake()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _wake(self) -> None:
+        raise NotImplementedError
+
+
+class Inbox(InboxCore[T]):
+    """Many posters, one Trio task taking (see the module docstring)."""
+
+    __slots__ = ()
+
+    closed_error = trio.ClosedResourceError
 
     async def wait(self) -> None:
         """Return once something is queued or the inbox is closed: at once (no checkpoint) if so already.
@@ -74,14 +100,6 @@ class Inbox(Generic[T]):
 
         await trio.lowlevel.wait_task_rescheduled(abort)
 
-    def close(self) -> None:
-        """Refuse later posts (idempotent); a waiting taker wakes up and finds what is left."""
-        self._closed = True
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            trio.lowlevel.reschedule(waiter)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    def _wake(self) -> None:
+        task, self._waiter = self._waiter, None
+        trio.lowlevel.reschedule(task)  # type: ignore[arg-type]

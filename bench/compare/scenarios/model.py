@@ -30,8 +30,9 @@ from bench.compare.scenarios.base import (
     terminal_stats,
 )
 from bench.drivers.base import Driver, Unsupported
-from bench.refs.orchestrator import AddMsg
+from bench.refs.orchestrator import AddMsg, AsyncioOrchestrator
 from bench.refs.testing import AsyncScriptedStage
+from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import Misbehaviour, ScriptedStage
 
 
@@ -44,9 +45,13 @@ def _scripted(h: Driver, k: int) -> Any:
 
 
 def _orchestrator_class(h: Driver) -> type:
+    """The class of ``h``'s orchestrator, to build a second one with this project's constructor."""
     orch = getattr(h, "orch", None)
     if orch is None:
         raise Unsupported(f"{h.name}: no orchestrator object to build a second one from")
+    if not isinstance(orch, (Orchestrator, AsyncioOrchestrator)):
+        raise Unsupported(f"{h.name}: its orchestrator is not built from (stages, final stages) as this "
+                          f"project's shells are ({type(orch).__module__}.{type(orch).__qualname__})")
     return type(orch)
 
 
