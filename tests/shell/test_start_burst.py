@@ -1,9 +1,10 @@
 """A burst of adds reaches the stages back to back: no checkpoint between the submits of one burst.
 
 Counted with a Trio instrument (task steps), never timed: with a stage
-client that takes a submit synchronously (``submit_nowait``) every submit
-of the burst happens within one task step of the request handler; with one
-that only has the awaited ``submit`` each costs a step of its own.
+client that takes a submit synchronously (``submit_nowait``) the submits of
+the burst happen within at most two task steps (the caller's, for an add
+that came alone, and the request handler's); with one that only has the
+awaited ``submit`` each costs a step of its own.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ async def burst_steps(stage: ScriptedStage, n: int = 8) -> list[int]:
 async def test_a_burst_of_adds_is_submitted_within_one_task_step_where_the_stage_takes_it_synchronously(
         ) -> None:
     seen = await burst_steps(PushScriptedStage(0))
-    assert len(set(seen)) == 1, seen
+    # the first add may be started by the caller itself (it came alone), the rest by the handler's
+    # burst -- or, adds coming more than BURST_GAP apart, every one by its caller: one step or two
+    assert len(set(seen)) <= 2, seen
 
 
 async def test_with_an_awaited_submit_each_submit_of_the_burst_takes_a_step_of_its_own() -> None:

@@ -237,6 +237,7 @@ class Orchestrator:
         #: may be routed at once by whoever delivers it (see _reader)
         self._idle = False
         self._last_inline = 0.0  # perf_counter of the last pushed batch that found the dispatcher idle
+        self._last_add = 0.0  # perf_counter of the last add_request_nowait (see _start_inline)
         # one item per delivered batch (not per message): next_output() takes from _out_buf first
         self._out_send, self._out_recv = trio.open_memory_channel[list[Message]](math.inf)
         self._out_buf: deque[Message] = deque()
@@ -358,16 +359,23 @@ class Orchestrator:
         takes submits synchronously: the start is decided and its submits
         sent between the same two checkpoints -- one request-handler wake-up
         fewer per request, and a burst of adds posted together still goes out
-        back to back.  Single-writer as the handler's own start: it runs
+        back to back.  Only for an add that comes alone: one within
+        ``BURST_GAP`` of the previous add is part of a burst, queued for the
+        handler, which then starts the whole burst in one pass (started one by
+        one as they arrive, a burst reached a worker spread out, and its steps
+        batched fewer requests).  Single-writer as the handler's own start: it runs
         between checkpoints, in the orchestrator's thread.  Stage I/O that
         cannot be done synchronously goes to the dispatcher, in order.
         """
         router = self.router
-        if (self._room is None or self._busy or self._updates or self._state != "running"
+        now = perf_counter()
+        alone, self._last_add = now - self._last_add >= BURST_GAP, now
+        if (not alone or self._room is None or self._busy or self._updates or self._state != "running"
                 or router.next_ticket() is not ticket or not router.can_start(ticket)
                 or not all(hasattr(stage, "submit_nowait") for stage in self.stages)):
             return False
         self._perform_now(router.start(ticket))
+        self._last_add = perf_counter()  # from the end of this start: an add queued behind it is a burst
         self._queue_may_have_room()
         return True
 
