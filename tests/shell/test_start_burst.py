@@ -14,7 +14,7 @@ import trio.testing
 
 from trio_orch.shell.orchestrator import open_orchestrator
 from trio_orch.testing import PushScriptedStage, ScriptedStage
-from trio_orch.types import StageOutput
+from trio_orch.types import OrchError, OrchOutput, StageOutput, StageUnavailable
 
 
 class Steps(trio.abc.Instrument):
@@ -60,3 +60,35 @@ async def test_a_burst_of_adds_is_submitted_within_one_task_step_where_the_stage
 async def test_with_an_awaited_submit_each_submit_of_the_burst_takes_a_step_of_its_own() -> None:
     seen = await burst_steps(ScriptedStage(0))
     assert len(set(seen)) == len(seen), seen
+
+
+class RefusingStage(PushScriptedStage):
+    """Takes submits synchronously, and refuses every one (a stage out of room, say)."""
+
+    def submit_nowait(self, request_id: str, payload: object, **options: object) -> bool:
+        raise StageUnavailable(f"{self.name} refuses {request_id!r}")
+
+
+async def test_a_submit_refused_during_an_inline_start_ends_the_request_with_its_terminal() -> None:
+    stage = RefusingStage(0)
+    async with open_orchestrator([stage], {0}) as orch:
+        await trio.testing.wait_all_tasks_blocked()
+        orch.add_request_nowait("r", "p")  # alone, the handler parked: started right here, and refused
+        msg = await orch.next_output()
+        assert isinstance(msg, OrchError) and msg.request_id == "r" and "refuses 'r'" in msg.message
+        assert orch.active_requests == 0 and stage.submissions == []
+
+
+async def test_a_submit_the_stage_cannot_take_now_goes_to_the_dispatcher_and_still_happens() -> None:
+    stage = PushScriptedStage(0)
+    stage.hold_submits()  # submit_nowait says no while held: the start's submit is left to the dispatcher
+    async with open_orchestrator([stage], {0}) as orch:
+        await trio.testing.wait_all_tasks_blocked()
+        orch.add_request_nowait("r", "p")
+        await trio.testing.wait_all_tasks_blocked()
+        assert stage.submissions == [] and orch.active_requests == 1  # started, its submit waiting
+        stage.release_submits()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [rid for rid, _ in stage.submissions] == ["r"]
+        stage.emit_batch_nowait([StageOutput("r", "done", True)])
+        assert await orch.next_output() == OrchOutput("r", 0, "done", True)
