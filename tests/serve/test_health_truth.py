@@ -100,8 +100,10 @@ def test_a_stopped_replica_is_suspect_at_once_and_its_stage_503_when_no_other_ma
                 for pid in stopped:
                     os.kill(pid, signal.SIGCONT)
                 stopped.clear()
-                code, body = poll_until(c, lambda s, _: s == 200, "health 200 once they heartbeat again")
-                assert states(body, 0) == ["ready", "ready"] and "suspect_stages" not in body
+                # 200 comes as soon as one of them heartbeats again: wait for both
+                code, body = poll_until(c, lambda s, b: s == 200 and states(b, 0) == ["ready", "ready"],
+                                        "health 200 and both ready once they heartbeat again")
+                assert "suspect_stages" not in body
                 assert c.post("/v1/chat/completions", json=chat("after")).status_code == 200
         finally:
             for pid in stopped:
