@@ -10,6 +10,7 @@ import trio.testing
 
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied
+from trio_orch.core import Action, Router, Submit, Update
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
 
@@ -23,13 +24,20 @@ class FakeReplica:
         self.suspect = False  # what a ZmqStageClient says once silent past its heartbeats
         self.heartbeat_interval, self.heartbeat_timeout = 0.2, 5.0
         self.submits: list[tuple[str, Any, int]] = []
+        self.updates: list[tuple[str, Any, bool]] = []
         self.aborts: list[str] = []
+        self.dead_reason: str | None = None
         pool.add_replica(self)  # type: ignore[arg-type]
 
-    async def submit(self, rid: str, payload: Any, *, downstream: int = -1) -> None:
+    async def submit(self, rid: str, payload: Any, *, downstream: int = -1, **opts: Any) -> None:
         if not self.alive:
             raise StageUnavailable("dead")
         self.submits.append((rid, payload, downstream))
+
+    async def update(self, rid: str, payload: Any, *, final: bool = False) -> None:
+        if not self.alive:
+            raise StageUnavailable("dead")
+        self.updates.append((rid, payload, final))
 
     async def abort(self, rids: list[str]) -> None:
         self.abort_nowait(rids)
@@ -266,3 +274,55 @@ async def test_replica_states_say_restarting_until_the_slot_is_given_up_with_why
                          "reason": "2 restarts within 60s; last death (exited): code -9"}
     pool.cordon(1)
     assert pool.replica_states()[1]["state"] == "cordoned"
+
+
+async def perform(pool: ReplicaPool, actions: list[Action]) -> None:
+    """What a shell does with the core's stage I/O (only submits and updates occur here)."""
+    for a in actions:
+        if type(a) is Submit:
+            await pool.submit(a.request_id, a.payload, resumable=a.resumable)
+        else:
+            assert type(a) is Update
+            await pool.update(a.request_id, a.payload, final=a.final)
+
+
+@pytest.mark.parametrize("evicted", [False, True])
+async def test_a_segment_sent_while_the_replica_s_death_is_on_its_way_goes_with_the_failover(
+        evicted: bool) -> None:
+    """The segment is not refused (which would end the request ``stage_unavailable``): the failover
+    resends it after the earlier ones, in order, to the surviving replica."""
+    router = Router(1, {0})
+    pool = ReplicaPool(0)
+    a, b = FakeReplica(pool), FakeReplica(pool)
+    await perform(pool, router.add("r", "s0", resumable=True))
+    await perform(pool, router.update("r", "s1"))
+    assert pool.replica_of("r") == 0 and a.updates == [("r", "s1", False)]
+    a.die("worker process exited with code -9")  # its death is queued, not handled yet
+    if evicted:
+        [died] = await pool.receive()  # handled by the pool; the core has not seen it yet
+        assert pool.replica_of("r") is None
+    else:
+        died = None
+    await perform(pool, router.update("r", "s2"))  # no raise: the core kept s2 for a failover
+    if died is None:
+        [died] = await pool.receive()
+    assert died.error_kind == "replica_died"
+    await perform(pool, router.route(0, died))  # the failover: the same segments, in order
+    assert b.submits == [("r", "s0", -1)] and b.updates == [("r", "s1", False), ("r", "s2", False)]
+    timing = pool.timing_of("r")
+    assert timing is not None and (timing.replica, timing.retried_from) == (1, 0)
+    await perform(pool, router.update("r", "s3", final=True))
+    assert b.updates[-1] == ("r", "s3", True) and a.updates == [("r", "s1", False)]
+    assert router.retried == [1] and "r" in router
+
+
+async def test_an_update_for_a_request_that_ended_here_is_still_refused() -> None:
+    pool = ReplicaPool(0)
+    a = FakeReplica(pool)
+    await pool.submit("r", "s0", resumable=True)
+    await pool.update("r", "s1", final=True)
+    for _ in range(2):
+        a.emit("r", "o", finished=True)
+    await pool.receive()
+    with pytest.raises(StageUnavailable, match="not active here"):
+        await pool.update("r", "late")

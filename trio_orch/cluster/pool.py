@@ -438,14 +438,24 @@ class ReplicaPool:
 
         Raises ``ValueError`` for a request not submitted here as resumable
         (or after its final segment) and :class:`StageUnavailable` when it is
-        no longer bound here (its replica died, or it ended).
+        no longer bound here (it ended, or its replica's death was already
+        answered).  A segment sent while its replica's death is on its way to
+        the core (the replica is dead, or evicted and the request not
+        resubmitted yet) is dropped instead: the core keeps every segment it
+        sent to a stage that answered nothing, so its failover resends this one
+        after the others, in order -- or the coming ``replica_died`` ends the
+        request.  A raise here would end it ``stage_unavailable`` first.
         """
         if self._closed:
             raise StageUnavailable(f"{self.name} is closed")
         idx = self._bound.get(request_id)
         if idx is None:
+            if request_id in self._died:  # evicted: its replica_died output is on its way
+                return
             raise StageUnavailable(f"{self.name}: request {request_id!r} is not active here "
                                    "(it ended, or its replica died)")
+        if getattr(self.replicas[idx], "dead_reason", None) is not None:
+            return  # dead, its eviction not handled yet (the death event is queued): as above
         seg = self._segments.get(request_id)
         if seg is None:
             raise ValueError(f"{self.name}: request {request_id!r} was not submitted as resumable")
