@@ -84,6 +84,7 @@ def test_generate_sends_an_image_and_a_sound_to_the_encoders_and_the_answer_depe
                        "--image", str(image), "--audio", str(tone), "--out", str(tmp_path / "x.wav")])
         assert rc == 0
         out = capsys.readouterr().out
+        assert "--async-chunk" not in out  # no hint at a mode an encoder pipeline refuses
         [line] = [ln for ln in out.splitlines() if ln.startswith("text: ")]
         answers.append(line.removeprefix("text: "))
     assert all(answers) and answers[0] != answers[1]

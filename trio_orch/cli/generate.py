@@ -319,14 +319,16 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
         print(f"  {label:<22} {_ms(tm.t_submit, t0)} {_ms(tm.t_first, t0)} {_ms(tm.t_done, t0)} "
               f"{_dur(tm.queue_s)} {_dur(tm.compute_s)}")
     print(f"  time to first token: {_ms(t_text, t0).strip()} ms")
-    if any(outputs[k] == "audio" for k in cfg.final_stage_ids):
+    speaks = any(outputs[k] == "audio" for k in cfg.final_stage_ids)
+    if speaks:
         print(f"  time to first audio: {_ms(t_audio, t0).strip()} ms")
     print(f"  total:               {(t_end - t0) * 1000:.1f} ms")
     seconds = sum(len(p) for p in pcm) / rate
     if seconds and t_last_audio is not None:
         print(f"  real-time factor:    {(t_last_audio - t0) / seconds:.2f} "
               f"(seconds to the last audio per second of audio; < 1 is faster than real time)")
-    if not cfg.async_chunk and len(cfg.stages) > 1:
+    if not cfg.async_chunk and len(cfg.stages) > 1 and speaks and not input_media(cfg.kinds()):
+        # the hint only where --async-chunk applies: audio out, and no encoder (those run stage by stage)
         print("  (each stage starts when the previous one finished; --async-chunk streams chunks "
               "stage to stage, so audio starts while the text is still being generated)")
     if pcm:
