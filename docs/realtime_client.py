@@ -45,14 +45,21 @@ class Turn:
 
 
 def talk(base_url: str, texts: list[str], *, pause: float = 1.0, out: str | None = "session.wav",
-         text_only: bool = False, show: bool = True, api_key: str | None = None, model: str = "trio-orch",
+         text_only: bool = False, show: bool = True, api_key: str | None = None, model: str | None = None,
          timeout: float = 120.0) -> list[Turn]:
     """Run one session over ``base_url`` (``http://HOST:PORT/v1``); return its turns in order.
 
+    ``model``: the served name to ask for (default: the server's first, from
+    ``GET /v1/models``: a name it does not serve is refused at the handshake).
     ``timeout``: seconds a turn may take; past it the connection is closed and RuntimeError raised.
     """
     client = OpenAI(base_url=base_url, api_key=api_key or os.environ.get("OPENAI_API_KEY") or "unused")
     turns: list[Turn] = []
+    if model is None:
+        served = client.models.list().data
+        if not served:
+            raise RuntimeError("the server lists no model")
+        model = served[0].id
     with client.realtime.connect(model=model) as conn:
         created = conn.recv()
         if created.type != "session.created":
@@ -119,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("texts", nargs="+", help="the user's turns, sent one after the other")
     p.add_argument("--base-url", default="http://127.0.0.1:8000/v1",
                    help="the server's OpenAI base URL (the session is BASE_URL/realtime)")
-    p.add_argument("--model", default="trio-orch", help="the model name sent as ?model= (default trio-orch)")
+    p.add_argument("--model", default=None,
+                   help="the model name sent as ?model= (default: the server's first served name, "
+                        "from GET /v1/models)")
     p.add_argument("--api-key", default=None, help="the server's --api-key (default: $OPENAI_API_KEY)")
     p.add_argument("--pause", type=float, default=1.0,
                    help="seconds to wait after an answer before sending the next turn (default 1)")

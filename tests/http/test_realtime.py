@@ -376,6 +376,20 @@ def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFix
         "realtime session s: session.truncation is not supported; ignored") == 1
 
 
+def test_a_session_update_naming_a_model_not_served_is_refused_and_changes_nothing() -> None:
+    d = Driven(served=["m1", "m2"])
+    (created,) = d.s.opened()
+    assert created["session"]["model"] == "m1"  # no ?model=: the first served name
+    (bad,) = d.send("session.update", session={"type": "realtime", "model": "gpt-4o",
+                                               "instructions": "be brief"})[0]
+    assert (bad["type"], bad["error"]["code"], bad["error"]["param"]) == (
+        "error", "model_not_found", "session.model")
+    assert "'m1', 'm2'" in bad["error"]["message"]
+    assert (d.s.model, d.s.instructions) == ("m1", "")
+    (ok,) = d.send("session.update", session={"type": "realtime", "model": "m2"})[0]
+    assert (ok["type"], ok["session"]["model"]) == ("session.updated", "m2")
+
+
 def test_outputs_of_an_ended_request_are_dropped() -> None:
     d = Driven()
     d.say("hi")

@@ -12,6 +12,7 @@ the test naming the wait instead of blocking the suite.
 from __future__ import annotations
 
 import base64
+import json
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -170,6 +171,18 @@ def test_a_malformed_event_gets_an_error_event_and_the_session_goes_on(server: A
     assert no_response.error.code == "response_cancel_not_active"
     assert events[-1].response.status == "completed"
     assert "".join(d.delta for d in of(events, ResponseAudioTranscriptDeltaEvent)) == "You said: still here"
+
+
+def test_a_model_the_server_does_not_serve_is_a_404_at_the_handshake(server: Any) -> None:
+    with pytest.raises(InvalidStatus) as refused:
+        with client(server).realtime.connect(model="gpt-4o"):
+            pass
+    assert refused.value.response.status_code == 404
+    body = json.loads(refused.value.response.body)
+    assert (body["error"]["code"], body["error"]["param"]) == ("model_not_found", "model")
+    with session(server) as conn:  # the served name still connects, and the server is unharmed
+        ask(conn, "after")
+        assert until(conn, ResponseDoneEvent)[-1].response.status == "completed"
 
 
 @pytest.mark.parametrize("front", FRONTS)

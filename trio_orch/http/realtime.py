@@ -102,22 +102,26 @@ class RealtimeSession:
 
     ``final_stage_ids`` and ``outputs`` (each stage's output modality, or None
     to judge outputs by their shape) describe the pipeline; ``stage_params``
-    what its stages take (for ``voice`` and ``max_output_tokens``).  Limits:
+    what its stages take (for ``voice`` and ``max_output_tokens``).
+    ``served``: the model names the server answers to; a ``session.update``
+    naming another is refused (``model_not_found``), as the handshake is
+    (None: any name is echoed).  Limits:
     ``max_event_bytes`` per client frame, ``max_input_chars`` of item text
     waiting for a response (both answered with an ``error`` event).
     """
 
     def __init__(self, session_id: str, *, final_stage_ids: frozenset[int] | set[int],
                  outputs: Sequence[str] | None = None, stage_params: Sequence[StageParams] | None = None,
-                 model: str | None = None, max_event_bytes: int = 256 * 1024,
-                 max_input_chars: int = 64 * 1024) -> None:
+                 model: str | None = None, served: Sequence[str] | None = None,
+                 max_event_bytes: int = 256 * 1024, max_input_chars: int = 64 * 1024) -> None:
         self.session_id = session_id
         self.final_stage_ids = frozenset(final_stage_ids)
         self.outputs = list(outputs) if outputs is not None else None
         self.stage_params = stage_params
         self.max_event_bytes = max_event_bytes
         self.max_input_chars = max_input_chars
-        self.model = model or "trio-orch"
+        self.served = tuple(served) if served is not None else None
+        self.model = model or (self.served[0] if self.served else "trio-orch")
         self.text_stage = text_stage(self.final_stage_ids, self.outputs)
         self.has_audio = any(self.outputs is None or self.outputs[k] in ("audio", "data")
                              for k in self.final_stage_ids)
@@ -190,6 +194,9 @@ class RealtimeSession:
             voice = check_audio(audio, voice, "session.audio")
         if "max_output_tokens" in cfg:
             limit = check_limit(cfg["max_output_tokens"], "session.max_output_tokens")
+        if "model" in cfg and self.served is not None and cfg["model"] not in self.served:
+            raise Refused("model_not_found", f"The model {cfg['model']!r} is not served here (this server "
+                          f"serves {', '.join(repr(n) for n in self.served)})", "session.model")
         if "instructions" in cfg:
             if not isinstance(cfg["instructions"], str):
                 raise Refused("invalid_value", "instructions must be a string", "session.instructions")

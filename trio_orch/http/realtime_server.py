@@ -3,7 +3,9 @@
 The official ``openai`` SDK connects here (``client.realtime.connect(model=...)``
 with ``base_url=http://HOST:PORT/v1``: ``ws://HOST:PORT/v1/realtime?model=...``,
 its key as ``Authorization: Bearer``, which this route leaves to the app's
-``/v1`` guard).  One task reads client frames and performs the actions the
+``/v1`` guard).  A ``model`` the server does not serve is refused at the
+handshake with a 404 ``model_not_found``, as a chat naming it would be, so a
+client pointed at the wrong server finds out.  One task reads client frames and performs the actions the
 protocol returns (add the session's request, send it the next input segment,
 cancel it); each request's messages stream back as events from a task of
 their own.  Sends are serialised by one lock.  Whatever ends the socket --
@@ -28,7 +30,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
 from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
-from trio_orch.http.schemas import error_body
+from trio_orch.http.schemas import BadRequest, ServedModels, error_body
 
 __all__ = ["realtime_route", "run_session"]
 
@@ -38,17 +40,30 @@ _ids = itertools.count()
 
 
 def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/v1/realtime",
-                   **limits: int) -> WebSocketRoute:
-    """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's)."""
+                   models: ServedModels | None = None, **limits: int) -> WebSocketRoute:
+    """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's).
+
+    ``models``: the served names (None: any ``model`` is echoed).
+    """
 
     async def endpoint(ws: WebSocket) -> None:
-        await run_session(ws, engine, outputs, **limits)
+        await run_session(ws, engine, outputs, models=models, **limits)
 
     return WebSocketRoute(path, endpoint)
 
 
-async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, **limits: int) -> None:
+async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, *,
+                      models: ServedModels | None = None, **limits: int) -> None:
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
+    model = ws.query_params.get("model")
+    if models is not None:
+        try:
+            models.resolve(model)
+        except BadRequest as exc:
+            log.warning("refused a realtime session (%d): %s", exc.status, exc)
+            body = error_body(str(exc), "invalid_request_error", exc.param, exc.code)
+            await ws.send_denial_response(JSONResponse(body, status_code=exc.status))
+            return
     answers = sorted({outputs[k] for k in engine.final_stage_ids}) if outputs is not None else []
     if answers and not set(answers) & {"text", "audio", "data"}:  # e.g. text2image: nothing to stream
         message = (f"this pipeline answers with {' and '.join(answers)}, not text or audio: it serves "
@@ -60,7 +75,8 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
     await ws.accept()
     session = RealtimeSession(f"sess_{os.getpid():x}_{next(_ids)}", final_stage_ids=engine.final_stage_ids,
                               outputs=outputs, stage_params=engine.stage_params,
-                              model=ws.query_params.get("model"), **limits)
+                              model=model or (models.name if models is not None else None),
+                              served=models.names if models is not None else None, **limits)
     lock = anyio.Lock()
 
     async def send(events: list[dict[str, Any]]) -> None:
