@@ -1,12 +1,16 @@
 """The pipeline's tokenizer, and vLLM's ``POST /tokenize`` and ``POST /detokenize`` over it.
 
-The built-in text model (``stages.models.Thinker``) reads bytes by default: a
-token is one byte of the prompt's UTF-8 text and 256 is end-of-text, so its
-tokenizer is a few lines and runs here, in the server, without torch or a
-model (:class:`ByteTokenizer`; tests check it against the thinker itself and
-against the library-built byte-level tokenizer the thinker uses).  A thinker
-given a ``tokenizer.json`` (``[stages.model] tokenizer``) reports it in its
-ready info, and the routes load the same file (:mod:`stages.tokenizer`).  The
+The server counts and splits text with the same ``tokenizers``-library
+tokenizer as the text stage (:mod:`stages.tokenizer`), so ``/tokenize`` and
+chat ``usage`` agree with what the stage reads.  The built-in text model
+(``stages.models.Thinker``) reads bytes by default: the library-built
+byte-level tokenizer, a token per byte of the prompt's UTF-8 text and 256
+for end-of-text; it runs here, in the server, without torch or a model
+(:class:`ByteTokenizer` says the same mapping in plain Python; tests check
+the two against each other and against the thinker).  A stage whose ready
+info names a ``tokenizer`` -- the thinker given a ``tokenizer.json``
+(``[stages.model] tokenizer``), or a plug-in kind that reports one (a path,
+or "" for the byte-level default) -- is tokenized with that file.  The
 talker reads the thinker's tokens, so a pipeline that begins with it has the
 same tokenizer for its input.  Which stage a route tokenizes for: the stage
 that gives the text (:func:`stages.registry.text_stage`), else stage 0.
@@ -33,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import text_stage
-from stages.tokenizer import TextTokenizer, load_tokenizer
+from stages.tokenizer import TextTokenizer, byte_level, load_tokenizer
 from trio_orch.engine import Engine
 from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.generation import OpenAIRoute
@@ -51,7 +55,11 @@ DETOKENIZE = "/detokenize"
 
 @dataclass(frozen=True)
 class ByteTokenizer:
-    """The thinker's tokenizer: one token per byte of UTF-8 text, ``eos`` for end-of-text."""
+    """The byte-level mapping in plain Python: one token per byte of UTF-8 text, ``eos`` for end-of-text.
+
+    What :func:`stages.tokenizer.byte_level` builds with the library; kept as the statement tests check
+    the library's tokenizer (and the thinker) against.
+    """
 
     eos: int = 256
 
@@ -70,11 +78,12 @@ class ByteTokenizer:
         return "<eos>" if token == self.eos else bytes([token]).decode("utf-8", "backslashreplace")
 
 
-#: what a route tokenizes with: the byte tokenizer, or a stage's ``tokenizer.json``
+#: what a route tokenizes with: a ``tokenizers``-library tokenizer (or the plain byte mapping)
 Tokenizer = ByteTokenizer | TextTokenizer
 
-#: stage kind -> the tokenizer of the tokens it reads (the talker reads the thinker's)
-TOKENIZERS: dict[str, ByteTokenizer] = {"thinker": ByteTokenizer(), "talker": ByteTokenizer()}
+#: stage kind -> the tokenizer of the tokens it reads when its workers name none (the talker reads
+#: the thinker's): the library-built byte-level one
+TOKENIZERS: dict[str, Tokenizer] = {"thinker": byte_level(), "talker": byte_level()}
 
 
 def stage_info(engine: Engine, stage: int) -> dict[str, Any]:
@@ -89,21 +98,23 @@ def stage_info(engine: Engine, stage: int) -> dict[str, Any]:
 def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[int, Tokenizer] | None:
     """The stage a prompt is tokenized for (its text stage, else stage 0) and its tokenizer; None: unknown.
 
-    A thinker whose workers report a ``tokenizer`` file (``[stages.model] tokenizer``) has that one
-    (:func:`stages.tokenizer.load_tokenizer`, loaded once); otherwise the byte tokenizer.
+    A stage whose workers report a ``tokenizer`` -- a ``tokenizer.json`` (the thinker's ``[stages.model]
+    tokenizer``, or a plug-in's), "" for the byte-level default -- has that one
+    (:func:`stages.tokenizer.load_tokenizer`, loaded once); a built-in text kind that reports none has
+    the byte-level one.
     """
     kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
     if kinds is None:
         return None
     k = text_stage(engine.final_stage_ids, outputs)
     for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
+        path = stage_info(engine, stage).get("tokenizer")
+        if isinstance(path, str):
+            try:
+                return stage, load_tokenizer(path)
+            except ValueError:
+                return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
         if kinds[stage] in TOKENIZERS:
-            path = stage_info(engine, stage).get("tokenizer")
-            if isinstance(path, str) and path:
-                try:
-                    return stage, load_tokenizer(path)
-                except ValueError:
-                    return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
             return stage, TOKENIZERS[kinds[stage]]
     return None
 
