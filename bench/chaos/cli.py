@@ -171,6 +171,9 @@ async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
         res = await f.run(opts)
         err.print(text(f"  -> {'ok' if res.ok else 'FAIL'}: {res.completed} completed, failed "
                        f"{res.failed or '-'}, {res.without_terminal} without terminal, {res.wall_s:.1f}s"))
+        if not res.ok:
+            for kind, example in res.error_examples.items():
+                err.print(text(f"     first {kind}: {example}"))
         results.append(res)
     return results
 

@@ -85,6 +85,8 @@ class ChaosResult:
     #: mode; async-chunk: nothing shown to the user) -- failover should have resent every one of them
     silent_deaths: int = 0
     notes: dict[str, Any] = field(default_factory=dict)
+    #: error kind -> the message of the first terminal of that kind (what a FAIL row is read by)
+    error_examples: dict[str, str] = field(default_factory=dict)
     wall_s: float = 0.0
     error: str | None = None
 
@@ -161,6 +163,7 @@ class ChaosRun:
         self._progress = trio.Event()
         self.load_done = trio.Event()  # every load request was sent (or refused)
         self.silent_deaths = 0  # see ChaosResult.silent_deaths
+        self.error_examples: dict[str, str] = {}  # see ChaosResult.error_examples
 
     def died_silent(self, msg: Message) -> bool:
         """``msg`` is a ``replica_died`` terminal of a request that had produced nothing there.
@@ -307,6 +310,7 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
             if retried or setup.failover:  # failover: requests a dead replica held, resent before they
                 res.notes["retried"] = retried  # produced anything
             res.silent_deaths = run.silent_deaths
+            res.error_examples = dict(run.error_examples)
             if run.t_fault is not None:
                 res.detect_s = None if run.t_detect is None else max(0.0, run.t_detect - run.t_fault)
                 res.recover_s = None if run.t_recover is None else max(0.0, run.t_recover - run.t_fault)
@@ -347,6 +351,8 @@ async def _drive(run: ChaosRun, nursery: trio.Nursery, inject: Inject) -> None:
             first = msg.finished and msg.request_id not in ledger.terminal
             if first and run.died_silent(msg):
                 run.silent_deaths += 1
+            if first and type(msg) is OrchError and msg.kind not in run.error_examples:
+                run.error_examples[msg.kind] = f"stage {msg.stage_id}: {msg.message}"[:300]
             ledger.record(msg)
             if first and msg.request_id in mine:
                 mine.discard(msg.request_id)
