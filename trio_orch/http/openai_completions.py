@@ -41,6 +41,7 @@ from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.schemas import BadRequest, OpenAIRequest, ServedModels, error_body
 from trio_orch.http.streaming import sse
+from trio_orch.http.tokenizer import prompt_token_count
 from trio_orch.types import OrchOutput
 
 __all__ = ["COMPLETIONS", "CompletionRequest", "TextCompletion", "completions_route"]
@@ -92,6 +93,8 @@ class TextCompletion:
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
     reason: str | None = None  # what the text stage reported
+    #: the prompt's length in the text stage's tokens (None: its UTF-8 bytes, the byte tokenizer's)
+    prompt_tokens: int | None = None
 
     def add(self, m: OrchOutput) -> str:
         """Absorb one output; its text ("" if it carries none)."""
@@ -115,7 +118,7 @@ class TextCompletion:
         return "length" if caps and len(self.pieces) >= min(caps) else "stop"
 
     def usage(self) -> dict[str, int]:
-        prompt = len(self.prompt.encode())
+        prompt = self.prompt_tokens if self.prompt_tokens is not None else len(self.prompt.encode())
         return {"prompt_tokens": prompt, "completion_tokens": self.tokens,
                 "total_tokens": prompt + self.tokens}
 
@@ -191,7 +194,8 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
         admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling, priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
-        tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs)
+        tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs,
+                            prompt_tokens=prompt_token_count(engine, outputs, prompt))
         if req.stream:
             return route.stream(stream(req, tc, admitted))
         answer = await route.wait(partial(collect, req, tc, admitted), request)

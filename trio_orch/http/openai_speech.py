@@ -54,7 +54,7 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
 from trio_orch.http.schemas import BadRequest, Scheduled, Seed, ServedModels, Voice, error_body
 from trio_orch.http.streaming import sse
-from trio_orch.http.tokenizer import TOKENIZERS, stage_info
+from trio_orch.http.tokenizer import TOKENIZERS, prompt_token_count, stage_info
 from trio_orch.types import OrchOutput
 
 __all__ = ["FORMATS", "SPEECH", "SpeechRequest", "Speed", "speech_route"]
@@ -104,6 +104,10 @@ class SpeechRequest(Scheduled, kw_only=True):
         if self.instructions:
             raise BadRequest("'instructions' are not supported: the voice is set by 'voice'", "instructions",
                              code="unsupported_parameter")
+
+
+#: the one-character prompts a thinker told what to say may start from, the first its tokenizer reads
+PROMPTS = (" ", ".", "a", "\n")
 
 
 class Speed:
@@ -163,18 +167,39 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
     first = TOKENIZERS.get(kinds[0]) if kinds and outputs is not None and outputs[0] == "codes" else None
     text_k = text_stage(finals, outputs) if first is None else None
 
-    def request_for(req: SpeechRequest) -> tuple[Any, dict[int, dict[str, Any]]]:
+    def input_tokens(text: str) -> int:
+        """The input's length in the tokens the pipeline reads it in (the thinker's own tokenizer, a
+        configured tokenizer.json too); its UTF-8 bytes where no tokenizer is known."""
+        if first is not None:
+            return len(first.encode(text))
+        n = prompt_token_count(engine, outputs, text)
+        return n if n is not None else len(text.encode())
+
+    def say_prompt() -> tuple[str, int]:
+        """The thinker's prompt when it is told what to say, and its length in tokens: one character
+        that its tokenizer reads as a token (a word-level tokenizer reads a lone space as nothing, and
+        the thinker cannot start from an empty prompt)."""
+        for text in PROMPTS:
+            n = prompt_token_count(engine, outputs, text)
+            if n is None or n > 0:
+                return text, n or 1
+        raise BadRequest("this pipeline's tokenizer reads none of " + ", ".join(map(repr, PROMPTS))
+                         + " as a token: the thinker cannot be told what to say", "model")
+
+    def request_for(req: SpeechRequest, n_in: int) -> tuple[Any, dict[int, dict[str, Any]]]:
         """Stage 0's input and the per-stage parameters (SamplingError for a field no stage takes)."""
         fields = {f: v for f, v in (("voice", req.voice), ("seed", req.seed),
                                     (openai_sampling.EXTENSION, req.stage_sampling)) if v is not None}
         if first is not None:
             payload: Any = {"tokens": np.asarray(first.encode(req.input), dtype=np.int32)}
         elif kinds is not None and kinds[0] == "thinker":
-            limit = stage_info(engine, 0).get("max_say")
-            if isinstance(limit, int) and len(req.input.encode()) > limit:
-                raise BadRequest(f"'input' is {len(req.input.encode())} bytes: this pipeline speaks at most "
-                                 f"{limit} per request", "input", code="context_length_exceeded")
-            payload = {"text": " ", "say": req.input}
+            prompt, n_prompt = say_prompt()
+            limit = stage_info(engine, 0).get("max_say")  # its cache's room after a one-token prompt
+            room = limit + 1 - n_prompt if isinstance(limit, int) else None
+            if room is not None and n_in > room:  # the thinker counts 'say' in its tokens
+                raise BadRequest(f"'input' is {n_in} tokens: this pipeline speaks at most {room} per "
+                                 "request", "input", code="context_length_exceeded")
+            payload = {"text": prompt, "say": req.input}
         else:
             payload = req.input
             stages = engine.stage_params
@@ -226,7 +251,11 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
                 raise BadRequest(f"model {model!r} makes no audio: serve a speech pipeline "
                                  "(trio-orch serve --pipeline speech)", "model")
             req.check(limits.max_prompt_chars, fmt)
-            payload, sampling = request_for(req)
+            n_in = input_tokens(req.input)
+            if n_in == 0:
+                raise BadRequest("'input' holds no token of this pipeline's tokenizer: there is nothing to "
+                                 "say", "input")
+            payload, sampling = request_for(req, n_in)
         except BadRequest as exc:
             return route.bad(exc)
         except openai_sampling.SamplingError as exc:
@@ -235,10 +264,10 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
                                      priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
-        front.count_tokens(len(req.input.encode()), {})
+        front.count_tokens(n_in, {})
         sp = Speech(outputs, Speed(req.speed), front)
         if req.stream_format == "sse":
-            return route.stream(events(sp, admitted, len(req.input.encode())))
+            return route.stream(events(sp, admitted, n_in))
         if fmt == "pcm":
             return route.stream(audio(sp, admitted), FORMATS["pcm"])
         answer = await route.wait(partial(whole, fmt, sp, admitted), request)
