@@ -39,6 +39,17 @@ and with ``VLLM_OMNI_EVENT_DRIVEN_ORCH=1``), ``False`` the 1 ms polling loop
 (its default for the other pipelines).  The environment variable, when set,
 overrides both, as in vLLM-Omni.
 
+An application that owns a vLLM-Omni orchestrator itself (the comparison's
+model rows) has two ways here: :meth:`VllmOmniDriver.cancel_run` cancels
+the task the driver's loop thread runs ``run()`` in, as an application
+owning that thread would; :func:`build_orchestrator` builds another
+orchestrator over given stage clients, in a loop :func:`run_in_own_loop`
+gives it -- a loop of its own, since its ``run()`` ends by cancelling every
+other task of the loop it runs in.  The loop thread ends as vLLM-Omni's
+engine ends its orchestrator thread: the remaining tasks cancelled and
+gathered, then its async generators and its default executor (joining the
+executor's threads) shut down.
+
 Importing this module does not import vLLM; starting a driver does (a few
 seconds).  :func:`available` says whether the package is installed here.
 """
@@ -46,13 +57,15 @@ seconds).  :func:`available` says whether the package is installed here.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import importlib.util
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -61,7 +74,8 @@ from bench.drivers.base import Unsupported
 from bench.drivers.vllm_omni_stage import FedDiffusionClient, FedEngineClient, PassThroughOutputProcessor
 from trio_orch.types import Message, OrchError, OrchOutput, RpcResult
 
-__all__ = ["VllmOmniDriver", "available", "missing_reason"]
+__all__ = ["OmniParts", "VllmOmniDriver", "available", "build_orchestrator", "missing_reason",
+           "run_in_own_loop"]
 
 REQUEST_QUEUE_SIZE = 256  #: vLLM-Omni's engine bounds its request queue at this
 #: what vLLM-Omni's orchestrator logs (WARNING) for each output of a request it holds no state for
@@ -79,6 +93,128 @@ def missing_reason() -> str:
     return ("vLLM-Omni is not installed in this interpreter; install it with "
             "`bash bench/setup_vllm_omni.sh` and run the command with "
             "`.venv-vllm/bin/python -m trio_orch.cli`")
+
+
+def _end_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The end of vLLM-Omni's orchestrator thread (``_bootstrap_orchestrator``), before the loop closes.
+
+    The loop's other tasks cancelled and gathered, then its async generators
+    and its default executor shut down -- the last waits for the executor's
+    threads.  Best effort, as there: nothing it raises escapes.
+    """
+    try:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.run_until_complete(loop.shutdown_default_executor())
+    except BaseException:
+        pass
+
+
+@dataclass(slots=True)
+class OmniParts:
+    """A vLLM-Omni orchestrator and what its engine hands it: three janus queues, per-stage sampling."""
+
+    orch: Any
+    request_queue: Any
+    output_queue: Any
+    rpc_queue: Any
+    sampling: list[Any]
+
+
+def build_orchestrator(clients: Sequence[FedEngineClient], *, event_driven: bool, async_chunk: bool = False,
+                       queue_size: int = REQUEST_QUEUE_SIZE) -> OmniParts:
+    """(In a running loop.)  vLLM-Omni's ``Orchestrator`` over a ``StagePool`` per client, as its engine does.
+
+    The queues are janus queues bound to the running loop; the request
+    queue is bounded as the engine's.  ``event_driven`` picks the
+    orchestration loop (:class:`VllmOmniDriver`).
+    """
+    import janus
+    from vllm import SamplingParams
+    from vllm_omni.engine.orchestrator import Orchestrator
+    from vllm_omni.engine.stage_pool import StagePool
+    from vllm_omni.inputs.data import OmniDiffusionSamplingParams
+
+    request_queue, output_queue, rpc_queue = janus.Queue(maxsize=queue_size), janus.Queue(), janus.Queue()
+    stage_config = _StageConfig()
+    pools = [StagePool(k, [c], output_processor=PassThroughOutputProcessor(), stage_vllm_config=stage_config)
+             for k, c in enumerate(clients)]
+    sampling = [OmniDiffusionSamplingParams() if c.stage_type == "diffusion"
+                else SamplingParams(max_tokens=16, detokenize=False) for c in clients]
+    orch = Orchestrator(request_queue.async_q, output_queue.async_q, rpc_queue.async_q, pools,
+                        async_chunk=async_chunk, event_driven_orch_default=event_driven)
+    return OmniParts(orch, request_queue, output_queue, rpc_queue, sampling)
+
+
+def run_in_own_loop(afn: Callable[[], Awaitable[Any]], timeout: float, end_wait: float = 2.0
+                    ) -> tuple[Any, bool]:
+    """Run ``afn()`` in a new thread with a new loop, as vLLM-Omni's engine runs its orchestrator.
+
+    For an application that owns a vLLM-Omni orchestrator in its loop:
+    ``run()`` ends by cancelling and gathering every other task of the loop
+    it runs in, so it gets a loop of its own (here, as in the engine, a
+    thread's).  The thread ends as the engine's (:func:`_end_loop`).
+
+    Returns what ``afn`` returned (or raises what it raised; ``TimeoutError``
+    if it had not ended within ``timeout`` s) and whether the loop then
+    ended by itself within ``end_wait`` s.  One that did not -- its tasks
+    waiting on each other -- is stopped, as the comparison's watchdog stops
+    a hung loop (its pending tasks are left unfinished).
+    """
+    result: concurrent.futures.Future[Any] = concurrent.futures.Future()
+    ended = threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    async def runner() -> None:
+        try:
+            result.set_result(await afn())
+        except BaseException as exc:  # handed to the caller's thread
+            result.set_exception(exc)
+
+    def main() -> None:
+        loop = asyncio.new_event_loop()
+        loops.append(loop)
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(runner())
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+        finally:
+            try:
+                _end_loop(loop)
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+                ended.set()
+
+    thread = threading.Thread(target=main, name="vllm-omni-application", daemon=True)
+    thread.start()
+    try:
+        value = result.result(timeout)
+    except concurrent.futures.TimeoutError:
+        _stop(loops, thread)
+        raise TimeoutError(f"the application had not returned within {timeout}s") from None
+    except BaseException:
+        if not ended.wait(end_wait):
+            _stop(loops, thread)
+        raise
+    by_itself = ended.wait(end_wait)
+    if not by_itself:
+        _stop(loops, thread)
+    return value, by_itself
+
+
+def _stop(loops: list[asyncio.AbstractEventLoop], thread: threading.Thread) -> None:
+    """Stop a loop that does not end (what it was awaiting stays unfinished); give its thread a second."""
+    for loop in loops:
+        with contextlib.suppress(RuntimeError):  # closed meanwhile
+            loop.call_soon_threadsafe(loop.stop)
+    thread.join(1.0)
 
 
 class VllmOmniDriver(AsyncioLoopDriver):
@@ -116,6 +252,8 @@ class VllmOmniDriver(AsyncioLoopDriver):
         self._rpc_ids = itertools.count()
         self._rpc_lock = threading.Lock()
         self._drops = _DropCounter()
+        self._run_task: asyncio.Task[Any] | None = None
+        self.returned_at: float | None = None
 
     @property
     def startup_timeout(self) -> float:
@@ -124,7 +262,12 @@ class VllmOmniDriver(AsyncioLoopDriver):
 
     # ------------------------------------------------------------------ the loop thread
     def thread_main(self) -> None:
-        """The engine's orchestrator thread: a new loop; afterwards cancel and await what is left."""
+        """The engine's orchestrator thread: a new loop; afterwards cancel and await what is left.
+
+        As vLLM-Omni's ``_bootstrap_orchestrator``: the rest of the loop's
+        tasks are cancelled and gathered, then its async generators and its
+        default executor (whose threads it waits for) are shut down.
+        """
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         self.loop = loop
@@ -135,14 +278,7 @@ class VllmOmniDriver(AsyncioLoopDriver):
                 self.run_error = exc
         finally:
             try:
-                pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-                for t in pending:
-                    t.cancel()
-                if pending:
-                    loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-                loop.run_until_complete(loop.shutdown_asyncgens())
-            except BaseException:
-                pass
+                _end_loop(loop)
             finally:
                 self.tasks_pending_at_loop_end = sum(1 for t in asyncio.all_tasks(loop) if not t.done())
                 logging.getLogger("vllm_omni.engine.orchestrator").removeHandler(self._drops)
@@ -155,30 +291,42 @@ class VllmOmniDriver(AsyncioLoopDriver):
 
     async def _amain(self) -> None:
         try:
-            import janus
-            from vllm import SamplingParams
-            from vllm_omni.engine.orchestrator import Orchestrator
-            from vllm_omni.engine.stage_pool import StagePool
-            from vllm_omni.inputs.data import OmniDiffusionSamplingParams
-
+            self._run_task = asyncio.current_task()
             _route_vllm_logs()
             logging.getLogger("vllm_omni.engine.orchestrator").addHandler(self._drops)
-            self.request_queue = janus.Queue(maxsize=min(self.request_queue_size, REQUEST_QUEUE_SIZE))
-            self.output_queue = janus.Queue()
-            self.rpc_queue = janus.Queue()
             self.stages = [self._stage_client(k) for k in range(self.num_stages)]
-            stage_config = _StageConfig()
-            pools = [StagePool(k, [c], output_processor=PassThroughOutputProcessor(),
-                               stage_vllm_config=stage_config) for k, c in enumerate(self.stages)]
-            self._sampling = [OmniDiffusionSamplingParams() if c.stage_type == "diffusion"
-                              else SamplingParams(max_tokens=16, detokenize=False) for c in self.stages]
-            self.orch = Orchestrator(self.request_queue.async_q, self.output_queue.async_q,
-                                     self.rpc_queue.async_q, pools, async_chunk=self.async_chunk,
-                                     event_driven_orch_default=self.event_driven)
+            parts = build_orchestrator(self.stages, event_driven=self.event_driven,
+                                       async_chunk=self.async_chunk,
+                                       queue_size=min(self.request_queue_size, REQUEST_QUEUE_SIZE))
+            self.orch, self._sampling = parts.orch, parts.sampling
+            self.request_queue, self.output_queue, self.rpc_queue = (
+                parts.request_queue, parts.output_queue, parts.rpc_queue)
         except BaseException as exc:
             self.set_started(exc)
             return
         await self.run_orchestrator(self.orch.run, self.output_queue)
+
+    def cancel_run(self) -> bool:
+        """Cancel the task that runs the orchestrator, as the application owning its loop would.
+
+        That task is the one the loop thread runs to completion, as vLLM-Omni's
+        engine runs its orchestrator: what it awaits is ``Orchestrator.run()``.
+        False if there was none left to cancel (it had ended, or the loop had closed).
+        """
+        task, loop = self._run_task, self.loop
+        if task is None or loop is None or task.done():
+            return False
+        try:
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True
+
+    def set_returned(self) -> None:
+        """Also note when run() first returned (``returned_at``, ``time.perf_counter()``)."""
+        if self.returned_at is None:
+            self.returned_at = time.perf_counter()
+        super().set_returned()
 
     def _stage_client(self, k: int) -> FedEngineClient:
         """Stage ``k``'s replica: a diffusion stage past stage 0 when a forward function is given."""

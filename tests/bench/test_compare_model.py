@@ -69,6 +69,9 @@ def test_cancelled_twice_judge() -> None:
     never = {"closed": 0, "terminals": 1}
     assert judge_cancelled_twice({**base, "at_return": early, "later": never})[0] == "cut"
     assert judge_cancelled_twice({**base, "at_return": {**done, "terminals": 0}})[0] == "detached"
+    no_terminal = {**base, "at_return": {**done, "terminals": 0}, "later": {"closed": 2, "terminals": 0}}
+    verdict, reason = judge_cancelled_twice(no_terminal)  # closed in time, but the request never ended
+    assert verdict == "lost" and "never got a terminal" in reason
 
 
 def test_cleanup_await_judge() -> None:

@@ -111,3 +111,46 @@ def test_companions_need_a_diffusion_stage_and_its_stages_take_no_cancellation_f
         h.add_request("r1", "p", companions={"r1:neg": "n"})
     with pytest.raises(Unsupported, match="polled without an await"):
         _driver(2, {1}, forward_fn=lambda *a: a, misbehaviour={1: Misbehaviour(swallow_cancel_once=True)})
+
+
+def _row(number: int) -> dict[str, Any]:
+    """Row ``number`` of the comparison run against vLLM-Omni: its verdict and measurements."""
+    from bench.compare.scenarios import by_number, run_scenario
+
+    out = run_scenario(by_number(number), "vllm-omni")
+    assert out.driver_error is None, out.driver_error
+    assert out.verdict not in ("n/a", "error"), out.reason
+    return {"verdict": out.verdict, **out.metrics}
+
+
+def test_row_19_vllm_omnis_loop_thread_waits_for_a_close_handed_to_a_worker_thread() -> None:
+    """Its synchronous stage shutdown hands the blocking part to the default executor: run() returns
+    at once, and its thread's end (shutdown_default_executor, as the engine's) waits for the call."""
+    m = _row(19)
+    assert m["verdict"] == "waited" and not m["hung"]
+    assert m["loop_thread_ended"] and not m["call_running_at_loop_end"]
+    assert m["shutdown_s"] < m["loop_thread_end_s"]
+
+
+def test_row_20_cancelled_twice_vllm_omni_closes_every_stage_but_ends_no_request() -> None:
+    """Cancelled twice, its synchronous stage closes cannot be cut: both were done when run()
+    returned; the request got no terminal then or later."""
+    m = _row(20)
+    assert m["verdict"] == "lost" and m["returned"] and m["second_cancel_sent"]
+    assert m["at_return"]["closed"] == 2 and m["later"]["terminals"] == 0
+
+
+def test_row_21_a_submit_vllm_omni_awaits_in_line_holds_its_shutdown() -> None:
+    """The shutdown message waits behind the held submit: run() never returns; the submit's
+    cleanup await got out when the watchdog tore the loop down (asyncio delivers one cancellation)."""
+    m = _row(21)
+    assert m["verdict"] == "hang" and m["submit_in_progress"]
+    assert m["notices_sent"] == 1
+
+
+def test_row_22_vllm_omnis_sweep_cancels_the_application_and_deadlocks_its_task_group() -> None:
+    """Run next to a crashing front in one TaskGroup, its run() cancels the application's tasks and
+    then gathers the group's own task, which waits for run(): the loop never ends by itself."""
+    m = _row(22)
+    assert m["verdict"] == "lost" and m["swept"] and not m["reported"]
+    assert m["application_loop_ended"] is False

@@ -10,6 +10,15 @@ submit was cancelled (21), the application's error while a stage swallows
 the group's cancellation (22).  The asyncio reference ``asyncio-taskgroup`` has
 every design choice of the Trio shell (see :mod:`bench.refs.taskgroup`), so
 what differs in these rows is the model; row 21 is one where Trio does worse.
+
+The real vLLM-Omni (:class:`~bench.drivers.vllm_omni.VllmOmniDriver`) gets
+the same code at the equivalent place of its own: its stage clients are
+vLLM's engine-core clients (the driver's fed ones), whose ``shutdown()`` is
+synchronous and whose submit is ``add_request_async`` (19, 21); an
+application owns its orchestrator as its engine does, the task its own
+loop thread runs (20: cancelled from the application's thread), or runs it
+next to its front in one TaskGroup in a loop of its own (22: its ``run()``
+ends by cancelling every task of the loop it runs in, so not the driver's).
 """
 
 from __future__ import annotations
@@ -30,18 +39,24 @@ from bench.compare.scenarios.base import (
     terminal_stats,
 )
 from bench.drivers.base import Driver, Unsupported
+from bench.drivers.vllm_omni import VllmOmniDriver, build_orchestrator, run_in_own_loop
+from bench.drivers.vllm_omni_stage import FedEngineClient
 from bench.refs.orchestrator import AddMsg, AsyncioOrchestrator
 from bench.refs.testing import AsyncScriptedStage
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import Misbehaviour, ScriptedStage
 
 
-def _scripted(h: Driver, k: int) -> Any:
-    """Stage ``k`` of ``h`` if it is one of the comparison's scripted stages (else: not expressible)."""
+def _stage(h: Driver, k: int) -> Any:
+    """Stage ``k`` of ``h``: a scripted stage or vLLM-Omni's fed engine-core client (else not expressible)."""
     stage = h.stages[k]
-    if not isinstance(stage, (ScriptedStage, AsyncScriptedStage)):
+    if not isinstance(stage, (ScriptedStage, AsyncScriptedStage, FedEngineClient)):
         raise Unsupported(f"{h.name}: its stage clients are its own; the scenario replaces one of its calls")
     return stage
+
+
+def _ignore_submit(stage_id: int, request_id: str) -> None:
+    """A fed client's submit hook where nobody waits for the submit."""
 
 
 def _orchestrator_class(h: Driver) -> type:
@@ -158,14 +173,33 @@ S18 = Scenario(
 BLOCK19 = 1.0
 
 
-def _thread_close(h: Driver, stage: Any, record: dict[str, Any]) -> Callable[[], Any]:
-    """An ``aclose`` that does its blocking part (a socket linger, a client library's join) in a thread."""
+def _thread_close(h: Driver, stage: Any, record: dict[str, Any]) -> tuple[str, Callable[[], Any]]:
+    """The stage's close, doing its blocking part (a socket linger, a client's join) in a worker thread.
+
+    Returns the name of the call it replaces and the replacement: an
+    awaitable ``aclose``; for vLLM-Omni's stage clients, whose ``shutdown()``
+    its orchestrator calls synchronously from its loop (no await possible),
+    a ``shutdown`` that does what it did and hands the blocking part to the
+    loop's default executor (``run_in_executor``, what ``asyncio.to_thread``
+    wraps).
+    """
 
     def blocking() -> None:
         record["thread"] = threading.current_thread()
         time.sleep(BLOCK19)
         record["finished"] = time.perf_counter()
 
+    if isinstance(stage, FedEngineClient):
+        import asyncio
+
+        orig = stage.shutdown
+
+        def shutdown_offloaded() -> None:
+            orig()
+            stage.closed = True
+            stage.close_future = asyncio.get_running_loop().run_in_executor(None, blocking)
+
+        return "shutdown", shutdown_offloaded
     if h.framework == "trio":
         import trio
 
@@ -173,22 +207,22 @@ def _thread_close(h: Driver, stage: Any, record: dict[str, Any]) -> Callable[[],
             stage.closed = True
             await trio.to_thread.run_sync(blocking, abandon_on_cancel=True)
 
-        return aclose_trio
+        return "aclose", aclose_trio
     import asyncio
 
     async def aclose_asyncio() -> None:
         stage.closed = True
         await asyncio.to_thread(blocking)
 
-    return aclose_asyncio
+    return "aclose", aclose_asyncio
 
 
 def measure_thread_at_shutdown(impl: str) -> dict[str, Any]:
     record: dict[str, Any] = {}
     with LogCapture():
         h = start(impl, 2, {1})
-        stage = _scripted(h, 0)
-        h.call(setattr, stage, "aclose", _thread_close(h, stage, record))
+        stage = _stage(h, 0)
+        h.call(setattr, stage, *_thread_close(h, stage, record))
         h.add_request("r1", "p")
         t0 = time.perf_counter()
         rep = h.shutdown(wait=CUT + BLOCK19)
@@ -369,12 +403,53 @@ async def _asyncio_cancelled_twice(h: Driver) -> dict[str, Any]:
             "later": {"closed": len(closed), "terminals": later}}
 
 
+def _vllm_omni_cancelled_twice(impl: str) -> dict[str, Any]:
+    """The application owns vLLM-Omni's orchestrator as its engine does, and cancels it twice.
+
+    Its engine runs ``Orchestrator.run()`` in the one task of a loop thread
+    of its own; the application, in its thread, cancels that task, and again
+    while the stages close.  vLLM's client ``shutdown()`` is synchronous, so
+    a slow close blocks that loop for its time.
+    """
+    slow = Misbehaviour(aclose_delay=SLOW20)
+    h = start(impl, 2, {1}, misbehaviour={0: slow, 1: slow})
+    closed: list[float] = []  # when each stage's shutdown() completed
+    for s in h.stages:
+        orig = s.shutdown
+
+        def shutdown(orig: Callable[[], None] = orig) -> None:
+            orig()
+            closed.append(time.perf_counter())
+
+        h.call(setattr, s, "shutdown", shutdown)
+    h.add_request("r1", "p")
+    time.sleep(0.02)
+    h.cancel_run()  # the application cancels the orchestrator...
+    h.wait_until(lambda: any(s.shutdown_calls for s in h.stages), CUT)
+    time.sleep(GAP20)
+    second_sent = h.cancel_run()  # ... and again, while it is closing its stages
+    returned = h.wait_until(lambda: h.stopped, CUT)
+    time.sleep(SLOW20 * 2 + GRACE)
+    _, ended = h.drain(1.0)
+    terminals = sum(m.finished for m in h.received)
+    at = h.returned_at if h.returned_at is not None else float("inf")
+    stop_and_drain(h)
+    return {"at_return": {"closed": sum(1 for t in closed if t <= at), "stream_ended": ended,
+                          "terminals": terminals},
+            "returned": returned, "later": {"closed": len(closed), "terminals": terminals},
+            "second_cancel_sent": second_sent, "run_error": repr(h.run_error)}
+
+
 def measure_cancelled_twice(impl: str) -> dict[str, Any]:
     with LogCapture():
         h = start(impl, 1, {0})
-        app = _trio_cancelled_twice if h.framework == "trio" else _asyncio_cancelled_twice
-        m = h.run_in_loop(app, h, timeout=3 * CUT + 2 * SLOW20 + GRACE)
-        stop_and_drain(h)
+        if isinstance(h, VllmOmniDriver):
+            stop_and_drain(h)
+            m = _vllm_omni_cancelled_twice(impl)
+        else:
+            app = _trio_cancelled_twice if h.framework == "trio" else _asyncio_cancelled_twice
+            m = h.run_in_loop(app, h, timeout=3 * CUT + 2 * SLOW20 + GRACE)
+            stop_and_drain(h)
     m["stages"] = 2
     return m
 
@@ -385,6 +460,8 @@ def judge_cancelled_twice(m: dict[str, Any]) -> tuple[str, str]:
     at, later, n = m["at_return"], m["later"], m["stages"]
     if at["closed"] == n and at["stream_ended"] and at["terminals"] == 1:
         return "ok", "when run() returned every stage was closed and the request had its terminal"
+    if at["closed"] == n and not later["terminals"]:
+        return "lost", "when run() returned every stage was closed, but the request never got a terminal"
     if later["closed"] == n:
         return "detached", (f"run() returned with {at['closed']} of {n} stages closed; its cleanup went on "
                             "without it and finished later")
@@ -397,8 +474,9 @@ S20 = Scenario(
     f"{GAP20 * 1e3:.0f} ms into its cleanup (each stage's aclose() takes {SLOW20:g} s) it cancels it again "
     "(a second Ctrl-C, an outer deadline). When run() returns, is the cleanup done?",
     f"hang if run() had not returned {CUT} s after the second cancellation; ok if, when it returned, every "
-    "stage was closed and the request had its terminal; detached if its cleanup finished only after it "
-    "returned; cut if the cleanup never finished",
+    "stage was closed and the request had its terminal; lost if every stage was closed but the request never "
+    "got a terminal; detached if its cleanup finished only after it returned; cut if the cleanup never "
+    "finished",
     measure_cancelled_twice, judge_cancelled_twice,
     lambda m: (f"at return: {m['at_return'].get('closed', 0)}/{m['stages']} stages closed, "
                f"terminals {m['at_return'].get('terminals', 0)}; "
@@ -414,13 +492,16 @@ S20 = Scenario(
 
 
 # ---------------------------------------------------------------- 21
-def _notifying_submit(h: Driver, stage: Any, notices: list[str]) -> Callable[..., Any]:
+def _notifying_submit(h: Driver, stage: Any, notices: list[str]) -> tuple[str, Callable[..., Any]]:
     """A stage client whose interrupted submit tells its worker to drop the half-sent request.
 
     The same code in both models, unshielded: the notice is a send, i.e. an
-    ``await`` in the cleanup path.
+    ``await`` in the cleanup path.  Returns the name of the call it wraps
+    and the wrapper: ``submit``; for vLLM-Omni's stage clients
+    ``add_request_async``, what its stage pool awaits to submit.
     """
-    orig = stage.submit
+    name = "add_request_async" if isinstance(stage, FedEngineClient) else "submit"
+    orig = getattr(stage, name)
     if h.framework == "trio":
         import trio
 
@@ -432,26 +513,26 @@ def _notifying_submit(h: Driver, stage: Any, notices: list[str]) -> Callable[...
                 notices.append(request_id)
                 raise
 
-        return submit_trio
+        return name, submit_trio
     import asyncio
 
-    async def submit_asyncio(request_id: str, payload: Any, **kw: Any) -> None:
+    async def submit_asyncio(request: Any, *args: Any, **kw: Any) -> None:
         try:
-            await orig(request_id, payload, **kw)
+            await orig(request, *args, **kw)
         except BaseException:
             await asyncio.sleep(0)
-            notices.append(request_id)
+            notices.append(getattr(request, "request_id", request))
             raise
 
-    return submit_asyncio
+    return name, submit_asyncio
 
 
 def measure_cleanup_await(impl: str) -> dict[str, Any]:
     notices: list[str] = []
     with LogCapture():
         h = start(impl, 2, {1})
-        stage = _scripted(h, 0)
-        h.call(setattr, stage, "submit", _notifying_submit(h, stage, notices))
+        stage = _stage(h, 0)
+        h.call(setattr, stage, *_notifying_submit(h, stage, notices))
         h.hold_submits(0)  # the submit waits (a full socket): shutdown cancels it there
         h.add_request("r1", "p", wait=False)
         submitting = h.wait_until(lambda: "r1" in h.router.requests, CUT)
@@ -524,11 +605,22 @@ async def _trio_sibling_crash(h: Driver) -> dict[str, Any]:
 
 async def _asyncio_sibling_crash(h: Driver) -> dict[str, Any]:
     """The same application with ``asyncio.TaskGroup``."""
-    import asyncio
-
     stages = [AsyncScriptedStage(0, misbehaviour=Misbehaviour(swallow_cancel_once=True)),
               AsyncScriptedStage(1)]
-    orch = _orchestrator_class(h)(stages, {1}, shutdown_grace=GRACE)
+    return await _taskgroup_app(stages, _orchestrator_class(h)(stages, {1}, shutdown_grace=GRACE))
+
+
+async def _vllm_omni_sibling_crash(h: VllmOmniDriver) -> dict[str, Any]:
+    """The same application over vLLM-Omni's orchestrator, in its loop (see :func:`run_in_own_loop`)."""
+    stages = [FedEngineClient(0, False, _ignore_submit, Misbehaviour(swallow_cancel_once=True)),
+              FedEngineClient(1, True, _ignore_submit)]
+    return await _taskgroup_app(stages, build_orchestrator(stages, event_driven=h.event_driven).orch)
+
+
+async def _taskgroup_app(stages: list[Any], orch: Any) -> dict[str, Any]:
+    """The application's ``asyncio.TaskGroup``: ``orch.run()`` and a front task that crashes."""
+    import asyncio
+
     loop = asyncio.get_running_loop()
     t_crash: list[float] = []
     seen: list[BaseException] = []
@@ -565,8 +657,13 @@ async def _asyncio_sibling_crash(h: Driver) -> dict[str, Any]:
 def measure_sibling_crash(impl: str) -> dict[str, Any]:
     with LogCapture() as logs:
         h = start(impl, 1, {0})
-        app = _trio_sibling_crash if h.framework == "trio" else _asyncio_sibling_crash
-        m = h.run_in_loop(app, h, timeout=3 * CUT)
+        if isinstance(h, VllmOmniDriver):
+            m, loop_ended = run_in_own_loop(lambda: _vllm_omni_sibling_crash(h), timeout=3 * CUT,
+                                            end_wait=CUT)
+            m["application_loop_ended"] = loop_ended  # its tasks may wait on each other for good
+        else:
+            app = _trio_sibling_crash if h.framework == "trio" else _asyncio_sibling_crash
+            m = h.run_in_loop(app, h, timeout=3 * CUT)
         stop_and_drain(h)
     m["reported"] = "E-front crashed" in (m["error"] or "")
     # the asyncio-taskgroup reference says so when its stop deadline had to cancel a second time
