@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 from openai import OpenAI
@@ -40,7 +41,7 @@ from openai.types.realtime import (
 )
 from websockets.exceptions import InvalidStatus
 
-from tests.http_helpers import FRONTS, Served, TrioServed, serve
+from tests.http_helpers import FRONTS, Served, TrioServed, metrics, serve
 from tests.waiting import wait_until
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
@@ -152,6 +153,31 @@ def test_cancel_mid_response_ends_it_cancelled_and_the_session_goes_on(server: A
     assert again[-1].response.status == "completed"
     assert "".join(d.delta for d in of(again, ResponseAudioTranscriptDeltaEvent)) == "You said: again"
     wait_until(idle(server), "no request left")
+
+
+def test_sessions_count_into_the_token_and_finish_reason_counters(server: Any) -> None:
+    success = "trio_orch_request_success_total{{finished_reason={}}}"
+    with httpx.Client(base_url=server.url, timeout=HANG) as h:
+        before = metrics(h)
+        with session(server) as conn:
+            conn.session.update(session={"type": "realtime", "output_modalities": ["text"]})
+            ask(conn, "Hello")
+            first = until(conn, ResponseDoneEvent)
+            ask(conn, "words " * 50)
+            until(conn, ResponseTextDeltaEvent)
+            conn.response.cancel()
+            until(conn, ResponseDoneEvent)
+        wait_until(idle(server), "no request left")
+        after = metrics(h)
+    # the toy pipeline has no tokenizer the server knows: a segment counts its UTF-8 bytes, as chat's prompt
+    segments = ["user: Hello\nassistant:", "user: " + "words " * 50 + "\nassistant:"]
+    assert after["trio_orch_prompt_tokens_total"] - before["trio_orch_prompt_tokens_total"] == sum(
+        len(s.encode()) for s in segments)
+    generated = after["trio_orch_generation_tokens_total{stage=0}"] - before[
+        "trio_orch_generation_tokens_total{stage=0}"]
+    assert generated > len(of(first, ResponseTextDeltaEvent))  # the first answer's tokens and the cut one's
+    assert [after[success.format(r)] - before[success.format(r)] for r in ("stop", "length", "abort")] == [
+        1, 0, 1]
 
 
 def test_a_malformed_event_gets_an_error_event_and_the_session_goes_on(server: Any) -> None:

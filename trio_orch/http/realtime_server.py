@@ -12,6 +12,13 @@ their own.  Sends are serialised by one lock.  Whatever ends the socket --
 the client closing it, a network error, the server stopping -- the request
 is aborted on every stage if it has not ended (the engine's handle is
 closed), so a session leaves nothing behind.
+
+The session counts into the same counters as the HTTP routes
+(:class:`~trio_orch.http.metrics.FrontMetrics`): each input segment's tokens
+as prompt tokens, each text output as a generated token of its stage, and
+each response that ends as a finished request (the text stage's
+``finish_reason`` when it completed, ``abort`` when cancelled; a failed one
+is counted by the engine's errors).
 """
 
 from __future__ import annotations
@@ -28,9 +35,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from stages.registry import as_text
 from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.http.schemas import BadRequest, ServedModels, error_body
+from trio_orch.http.tokenizer import prompt_token_count
+from trio_orch.types import Message, OrchOutput
 
 __all__ = ["realtime_route", "run_session"]
 
@@ -40,20 +51,22 @@ _ids = itertools.count()
 
 
 def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/v1/realtime",
-                   models: ServedModels | None = None, **limits: int) -> WebSocketRoute:
+                   models: ServedModels | None = None, front: FrontMetrics | None = None,
+                   **limits: int) -> WebSocketRoute:
     """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's).
 
-    ``models``: the served names (None: any ``model`` is echoed).
+    ``models``: the served names (None: any ``model`` is echoed); ``front``: the counters to count into.
     """
 
     async def endpoint(ws: WebSocket) -> None:
-        await run_session(ws, engine, outputs, models=models, **limits)
+        await run_session(ws, engine, outputs, models=models, front=front, **limits)
 
     return WebSocketRoute(path, endpoint)
 
 
 async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, *,
-                      models: ServedModels | None = None, **limits: int) -> None:
+                      models: ServedModels | None = None, front: FrontMetrics | None = None,
+                      **limits: int) -> None:
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
     model = ws.query_params.get("model")
     if models is not None:
@@ -78,8 +91,10 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                               model=model or (models.name if models is not None else None),
                               served=models.names if models is not None else None, **limits)
     lock = anyio.Lock()
+    counted = Counted(front, engine, outputs, session.text_stage)
 
     async def send(events: list[dict[str, Any]]) -> None:
+        counted.sent(events)
         async with lock:
             for e in events:
                 await ws.send_text(json.dumps(e, separators=(",", ":")))
@@ -88,6 +103,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
 
     async def stream(h: AsyncRequestHandle) -> None:
         async for m in h:
+            counted.output(m)
             await send(session.output(m))
 
     try:
@@ -113,19 +129,67 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                             await send(session.request_failed(a.response_id, exc))
                             continue
                         handle = h
+                        counted.prompt(a.prompt)
                         tg.start_soon(stream, h)
                     elif type(a) is Append and handle is not None and handle.request_id == a.request_id:
                         try:
                             await handle.update(a.segment)
                         except (ValueError, RuntimeError, EngineClosed) as exc:  # it ended meanwhile
                             await send(session.update_failed(a.response_id, exc))
+                        else:
+                            counted.prompt(a.segment)
                     elif type(a) is Cancel and handle is not None and handle.request_id == a.request_id:
                         handle.abort()
             tg.cancel_scope.cancel()
     except* WebSocketDisconnect:
         pass  # the client left while we sent (or read): the line below says so, no traceback
     finally:
+        if session.response is not None:  # the client left before its response ended
+            counted.left()
         if handle is not None and not handle.finished:
             handle.close()  # the client left while the request was live: abort it on every stage
             log.info("realtime session %s closed with its request live; the request was aborted",
                      session.session_id)
+
+
+class Counted:
+    """What one session adds to the front's token and finish-reason counters (nothing without ``front``)."""
+
+    def __init__(self, front: FrontMetrics | None, engine: Engine, outputs: Sequence[str] | None,
+                 text_stage: int | None) -> None:
+        self.front, self.engine, self.outputs, self.text_stage = front, engine, outputs, text_stage
+        self.reason: str | None = None  # the text stage's finish_reason for the response in progress
+
+    def prompt(self, segment: str) -> None:
+        """An input segment the request was sent: its tokens (UTF-8 bytes where no tokenizer is known)."""
+        if self.front is not None:
+            n = prompt_token_count(self.engine, self.outputs, segment)
+            self.front.count_tokens(n if n is not None else len(segment.encode()), {})
+
+    def output(self, m: Message) -> None:
+        """One message of the request: a text output is a generated token of its stage."""
+        if self.front is not None and isinstance(m, OrchOutput):
+            modality = self.outputs[m.stage_id] if self.outputs is not None else "data"
+            if as_text(modality, m.data) is not None:
+                self.front.count_tokens(0, {m.stage_id: 1})
+                if (m.stage_id == self.text_stage and isinstance(m.data, dict)
+                        and isinstance(m.data.get("finish_reason"), str)):
+                    self.reason = m.data["finish_reason"]
+
+    def sent(self, events: list[dict[str, Any]]) -> None:
+        """Events about to be sent: a ``response.done`` is a finished request."""
+        if self.front is None:
+            return
+        for e in events:
+            if e.get("type") == "response.done":
+                status = e["response"]["status"]
+                if status == "completed":
+                    self.front.count_finished(self.reason or "stop")
+                elif status == "cancelled":
+                    self.front.count_finished("abort")
+                self.reason = None
+
+    def left(self) -> None:
+        """The client closed the session with a response in progress: that request was aborted."""
+        if self.front is not None:
+            self.front.count_finished("abort")
