@@ -1,10 +1,11 @@
 """``python -m bench.perf.priority``: mixed priorities under overload, FIFO and priority in one run.
 
-Loopback only.  Starts ``trio-orch serve`` on a one-stage echo pipeline (one
-replica batching ``--batch`` requests, so the serve's admission bound is the
-batch and the rest waits in the orchestrator's start queue) and measures
-streamed chat requests' time to first token (TTFT: until the first SSE chunk
-with text).  Three phases against the same server:
+Loopback only.  Starts ``trio-orch serve`` (``--loop``: either front) on a
+one-stage echo pipeline (one replica batching ``--batch`` requests, so the
+serve's admission bound is the batch and the rest waits in the
+orchestrator's start queue) and measures streamed chat requests' time to
+first token (TTFT: until the first SSE chunk with text).  Three phases
+against the same server:
 
 1. *unloaded*: the ``--high`` high-priority clients alone;
 2. *FIFO*: ``--low`` low-priority clients keep it overloaded, every request
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -150,16 +152,20 @@ def markdown(out: dict[str, Any]) -> str:
                          f"| {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {ratio} "
                          f"| {r['e2e_p50_ms']} / {r['e2e_p99_ms']} |")
     lines.append("")
-    lines.append(f"(`{out['command']}`, {out['date']}: one echo stage, 1 replica batching {s['batch']} "
-                 f"requests, {s['outputs']} outputs {s['step_ms']} ms apart each; {s['high']} high-priority "
-                 f"clients (a {s['high_pause']:g} s pause between requests) and, loaded, {s['low']} "
-                 f"low-priority clients back to back, {s['seconds']:g} s per phase, streamed chat; "
+    front = f"`serve --loop {s['loop']}`" if "loop" in s else "`serve`"
+    lines.append(f"(`{out['command']}`, {out['date']}: {front}, one echo stage, 1 replica batching "
+                 f"{s['batch']} requests, {s['outputs']} outputs {s['step_ms']} ms apart each; "
+                 f"{s['high']} high-priority clients (a {s['high_pause']:g} s pause between requests) "
+                 f"and, loaded, {s['low']} low-priority clients back to back, {s['seconds']:g} s per phase, "
+                 f"streamed chat; "
                  f"{out['cpus']} CPUs, load average {out['loadavg']} at the start: {out['machine']}.)")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.perf.priority", description=__doc__.split("\n\n")[0])
+    p.add_argument("--loop", choices=("trio", "asyncio"), default="asyncio",
+                   help="the serving front (serve's --loop; default asyncio, serve's default)")
     p.add_argument("--high", type=int, default=2, help="high-priority clients (default 2)")
     p.add_argument("--high-pause", type=float, default=0.2,
                    help="seconds a high-priority client waits between requests (default 0.2)")
@@ -178,12 +184,13 @@ def main(argv: list[str] | None = None) -> int:
         config = os.path.join(d, "echo1.toml")
         Path(config).write_text(CONFIG.format(batch=args.batch, outputs=args.outputs, step_ms=args.step_ms))
         out: dict[str, Any] = {
-            "command": " ".join(["python -m bench.perf.priority", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["python -m bench.perf.priority",
+                                 shlex.join(sys.argv[1:] if argv is None else argv)]).rstrip(),
             "date": time.strftime("%Y-%m-%d", time.gmtime()), "cpus": os.cpu_count(),
             "loadavg": round(os.getloadavg()[0], 1), "machine": args.machine or "not described",
-            "settings": {k: getattr(args, k) for k in ("high", "high_pause", "low", "seconds", "batch",
-                                                        "outputs", "step_ms")}}
-        proc, url = start_server(["--config", config, "--request-timeout", "120"])
+            "settings": {k: getattr(args, k) for k in ("loop", "high", "high_pause", "low", "seconds",
+                                                        "batch", "outputs", "step_ms")}}
+        proc, url = start_server(["--loop", args.loop, "--config", config, "--request-timeout", "120"])
         try:
             time.sleep(1.0)  # the replica settled
             out["phases"] = asyncio.run(run_phases(url, args))
