@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import os
 import signal
+import tomllib
+from types import SimpleNamespace
 
 import pytest
 import trio
 
-from stages.config import PipelineConfig, StageConfig
+from stages.config import PipelineConfig, StageConfig, from_dict
 from trio_orch import OrchError, Orchestrator, OrchOutput
 from trio_orch.cli.main import main
-from trio_orch.cluster.launcher import open_pipeline
+from trio_orch.cluster.launcher import Pipeline, open_pipeline
 from trio_orch.cluster.supervisor import RestartPolicy, supervised_pipeline
 from trio_orch.types import Message
 
@@ -110,3 +112,18 @@ def test_generate_and_serve_refuse_a_negative_max_retries(capsys: pytest.Capture
     for command in ("generate", "serve"):
         assert main([command, "--max-retries", "-1"]) == 2
         assert "--max-retries must be >= 0" in capsys.readouterr().err
+
+
+def test_the_config_file_sets_max_retries_and_refuses_a_bad_one() -> None:
+    """``[pipeline] max_retries`` reaches the orchestrator's keywords; a negative or non-int is refused."""
+    toml = '[pipeline]\nfinal_stages = [0]\nmax_retries = {}\n[[stages]]\nkind = "echo"\n'
+    cfg = from_dict(tomllib.loads(toml.format(3)))
+    assert cfg.max_retries == 3
+    pipe = SimpleNamespace(config=cfg, final_stage_ids=[0], forward_fn=None, prewarm_fn=None,
+                           check_sampling=None)
+    assert Pipeline.orchestrator_kwargs(pipe)["max_retries"] == 3  # type: ignore[arg-type]
+    assert from_dict(tomllib.loads(toml.replace("max_retries = {}\n", ""))).max_retries == 1  # the default
+    for bad, why in (("-1", "expected `int` >= 0"), ('"2"', "expected `int`, got `str`"),
+                     ("true", "expected `int`, got `bool`")):
+        with pytest.raises(ValueError, match=f"pipeline.max_retries: {why}"):
+            from_dict(tomllib.loads(toml.format(bad)))
