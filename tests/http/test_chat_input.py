@@ -190,7 +190,8 @@ def test_wav_audio_becomes_mono_float_samples() -> None:
 
 
 @pytest.mark.parametrize(("part", "says"), [
-    ({"data": "aGk=", "format": "mp3"}, "audio format 'mp3' is not supported"),
+    ({"data": "aGk=", "format": "aac"}, "audio format 'aac' is not supported"),
+    ({"data": "aGk=", "format": "mp3"}, "not a readable MP3"),
     ({"data": base64.b64encode(b"RIFF....WAVEjunk").decode(), "format": "wav"}, "not a readable PCM WAV"),
     ({"data": "", "format": "wav"}, "non-empty base64"),
     ("a string", "object"),
@@ -223,7 +224,9 @@ def test_serve_refuses_a_broken_template_or_media_folder_before_it_listens(
     bad.write_text("{{ messages[0].content ")
     for argv, says in ((["--chat-template", str(bad)], "bad.jinja: line 1"),
                        (["--chat-template", str(tmp_path / "none.jinja")], "cannot read chat template"),
-                       (["--allowed-local-media-path", str(bad)], "is not a directory")):
+                       (["--allowed-local-media-path", str(bad)], "is not a directory"),
+                       (["--allowed-media-domains", "images.example.com", "http://cdn.example.com/"],
+                        "--allowed-media-domains: allowed media domain 'http://cdn.example.com/'")):
         assert main(["serve", "--in-process", "--port", "0", *argv]) == 2
         captured = capsys.readouterr()
         assert says in captured.err and "starting" not in captured.out

@@ -4,8 +4,11 @@ A real server on loopback, on both fronts (the ``serving`` fixture's helper,
 module-scoped here: workers take a while to start), over the omni-in
 pipeline's worker processes (image-encoder -> audio-encoder ->
 thinker): the same text and seed with a red and a blue image, or a low and
-a high tone, give different answers; a corrupt image is a 400 naming its
-part, before anything reaches a stage.  The chat template over HTTP is
+a high tone (WAV or FLAC; a FLAC answers as the WAV of its samples), give
+different answers; a corrupt image, or a remote URL on a server not started
+with ``--allowed-media-domains``, is a 400 naming its part, before anything
+reaches a stage or the URL's host.  Remote URLs that are allowed:
+tests/http/test_media_remote.py.  The chat template over HTTP is
 tests/http/test_template_serving.py.
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import socket
 import wave
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -22,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 from stages.config import PipelineConfig, StageConfig, builtin_config
@@ -116,12 +121,34 @@ def test_two_tones_give_different_answers(omni: Served) -> None:
         assert low != high
 
 
+def test_a_flac_of_a_tone_answers_as_its_wav_and_two_tones_differ(omni: Served) -> None:
+    def flac_b64(freq: float) -> str:  # the WAV's very samples, losslessly
+        samples, rate = soundfile.read(io.BytesIO(base64.b64decode(wav_b64(freq))), dtype="int16")
+        buf = io.BytesIO()
+        soundfile.write(buf, samples, rate, format="FLAC", subtype="PCM_16")
+        return base64.b64encode(buf.getvalue()).decode()
+
+    def sound(data: str, fmt: str) -> dict[str, Any]:
+        return {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}
+
+    with httpx.Client(base_url=omni.url, timeout=HANG) as c:
+        low = answer(c, sound(flac_b64(220), "flac"))
+        assert low == answer(c, sound(wav_b64(220), "wav"))
+        assert low != answer(c, sound(flac_b64(1760), "flac"))
+
+
 def test_a_corrupt_png_or_a_remote_url_is_a_400_naming_the_part(omni: Served) -> None:
     corrupt = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 40).decode()
-    with httpx.Client(base_url=omni.url, timeout=HANG) as c:
-        for url, says in ((corrupt, "not a readable image"), ("https://example.com/a.png", "not fetched")):
+    with socket.create_server(("127.0.0.1", 0)) as listener, \
+            httpx.Client(base_url=omni.url, timeout=HANG) as c:
+        # this server was started without --allowed-media-domains
+        remote = f"http://127.0.0.1:{listener.getsockname()[1]}/a.png"
+        for url, says in ((corrupt, "not a readable image"), (remote, "not fetched")):
             r = ask(c, {"type": "image_url", "image_url": {"url": url}})
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == "messages[0].content[1]" and says in err["message"]
         assert answer(c, {"type": "text", "text": " Plain text still works."})
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected: the server fetched nothing

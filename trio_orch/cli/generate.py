@@ -14,8 +14,9 @@ per line, into one resumable request (:mod:`trio_orch.cli.generate_stream`).  A
 pipeline whose output is an image (``--pipeline text2image``) draws the
 denoising progress and writes a PNG instead (:mod:`trio_orch.http.text2image`;
 ``--seed`` is then the image's seed).  ``--image FILE`` and ``--audio FILE``
-send images and WAVs with the prompt to a pipeline with encoder stages
-(``--pipeline omni-in``), decoded as the chat route decodes them.  With ``--listen`` replicas may join
+send images and sounds (WAV, FLAC, Ogg or MP3, by the file's suffix) with
+the prompt to a pipeline with encoder stages (``--pipeline omni-in``),
+decoded as the chat route decodes them.  With ``--listen`` replicas may join
 over TCP (docs/distributed.md); a stage with no local replica is waited for
 (``--join-timeout``) before the request goes in.
 
@@ -58,7 +59,7 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.http import text2image
-from trio_orch.http.media import MediaPolicy, read_image_file, wav_clip
+from trio_orch.http.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.http.openai_chat import check_max_tokens
 from trio_orch.http.openai_sampling import SamplingError, map_sampling
 from trio_orch.http.schemas import BadRequest
@@ -92,8 +93,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="an image to send with the prompt (repeatable; the pipeline needs an "
                              "image-encoder stage: --pipeline omni-in)")
     parser.add_argument("--audio", dest="audio_files", action="append", default=[], metavar="FILE",
-                        help="a PCM WAV to send with the prompt (repeatable; the pipeline needs an "
-                             "audio-encoder stage: --pipeline omni-in)")
+                        help="a sound to send with the prompt: .wav (PCM), .flac, .ogg or .mp3 "
+                             "(repeatable; the pipeline needs an audio-encoder stage: --pipeline omni-in)")
     parser.add_argument("--priority", type=int, default=0, metavar="N",
                         help="the request's priority: an int, lower values are served first when "
                              "requests wait for room (vLLM's convention; default 0)")
@@ -189,10 +190,20 @@ def _media(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, Any]:
     policy = MediaPolicy(max_parts=10**6)
     try:
         images = [read_image_file(Path(f), policy, f"--image {f}", anywhere=True) for f in args.image_files]
-        audios = [wav_clip(_read(f, "--audio"), policy, f"--audio {f}").payload() for f in args.audio_files]
+        audios = [audio_clip(_read(f, "--audio"), _audio_format(f), policy, f"--audio {f}").payload()
+                  for f in args.audio_files]
     except BadRequest as exc:
         raise ValueError(str(exc).replace("'", "")) from None
     return {k: v for k, v in (("images", images), ("audios", audios)) if v}
+
+
+def _audio_format(path: str) -> str:
+    """An ``--audio`` file's format, from its suffix (ValueError for one not decoded)."""
+    fmt = {".oga": "ogg", ".opus": "ogg"}.get(Path(path).suffix.lower(), Path(path).suffix.lower()[1:])
+    if fmt not in AUDIO_FORMATS:
+        raise ValueError(f"--audio {path}: the suffix names none of {', '.join(AUDIO_FORMATS)} (name the "
+                         "file .wav, .flac, .ogg or .mp3 as it is)")
+    return fmt
 
 
 def _read(path: str, flag: str) -> bytes:

@@ -1,19 +1,28 @@
 """Images and audio a client sends in a chat: decoded, bounded, turned into arrays for the encoder stages.
 
-An ``image_url`` part's URL is a ``data:image/...;base64,`` URL, or -- only
+An ``image_url`` part's URL is a ``data:image/...;base64,`` URL; or -- only
 when the server allows a directory (``serve --allowed-local-media-path``, as
-vLLM's) -- a ``file://`` URL of a file inside it.  Remote ``http(s)`` URLs
-are refused with a 400: the server fetches nothing on a client's behalf.
+vLLM's) -- a ``file://`` URL of a file inside it; or -- only when the server
+allows its host (``serve --allowed-media-domains HOST ...``, as vLLM's flag,
+but none by default where vLLM allows all) -- an ``http(s)`` URL, fetched
+by :func:`fetch_remote_images` without blocking the event loop: within
+:attr:`MediaPolicy.fetch_timeout`, the image byte limit checked while the
+body streams in, redirects followed only to allowed hosts.  Any other
+remote URL is refused with a 400.
 Images are decoded with Pillow (:data:`IMAGE_FORMATS` only), bounded in encoded bytes and pixels
 (Pillow's decompression-bomb guard is not the limit here; ours is checked
 before the pixels are decoded), converted to RGB and shrunk to at most
 :attr:`MediaPolicy.max_side` on their longer side: a ``uint8[height, width,
 3]`` array.
 
-An ``input_audio`` part is ``{"data": base64, "format": "wav"}``: a PCM WAV
-(8, 16, 24 or 32-bit integer samples, any channel count and rate) read with
-the standard library's :mod:`wave`, mixed to mono float32 and bounded in
-bytes and seconds.  Other formats are refused naming them.
+An ``input_audio`` part is ``{"data": base64, "format": ...}``, the format
+one of :data:`AUDIO_FORMATS`: a PCM WAV (8, 16, 24 or 32-bit integer
+samples, any channel count and rate) is read with the standard library's
+:mod:`wave`; FLAC, Ogg (Vorbis or Opus) and MP3 with ``soundfile``
+(libsndfile).  Either way the clip is mixed to mono float32 and bounded in
+bytes and seconds (a compressed file's length is checked before it is
+decoded, and it is decoded block by block, so a small file that claims
+hours is refused without decoding it).
 
 Every refusal is a :class:`~trio_orch.http.schemas.BadRequest` whose
 ``param`` names the part (``messages[0].content[1]``).
@@ -24,7 +33,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import wave
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +46,23 @@ from PIL import Image, UnidentifiedImageError
 
 from trio_orch.http.schemas import BadRequest
 
-__all__ = ["IMAGE_FORMATS", "AudioClip", "MediaPolicy", "decode_audio", "decode_image", "read_image_file",
-           "wav_clip"]
+__all__ = ["AUDIO_FORMATS", "IMAGE_FORMATS", "AudioClip", "MediaPolicy", "audio_clip", "check_remote_url",
+           "decode_audio", "decode_image", "fetch_remote_images", "image_pixels", "is_remote",
+           "read_image_file", "wav_clip"]
 
 
 #: the image formats decoded (Pillow's names): common raster formats only -- never one whose
 #: plug-in runs an outside program (EPS runs Ghostscript)
 IMAGE_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "BMP", "TIFF")
+
+#: the ``input_audio.format`` values decoded: ``wav`` by :mod:`wave`, the others by libsndfile
+AUDIO_FORMATS = ("wav", "flac", "ogg", "mp3")
+#: input_audio.format -> libsndfile's major format name (``soundfile.SoundFile.format``)
+_SNDFILE_FORMATS = {"flac": "FLAC", "ogg": "OGG", "mp3": "MP3"}
+#: a compressed clip's bounds besides its length: what libsndfile says it holds is checked before decoding
+MAX_AUDIO_RATE = 192_000
+MAX_AUDIO_CHANNELS = 64
+_BLOCK_FRAMES = 1 << 16  # decoded and mixed to mono a block at a time
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,11 @@ class MediaPolicy:
 
     #: the directory ``file://`` image URLs must be inside (None: local files are refused)
     allowed_local_media_path: Path | None = None
+    #: the hosts ``http(s)`` image URLs may name, exactly (lower case; empty: remote URLs are refused)
+    allowed_media_domains: frozenset[str] = frozenset()
+    #: seconds one remote image may take, redirects included, connecting to the last byte
+    fetch_timeout: float = 10.0
+    max_redirects: int = 5
     max_image_bytes: int = 8 << 20
     max_image_pixels: int = 4096 * 4096
     #: images are shrunk to at most this many pixels on their longer side before they travel
@@ -64,11 +90,35 @@ class MediaPolicy:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not self.max_audio_seconds > 0:
             raise ValueError(f"max_audio_seconds must be > 0, got {self.max_audio_seconds!r}")
+        if not self.fetch_timeout > 0:
+            raise ValueError(f"fetch_timeout must be > 0, got {self.fetch_timeout!r}")
+        if self.max_redirects < 0:
+            raise ValueError(f"max_redirects must be >= 0, got {self.max_redirects!r}")
+        if isinstance(self.allowed_media_domains, str):
+            raise ValueError("allowed_media_domains is a collection of host names, not one string")
+        object.__setattr__(self, "allowed_media_domains",
+                           frozenset(_host_name(h) for h in self.allowed_media_domains))
         if self.allowed_local_media_path is not None:
             root = Path(self.allowed_local_media_path).resolve()
             if not root.is_dir():
                 raise ValueError(f"allowed local media path {root} is not a directory")
             object.__setattr__(self, "allowed_local_media_path", root)
+
+
+def _host_name(given: str) -> str:
+    """An allowed media domain as URLs' host names compare to it (ValueError for a URL or host:port)."""
+    host = given.strip().lower().rstrip(".")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if not host or any(c in host for c in "/:@?#[] "):
+        raise ValueError(f"allowed media domain {given!r}: give a host name or IP address, not a URL or "
+                         "host:port")
+    return host
 
 
 @dataclass(frozen=True)
@@ -94,8 +144,43 @@ def _b64(data: str, param: str, what: str) -> bytes:
         raise BadRequest(f"'{param}': the {what} is not valid base64", param) from None
 
 
+def is_remote(url: Any) -> bool:
+    """Whether an ``image_url.url`` is an ``http(s)`` URL (fetched, if its host is allowed)."""
+    return isinstance(url, str) and urlparse(url).scheme.lower() in ("http", "https")
+
+
+def check_remote_url(url: str, policy: MediaPolicy, param: str, *, via: str | None = None) -> None:
+    """BadRequest naming ``param`` unless ``url`` is http(s) on a host the policy allows.
+
+    The URL is parsed as httpx parses it, so the host checked is the host that
+    would be contacted.  ``via``: the URL that redirected here (the refusal says so).
+    """
+    import httpx
+
+    where = f" (redirected from {via[:200]})" if via is not None else ""
+    try:
+        parts = httpx.URL(url)
+        scheme, host = parts.scheme.lower(), parts.host.lower().rstrip(".")
+    except (httpx.InvalidURL, ValueError, TypeError):
+        raise BadRequest(f"'{param}': {url[:200]!r}{where} is not a valid URL", param) from None
+    if scheme not in ("http", "https"):
+        raise BadRequest(f"'{param}': {url[:200]!r}{where} is not an http(s) URL", param)
+    if not policy.allowed_media_domains:
+        raise BadRequest(f"'{param}': remote image URLs are not fetched by this server: send the image "
+                         "inline as a data: URL (data:image/png;base64,...), or start it with "
+                         "--allowed-media-domains HOST", param)
+    if host not in policy.allowed_media_domains:
+        raise BadRequest(f"'{param}': the image URL's host {host!r}{where} is not one of the allowed "
+                         f"media domains ({', '.join(sorted(policy.allowed_media_domains))})", param)
+
+
 def decode_image(url: Any, policy: MediaPolicy, param: str) -> np.ndarray:
-    """An ``image_url.url`` -> ``uint8[height, width, 3]`` (BadRequest naming ``param`` otherwise)."""
+    """An ``image_url.url`` -> ``uint8[height, width, 3]`` (BadRequest naming ``param`` otherwise).
+
+    A remote URL is never fetched here (this is synchronous): it is refused,
+    naming why -- the chat route checks it with :func:`check_remote_url` and
+    fetches it with :func:`fetch_remote_images` instead.
+    """
     if not isinstance(url, str) or not url:
         raise BadRequest(f"'{param}': image_url.url must be a non-empty string", param)
     if url.startswith("data:"):
@@ -104,16 +189,81 @@ def decode_image(url: Any, policy: MediaPolicy, param: str) -> np.ndarray:
             raise BadRequest(f"'{param}': a data URL must be 'data:image/<type>;base64,<data>'", param)
         if len(body) * 3 // 4 > policy.max_image_bytes:
             raise _too_big(param, "image", policy.max_image_bytes)
-        return _pixels(_b64(body, param, "image data"), policy, param)
+        return image_pixels(_b64(body, param, "image data"), policy, param)
     scheme = urlparse(url).scheme.lower()
     if scheme == "file":
         return read_image_file(Path(unquote(urlparse(url).path)), policy, param)
     if scheme in ("http", "https"):
-        raise BadRequest(f"'{param}': remote image URLs are not fetched by this server: send the image "
-                         "inline as a data: URL (data:image/png;base64,...)", param)
+        check_remote_url(url, policy, param)
+        raise BadRequest(f"'{param}': remote image URLs are fetched for chat completions only", param)
     raise BadRequest(f"'{param}': unsupported image URL scheme {scheme or url[:16]!r} (use a data: URL"
                      + (", or file:// inside the allowed local media path)" if policy.allowed_local_media_path
                         else ")"), param)
+
+
+async def fetch_remote_images(urls: Sequence[tuple[str, str]], policy: MediaPolicy) -> list[bytes]:
+    """Fetch ``(url, param)`` images, one after another, each within the policy's bounds.
+
+    Async (httpx over anyio: the same code under the trio and the asyncio
+    front), so the event loop keeps serving while a remote host answers.  Each
+    URL (and each redirect's target) must pass :func:`check_remote_url`; a
+    redirect is followed by hand so that one to another host is refused.  A
+    body over ``max_image_bytes`` is refused as soon as its ``Content-Length``
+    says so, or once that many bytes have streamed in: no more is read.
+    Compressed transfer encodings are not asked for, and refused.  Proxy
+    settings in the environment are not used.  BadRequest naming the part for
+    a refused host, a failed fetch, a non-200 answer, a timeout or a body over
+    the limit.
+    """
+    import anyio
+    import httpx
+
+    out: list[bytes] = []
+    if not urls:
+        return out
+    async with httpx.AsyncClient(follow_redirects=False, trust_env=False, timeout=policy.fetch_timeout,
+                                 headers={"accept-encoding": "identity", "accept": "image/*"}) as client:
+        for url, param in urls:
+            check_remote_url(url, policy, param)
+            try:
+                with anyio.fail_after(policy.fetch_timeout):
+                    out.append(await _fetch(client, url, policy, param))
+            except (TimeoutError, httpx.TimeoutException):
+                raise BadRequest(f"'{param}': fetching {url[:200]} timed out after "
+                                 f"{policy.fetch_timeout:g} s", param) from None
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                raise BadRequest(f"'{param}': fetching {url[:200]} failed ({type(exc).__name__}: "
+                                 f"{exc or 'no detail'})", param) from None
+    return out
+
+
+async def _fetch(client: Any, url: str, policy: MediaPolicy, param: str) -> bytes:
+    """One image's bytes, following at most ``max_redirects`` redirects to allowed hosts."""
+    limit = policy.max_image_bytes
+    for _ in range(policy.max_redirects + 1):
+        async with client.stream("GET", url) as resp:
+            if resp.is_redirect:
+                target = str(resp.url.join(resp.headers.get("location", "")))
+                check_remote_url(target, policy, param, via=url)
+                url = target
+                continue
+            if resp.status_code != 200:
+                raise BadRequest(f"'{param}': fetching {url[:200]}: the server answered {resp.status_code} "
+                                 f"{resp.reason_phrase}".rstrip(), param)
+            encoding = resp.headers.get("content-encoding", "identity").strip().lower()
+            if encoding not in ("", "identity"):
+                raise BadRequest(f"'{param}': fetching {url[:200]}: the body is {encoding}-encoded; "
+                                 "this server takes images sent unencoded", param)
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > limit:
+                raise _too_big(param, "image", limit)
+            data = bytearray()
+            async for chunk in resp.aiter_raw():
+                data += chunk
+                if len(data) > limit:
+                    raise _too_big(param, "image", limit)  # leaving the stream closes the connection
+            return bytes(data)
+    raise BadRequest(f"'{param}': fetching the image took more than {policy.max_redirects} redirects", param)
 
 
 def read_image_file(path: Path, policy: MediaPolicy, param: str, *, anywhere: bool = False) -> np.ndarray:
@@ -134,10 +284,11 @@ def read_image_file(path: Path, policy: MediaPolicy, param: str, *, anywhere: bo
         data = path.read_bytes()
     except OSError as exc:
         raise BadRequest(f"'{param}': cannot read {path}: {exc.strerror or exc}", param) from None
-    return _pixels(data, policy, param)
+    return image_pixels(data, policy, param)
 
 
-def _pixels(data: bytes, policy: MediaPolicy, param: str) -> np.ndarray:
+def image_pixels(data: bytes, policy: MediaPolicy, param: str) -> np.ndarray:
+    """An encoded image's bytes (inline, local or fetched) -> pixels, within the policy's bounds."""
     if len(data) > policy.max_image_bytes:
         raise _too_big(param, "image", policy.max_image_bytes)
     try:
@@ -163,14 +314,63 @@ def decode_audio(part: Any, policy: MediaPolicy, param: str) -> AudioClip:
         raise BadRequest(f"'{param}': input_audio must be an object "
                          "{'data': base64, 'format': 'wav'}", param)
     fmt, data = part.get("format"), part.get("data")
-    if fmt != "wav":
-        raise BadRequest(f"'{param}': audio format {fmt!r} is not supported: send a PCM WAV "
-                         "(input_audio.format 'wav')", param)
+    if fmt not in AUDIO_FORMATS:
+        raise BadRequest(f"'{param}': audio format {fmt!r} is not supported: input_audio.format is one of "
+                         f"{', '.join(AUDIO_FORMATS)}", param)
     if not isinstance(data, str) or not data:
         raise BadRequest(f"'{param}': input_audio.data must be a non-empty base64 string", param)
     if len(data) * 3 // 4 > policy.max_audio_bytes:
         raise _too_big(param, "audio", policy.max_audio_bytes)
-    return wav_clip(_b64(data, param, "audio data"), policy, param)
+    return audio_clip(_b64(data, param, "audio data"), fmt, policy, param)
+
+
+def audio_clip(data: bytes, fmt: str, policy: MediaPolicy, param: str) -> AudioClip:
+    """An audio file's bytes in ``fmt`` (one of :data:`AUDIO_FORMATS`) -> a mono clip within the bounds."""
+    if len(data) > policy.max_audio_bytes:
+        raise _too_big(param, "audio", policy.max_audio_bytes)
+    if fmt == "wav":
+        return wav_clip(data, policy, param)
+    if fmt not in _SNDFILE_FORMATS:
+        raise BadRequest(f"'{param}': audio format {fmt!r} is not one of {', '.join(AUDIO_FORMATS)}", param)
+    return _sndfile_clip(data, fmt, policy, param)
+
+
+def _sndfile_clip(data: bytes, fmt: str, policy: MediaPolicy, param: str) -> AudioClip:
+    """FLAC, Ogg or MP3 through libsndfile: its header checked first, then decoded a block at a time."""
+    import soundfile
+
+    name = fmt.upper()
+    blocks: list[np.ndarray] = []
+    got = 0
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            if f.format != _SNDFILE_FORMATS[fmt]:
+                raise BadRequest(f"'{param}': the audio is {f.format}, not {name} (set input_audio.format "
+                                 "to what the data is)", param)
+            rate, channels = f.samplerate, f.channels
+            if not 1 <= rate <= MAX_AUDIO_RATE or not 1 <= channels <= MAX_AUDIO_CHANNELS:
+                raise BadRequest(f"'{param}': the {name} has {channels} channels at {rate} Hz (at most "
+                                 f"{MAX_AUDIO_CHANNELS} channels at {MAX_AUDIO_RATE} Hz)", param)
+            limit = int(policy.max_audio_seconds * rate)
+            if f.frames > limit:
+                raise BadRequest(f"'{param}': the audio is {f.frames / rate:.1f} s long, over the limit of "
+                                 f"{policy.max_audio_seconds:g} s", param)
+            while got <= limit:
+                block = f.read(min(_BLOCK_FRAMES, limit + 1 - got), dtype="float32", always_2d=True)
+                if not len(block):
+                    break
+                got += len(block)
+                blocks.append(block.mean(axis=1, dtype=np.float32))
+    except BadRequest:
+        raise
+    except (soundfile.LibsndfileError, RuntimeError, ValueError, TypeError, EOFError) as exc:
+        why = getattr(exc, "error_string", None) or str(exc) or type(exc).__name__  # libsndfile's own words
+        raise BadRequest(f"'{param}': not a readable {name} ({why})", param) from None
+    if got > limit:  # the header understated it
+        raise BadRequest(f"'{param}': the audio is over the limit of {policy.max_audio_seconds:g} s", param)
+    if not got:
+        raise BadRequest(f"'{param}': the {name} holds no samples", param)
+    return AudioClip(np.concatenate(blocks).astype(np.float32, copy=False), rate)
 
 
 def wav_clip(data: bytes, policy: MediaPolicy, param: str) -> AudioClip:

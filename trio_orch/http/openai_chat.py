@@ -13,7 +13,11 @@ prompt is the messages rendered by the chat template
 --chat-template``); image and audio parts are placeholders there and are
 decoded (:mod:`trio_orch.http.media`) into arrays that go beside the prompt
 to the pipeline's encoder stages -- refused naming the part when the
-pipeline has no encoder for them.
+pipeline has no encoder for them.  A remote image URL (``serve
+--allowed-media-domains``) is checked here but fetched after, by
+:meth:`ChatRequest.fetch_media` (async: the loop never blocks on a remote
+host); so a request refused for anything else, and ``/tokenize``, which only
+counts the prompt, fetch nothing.
 :class:`ChatStream` turns orchestrator messages into ``chat.completion.chunk``
 objects and accumulates the non-streaming answer.
 
@@ -45,7 +49,16 @@ from stages.registry import as_audio, as_text
 from stages.sampling_params import StageParams
 from trio_orch.http import openai_sampling
 from trio_orch.http.chat_template import ChatInput
-from trio_orch.http.media import AudioClip, decode_audio, decode_image
+from trio_orch.http.media import (
+    AudioClip,
+    MediaPolicy,
+    check_remote_url,
+    decode_audio,
+    decode_image,
+    fetch_remote_images,
+    image_pixels,
+    is_remote,
+)
 from trio_orch.http.schemas import (
     MAX_TOKENS,
     BadRequest,
@@ -89,12 +102,26 @@ class ChatRequest:
     audios: list[AudioClip] = field(default_factory=list)
     #: the prompt's length in the text stage's tokens (None: its UTF-8 bytes, the byte tokenizer's)
     prompt_tokens: int | None = None
+    #: remote images not fetched yet (``defer_remote``): (index in ``images``, url, the part's param)
+    remote: list[tuple[int, str, str]] = field(default_factory=list)
+    media: MediaPolicy = field(default_factory=MediaPolicy)  #: the bounds the remote images are fetched in
+
+    async def fetch_media(self) -> None:
+        """Fetch and decode the remote images into ``images`` (BadRequest naming a part that fails)."""
+        if not self.remote:
+            return
+        blobs = await fetch_remote_images([(url, p) for _, url, p in self.remote], self.media)
+        for (k, _, p), blob in zip(self.remote, blobs, strict=True):
+            self.images[k] = image_pixels(blob, self.media, p)
+        self.remote = []
 
     def payload(self) -> Any:
         """What stage 0 takes: the prompt, with its media beside it (:mod:`stages.media`) if any.
 
         Limits and the like travel in ``sampling``.
         """
+        if self.remote:
+            raise RuntimeError("the request's remote images are not fetched yet: await fetch_media() first")
         if not self.images and not self.audios:
             return self.prompt
         out: dict[str, Any] = {"text": self.prompt}
@@ -105,9 +132,10 @@ class ChatRequest:
         return out
 
 
-def _content_parts(content: list[ContentPart], param: str, chat: ChatInput,
-                   req: ChatRequest) -> list[dict[str, Any]]:
-    """A content list as the template sees it; each image or audio part decoded into ``req``."""
+def _content_parts(content: list[ContentPart], param: str, chat: ChatInput, req: ChatRequest,
+                   defer_remote: bool) -> list[dict[str, Any]]:
+    """A content list as the template sees it; each image or audio part decoded into ``req``
+    (an allowed remote image only noted in ``req.remote`` when ``defer_remote``)."""
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         p = f"{param}[{j}]"
@@ -128,7 +156,12 @@ def _content_parts(content: list[ContentPart], param: str, chat: ChatInput,
             raise BadRequest(f"'{p}': more than {chat.media.max_parts} image and audio parts", p)
         if medium == "image":
             url = part.image_url.get("url") if isinstance(part.image_url, dict) else None
-            req.images.append(decode_image(url, chat.media, p))
+            if defer_remote and is_remote(url):
+                check_remote_url(url, chat.media, p)
+                req.remote.append((len(req.images), url, p))
+                req.images.append(np.zeros((0, 0, 3), np.uint8))  # its pixels once fetch_media has run
+            else:
+                req.images.append(decode_image(url, chat.media, p))
         else:
             req.audios.append(decode_audio(part.input_audio, chat.media, p))
         parts.append({"type": medium})
@@ -142,19 +175,23 @@ def _says_something(content: str | list[dict[str, Any]] | None) -> bool:
 
 
 def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | None = None,
-                       chat: ChatInput | None = None, *, add_generation_prompt: bool = True) -> ChatRequest:
+                       chat: ChatInput | None = None, *, add_generation_prompt: bool = True,
+                       defer_remote: bool = False) -> ChatRequest:
     """Validate a decoded JSON body against the schema and what it cannot say.
 
     ``models``: the served names (a request naming another model is a 404;
     answers carry the first name); ``max_prompt_chars`` bounds the prompt
     built from the messages (400 ``context_length_exceeded``); ``chat``: the
     chat template that builds it and the media the pipeline takes (default:
-    the default template, no media).
+    the default template, no media).  ``defer_remote``: an ``http(s)`` image
+    URL on an allowed host is checked and left for :meth:`ChatRequest.fetch_media`
+    (the chat route awaits it; ``/tokenize`` needs only the prompt); without
+    it such a URL is a 400.
     """
     chat = chat if chat is not None else ChatInput()
     r = decode(body, ChatCompletionRequest, what="a chat completion request")
     model = models.resolve(r.model)
-    req = ChatRequest(model, "", priority=r.priority)
+    req = ChatRequest(model, "", priority=r.priority, media=chat.media)
     messages: list[dict[str, Any]] = []
     said = False
     for i, msg in enumerate(r.messages):
@@ -163,7 +200,7 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
             raise BadRequest(f"'{param}' must be a string or an array of content parts, got null", param)
         content: str | list[dict[str, Any]] | None = (
             msg.content if msg.content is None or isinstance(msg.content, str)
-            else _content_parts(msg.content, param, chat, req))
+            else _content_parts(msg.content, param, chat, req, defer_remote))
         said = said or _says_something(content)
         messages.append({"role": msg.role, "content": content,
                          **({"name": msg.name} if msg.name is not None else {})})

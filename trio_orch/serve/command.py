@@ -167,8 +167,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "or the template itself (for chat and /tokenize; default: the built-in "
                         "'role: content' lines ending 'assistant:')")
     c.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
-                   help="let image_url parts name file:// images inside DIR (default: none; remote "
-                        "http(s) URLs are always refused: send data: URLs)")
+                   help="let image_url parts name file:// images inside DIR (default: none)")
+    c.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="let image_url parts name http(s) URLs on these hosts (exact host names or IPs, "
+                        "as vLLM's flag), fetched by the server; a redirect to another host is refused "
+                        "(default: none -- unlike vLLM, which then fetches from any host -- remote "
+                        "URLs are refused: send data: URLs)")
 
 
 class _Removed(argparse.Action):
@@ -213,7 +217,13 @@ def _chat_input(args: argparse.Namespace) -> ChatInput:
     """The chat template and media policy from the command line; ValueError naming a bad file or folder."""
     template = ChatTemplate.from_arg(args.chat_template) if args.chat_template else ChatTemplate()
     root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
-    return ChatInput(template, MediaPolicy(allowed_local_media_path=root))
+    try:
+        media = MediaPolicy(allowed_local_media_path=root,
+                            allowed_media_domains=frozenset(args.allowed_media_domains or ()))
+    except ValueError as exc:
+        flag = "--allowed-media-domains" if "media domain" in str(exc) else "--allowed-local-media-path"
+        raise ValueError(f"{flag}: {exc}") from None
+    return ChatInput(template, media)
 
 
 def _with_options(factory: Any, **options: Any) -> Any:
