@@ -88,3 +88,32 @@ def test_generate_sends_an_image_and_a_sound_to_the_encoders_and_the_answer_depe
         [line] = [ln for ln in out.splitlines() if ln.startswith("text: ")]
         answers.append(line.removeprefix("text: "))
     assert all(answers) and answers[0] != answers[1]
+
+
+def test_audio_files_are_read_by_their_suffix_flac_ogg_and_mp3_too(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    import soundfile
+
+    from stages.config import builtin_config
+    from trio_orch.cli.generate import _media
+
+    tone = wav(tmp_path / "tone.wav", 440)
+    samples, rate = soundfile.read(tone, dtype="int16")
+    soundfile.write(tmp_path / "tone.flac", samples, rate, subtype="PCM_16")
+    soundfile.write(tmp_path / "tone.ogg", samples, rate, subtype="VORBIS")
+    files = [str(tmp_path / n) for n in ("tone.wav", "tone.flac", "tone.ogg")]
+    media = _media(argparse.Namespace(image_files=[], audio_files=files), builtin_config("omni-in"))
+    from_wav, from_flac, from_ogg = media["audios"]
+    assert from_flac["sample_rate"] == from_ogg["sample_rate"] == 16000
+    np.testing.assert_array_equal(from_flac["pcm"], from_wav["pcm"])  # lossless: the very samples
+    assert len(from_ogg["pcm"]) == len(from_wav["pcm"])
+    cfg = tmp_path / "omni.toml"
+    cfg.write_text(OMNI_TOML)
+    (tmp_path / "tone.aac").write_bytes(b"\0" * 64)
+    (tmp_path / "junk.flac").write_bytes(b"fLaC" + b"\0" * 64)
+    for name, says in (("tone.aac", "the suffix names none of wav, flac, ogg, mp3"),
+                       ("junk.flac", "not a readable FLAC")):
+        assert cli.main(["generate", "hi", "--config", str(cfg), "--audio", str(tmp_path / name)]) == 2
+        assert says in capsys.readouterr().err
