@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.waiting import HANG, wait_until
+from tests.waiting import HANG, await_until, run_async, wait_until
 from trio_orch.engine import Engine, static_pipeline
 from trio_orch.engine.trio_engine import open_trio_engine
 from trio_orch.testing import ScriptedStage
@@ -71,3 +71,35 @@ async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one(
                 await stage.emit(rid, "x", finished=True)
         assert submitted(stage) == ["busy", "urgent", "low"] and results == ["urgent"]
         assert busy.request_id == "busy" and low.request_id == "low"
+
+
+def test_the_thread_adapters_asyncio_generate_takes_priority_and_refuses_a_bad_one() -> None:
+    """``Engine.generate`` (what the asyncio serving front streams through) passes priority on."""
+    stage = ScriptedStage(0)
+    with Engine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
+        busy = engine.add_request("p", request_id="busy")
+        wait_until(lambda: submitted(stage) == ["busy"], "busy submitted")
+        low = engine.add_request("p", request_id="low", priority=5)
+
+        async def main() -> list[str]:
+            with pytest.raises(ValueError, match="priority must be an int"):
+                async for _ in engine.generate("p", request_id="bad", priority=None):  # type: ignore[arg-type]
+                    pass
+            got: list[str] = []
+
+            async def urgent() -> None:
+                async for m in engine.generate("p", request_id="urgent", priority=-5):
+                    got.append(m.request_id)
+
+            task = asyncio.create_task(urgent())
+            await await_until(lambda: engine.stats().queued_requests == 2, "urgent and low queued")
+            for rid in ["busy", "urgent", "low"]:
+                await await_until(lambda rid=rid: submitted(stage)[-1] == rid, f"{rid} submitted")  # type: ignore[misc]
+                engine.call_soon(stage.emit_nowait, rid, "x", True)
+            await task
+            return got
+
+        assert run_async(main) == ["urgent"]
+        assert submitted(stage) == ["busy", "urgent", "low"]
+        for h in (busy, low):
+            assert h.get(timeout=HANG) == OrchOutput(h.request_id, 0, "x", True)
