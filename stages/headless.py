@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                     worker.sock.send_multipart(worker.out_codec.encode(Dying(reason)), zmq.NOBLOCK)
                 except zmq.ZMQError:
                     pass
+                worker.release_held()  # the model serves the next registration: free its cache slots
                 worker.close()
                 worker = None
             say(f"stopped serving: {reason}")

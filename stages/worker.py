@@ -300,6 +300,17 @@ class Worker:
         if self.inbox is not None:
             self.inbox.forget(rid)
 
+    def release_held(self) -> None:
+        """Retire every request this worker holds, active or waiting, without a word to the orchestrator.
+
+        For a worker that stops serving while its model lives on: a headless
+        worker that lost the orchestrator registers again with the same model,
+        and the cache slots its held requests took would otherwise stay taken
+        (the orchestrator already gave those requests up, or failed them over).
+        """
+        for rid in [*self.active, *(r.request_id for r in self.waiting)]:
+            self.retire(rid)
+
     def ready_info(self) -> dict[str, Any]:
         """What ``Ready`` tells the orchestrator: the model's info, and the TCP inbox if there is one."""
         info = dict(self.model.info())
