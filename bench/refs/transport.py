@@ -69,6 +69,9 @@ class AsyncZmqStageClient:
         self._pending: list[StageOutput] = []
         self._died = asyncio.Event()
 
+    #: a submit's priority and deadline go to the worker, which batches by them
+    accepts_priority = True
+
     def __repr__(self) -> str:
         return f"<AsyncZmqStageClient {self.name} {self.address}>"
 
@@ -84,11 +87,13 @@ class AsyncZmqStageClient:
     # ------------------------------------------------------------------ stage-client protocol
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1,
                      sampling: dict[str, Any] | None = None, resumable: bool = False,
-                     companion_of: str | None = None) -> None:
+                     companion_of: str | None = None, priority: int = 0,
+                     deadline_in: float | None = None) -> None:
         """Send a submit (``resumable``: more input follows through :meth:`update`; a companion
-        needs nothing here: one replica is always its parent's)."""
+        needs nothing here: one replica is always its parent's; ``priority``/``deadline_in``
+        (seconds left): the worker's batch order, as the Trio client sends them)."""
         self.check_alive()
-        msg = Submit(request_id, payload, downstream, sampling, resumable)
+        msg = Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in)
         await self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,

@@ -19,8 +19,6 @@ pytestmark = pytest.mark.processes  # real worker processes
 
 #: the shells with a routing core that run over worker processes (zmq-floor has no core)
 SHELLS = [n for n in names("workers") if n != "zmq-floor"]
-#: the asyncio references' ZMQ stage client does not put the priority on the wire yet
-NO_PRIORITY_ON_THE_WIRE = {n for n in SHELLS if n != "trio"}
 
 
 def slow_echo() -> PipelineConfig:
@@ -29,11 +27,7 @@ def slow_echo() -> PipelineConfig:
     return PipelineConfig([stage], final_stage_ids=[0]).validate()  # no head bound: the worker queues
 
 
-@pytest.mark.parametrize("impl", [
-    pytest.param(n, marks=pytest.mark.xfail(
-        n in NO_PRIORITY_ON_THE_WIRE, strict=True,
-        reason="bench/refs/transport.py's AsyncZmqStageClient.submit sends no priority/deadline_in"))
-    for n in SHELLS])
+@pytest.mark.parametrize("impl", SHELLS)
 def test_a_later_urgent_request_leaves_the_workers_backlog_first(impl: str) -> None:
     with make_driver(impl, workers=slow_echo()).start() as h:
         h.add_request("busy", "b")
