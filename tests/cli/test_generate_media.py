@@ -97,14 +97,14 @@ def test_audio_files_are_read_by_their_suffix_flac_ogg_and_mp3_too(
     import soundfile
 
     from stages.config import builtin_config
-    from trio_orch.cli.generate import _media
+    from trio_orch.cli.generate import read_media
 
     tone = wav(tmp_path / "tone.wav", 440)
     samples, rate = soundfile.read(tone, dtype="int16")
     soundfile.write(tmp_path / "tone.flac", samples, rate, subtype="PCM_16")
     soundfile.write(tmp_path / "tone.ogg", samples, rate, subtype="VORBIS")
     files = [str(tmp_path / n) for n in ("tone.wav", "tone.flac", "tone.ogg")]
-    media = _media(argparse.Namespace(image_files=[], audio_files=files), builtin_config("omni-in"))
+    media = read_media(argparse.Namespace(image_files=[], audio_files=files), builtin_config("omni-in"))
     from_wav, from_flac, from_ogg = media["audios"]
     assert from_flac["sample_rate"] == from_ogg["sample_rate"] == 16000
     np.testing.assert_array_equal(from_flac["pcm"], from_wav["pcm"])  # lossless: the very samples

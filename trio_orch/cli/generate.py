@@ -66,7 +66,7 @@ from trio_orch.http.schemas import BadRequest
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 
-__all__ = ["configure", "run", "write_wav"]
+__all__ = ["configure", "read_media", "run", "write_wav"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -180,7 +180,7 @@ def _config(args: argparse.Namespace) -> PipelineConfig:
     return cfg
 
 
-def _media(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, Any]:
+def read_media(args: argparse.Namespace, cfg: PipelineConfig) -> dict[str, Any]:
     """The ``--image`` and ``--audio`` files, decoded as the chat route decodes them (ValueError)."""
     given = {"image": args.image_files, "audio": args.audio_files}
     for medium, files in given.items():
@@ -411,7 +411,7 @@ async def _job(args: argparse.Namespace) -> int:
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
         head_options(args, cfg)  # --listen, --keys, stages without a local replica
-        args.media = _media(args, cfg)
+        args.media = read_media(args, cfg)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
