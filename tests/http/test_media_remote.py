@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import base64
 import gzip
-import inspect
 import io
 import threading
 from collections.abc import Iterator
@@ -29,7 +28,6 @@ import trio
 from PIL import Image
 
 from tests.waiting import HANG
-from trio_orch.http.app import ChatCompletions
 from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.media import MediaPolicy
 from trio_orch.http.openai_chat import ChatRequest, parse_chat_request
@@ -163,7 +161,7 @@ def test_a_remote_url_is_refused_without_the_flag_on_another_host_or_scheme(
     assert "not fetched" in str(err) and "--allowed-media-domains" in str(err)
     err = refused(media_server.url("/red.png", "localhost"))
     assert "host 'localhost'" in str(err) and "127.0.0.1" in str(err)
-    # the route that does not fetch (/tokenize's parse) says so even for an allowed host
+    # a parse that does not defer the fetch (a caller that cannot fetch) says so even for an allowed host
     assert "fetched for chat completions only" in str(refused(media_server.url("/red.png"), defer=False))
     assert "unsupported image URL scheme 'ftp'" in str(refused("ftp://127.0.0.1/red.png"))
     assert len(media_server.paths) == before  # none of them reached the server
@@ -239,10 +237,6 @@ async def test_a_host_that_refuses_the_connection_is_a_400() -> None:
 # --------------------------------------------------------------------------------------------- served
 
 
-def _route_fetches() -> bool:
-    return "fetch_media" in inspect.getsource(ChatCompletions.handle)
-
-
 @pytest.fixture(scope="module", params=["asyncio", "trio"])
 def omni_remote(request: pytest.FixtureRequest) -> Iterator[Any]:
     from tests.http.test_omni_serving import OMNI, worker_server
@@ -252,8 +246,6 @@ def omni_remote(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 @pytest.mark.processes
-@pytest.mark.skipif(not _route_fetches(), reason="the chat route (trio_orch/http/app.py) does not await "
-                    "ChatRequest.fetch_media yet")
 def test_served_an_image_fetched_from_its_url_answers_as_its_data_url(omni_remote: Any,
                                                                       media_server: MediaServer) -> None:
     from tests.http.test_omni_serving import answer, ask, png_url

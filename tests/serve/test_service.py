@@ -100,6 +100,7 @@ def test_health_is_503_degraded_for_the_whole_outage_of_a_killed_worker_and_200_
             timings = r.json()["timings"]  # the non-streaming extension, from the workers' reports
             assert [st["stage"] for st in timings["stages"]] == [0, 1]
             assert all(st["queue_ms"] is not None and st["compute_ms"] >= 0 for st in timings["stages"])
+            assert [st["retried_from"] for st in timings["stages"]] == [None, None]  # sent after the restart
             m = metrics(c)
             shed = m["trio_orch_requests_shed_total{reason=stage_unavailable}"]
             assert shed >= (1 if posts[0][2] == 0 else 0)

@@ -180,7 +180,8 @@ class ChatCompletions(OpenAIRoute):
         engine, limits = self.engine, self.limits
         try:
             body = parse_json_body(await request.body(), limits.max_json_depth)
-            req = parse_chat_request(body, self.models, limits.max_prompt_chars, self.chat)
+            req = parse_chat_request(body, self.models, limits.max_prompt_chars, self.chat, defer_remote=True)
+            await req.fetch_media()  # remote images (--allowed-media-domains), without blocking the loop
             req.prompt_tokens = prompt_token_count(engine, self.outputs, req.prompt)
             final = self.final_stage_for(req)
             map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,

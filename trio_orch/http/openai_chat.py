@@ -360,7 +360,7 @@ class ChatStream:
         out["stages"] = [
             {"stage": k, "replica": tm.replica, "submitted_ms": ms(tm.t_submit),
              "first_output_ms": ms(tm.t_first), "finished_ms": ms(tm.t_done), "queue_ms": dur(tm.queue_s),
-             "compute_ms": dur(tm.compute_s)}
+             "compute_ms": dur(tm.compute_s), "retried_from": tm.retried_from}
             for k, tm in enumerate(stages or ()) if tm is not None]
         return out
 

@@ -168,8 +168,8 @@ def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[
             raise BadRequest("give either 'prompt' or 'messages'", "prompt")
         if req.prompt is not None:
             return req.prompt
-        return parse_chat_request({"messages": req.messages}, models, chat=chat,
-                                  add_generation_prompt=req.add_generation_prompt).prompt
+        return parse_chat_request({"messages": req.messages}, models, chat=chat, defer_remote=True,
+                                  add_generation_prompt=req.add_generation_prompt).prompt  # not fetched
 
     async def tokenize(request: Request) -> Response:
         try:
