@@ -93,6 +93,23 @@ KIND_LEGEND = {
 }
 
 
+#: the packages whose versions a result names (the real vLLM-Omni's only where it is installed)
+VERSIONED = ("trio-orch", "trio", "pyzmq", "torch", "vllm", "vllm-omni")
+
+
+def package_versions() -> dict[str, str]:
+    """The installed versions of :data:`VERSIONED` (absent ones left out): which code a result measured."""
+    import importlib.metadata
+
+    found = {}
+    for name in VERSIONED:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
+
+
 def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
                progress: bool = True) -> dict[str, Any]:
     """Run the scenarios against the implementations; the JSON-able result.
@@ -133,6 +150,7 @@ def run_matrix(numbers: list[int] | None = None, impls: list[str] | None = None,
         "generated_by": "trio-orch compare",
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "versions": package_versions(),
         "watchdog_cut_s": CUT,
         "shutdown_grace_s": GRACE,
         "implementations": {k: IMPLEMENTATIONS[k].description for k in impls},

@@ -199,8 +199,8 @@ def test_the_committed_comparison_separates_model_from_design() -> None:
 
 def test_the_committed_vllm_omni_comparison_runs_all_but_three_rows() -> None:
     """docs/bench/vllm-omni-compare.json: the real vLLM-Omni columns have at most three n/a rows, each
-    with its reason, no driver error, and a verdict in the model rows; docs/vllm-omni.md has the
-    command that reproduces it."""
+    with its reason, no driver error, a verdict in the model rows, and the versions measured;
+    docs/vllm-omni.md has the command that reproduces it."""
     result = json.loads((DOCS / "bench" / "vllm-omni-compare.json").read_text())
     assert {sc["number"] for sc in result["scenarios"]} == {sc.number for sc in SCENARIOS}
     for impl in ("vllm-omni", "vllm-omni-poll"):
@@ -210,6 +210,8 @@ def test_the_committed_vllm_omni_comparison_runs_all_but_three_rows() -> None:
         assert all(cells[n]["reason"] for n in na)
         assert not [n for n, r in cells.items() if r["driver_error"] or r["verdict"] == "error"], impl
         assert all(cells[n]["verdict"] not in ("n/a", "error") for n in (19, 20, 21, 22)), impl
+    versions = result["versions"]  # which vLLM-Omni the columns measured
+    assert versions["vllm"] and versions["vllm-omni"] and versions["trio-orch"]
     doc = (DOCS / "vllm-omni.md").read_text()
     assert ("trio-orch compare --impl trio --impl omni-event --impl vllm-omni --impl vllm-omni-poll "
             "--markdown docs/vllm-omni.md --json docs/bench/vllm-omni-compare.json") in doc
