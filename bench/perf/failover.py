@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.perf.serving import pct, post, split_url, start_server
+from bench.perf.serving import pct, post, split_url, start_server, stop_server
 
 __all__ = ["get", "held_by", "kill_replica", "load_with_kill", "main", "markdown", "retried_total", "run_one"]
 
@@ -122,11 +122,7 @@ def run_one(max_retries: int, args: argparse.Namespace, config: str) -> dict[str
         done, t_kill = asyncio.run(load_with_kill(url, proc, args.concurrency, args.seconds))
         retried = retried_total(url)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     near = [(s, took, c) for s, took, c in done if s <= t_kill + args.window and s + took >= t_kill]
     by_status: dict[str, int] = {}
     for _, _, c in done:

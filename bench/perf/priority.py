@@ -30,15 +30,13 @@ import asyncio
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.perf.serving import pct, split_url, start_server
+from bench.perf.serving import pct, split_url, start_server, stop_server
 
 __all__ = ["PHASES", "main", "markdown", "phase", "stream_chat"]
 
@@ -195,11 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(1.0)  # the replica settled
             out["phases"] = asyncio.run(run_phases(url, args))
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     text = json.dumps(out, indent=2)
     print(text)
     if args.json:

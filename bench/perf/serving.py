@@ -40,6 +40,7 @@ __all__ = [
     "post",
     "split_url",
     "start_server",
+    "stop_server",
 ]
 
 BODY = {"messages": [{"role": "user", "content": "Say something about the weather."}],
@@ -121,6 +122,16 @@ def start_server(args: list[str], cpus: set[int] | None = None) -> tuple[subproc
             threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, m.group(1)
     raise RuntimeError("trio-orch serve exited before serving")
+
+
+def stop_server(proc: subprocess.Popen[str]) -> None:
+    """Stop a :func:`start_server` child as a service manager would: SIGTERM (it drains), SIGKILL at 60 s."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 # ---------------------------------------------------------------------------- the two fronts
@@ -253,12 +264,7 @@ def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, secon
                     asyncio.run(post(*split_url(url), "/v1/chat/completions", body))  # warm-up
                     runs[loop].append(measure_front(url, proc.pid, concurrency, seconds, procs, body))
                 finally:
-                    proc.send_signal(signal.SIGTERM)
-                    try:
-                        proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                    stop_server(proc)
                 if progress is not None:
                     progress.step(f"serving {name} --loop {loop} (round {r + 1}/{rounds})")
         out[name] = runs

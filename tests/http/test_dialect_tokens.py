@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stages.config import PipelineConfig, StageConfig
 from tests.http_helpers import FRONTS, HANG, Served, TrioServed, metrics, sse_events
+from tests.tokenizer_helpers import word_tokenizer
 
 openai = pytest.importorskip("openai")
 
@@ -30,22 +29,12 @@ WORDS = ["</s>", "[UNK]", "user", ":", "assistant", "the", "cat", "sat", "on", "
 SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 
 
-def word_tokenizer(path: Path) -> Path:
-    """A tiny word-level tokenizer.json written with the library (nothing downloaded)."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(path))
-    return path
-
-
 @pytest.fixture(scope="module", params=FRONTS)
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> Iterator[Served | TrioServed]:
     from tests.http.test_omni_serving import worker_server
 
-    path = str(word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json"))
+    path = str(word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", WORDS))
     config = PipelineConfig([StageConfig("thinker", model={**SMALL, "tokenizer": path}),
                              StageConfig("talker", model=SMALL), StageConfig("code2wav", model={"dim": 16})],
                             final_stage_ids=[0, 2]).validate()
@@ -53,8 +42,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def test_completions_and_speech_count_the_text_stage_s_tokens(served: Served) -> None:
-    c = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=HANG)
-    with httpx.Client(base_url=served.url, timeout=HANG) as h:
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=HANG) as c, \
+            httpx.Client(base_url=served.url, timeout=HANG) as h:  # closed: the leak probe counts sockets
         assert h.post("/tokenize", json={"prompt": "the cat sat"}).json()["count"] == 3
         before = metrics(h)["trio_orch_prompt_tokens_total"]
         done = c.completions.create(model="omni", prompt="the cat sat", max_tokens=2, seed=1)
@@ -77,11 +66,11 @@ def test_the_speech_limit_is_the_thinker_s_tokens_not_the_input_s_bytes(served: 
     limit = served.engine.stages[0].replicas[0].ready.info["max_say"]  # type: ignore[attr-defined]
     fits = " ".join(["cat"] * (limit // 2))  # twice as many bytes as the limit, half as many tokens
     assert len(fits.encode()) > limit
-    c = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=HANG)
-    wav = c.audio.speech.create(model="omni", voice="echo", input=fits, response_format="wav").content
-    assert wav[:4] == b"RIFF" and len(wav) > 44
-    with pytest.raises(openai.BadRequestError) as long:
-        c.audio.speech.create(model="omni", voice="echo", input=" ".join(["cat"] * (limit + 1)))
+    with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=HANG) as c:
+        wav = c.audio.speech.create(model="omni", voice="echo", input=fits, response_format="wav").content
+        assert wav[:4] == b"RIFF" and len(wav) > 44
+        with pytest.raises(openai.BadRequestError) as long:
+            c.audio.speech.create(model="omni", voice="echo", input=" ".join(["cat"] * (limit + 1)))
     error: dict[str, Any] = json.loads(long.value.response.text)["error"]
     assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
     assert f"{limit + 1} tokens" in error["message"]

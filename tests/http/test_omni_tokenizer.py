@@ -18,24 +18,15 @@ from typing import Any
 
 import httpx
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stages.config import PipelineConfig, StageConfig
 from stages.tokenizer import byte_level, load_tokenizer
 from tests.http_helpers import FRONTS, HANG, sse_events
+from tests.tokenizer_helpers import word_tokenizer
 from trio_orch.http.tokenizer import pipeline_tokenizer
 
 WORDS = ["</s>", "[UNK]", "user", ":", "assistant", "the", "cat", "sat", "on", "a", "mat", "."]
 
-
-def word_tokenizer(path: Path) -> Path:
-    """A tiny word-level tokenizer.json written with the library (nothing downloaded)."""
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(path))
-    return path
 
 
 def engine(kinds: list[str], infos: list[dict[str, Any]], final: int = -1) -> Any:
@@ -47,7 +38,7 @@ def engine(kinds: list[str], infos: list[dict[str, Any]], final: int = -1) -> An
 
 def test_the_routes_take_the_tokenizer_a_stage_reports_or_the_library_s_byte_level_one(
         tmp_path: Path) -> None:
-    path = str(word_tokenizer(tmp_path / "tokenizer.json"))
+    path = str(word_tokenizer(tmp_path / "tokenizer.json", WORDS))
     # a thinker naming none: the library-built byte-level tokenizer, not a second implementation
     assert pipeline_tokenizer(engine(["thinker"], [{}]), ["text"]) == (0, byte_level())
     assert pipeline_tokenizer(engine(["thinker"], [{"tokenizer": ""}]), ["text"]) == (0, byte_level())
@@ -70,7 +61,7 @@ def test_a_configured_tokenizer_json_is_what_the_server_counts_and_decodes(
         front: str, tmp_path: Path) -> None:
     from tests.http.test_omni_serving import SMALL, worker_server
 
-    path = str(word_tokenizer(tmp_path / "tokenizer.json"))
+    path = str(word_tokenizer(tmp_path / "tokenizer.json", WORDS))
     config = PipelineConfig([StageConfig("thinker", model={**SMALL, "tokenizer": path,
                                                            "min_new_tokens": 6})]).validate()
     messages = [{"role": "user", "content": "the cat sat"}]

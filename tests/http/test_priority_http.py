@@ -7,7 +7,6 @@ urgent request streams before the queued low-priority ones.
 from __future__ import annotations
 
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.perf.serving import stop_server
 from tests.http_helpers import FRONTS, Served, TrioServed, deltas, metrics, sse_events
 from tests.waiting import wait_until
 from trio_orch.testing.toy_pipeline import toy_pipeline
@@ -145,9 +145,4 @@ def test_over_trio_orch_serve_a_later_urgent_request_streams_before_queued_low_o
                                                        "messages": [{"role": "user", "content": "x"}]})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority", bad.text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from stages.tokenizer import byte_level, load_tokenizer
+from tests.tokenizer_helpers import word_tokenizer
 from trio_orch.http.tokenizer import ByteTokenizer
 
 torch = pytest.importorskip("torch")
@@ -21,15 +21,8 @@ SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 TEXT = "héllo, wörld 🎉 — <|endoftext|> ok"
 
 
-def word_tokenizer(path: Path) -> Path:
-    """A tiny word-level tokenizer.json, written with the library (nothing downloaded)."""
-    words = ["</s>", "[UNK]", "the", "cat", "sat", "on", "mat", "a", "é", "ü", ".", ","]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.decoder = decoders.WordPiece(prefix="##")
-    tok.add_special_tokens(["</s>"])
-    tok.save(str(path))
-    return path
+WORDS = ["</s>", "[UNK]", "the", "cat", "sat", "on", "mat", "a", "é", "ü", ".", ","]
+
 
 
 def test_the_byte_level_tokenizer_is_the_server_s_byte_tokenizer() -> None:
@@ -50,7 +43,7 @@ def test_incremental_decoding_releases_whole_characters_only() -> None:
 
 
 def test_a_tokenizer_json_gives_its_ids_and_end_of_text(tmp_path: Path) -> None:
-    tok = load_tokenizer(str(word_tokenizer(tmp_path / "tokenizer.json")))
+    tok = load_tokenizer(str(word_tokenizer(tmp_path / "tokenizer.json", WORDS)))
     assert tok.encode("the cat sat") == [2, 3, 4] and tok.eos == 0 and tok.vocab_size == 12
     assert tok.decode([2, 3, 0]) == "the cat"
     with pytest.raises(ValueError, match="cannot load it"):
@@ -65,7 +58,7 @@ def test_a_tokenizer_json_gives_its_ids_and_end_of_text(tmp_path: Path) -> None:
 
 
 def test_a_thinker_with_a_tokenizer_json_reads_and_writes_its_tokens(tmp_path: Path) -> None:
-    path = str(word_tokenizer(tmp_path / "tokenizer.json"))
+    path = str(word_tokenizer(tmp_path / "tokenizer.json", WORDS))
     thinker = build_model("thinker", {**SMALL, "tokenizer": path, "min_new_tokens": 4}, seed=3)
     assert thinker.info()["tokenizer"] == path and thinker.info()["vocab_size"] == 12
     req = ReqState("r", "the cat sat on", sampling={"seed": 1, "max_tokens": 6})
