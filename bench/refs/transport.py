@@ -154,9 +154,12 @@ class AsyncZmqStageClient:
         """Wait for one message (or death/silence), then take every message already queued."""
         recv = asyncio.ensure_future(self.sock.recv_multipart(copy=False))
         died = asyncio.ensure_future(self._died.wait())
+        # heartbeats are owed once the worker is ready, as the Trio client counts them: before
+        # that, the launcher's startup timeout bounds the wait (a worker importing torch on a busy
+        # machine can be silent for longer than a heartbeat timeout)
+        silence = self.heartbeat_timeout if self.ready is not None else None
         try:
-            done, _ = await asyncio.wait({recv, died}, timeout=self.heartbeat_timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({recv, died}, timeout=silence, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:
             # Cancelled (e.g. the polling loop's 1 ms wait_for): a message that arrived in the
             # same loop iteration is already out of the socket -- keep it, or it is lost.
