@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,10 @@ pytestmark = pytest.mark.processes  # child interpreters, a git worktree
 
 
 def test_the_same_commit_on_both_sides_gives_a_row_per_measure_and_the_worktree_is_removed(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    scratch = tmp_path / "tmp"  # its own temporary folder: another run's worktree in /tmp is not this one's
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     out = tmp_path / "ab.md"
     assert main(["--base", "HEAD", "--workloads", "loop_a_seq", "--rounds", "1", "--markdown", str(out)]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| loop_a_seq | trio |")]
@@ -20,7 +24,7 @@ def test_the_same_commit_on_both_sides_gives_a_row_per_measure_and_the_worktree_
     for r in rows:  # both sides measured: positive numbers and a finite ratio
         base, head, ratio = (float(x.replace(",", "")) for x in r.strip("| ").split(" | ")[3:6])
         assert base > 0 and head > 0 and ratio > 0
-    assert not list(Path("/tmp").glob("trio-orch-ab-*/base/bench"))  # the temporary worktree is gone
+    assert not list(scratch.glob("trio-orch-ab-*"))  # the temporary worktree is gone
 
 
 def test_an_unknown_revision_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
