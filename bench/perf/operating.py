@@ -47,6 +47,7 @@ from bench.perf.http_clients import (
     raw_request,
     waiting_client,
 )
+from bench.perf.report import update_between_markers
 from bench.perf.serving import BODY, bucket_p99_ms, engine_durations, pct, post, split_url, start_server
 
 __all__ = ["burst", "cpu_list", "idle", "kill_one", "main", "markdown_table", "measure", "probe",
@@ -368,11 +369,7 @@ def markdown_table(runs: list[dict[str, Any]]) -> str:
 
 def write_markdown(path: Path, table: str) -> None:
     """Replace what is between the markers of ``path`` with ``table``."""
-    text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path} has no {BEGIN} ... {END} block")
-    head, rest = text.split(BEGIN, 1)
-    path.write_text(f"{head}{BEGIN}\n{table}{END}{rest.split(END, 1)[1]}")
+    update_between_markers(path, table, BEGIN, END)
 
 
 if __name__ == "__main__":

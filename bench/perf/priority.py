@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.perf.report import update_between_markers
 from bench.perf.serving import pct, split_url, start_server, stop_server
 
 __all__ = ["PHASES", "main", "markdown", "phase", "stream_chat"]
@@ -199,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(text + "\n")
     if args.markdown:
-        path = Path(args.markdown)
-        doc = path.read_text()
-        if BEGIN not in doc or END not in doc:
-            raise SystemExit(f"{path} has no {BEGIN} ... {END} block")
-        head, rest = doc.split(BEGIN, 1)
-        path.write_text(f"{head}{BEGIN}\n{markdown(out)}{END}{rest.split(END, 1)[1]}")
+        update_between_markers(Path(args.markdown), markdown(out), BEGIN, END)
     return 0
 
 

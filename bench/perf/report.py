@@ -416,11 +416,15 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     return "\n".join(parts)
 
 
-def update_between_markers(path: Path, block: str) -> None:
-    """Replace what stands between the bench markers of ``path`` (which must have them)."""
+def update_between_markers(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
+    """Replace what stands between the markers ``begin`` / ``end`` of ``path`` (which must have them).
+
+    ``block`` goes in on its own lines; every benchmark that renders into a
+    document writes through here.
+    """
     text = path.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{path}: no '{BEGIN}' ... '{END}' markers to put the table between")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    path.write_text(f"{head}{BEGIN}\n{block}\n{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{path}: no '{begin}' ... '{end}' markers to put the table between")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    path.write_text(f"{head}{begin}\n{block.rstrip(chr(10))}\n{end}{tail}")
