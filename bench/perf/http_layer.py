@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import random
 import shlex
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -209,14 +213,68 @@ def _one(server: str, app_kind: str, args: argparse.Namespace) -> dict[str, Any]
         lsock.close()  # the child holds its copy
         url = f"http://127.0.0.1:{port}"
         _wait_ready(port, proc, args.warmup)
-        res = measure_front(url, proc.pid, args.concurrency, args.seconds, args.procs, b'{"stream":true}')
+        res: dict[str, Any] = {}
+        driver = threading.Thread(target=lambda: res.update(measure_front(
+            url, proc.pid, args.concurrency, args.seconds, args.procs, b'{"stream":true}')))
+        driver.start()
+        profile = _py_spy(proc.pid, args.py_spy, delay=min(1.0, args.seconds / 4)) if args.py_spy else None
+        driver.join()
     finally:
         proc.kill()
         proc.wait()
     ok = max(res["ok"], 1)
     return {"server": server, "app": app_kind, "ok": res["ok"], "failed": res["failed"],
             "req_per_s": res["ok"] / res["wall_s"], "cpu_ms_per_req": 1000 * res["server_cpu_s"] / ok,
-            "cpu_us_per_chunk": 1e6 * res["server_cpu_s"] / ok / (args.chunks + 1)}
+            "cpu_us_per_chunk": 1e6 * res["server_cpu_s"] / ok / (args.chunks + 1),
+            **({"profile": profile} if profile else {})}
+
+
+#: the packages a profile sample is charged to (by its innermost frame's file)
+PACKAGES = ("hypercorn", "uvicorn", "starlette", "anyio", "h11", "trio", "asyncio", "selectors", "outcome")
+
+
+def _package(frame: str) -> str:
+    """``"name (path:line)"`` -> the package of ``path`` (py-spy shortens site-packages paths)."""
+    path = frame.rsplit("(", 1)[-1].split(":", 1)[0]
+    if path.startswith("<attrs generated methods "):  # attrs' generated code: the class's package
+        path = path.removeprefix("<attrs generated methods ").split(".", 1)[0] + "/"
+    for name in PACKAGES:
+        if path.startswith(f"{name}/") or f"/{name}/" in path or path.endswith(f"{name}.py"):
+            return name
+    return "http_layer (the app)" if path.endswith("http_layer.py") else "other"
+
+
+def _py_spy(pid: int, seconds: float, delay: float) -> dict[str, Any]:
+    """py-spy's samples of ``pid`` for ``seconds`` (after ``delay``): shares by package, top functions.
+
+    Shares of the samples in which the server's thread was busy (py-spy's
+    default leaves idle ones out), charged to the innermost frame's package;
+    ``functions``: the busiest frames of the servers' own packages, counted
+    once per sample that has them anywhere on its stack (inclusive).
+    """
+    if shutil.which("py-spy") is None and not Path(sys.executable).with_name("py-spy").exists():
+        raise SystemExit("--py-spy needs py-spy (pip install py-spy)")
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    time.sleep(delay)
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "samples.txt"
+        subprocess.run([exe, "record", "-p", str(pid), "-d", str(max(1, round(seconds))), "-r", "200",
+                        "--nonblocking", "-f", "raw", "-o", str(out)], check=True, capture_output=True)
+        lines = out.read_text().splitlines()
+    inner: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in lines:
+        stack, _, count = line.rpartition(" ")
+        n = int(count)
+        frames = stack.split(";")
+        total += n
+        inner[_package(frames[-1])] += n
+        for name in {f.split(" (", 1)[0] for f in frames if _package(f) in ("hypercorn", "uvicorn", "h11")}:
+            inclusive[name] += n
+    share = {k: round(v / max(total, 1), 3) for k, v in inner.most_common()}
+    top = {k: round(v / max(total, 1), 3) for k, v in inclusive.most_common(8)}
+    return {"samples": total, "innermost": share, "functions": top}
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None] = print) -> dict[str, Any]:
@@ -262,7 +320,34 @@ def markdown(out: dict[str, Any]) -> str:
         failed = f" ({m['failed']:.0f} failed)" if m["failed"] else ""
         lines.append(f"| {server} | {app_kind} | {m['req_per_s']:.0f}{failed} | {m['cpu_ms_per_req']:.2f} ms "
                      f"| {m['cpu_us_per_chunk']:.0f} us | {ratio} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _profile_lines(out["runs"])) + "\n"
+
+
+def _profile_lines(runs: list[dict[str, Any]]) -> list[str]:
+    """The py-spy shares of each profiled server and app (samples summed over rounds)."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in runs:
+        if "profile" not in r:
+            continue
+        m = merged.setdefault((r["server"], r["app"]), {"samples": 0, "innermost": collections.Counter(),
+                                                         "functions": collections.Counter()})
+        n = r["profile"]["samples"]
+        m["samples"] += n
+        for part in ("innermost", "functions"):
+            m[part].update({k: v * n for k, v in r["profile"][part].items()})
+    if not merged:
+        return []
+    lines = ["", "Where each server's busy samples are (py-spy, 200 Hz, charged to the innermost frame's "
+             "package; then the busiest frames of the server's own code and h11, inclusive):", "",
+             "| server | app | samples | innermost frame: share by package | busiest server frames |",
+             "|---|---|---|---|---|"]
+    for (server, app_kind), m in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        total = max(m["samples"], 1)
+        inner = ", ".join(f"{k} {100 * v / total:.0f} %" for k, v in m["innermost"].most_common(5))
+        busiest = [(k, v) for k, v in m["functions"].most_common() if v / total < 0.9][:4]  # not the loop
+        funcs = ", ".join(f"`{k}` {100 * v / total:.0f} %" for k, v in busiest)
+        lines.append(f"| {server} | {app_kind} | {m['samples']} | {inner} | {funcs} |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
     p.add_argument("--start-timeout", dest="warmup", type=float, default=30.0,
                    help="seconds a server may take to answer its first request (default 30)")
+    p.add_argument("--py-spy", type=float, default=0.0, metavar="SECONDS",
+                   help="also sample each server with py-spy for this long in each run (default off)")
     p.add_argument("--machine", default="", help="a note on the machine (e.g. 'quiet')")
     p.add_argument("--json", default=None, metavar="PATH", help="also write the results here")
     p.add_argument("--markdown", default=None, metavar="PATH",

@@ -9,10 +9,9 @@ import pytest
 
 from bench.perf import http_layer
 
-pytestmark = pytest.mark.processes  # a server process per run and the client processes
-
 
 @pytest.mark.slow
+@pytest.mark.processes  # a server process per run and the client processes
 def test_a_short_run_serves_every_server_and_app_and_writes_the_table(tmp_path: Path) -> None:
     doc = tmp_path / "doc.md"
     doc.write_text(f"before\n{http_layer.BEGIN}\nold\n{http_layer.END}\nafter\n")
@@ -36,3 +35,19 @@ def test_unknown_servers_are_refused_by_name(capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit):
         http_layer.main(["--servers", "hypercorn,nginx"])
     assert "unknown server or app: nginx" in capsys.readouterr().err
+
+
+def test_a_profile_is_charged_to_the_innermost_frames_package_and_rendered() -> None:
+    assert http_layer._package("run (trio/_core/_run.py:2532)") == "trio"
+    assert http_layer._package("f (/x/site-packages/hypercorn/protocol/h11.py:3)") == "hypercorn"
+    assert http_layer._package("__init__ (<attrs generated methods outcome._impl.Value>:15)") == "outcome"
+    assert http_layer._package("app (bench/perf/http_layer.py:72)") == "http_layer (the app)"
+    prof = {"samples": 100, "innermost": {"trio": 0.7, "hypercorn": 0.3},
+            "functions": {"Server.run": 0.95, "H11Protocol.stream_send": 0.6}}
+    runs = [{"server": "hypercorn", "app": "raw", "ok": 10, "failed": 0, "req_per_s": 5.0,
+             "cpu_ms_per_req": 2.0, "cpu_us_per_chunk": 50.0, "round": r, "profile": prof} for r in range(2)]
+    text = http_layer.markdown({"command": "c", "date": "d", "cpus": 2, "loadavg": [1.0], "machine": "m",
+                                "settings": {"chunks": 40, "concurrency": 64, "seconds": 4, "procs": 2,
+                                             "rounds": 2}, "runs": runs})
+    assert "| hypercorn | raw | 5 | 2.00 ms | 50 us | -- |" in text  # no uvicorn run: no ratio
+    assert "| hypercorn | raw | 200 | trio 70 %, hypercorn 30 % | `H11Protocol.stream_send` 60 % |" in text
