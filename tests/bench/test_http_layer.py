@@ -51,3 +51,12 @@ def test_a_profile_is_charged_to_the_innermost_frames_package_and_rendered() -> 
                                              "rounds": 2}, "runs": runs})
     assert "| hypercorn | raw | 5 | 2.00 ms | 50 us | -- |" in text  # no uvicorn run: no ratio
     assert "| hypercorn | raw | 200 | trio 70 %, hypercorn 30 % | `H11Protocol.stream_send` 60 % |" in text
+
+
+def test_the_table_in_the_docs_is_the_one_the_recorded_run_renders() -> None:
+    """docs/performance.md's block is ``markdown()`` of docs/bench/http_layer.json: one run wrote both."""
+    root = Path(__file__).resolve().parents[2]
+    run = json.loads((root / "docs/bench/http_layer.json").read_text())
+    doc = (root / "docs/performance.md").read_text()
+    block = doc.split(http_layer.BEGIN, 1)[1].split(http_layer.END, 1)[0]
+    assert block.strip() == http_layer.markdown(run).strip()
