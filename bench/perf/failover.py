@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.perf.report import update_between_markers
+from bench.perf.report import publish
 from bench.perf.serving import pct, post, split_url, start_server, stop_server
 
 __all__ = ["get", "held_by", "kill_replica", "load_with_kill", "main", "markdown", "retried_total", "run_one"]
@@ -181,12 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "settings": {k: getattr(args, k) for k in ("concurrency", "seconds", "batch", "outputs",
                                                         "step_ms", "window")},
             "runs": [run_one(n, args, config) for n in (1, 0)]}
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.markdown:
-        update_between_markers(Path(args.markdown), markdown(out), BEGIN, END)
+    publish(out, args.json, args.markdown, markdown, BEGIN, END)
     return 0
 
 

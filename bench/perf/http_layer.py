@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import random
 import shlex
@@ -43,7 +42,7 @@ from typing import Any
 
 import anyio
 
-from bench.perf.report import update_between_markers
+from bench.perf.report import publish
 from bench.perf.serving import measure_front, post
 
 __all__ = ["SERVERS", "markdown", "run", "serve"]
@@ -382,12 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown server or app: {', '.join(unknown)}")
     args.argv = sys.argv[1:] if argv is None else argv
     out = run(args, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.markdown:
-        update_between_markers(Path(args.markdown), markdown(out), BEGIN, END)
+    publish(out, args.json, args.markdown, markdown, BEGIN, END)
     return 0
 
 

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.perf.report import update_between_markers
+from bench.perf.report import publish
 from bench.perf.serving import pct, split_url, start_server, stop_server
 
 __all__ = ["PHASES", "main", "markdown", "phase", "stream_chat"]
@@ -195,12 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             out["phases"] = asyncio.run(run_phases(url, args))
         finally:
             stop_server(proc)
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    if args.markdown:
-        update_between_markers(Path(args.markdown), markdown(out), BEGIN, END)
+    publish(out, args.json, args.markdown, markdown, BEGIN, END)
     return 0
 
 

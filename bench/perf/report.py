@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,20 @@ from bench.perf.headlines import headlines
 from bench.perf.stats import ratio, verdict
 from bench.perf.targets import BASE, get
 
-__all__ = ["floor_rows", "floors_hold", "markdown_report", "plot", "readme_block", "renderables",
-           "table_rows", "target_rows", "text_report", "update_between_markers", "write_json"]
+__all__ = [
+    "floor_rows",
+    "floors_hold",
+    "markdown_report",
+    "plot",
+    "publish",
+    "readme_block",
+    "renderables",
+    "table_rows",
+    "target_rows",
+    "text_report",
+    "update_between_markers",
+    "write_json",
+]
 
 #: the floor rows' path column, by the path their workload runs
 FLOOR_LABEL = {"thread": "floor:\nthread", "loop": "floor:\nin-loop", "zmq": "floor:\nZMQ"}
@@ -414,6 +427,17 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
              "[docs/performance.md](docs/performance.md).", "",
              f"![a_seq dispatch latency CDF]({out_dir}/a_seq_latency_cdf.png)"]
     return "\n".join(parts)
+
+
+def publish(out: dict[str, Any], json_path: str | None, markdown_path: str | None,
+            render: Callable[[dict[str, Any]], str], begin: str, end: str) -> None:
+    """A benchmark's results: printed as JSON, written to ``json_path``, rendered into ``markdown_path``."""
+    text = json.dumps(out, indent=2)
+    print(text)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    if markdown_path:
+        update_between_markers(Path(markdown_path), render(out), begin, end)
 
 
 def update_between_markers(path: Path, block: str, begin: str = BEGIN, end: str = END) -> None:
