@@ -45,7 +45,7 @@ import anyio
 from bench.perf.report import publish
 from bench.perf.serving import measure_front, post
 
-__all__ = ["SERVERS", "markdown", "run", "serve"]
+__all__ = ["SERVERS", "markdown", "package_of", "run", "serve"]
 
 SERVERS = ("hypercorn", "uvicorn", "h11-trio")
 BEGIN, END = "<!-- http-layer:begin -->", "<!-- http-layer:end -->"
@@ -232,7 +232,7 @@ def _one(server: str, app_kind: str, args: argparse.Namespace) -> dict[str, Any]
 PACKAGES = ("hypercorn", "uvicorn", "starlette", "anyio", "h11", "trio", "asyncio", "selectors", "outcome")
 
 
-def _package(frame: str) -> str:
+def package_of(frame: str) -> str:
     """``"name (path:line)"`` -> the package of ``path`` (py-spy shortens site-packages paths)."""
     path = frame.rsplit("(", 1)[-1].split(":", 1)[0]
     if path.startswith("<attrs generated methods "):  # attrs' generated code: the class's package
@@ -268,8 +268,8 @@ def _py_spy(pid: int, seconds: float, delay: float) -> dict[str, Any]:
         n = int(count)
         frames = stack.split(";")
         total += n
-        inner[_package(frames[-1])] += n
-        for name in {f.split(" (", 1)[0] for f in frames if _package(f) in ("hypercorn", "uvicorn", "h11")}:
+        inner[package_of(frames[-1])] += n
+        for name in {f.split(" (", 1)[0] for f in frames if package_of(f) in ("hypercorn", "uvicorn", "h11")}:
             inclusive[name] += n
     share = {k: round(v / max(total, 1), 3) for k, v in inner.most_common()}
     top = {k: round(v / max(total, 1), 3) for k, v in inclusive.most_common(8)}

@@ -38,10 +38,10 @@ def test_unknown_servers_are_refused_by_name(capsys: pytest.CaptureFixture[str])
 
 
 def test_a_profile_is_charged_to_the_innermost_frames_package_and_rendered() -> None:
-    assert http_layer._package("run (trio/_core/_run.py:2532)") == "trio"
-    assert http_layer._package("f (/x/site-packages/hypercorn/protocol/h11.py:3)") == "hypercorn"
-    assert http_layer._package("__init__ (<attrs generated methods outcome._impl.Value>:15)") == "outcome"
-    assert http_layer._package("app (bench/perf/http_layer.py:72)") == "http_layer (the app)"
+    assert http_layer.package_of("run (trio/_core/_run.py:2532)") == "trio"
+    assert http_layer.package_of("f (/x/site-packages/hypercorn/protocol/h11.py:3)") == "hypercorn"
+    assert http_layer.package_of("__init__ (<attrs generated methods outcome._impl.Value>:15)") == "outcome"
+    assert http_layer.package_of("app (bench/perf/http_layer.py:72)") == "http_layer (the app)"
     prof = {"samples": 100, "innermost": {"trio": 0.7, "hypercorn": 0.3},
             "functions": {"Server.run": 0.95, "H11Protocol.stream_send": 0.6}}
     runs = [{"server": "hypercorn", "app": "raw", "ok": 10, "failed": 0, "req_per_s": 5.0,
