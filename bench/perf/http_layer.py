@@ -10,7 +10,10 @@ would), served in turn by
 * ``uvicorn``: uvicorn with its h11 protocol, as ``serve --loop asyncio``;
 * ``h11-trio``: a minimal keep-alive HTTP/1.1 loop on Trio over h11 (no
   timeouts, no limits, no WebSocket): what a lean Trio server would cost,
-  the same parser as the other two.
+  the same parser as the other two;
+* ``lean-trio``: the same loop with the chunks framed by hand and written
+  with :func:`write_nowait` (no checkpoint when the socket takes the bytes,
+  as asyncio's ``transport.write``): what the per-chunk ``send_all`` costs.
 
 ``--app starlette`` puts Starlette's router and ``StreamingResponse`` in
 front (what the product's routes run on).  Each server is a child process
@@ -47,7 +50,7 @@ from bench.perf.serving import measure_front, post
 
 __all__ = ["SERVERS", "markdown", "package_of", "run", "serve"]
 
-SERVERS = ("hypercorn", "uvicorn", "h11-trio")
+SERVERS = ("hypercorn", "uvicorn", "h11-trio", "lean-trio")
 BEGIN, END = "<!-- http-layer:begin -->", "<!-- http-layer:end -->"
 CHUNK = (b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk",'
          b'"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
@@ -113,13 +116,34 @@ def _receive_once(body: bytes) -> Receive:
     return receive
 
 
-async def h11_trio_serve(app: Any, listener: Any) -> None:
-    """The minimal HTTP/1.1 server: one task per connection, h11 in, chunked SSE out."""
+async def write_nowait(fd: int, data: bytes) -> None:
+    """Write ``data`` to a non-blocking socket, waiting only while the kernel's buffer is full.
+
+    No checkpoint when the socket takes the bytes at once (as asyncio's
+    ``transport.write``): the caller's own waits are its schedule points.
+    """
+    import trio
+
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            await trio.lowlevel.wait_writable(fd)
+
+
+async def h11_trio_serve(app: Any, listener: Any, lean: bool = False) -> None:
+    """The minimal HTTP/1.1 server: one task per connection, h11 in, chunked SSE out.
+
+    ``lean``: frame the chunks by hand and write them with :func:`write_nowait`
+    instead of h11's send path and ``send_all`` (which checkpoints every chunk).
+    """
     import h11
     import trio
 
     async def connection(stream: trio.SocketStream) -> None:
         conn = h11.Connection(h11.SERVER)
+        fd = stream.socket.fileno()
 
         async def next_event() -> Any:
             while (event := conn.next_event()) is h11.NEED_DATA:
@@ -132,6 +156,19 @@ async def h11_trio_serve(app: Any, listener: Any) -> None:
                 while isinstance(event := await next_event(), h11.Data):
                     body += event.data
                 receive = _receive_once(body)
+
+                async def send_lean(message: dict[str, Any]) -> None:
+                    if message["type"] == "http.response.start":
+                        await write_nowait(fd, conn.send(h11.Response(
+                            status_code=message["status"],
+                            headers=[*message.get("headers", []), (b"transfer-encoding", b"chunked")])))
+                        return
+                    body = message.get("body", b"")
+                    out = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+                    if not message.get("more_body"):
+                        out += b"0\r\n\r\n"
+                        conn.send(h11.EndOfMessage())  # h11 keeps the state; its bytes are the line above
+                    await write_nowait(fd, out)
 
                 async def send(message: dict[str, Any]) -> None:
                     if message["type"] == "http.response.start":
@@ -149,7 +186,7 @@ async def h11_trio_serve(app: Any, listener: Any) -> None:
                          "path": request.target.decode(), "raw_path": request.target,
                          "query_string": b"", "root_path": "", "headers": list(request.headers),
                          "server": None, "client": None}
-                await app(scope, receive, send)
+                await app(scope, receive, send_lean if lean else send)
                 if conn.our_state is h11.MUST_CLOSE:
                     return
                 conn.start_next_cycle()
@@ -182,7 +219,7 @@ def serve(server: str, app_kind: str, fd: int, chunks: int) -> None:
 
     async def main() -> None:
         sock = trio.socket.fromfd(fd, socket.AF_INET, socket.SOCK_STREAM)
-        await h11_trio_serve(app, trio.SocketListener(sock))
+        await h11_trio_serve(app, trio.SocketListener(sock), lean=server == "lean-trio")
     trio.run(main)
 
 
