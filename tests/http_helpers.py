@@ -3,9 +3,10 @@
 ``serve(front, factory)`` starts the one app (:func:`~trio_orch.http.app.create_app`)
 the way ``trio-orch serve --loop FRONT`` does: ``"asyncio"`` -- the
 thread-bridge :class:`Engine` and uvicorn with the serve command's settings
-(:class:`Served`); ``"trio"`` -- the :class:`TrioEngine` and hypercorn's
-Trio worker in one Trio run (:class:`TrioServed`, in a thread of its own so
-the test can be a plain client).  The ``serving`` fixture (tests/conftest.py)
+(:class:`Served`); ``"trio"`` -- the :class:`TrioEngine` and the lean Trio
+server (or, ``http_server="hypercorn"``, hypercorn's Trio worker) in one Trio
+run (:class:`TrioServed`, in a thread of its own so the test can be a plain
+client).  The ``serving`` fixture (tests/conftest.py)
 stops whatever a test started with it.
 """
 
@@ -28,7 +29,8 @@ from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.serve.connection_limits import HeadDeadline
-from trio_orch.serve.hypercorn_front import hypercorn_config, serve_http
+from trio_orch.serve.trio_front import serve_http, server_config
+from trio_orch.serve.trio_http import LeanConfig, ServerState
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
 
@@ -79,16 +81,23 @@ class Served:
 
 
 class TrioServed:
-    """An TrioEngine + the app under hypercorn's Trio worker, in one Trio run (``serve --loop trio``)."""
+    """A TrioEngine + the app under a Trio HTTP server, in one Trio run (``serve --loop trio``).
+
+    ``http_server``: ``"lean"`` (the default, :mod:`trio_orch.serve.trio_http`; ``state`` is its
+    shared state) or ``"hypercorn"``.
+    """
 
     front_name = "trio"
 
     def __init__(self, factory: Any, *, engine_options: dict[str, Any] | None = None,
-                 limits: HTTPLimits | None = None, model_name: str = "toy", **app_kwargs: Any) -> None:
+                 limits: HTTPLimits | None = None, model_name: str = "toy", http_server: str = "lean",
+                 **app_kwargs: Any) -> None:
         self.engine = TrioEngine(factory, **(engine_options or {}))
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
         app_kwargs.pop("max_connections", None)  # the threaded front's limit
+        self.config = server_config(self.limits, http_server, graceful_timeout=2.0)
+        self.state = ServerState(self.config) if isinstance(self.config, LeanConfig) else None
         self.app_kwargs = {"model_name": model_name, "limits": self.limits, "front": self.front, **app_kwargs}
         self.sock = listening_socket(self.limits.backlog)
         self.port = self.sock.getsockname()[1]
@@ -117,11 +126,16 @@ class TrioServed:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             app = create_app(self.engine, **self.app_kwargs)
-            config = hypercorn_config(self.limits, graceful_timeout=2.0)
-            await nursery.start(partial(serve_http, app, self.sock, config, shutdown_trigger=self._stop.wait))
+            await nursery.start(partial(serve_http, app, self.sock, self.config, state=self.state,
+                                        shutdown_trigger=self._stop.wait))
             self._ready.set()
             await self._stop.wait()
             self.engine.request_stop()
+
+    def open_connections(self) -> int:
+        """HTTP connections the lean server holds open now (a WebSocket session counts)."""
+        assert self.state is not None, "hypercorn does not say"
+        return len(self.state.connections)
 
     def stop(self) -> None:
         if self._token is not None and self._stop is not None:
@@ -137,15 +151,19 @@ class TrioServed:
 
 
 FRONTS = ("asyncio", "trio")
+#: every server a front can run: the fronts, and ``serve --loop trio --http-server hypercorn``
+SERVERS = (*FRONTS, "trio-hypercorn")
 
 
 def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = None,
           **served_kwargs: Any) -> Served | TrioServed:
-    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`FRONTS`), started.
+    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`SERVERS`), started.
 
     ``served_kwargs``: :func:`~trio_orch.http.app.create_app`'s arguments, ``limits`` and (asyncio
     only) ``max_connections``.
     """
+    if front == "trio-hypercorn":
+        return TrioServed(factory, engine_options=engine_options, http_server="hypercorn", **served_kwargs)
     if front == "trio":
         return TrioServed(factory, engine_options=engine_options, **served_kwargs)
     return Served(Engine(factory, **(engine_options or {})).start(), **served_kwargs)

@@ -91,7 +91,10 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--request-queue-size", "-1"], "--request-queue-size must be >= 0"),
     (["--replicas", "0"], "--replicas must be >= 1"),
-    (["--loop", "trio", "--max-connections", "100"], "--max-connections applies to --loop asyncio"),
+    (["--loop", "trio", "--http-server", "hypercorn", "--max-connections", "100"],
+     "--max-connections does not apply to --http-server hypercorn"),
+    (["--http-server", "lean"], "--http-server lean applies to --loop trio only"),
+    (["--loop", "asyncio", "--http-server", "hypercorn"], "--http-server hypercorn applies to --loop trio"),
     (["--port", "99999"], "--port must be 0..65535"),
     (["--port", "-1"], "--port must be 0..65535"),
     (["--max-body-reads", "0"], "max_body_reads must be >= 1"),

@@ -1,6 +1,7 @@
 """At the end of a drain the listener closes: every connection is answered 503 or refused, none reset or hung.
 
-A real ``trio-orch serve --in-process`` on either front, one stream in
+A real ``trio-orch serve --in-process`` on either front (and on hypercorn
+with ``--loop trio --http-server hypercorn``), one stream in
 flight when SIGTERM comes, and clients on raw sockets connecting over and
 over, from several threads at once, until the process has exited: while it
 drains each gets the 503 ``draining`` answer; once the drain ended the
@@ -61,9 +62,9 @@ def test_the_drain_answer_is_the_middlewares() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["asyncio", "trio"])
+@pytest.mark.parametrize("loop", ["asyncio", "trio", "trio --http-server hypercorn"])
 def test_after_the_drain_a_connection_is_refused_never_reset_or_left_hanging(loop: str) -> None:
-    proc, url = start_serve("--in-process", "--loop", loop)
+    proc, url = start_serve("--in-process", "--loop", *loop.split())
     port = int(url.rsplit(":", 1)[1])
     try:
         with httpx.Client(base_url=url, timeout=HANG) as c:

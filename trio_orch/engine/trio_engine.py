@@ -12,7 +12,7 @@ Resumable requests take more input through the
 :class:`~trio_orch.engine.updates.UpdateForwarder`, in call order, after
 their own admission.  The control plane is
 :class:`~trio_orch.engine.control.ControlPlane`.  ``serve --loop trio``
-serves the HTTP app this way (:mod:`trio_orch.serve.hypercorn_front`).
+serves the HTTP app this way (:mod:`trio_orch.serve.trio_front`).
 
 Calls from another thread are posted through the run's Trio token, so the
 thread adapter (:class:`~trio_orch.engine.bridge.Engine`: a Trio run in a

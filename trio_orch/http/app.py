@@ -10,7 +10,7 @@ that makes no images), the ``/v1/realtime`` WebSocket session
 ``/v1/models/{name}``), ``GET /health``, ``GET /metrics`` (Prometheus text),
 vLLM's ``GET /version`` and ``/ping`` and, with an admin token, the
 ``/admin/...`` control routes (:mod:`trio_orch.http.admin`).  Both fronts
-(:mod:`trio_orch.serve.uvicorn_front`, :mod:`trio_orch.serve.hypercorn_front`)
+(:mod:`trio_orch.serve.uvicorn_front`, :mod:`trio_orch.serve.trio_front`)
 and the tests serve what it returns, so they cannot drift apart.
 
 A request is admitted before any byte of the answer goes out, so a refusal

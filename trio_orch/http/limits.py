@@ -29,7 +29,7 @@ Trio ASGI server.  Limits on connections (how many, how long an idle one
 or a slow header may hold a socket, the listen backlog, the size of a
 request head) belong to the server: each front maps them to its server's
 own settings (:mod:`trio_orch.serve.uvicorn_front`,
-:mod:`trio_orch.serve.hypercorn_front`).  :class:`RateLimitFilter` keeps
+:mod:`trio_orch.serve.trio_front`).  :class:`RateLimitFilter` keeps
 floods of identical log lines (accept errors when out of file descriptors)
 to one line per interval.
 """

@@ -2,9 +2,11 @@
 
 ``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
 orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.Engine`'s
-Trio thread.  ``--loop trio``: hypercorn's Trio worker and the
+Trio thread.  ``--loop trio``: an HTTP server on Trio -- the lean one
+(:mod:`trio_orch.serve.trio_http`, default) or hypercorn's Trio worker
+(``--http-server hypercorn``) -- and the
 :class:`~trio_orch.engine.trio_engine.TrioEngine` in one Trio run
-(:mod:`trio_orch.serve.hypercorn_front`), no thread between them.
+(:mod:`trio_orch.serve.trio_front`), no thread between them.
 
 Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
 requests answer 503 ``draining``; the listening socket stays open so a load
@@ -28,6 +30,7 @@ import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,10 +48,12 @@ from trio_orch.serve.connection_limits import HeadDeadline, default_max_connecti
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
-__all__ = ["DEFAULT_LOOP", "configure", "run", "watch_engine"]
+__all__ = ["DEFAULT_LOOP", "HTTP_SERVERS", "configure", "run", "watch_engine"]
 
 #: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
 DEFAULT_LOOP = "asyncio"
+#: the HTTP servers of ``--loop trio`` (``--http-server``), the default first
+HTTP_SERVERS = ("lean", "hypercorn")
 
 log = logging.getLogger("trio_orch.serve.command")
 
@@ -63,16 +68,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
         "(vLLM's and OpenAI's dialect, --served-model-name and --api-key as vLLM's: "
         "docs/openai-compat.md). --loop trio: the HTTP server "
-        "(Starlette + hypercorn) runs in the orchestrator's own Trio run; --loop asyncio (default): "
+        "(Starlette on the lean Trio server, or hypercorn) runs in the orchestrator's own Trio run; "
+        "--loop asyncio (default): "
         "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
         "a signal.")
     parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
-                        help="trio: the HTTP server (hypercorn's Trio worker) runs inside the "
+                        help="trio: the HTTP server (see --http-server) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
+    parser.add_argument("--http-server", choices=list(HTTP_SERVERS), default=None,
+                        help="--loop trio only: the HTTP server in the Trio run. lean (default): the "
+                             "project's own HTTP/1.1 + WebSocket server on h11 and wsproto, which writes "
+                             "each streamed chunk straight to the socket (no scheduling point when the "
+                             "kernel takes the bytes: about uvicorn's CPU per streamed request); "
+                             "hypercorn: hypercorn's Trio worker (about 4x that CPU per streamed "
+                             "request; no --max-connections). docs/operating.md has each one's limits")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -147,8 +160,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--header-timeout", type=float, default=d.header_timeout,
                    help="seconds a connection may take to send a complete request head, from connecting "
                         "or from its previous answer, before it is closed (default "
-                        f"{d.header_timeout:g}; --loop trio: hypercorn's idle timer, so the smaller of "
-                        "this and --keep-alive-timeout)")
+                        f"{d.header_timeout:g}; --http-server hypercorn: hypercorn's idle timer, so the "
+                        "smaller of this and --keep-alive-timeout)")
     h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
     h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
@@ -158,8 +171,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help=f"connections the kernel queues before they are accepted (default {d.backlog})")
     h.add_argument("--max-connections", type=int, default=None,
                    help="open connections (and requests in progress); past it a new request gets 503 "
-                        "(uvicorn's limit_concurrency; default: the file-descriptor limit minus 1024; "
-                        "--loop asyncio only: hypercorn has no such limit, --loop trio refuses it)")
+                        "(uvicorn's limit_concurrency; --loop trio: the lean server answers a new "
+                        "connection 503; default: the file-descriptor limit minus 1024; hypercorn has "
+                        "no such limit: --http-server hypercorn refuses it)")
     h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
@@ -203,9 +217,12 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--served-model-name: a name may not be empty")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key: the key may not be empty (leave it out to serve without one)")
-    if args.loop == "trio" and args.max_connections is not None:  # an explicit limit must hold or be refused
-        raise ValueError("--max-connections applies to --loop asyncio: hypercorn's Trio worker has no "
-                         "connection limit")
+    if args.http_server is not None and args.loop != "trio":
+        raise ValueError(f"--http-server {args.http_server} applies to --loop trio only (--loop "
+                         f"{args.loop} serves with uvicorn)")
+    if args.http_server == "hypercorn" and args.max_connections is not None:  # must hold or be refused
+        raise ValueError("--max-connections does not apply to --http-server hypercorn: hypercorn's Trio "
+                         "worker has no connection limit (the lean server and --loop asyncio have one)")
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
                       max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
@@ -420,7 +437,8 @@ def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits,
     import trio
 
     from trio_orch.engine import TrioEngine
-    from trio_orch.serve.hypercorn_front import hypercorn_config, serve_trio
+    from trio_orch.serve.trio_front import serve_trio, server_config
+    from trio_orch.serve.trio_http import LeanConfig, ServerState
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # until Trio takes the signals over
     options = _engine_options(args, pipeline)
@@ -428,18 +446,23 @@ def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits,
     engine = TrioEngine(pipeline.factory, **options)
     front = FrontMetrics()
     level = logging.getLogger().getEffectiveLevel()
-    config = hypercorn_config(limits, log_level="info" if level <= logging.INFO else "warning")
+    http_server = args.http_server or HTTP_SERVERS[0]
+    if http_server == "lean":
+        limits = replace(limits, max_connections=limits.max_connections or default_max_connections())
+    config = server_config(limits, http_server, log_level="info" if level <= logging.INFO else "warning")
+    state = ServerState(config) if isinstance(config, LeanConfig) else None
 
     def make_app(eng: TrioEngine) -> Any:
-        return _app(args, pipeline, eng, limits, front)
+        return _app(args, pipeline, eng, limits, front, state.counters if state is not None else None)
 
     def announce(host: str, port: int) -> None:
-        _announce(pipeline, host, port, "Trio front")
+        _announce(pipeline, host, port, f"Trio front, {http_server} server")
 
     try:
         out = trio.run(lambda: serve_trio(engine, make_app, sock, config, front,
                                           startup_timeout=args.startup_timeout,
-                                          shutdown_timeout=args.shutdown_timeout, announce=announce))
+                                          shutdown_timeout=args.shutdown_timeout, announce=announce,
+                                          state=state))
     except KeyboardInterrupt:
         print("interrupted: stopped", file=sys.stderr, flush=True)
         return EXIT_SIGNAL
