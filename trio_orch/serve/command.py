@@ -82,10 +82,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-server", choices=list(HTTP_SERVERS), default=None,
                         help="--loop trio only: the HTTP server in the Trio run. lean (default): the "
                              "project's own HTTP/1.1 + WebSocket server on h11 and wsproto, which writes "
-                             "each streamed chunk straight to the socket (no scheduling point when the "
-                             "kernel takes the bytes: about uvicorn's CPU per streamed request); "
-                             "hypercorn: hypercorn's Trio worker (about 4x that CPU per streamed "
-                             "request; no --max-connections). docs/operating.md has each one's limits")
+                             "each streamed chunk straight to the socket, with no scheduling point when "
+                             "the kernel takes the bytes (hypercorn's send lock and checkpoint per chunk "
+                             "made it about 4x uvicorn's CPU per streamed request); hypercorn: "
+                             "hypercorn's Trio worker (no --max-connections). docs/operating.md has "
+                             "each one's limits")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -170,10 +171,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--backlog", type=int, default=d.backlog,
                    help=f"connections the kernel queues before they are accepted (default {d.backlog})")
     h.add_argument("--max-connections", type=int, default=None,
-                   help="open connections (and requests in progress); past it a new request gets 503 "
-                        "(uvicorn's limit_concurrency; --loop trio: the lean server answers a new "
-                        "connection 503; default: the file-descriptor limit minus 1024; hypercorn has "
-                        "no such limit: --http-server hypercorn refuses it)")
+                   help="open connections; past it a new request gets 503 (--loop asyncio: uvicorn's "
+                        "limit_concurrency, which counts requests in progress too; --loop trio: the "
+                        "lean server's own count; default: the file-descriptor limit minus 1024; "
+                        "hypercorn has no such limit: --http-server hypercorn refuses it)")
     h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",

@@ -271,12 +271,14 @@ class HTTPConnection:
         if cycle.watching is not None or self.eof:  # another task reads already, or nothing more to read
             await cycle.gone.wait()
             return
+        ahead = 0  # bytes of a next request read meanwhile
         with trio.CancelScope() as cycle.watching:
             while not cycle.gone.is_set():
-                if self.reader.buffered >= self.config.max_head_bytes:  # enough of a next request
+                if ahead >= self.config.max_head_bytes:  # enough of a next request: read no further
                     await cycle.gone.wait()
                     break
                 chunk = await self.transport.recv()
+                ahead += len(chunk)
                 self._feed(chunk)
                 if not chunk:
                     self._end(cycle)

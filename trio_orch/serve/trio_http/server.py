@@ -28,6 +28,7 @@ from typing import Any
 
 import trio
 
+from trio_orch.http.limits import RateLimitFilter
 from trio_orch.serve.trio_http.config import LeanConfig, ServerState
 from trio_orch.serve.trio_http.connection import ASGIApp, HTTPConnection
 from trio_orch.serve.trio_http.transport import Transport
@@ -35,6 +36,7 @@ from trio_orch.serve.trio_http.transport import Transport
 __all__ = ["serve"]
 
 log = logging.getLogger("trio_orch.serve.trio_http")
+log.addFilter(RateLimitFilter(("accept: ",)))  # out of file descriptors: one line per 10 s, with a count
 
 #: accept errors that mean "out of a resource for now": pause, then accept again
 _RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
