@@ -85,8 +85,9 @@ class HTTPLimits:
     ``header_timeout``, ``keep_alive_timeout``, ``max_connections``,
     ``backlog`` and ``max_head_bytes`` are applied by the server (each front
     maps them to its server's settings); the others by :class:`LimitsMiddleware`
-    and the request parser.  ``max_connections`` None: uvicorn's front derives
-    it from the process's file-descriptor limit; hypercorn has none.
+    and the request parser.  ``max_connections`` None: the serve command derives
+    it from the process's file-descriptor limit (uvicorn, the lean Trio server);
+    hypercorn has none.
     """
 
     max_body_bytes: int = 4 << 20

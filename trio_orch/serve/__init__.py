@@ -1,3 +1,3 @@
-"""``trio-orch serve``: the command, its two fronts (uvicorn on asyncio, hypercorn on Trio),
-signals and drain.
+"""``trio-orch serve``: the command, its two fronts (uvicorn on asyncio; on Trio the lean server of
+:mod:`trio_orch.serve.trio_http`, or hypercorn), signals and drain.
 """

@@ -49,11 +49,13 @@ DISCONNECT = {"type": "http.disconnect"}
 
 def asgi_scope(kind: str, head: RequestHead, server: Any, client: Any) -> dict[str, Any]:
     """The ASGI scope of ``head`` (``kind`` "http" or "websocket"), every standard key."""
-    return {"type": kind, "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": head.http_version, "server": server, "client": client,
-            "scheme": "http" if kind == "http" else "ws", "method": head.method, "root_path": "",
-            "path": head.path, "raw_path": head.raw_path, "query_string": head.query_string,
-            "headers": head.headers}
+    scope = {"type": kind, "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": head.http_version, "server": server, "client": client,
+             "scheme": "http" if kind == "http" else "ws", "root_path": "", "path": head.path,
+             "raw_path": head.raw_path, "query_string": head.query_string, "headers": head.headers}
+    if kind == "http":
+        scope["method"] = head.method
+    return scope
 
 
 def error_answer(status: int, message: str, code: str, kind: str = "invalid_request_error",
