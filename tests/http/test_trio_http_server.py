@@ -53,6 +53,10 @@ class App:
         path = scope["path"]
         if path == "/boom":
             raise RuntimeError("a bug before the answer")
+        if path == "/noread":  # answers without reading the body
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"no"})
+            return
         body = b""
         while True:
             message = await receive()
@@ -464,3 +468,44 @@ async def test_a_websocket_client_that_vanishes_ends_the_session_with_1006() -> 
         await stream.aclose()
         await app.ws_done.wait()
     assert app.ws_disconnect == {"type": "websocket.disconnect", "code": 1006}
+
+
+async def test_an_http10_answer_without_a_length_is_ended_by_the_close() -> None:
+    app = App()
+    app.release.set()
+    async with serving(app) as (port, _), await connect(port) as s:
+        await s.send_all(b"POST /stream HTTP/1.0\r\ncontent-length: 0\r\n\r\n")
+        data = await read_to_eof(s)
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head and b"chunked" not in head
+    assert body == b"data: first\n\ndata: last\n\n"
+
+
+async def test_an_answer_that_leaves_a_100_continue_unsent_closes_the_connection() -> None:
+    """The client may or may not send its body once the final answer came first: it cannot go on."""
+    async with serving(App()) as (port, _), await connect(port) as s:
+        expecting = post("/noread", extra="expect: 100-continue\r\n").replace(b"length: 0", b"length: 9")
+        await s.send_all(expecting)
+        data = await read_to_eof(s)
+    assert data.startswith(b"HTTP/1.1 200") and b"100 Continue" not in data
+    assert b"connection: close" in data and data.endswith(b"\r\n\r\nno")
+
+
+async def test_a_client_leaving_mid_upload_reaches_the_app_as_http_disconnect() -> None:
+    seen: list[str] = []
+    done = trio.Event()
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            seen.append(message["type"])
+            if message["type"] == "http.disconnect":
+                done.set()
+                return
+
+    async with serving(app) as (port, _):  # type: ignore[arg-type]
+        s = await connect(port)
+        await s.send_all(post("/up", b"").replace(b"length: 0", b"length: 100") + b"part")
+        await s.aclose()
+        await done.wait()
+    assert seen[-1] == "http.disconnect" and set(seen) <= {"http.request", "http.disconnect"}
