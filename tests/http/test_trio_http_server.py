@@ -73,6 +73,11 @@ class App:
             await send({"type": "http.response.body", "body": data})
         elif path == "/stream":
             await self.stream(receive, send)
+        elif path == "/peek-stream":  # Starlette's is_disconnected(): a receive under a cancelled scope
+            with trio.CancelScope() as peek:
+                peek.cancel()
+                assert (await receive())["type"] != "http.disconnect"
+            await self.stream(receive, send)
         elif path == "/boom-after":
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"half", "more_body": True})
@@ -299,11 +304,12 @@ async def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_time
         assert state.header_timeouts == 0  # an idle connection is no slow head
 
 
-async def test_a_client_leaving_mid_stream_reaches_the_app_as_http_disconnect() -> None:
+@pytest.mark.parametrize("path", ["/stream", "/peek-stream"])
+async def test_a_client_leaving_mid_stream_reaches_the_app_as_http_disconnect(path: str) -> None:
     app = App()
     async with serving(app) as (port, _):
         s = await connect(port)
-        await s.send_all(post("/stream"))
+        await s.send_all(post(path))
         await read_until(s, b"data: first\n\n\r\n")
         await s.aclose()
         await app.disconnected.wait()

@@ -274,17 +274,19 @@ class HTTPConnection:
             await cycle.gone.wait()
             return
         ahead = 0  # bytes of a next request read meanwhile
-        with trio.CancelScope() as cycle.watching:
-            while not cycle.gone.is_set():
-                if ahead >= self.config.max_head_bytes:  # enough of a next request: read no further
-                    await cycle.gone.wait()
-                    break
-                chunk = await self.transport.recv()
-                ahead += len(chunk)
-                self._feed(chunk)
-                if not chunk:
-                    self._end(cycle)
-        cycle.watching = None
+        try:
+            with trio.CancelScope() as cycle.watching:
+                while not cycle.gone.is_set():
+                    if ahead >= self.config.max_head_bytes:  # enough of a next request: read no further
+                        await cycle.gone.wait()
+                        break
+                    chunk = await self.transport.recv()
+                    ahead += len(chunk)
+                    self._feed(chunk)
+                    if not chunk:
+                        self._end(cycle)
+        finally:  # also when the caller's own scope cancels it (a peek at "disconnected yet?")
+            cycle.watching = None
 
     def _end(self, cycle: _Cycle) -> None:
         """The client left or the response is complete: every ``receive`` now answers disconnect."""
