@@ -159,8 +159,11 @@ async def test_kill_9_of_a_replica_fails_only_its_requests() -> None:
 
 
 async def test_shutdown_with_requests_in_flight_leaves_nothing_behind() -> None:
-    cfg = echo_config(3, final_stage_ids=[0, 2], replicas=2, outputs=10_000,
-                      worker_args=["--step-delay-ms", "1"], async_chunk=True)
+    # In flight for at least 3 s (150 steps of 20 ms), and 6 x 150 chunks fit a worker-to-worker
+    # queue (ZMQ's 1,000 messages) even if a starved downstream worker reads none of them: a full
+    # queue fails its request ("not taking chunks"), which a loaded machine must not provoke here.
+    cfg = echo_config(3, final_stage_ids=[0, 2], replicas=2, outputs=150,
+                      worker_args=["--step-delay-ms", "20"], async_chunk=True)
     async with checked_pipeline(cfg) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
@@ -174,7 +177,7 @@ async def test_shutdown_with_requests_in_flight_leaves_nothing_behind() -> None:
             msgs.append(m)
     terminals = [m for m in msgs if m.finished]
     assert sorted(m.request_id for m in terminals) == [f"r{i}" for i in range(6)]
-    assert all(isinstance(m, OrchError) and m.kind == "shutdown" for m in terminals)
+    assert all(isinstance(m, OrchError) and m.kind == "shutdown" for m in terminals), terminals
 
 
 async def test_cancelled_pipeline_stops_its_workers() -> None:
