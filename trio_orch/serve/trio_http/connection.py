@@ -37,6 +37,7 @@ from trio_orch.serve.trio_http.protocol import (
     simple_response,
 )
 from trio_orch.serve.trio_http.transport import Transport
+from trio_orch.serve.trio_http.websocket import serve_websocket
 
 __all__ = ["ASGIApp", "HTTPConnection", "asgi_scope"]
 
@@ -136,8 +137,6 @@ class HTTPConnection:
                 await self.transport.close()
                 return
             if head.websocket:
-                from trio_orch.serve.trio_http.websocket import serve_websocket
-
                 self.state.websockets += 1
                 try:
                     scope = asgi_scope("websocket", head, self.server, self.client)
