@@ -196,9 +196,11 @@ class WebSocketSession:
                             return
                         parts.append(event.data)
                         if event.message_finished:
-                            key = "text" if isinstance(event, TextMessage) else "bytes"
-                            await self.incoming.send({"type": "websocket.receive",
-                                                      key: (type(event.data)()).join(parts)})
+                            if isinstance(event, TextMessage):
+                                message = {"type": "websocket.receive", "text": "".join(parts)}
+                            else:
+                                message = {"type": "websocket.receive", "bytes": b"".join(parts)}
+                            await self.incoming.send(message)
                             parts, size = [], 0
                     elif isinstance(event, Ping):
                         await self._write(event.response())
