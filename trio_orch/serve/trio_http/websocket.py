@@ -196,6 +196,7 @@ class WebSocketSession:
                             return
                         parts.append(event.data)
                         if event.message_finished:
+                            message: dict[str, Any]
                             if isinstance(event, TextMessage):
                                 message = {"type": "websocket.receive", "text": "".join(parts)}
                             else:
