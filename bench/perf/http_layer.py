@@ -13,7 +13,10 @@ would), served in turn by
   the same parser as the other two;
 * ``lean-trio``: the same loop with the chunks framed by hand and written
   with :func:`write_nowait` (no checkpoint when the socket takes the bytes,
-  as asyncio's ``transport.write``): what the per-chunk ``send_all`` costs.
+  as asyncio's ``transport.write``): what the per-chunk ``send_all`` costs;
+* ``trio-http``: the product's lean server (:mod:`trio_orch.serve.trio_http`,
+  what ``serve --loop trio`` runs by default), with its limits, disconnect
+  watch and drain.
 
 ``--app starlette`` puts Starlette's router and ``StreamingResponse`` in
 front (what the product's routes run on).  Each server is a child process
@@ -50,7 +53,7 @@ from bench.perf.serving import measure_front, post
 
 __all__ = ["SERVERS", "markdown", "package_of", "run", "serve"]
 
-SERVERS = ("hypercorn", "uvicorn", "h11-trio", "lean-trio")
+SERVERS = ("hypercorn", "uvicorn", "h11-trio", "lean-trio", "trio-http")
 BEGIN, END = "<!-- http-layer:begin -->", "<!-- http-layer:end -->"
 CHUNK = (b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk",'
          b'"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
@@ -215,6 +218,12 @@ def serve(server: str, app_kind: str, fd: int, chunks: int) -> None:
         config.accesslog = None
         config.loglevel = "WARNING"
         trio.run(hypercorn_serve, app, config)  # type: ignore[arg-type]
+        return
+
+    if server == "trio-http":
+        from trio_orch.serve.trio_http import LeanConfig
+        from trio_orch.serve.trio_http import serve as lean_serve
+        trio.run(lean_serve, app, socket.socket(fileno=fd), LeanConfig())
         return
 
     async def main() -> None:
