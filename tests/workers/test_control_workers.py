@@ -238,12 +238,14 @@ async def test_profile_writes_a_trace_of_the_steps(tmp_path: Path) -> None:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
             await nursery.start(orch.run)
-            [started] = await orch.collective_rpc("start_profile", [str(tmp_path / "prof")])
+            # starting torch's profiler, and writing its trace, take seconds on a loaded machine: past
+            # the 5 s default RPC timeout there (the timeout is not what this tests)
+            [started] = await orch.collective_rpc("start_profile", [str(tmp_path / "prof")], timeout=120)
             assert started.error is None
-            [again] = await orch.collective_rpc("start_profile", [str(tmp_path / "prof")])
+            [again] = await orch.collective_rpc("start_profile", [str(tmp_path / "prof")], timeout=120)
             assert "already running" in (again.error or "")
             await text_of(orch, "a")
-            [stopped] = await orch.collective_rpc("stop_profile")
+            [stopped] = await orch.collective_rpc("stop_profile", timeout=120)
             await orch.shutdown()
     trace = Path(stopped.value["trace"])
     assert trace.parent == tmp_path / "prof" and trace.stat().st_size > 0
