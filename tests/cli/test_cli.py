@@ -91,6 +91,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--request-queue-size", "-1"], "--request-queue-size must be >= 0"),
     (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--priority-aging", "0"], "--priority-aging must be > 0 seconds"),
     (["--loop", "trio", "--http-server", "hypercorn", "--max-connections", "100"],
      "--max-connections does not apply to --http-server hypercorn"),
     (["--http-server", "lean"], "--http-server lean applies to --loop trio only"),

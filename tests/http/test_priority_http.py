@@ -68,10 +68,16 @@ worker_args = ["--step-delay-ms", "20"]
 ADMIN = {"authorization": "Bearer prio-test"}
 
 
-def start_serve(front: str, config: Path) -> tuple[subprocess.Popen[str], str]:
-    """``trio-orch serve --loop FRONT`` on a free loopback port; its URL once it serves."""
+def start_serve(front: str, config: Path, aging: float = 3600.0) -> tuple[subprocess.Popen[str], str]:
+    """``trio-orch serve --loop FRONT`` on a free loopback port; its URL once it serves.
+
+    ``aging`` (``--priority-aging``): by default none to speak of -- on a loaded
+    machine building a queue takes seconds, and a low request queued 5 s
+    before a mid one would rightly start first.
+    """
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--loop", front, "--port", "0",
-                             "--config", str(config), "--admin-token", ADMIN["authorization"].split()[1]],
+                             "--config", str(config), "--admin-token", ADMIN["authorization"].split()[1],
+                             "--priority-aging", str(aging)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -83,11 +89,20 @@ def start_serve(front: str, config: Path) -> tuple[subprocess.Popen[str], str]:
     raise AssertionError(f"trio-orch serve --loop {front} exited ({proc.returncode}) before serving")
 
 
+QUEUE = [("low0", 5), ("low1", 5), ("low2", 5), ("mid0", 0), ("mid1", 0), ("urgent", -5)]
+
+
 @pytest.mark.slow
 @pytest.mark.processes
-@pytest.mark.parametrize("front", ["trio", "asyncio"])
+@pytest.mark.parametrize(("front", "aging", "order"), [
+    ("trio", 3600.0, ["busy", "urgent", "mid0", "mid1", "low0", "low1", "low2"]),  # ties: arrival
+    ("asyncio", 3600.0, ["busy", "urgent", "mid0", "mid1", "low0", "low1", "low2"]),
+    # --priority-aging 10 us: each request was queued at least one HTTP round trip after the one
+    # before it, more than the 11 epochs by which urgent (-5) could pass low (5): arrival order
+    ("trio", 1e-5, ["busy", "low0", "low1", "low2", "mid0", "mid1", "urgent"]),
+])
 def test_over_trio_orch_serve_a_later_urgent_request_streams_before_queued_low_ones(
-        front: str, tmp_path: Path) -> None:
+        front: str, aging: float, order: list[str], tmp_path: Path) -> None:
     """The acceptance over a real serve and its worker process, on both fronts.
 
     One replica batching one request: ``busy`` occupies the pipeline, three
@@ -99,7 +114,7 @@ def test_over_trio_orch_serve_a_later_urgent_request_streams_before_queued_low_o
     """
     config = tmp_path / "echo1.toml"
     config.write_text(ECHO_ONE_AT_A_TIME)
-    proc, url = start_serve(front, config)
+    proc, url = start_serve(front, config, aging)
     firsts: list[str] = []
     finished: list[str] = []
     lock = threading.Lock()
@@ -132,14 +147,14 @@ def test_over_trio_orch_serve_a_later_urgent_request_streams_before_queued_low_o
             send("busy", 0)
             wait_until(lambda: "busy" in firsts, "busy streams", hang=60)
             assert c.post("/admin/pause", json={"mode": "keep"}, headers=ADMIN).status_code == 200
-            queue = [("low0", 5), ("low1", 5), ("low2", 5), ("mid0", 0), ("mid1", 0), ("urgent", -5)]
+            queue = QUEUE
             for n, (rid, priority) in enumerate(queue, 1):
                 send(rid, priority)
                 wait_until(lambda n=n: depth() >= n, f"{rid} queued", hang=60)  # type: ignore[misc]
             assert c.post("/admin/resume", json={}, headers=ADMIN).status_code == 200
             for t in threads:
                 t.join(120)
-            assert firsts == ["busy", "urgent", "mid0", "mid1", "low0", "low1", "low2"]  # ties: arrival
+            assert firsts == order
             assert sorted(finished) == sorted(["busy", *(rid for rid, _ in queue)])  # every one completes
             bad = c.post("/v1/chat/completions", json={"model": "trio-orch", "priority": "high",
                                                        "messages": [{"role": "user", "content": "x"}]})

@@ -38,6 +38,7 @@ from stages.config import PIPELINES
 from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import Engine, EngineStartupError
+from trio_orch.engine.base import as_spec
 from trio_orch.http.admin import TOKEN_ENV
 from trio_orch.http.app import API_KEY_ENV, create_app
 from trio_orch.http.chat_template import ChatInput, ChatTemplate
@@ -140,6 +141,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--request-queue-size", type=int, default=32,
                    help="admitted requests that may wait for room to start (default 32; 0: none -- a "
                         "request that cannot start at once is shed)")
+    a.add_argument("--priority-aging", type=float, default=None, metavar="SECONDS",
+                   help="seconds of waiting in the start queue that count as one priority level: a "
+                        "request of priority p is passed only by more urgent ones (priority q) queued "
+                        "less than (p - q + 1) x this after it, so none starves (default 1)")
     a.add_argument("--admission-timeout", type=float, default=0.0,
                    help="seconds a request may wait for a place in that queue before it is shed with "
                         "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
@@ -209,6 +214,8 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--max-inflight must be >= 0 (0: no bound)")
     if args.max_retries is not None and args.max_retries < 0:
         raise ValueError("--max-retries must be >= 0 (0: no failover)")
+    if args.priority_aging is not None and not args.priority_aging > 0:
+        raise ValueError("--priority-aging must be > 0 seconds")
     for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
@@ -248,7 +255,8 @@ def _with_options(factory: Any, **options: Any) -> Any:
     """``factory`` whose pipeline spec carries ``options`` for its orchestrator too."""
     @asynccontextmanager
     async def with_options() -> AsyncIterator[Any]:
-        async with factory() as spec:
+        async with factory() as raw:
+            spec = as_spec(raw)
             spec.options.update(options)
             yield spec
 
@@ -273,6 +281,7 @@ class _Pipeline:
             self.names: list[str] | None = ["toy thinker", "toy talker", "toy vocoder"]
             bound = 32 if args.max_inflight is None else args.max_inflight or None
             self.max_inflight: list[int | None] = [bound] * 3
+            self._aging(args)
             return
         from stages.config import builtin_config, load_config
         from trio_orch.cluster.distributed import head_options, open_head_pipeline
@@ -302,6 +311,11 @@ class _Pipeline:
                 yield pipe
 
         self.factory = factory
+        self._aging(args)
+
+    def _aging(self, args: argparse.Namespace) -> None:
+        if args.priority_aging is not None:
+            self.factory = _with_options(self.factory, priority_aging=args.priority_aging)
 
     def extra_metrics(self) -> dict[str, Any]:
         out = self.supervisor.prometheus_counters() if self.supervisor is not None else {}
