@@ -275,7 +275,8 @@ def _one(server: str, app_kind: str, args: argparse.Namespace) -> dict[str, Any]
 
 
 #: the packages a profile sample is charged to (by its innermost frame's file)
-PACKAGES = ("hypercorn", "uvicorn", "starlette", "anyio", "h11", "trio", "asyncio", "selectors", "outcome")
+PACKAGES = ("trio_orch", "hypercorn", "uvicorn", "starlette", "anyio", "h11", "trio", "asyncio", "selectors",
+            "outcome")
 
 
 def package_of(frame: str) -> str:
