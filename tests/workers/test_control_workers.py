@@ -234,7 +234,11 @@ async def test_an_acknowledged_abort_returns_after_the_worker_stopped_and_keeps_
 
 @pytest.mark.slow
 async def test_profile_writes_a_trace_of_the_steps(tmp_path: Path) -> None:
-    async with checked_pipeline(thinker_config()) as pipe:
+    cfg = thinker_config()
+    # the worker starts torch's profiler in its own loop, sending no heartbeat meanwhile: on a loaded
+    # machine that took past the default 5 s, and the head rightly declared it dead
+    cfg.heartbeat_timeout = 120.0
+    async with checked_pipeline(cfg.validate()) as pipe:
         orch = Orchestrator(pipe.stages, **pipe.orchestrator_kwargs())
         async with trio.open_nursery() as nursery:
             await nursery.start(orch.run)
