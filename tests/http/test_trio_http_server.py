@@ -515,3 +515,71 @@ async def test_a_client_leaving_mid_upload_reaches_the_app_as_http_disconnect() 
         await s.aclose()
         await done.wait()
     assert seen[-1] == "http.disconnect" and set(seen) <= {"http.request", "http.disconnect"}
+
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the steps of one task: a schedule point in it ends a step."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def test_a_read_that_finds_bytes_waiting_is_no_schedule_point_but_every_17th_in_a_row_is() -> None:
+    from trio_orch.serve.trio_http.transport import READS_WITHOUT_WAIT, Transport
+
+    a, b = socket.socketpair()
+    with b, trio.socket.from_stdlib_socket(a) as ours:
+        transport = Transport(ours)
+        steps = _Steps(trio.lowlevel.current_task())
+        trio.lowlevel.add_instrument(steps)
+        try:
+            yielded = []
+            for _ in range(2 * READS_WITHOUT_WAIT + 1):
+                b.send(b"x")  # a plain socket: no schedule point here
+                before = steps.steps
+                assert await transport.recv(1) == b"x"
+                yielded.append(steps.steps - before)
+            b.shutdown(socket.SHUT_WR)
+            assert await transport.recv() == b""  # the end of the stream is read at once as well
+        finally:
+            trio.lowlevel.remove_instrument(steps)
+    expect = [0] * (2 * READS_WITHOUT_WAIT + 1)
+    expect[READS_WITHOUT_WAIT] = expect[2 * READS_WITHOUT_WAIT] = 1
+    assert yielded == expect
+
+
+async def test_a_read_that_must_wait_is_a_schedule_point_and_a_close_under_it_ends_it_broken() -> None:
+    from trio_orch.serve.trio_http.transport import Transport
+
+    a, b = socket.socketpair()
+    with b:
+        transport = Transport(trio.socket.from_stdlib_socket(a))
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            b.send(b"waiting")
+            await transport.recv()  # a cancel point even with bytes waiting
+            pytest.fail("a cancelled read returned")  # pragma: no cover
+        assert await transport.recv() == b"waiting"
+
+        async def sender() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            b.send(b"later")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sender)
+            assert await transport.recv() == b"later"  # waited for it
+
+        async def closer() -> None:
+            await trio.testing.wait_all_tasks_blocked()
+            transport.abort()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(closer)
+            assert await transport.recv() == b""  # the socket closed while the read waited
+        assert transport.broken

@@ -453,13 +453,16 @@ class ZmqStageClient:
     def _drain(self) -> None:
         """Receive until EAGAIN; hand outputs to the sink in one batch."""
         batch: list[StageOutput] = []
+        heard = False
         while True:
             try:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
             self.messages_in += 1
-            self.last_heard = trio.current_time()
+            if not heard:  # one clock read per drain: what arrives together was heard together
+                heard = True
+                self.last_heard = trio.current_time()
             try:
                 msg = self.in_codec.decode(frames)
             except WireError as exc:
@@ -468,7 +471,7 @@ class ZmqStageClient:
                 continue
             t = type(msg)
             if self.max_message_bytes is not None:
-                size = sum(len(f) for f in frames)
+                size = sum(map(len, frames))
                 if size > self.max_message_bytes:
                     self._oversized(msg, size, batch)
                     continue

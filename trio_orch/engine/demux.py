@@ -136,27 +136,41 @@ def _wake_asyncio(streams: list[AsyncioStream]) -> None:
 
 
 class TrioStream(Stream):
-    __slots__ = ("buf", "event")
+    """A consumer task in the engine's own Trio run, parked on the stream itself.
+
+    Its one waiting task is rescheduled by :meth:`put` directly -- no
+    ``trio.Event`` (and its parking lot) built and set per wait, as the
+    dispatcher's inbox does it.
+    """
+
+    __slots__ = ("buf", "waiter")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.buf: deque[Any] = deque()
-        self.event: trio.Event | None = None
+        self.waiter: trio.lowlevel.Task | None = None
 
     def put(self, item: Any) -> bool:
         self.buf.append(item)
-        ev = self.event
-        if ev is not None:
-            ev.set()
+        task = self.waiter
+        if task is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(task)
         return False
 
     async def next_item(self) -> Any:
+        """The next buffered item; parks (cancellably) while there is none.  One consumer task only."""
         buf = self.buf
         while not buf:
-            self.event = ev = trio.Event()
-            await ev.wait()
-            self.event = None
+            if self.waiter is not None:
+                raise trio.BusyResourceError(f"another task already waits on request {self.request_id!r}")
+            self.waiter = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort)
         return buf.popleft()
+
+    def _abort(self, _: object) -> trio.lowlevel.Abort:
+        self.waiter = None
+        return trio.lowlevel.Abort.SUCCEEDED
 
 
 def wake(by_loop: dict[asyncio.AbstractEventLoop, list[AsyncioStream]]) -> None:

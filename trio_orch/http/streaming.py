@@ -124,8 +124,11 @@ class SSEResponse(StreamingResponse):
                 error = exc
             finally:
                 tg.cancel_scope.cancel()  # the watcher
-        with anyio.CancelScope(shield=True):
-            await self.events.aclose()  # type: ignore[attr-defined]
+        # A finished async generator (its frame gone) has nothing left to close: no shielded scope
+        # then, which is not free on Trio
+        if getattr(self.events, "ag_frame", self) is not None:
+            with anyio.CancelScope(shield=True):
+                await self.events.aclose()  # type: ignore[attr-defined]
         if error is not None:
             raise error
         if client_left and self.on_disconnect is not None:
