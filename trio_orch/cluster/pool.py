@@ -611,14 +611,18 @@ class ReplicaPool:
             return
         now = time.perf_counter()
         current = client is None or client is self.replicas[idx]
+        bound, timings, append = self._bound, self.timings, outs.append  # (once per event, not per output)
         for o in event:
-            if current and self._bound.get(o.request_id) != idx and self._stray(idx, o):
+            rid = o.request_id
+            held = bound.get(rid) == idx
+            if current and not held and self._stray(idx, o):
                 continue
-            tm = self.timings.get(o.request_id)
+            ends = o.finished or o.error is not None
+            tm = timings.get(rid)
             if tm is not None and tm.replica == idx:
                 if tm.t_first is None:
                     tm.t_first = now
-                if o.finished or o.error is not None:
+                if ends:
                     tm.t_done = now
             if o.timing is not None:
                 tm_q, tm_c = o.timing
@@ -626,15 +630,15 @@ class ReplicaPool:
                 self.compute_seconds.observe(tm_c)
                 if tm is not None and tm.replica == idx:
                     tm.queue_s, tm.compute_s = tm_q, tm_c
-            if (o.finished or o.error is not None) and self._bound.get(o.request_id) == idx:
-                seg = self._segments.get(o.request_id)
+            if ends and held:
+                seg = self._segments.get(rid)
                 if seg is not None and o.error is None:  # a resumable request finished a segment
                     seg[0] -= 1
                     if seg[0] > 0 or not seg[1]:
-                        outs.append(o)
+                        append(o)
                         continue
-                self._unbind(o.request_id, finished=True, keep_next=o.error is None)
-            outs.append(o)
+                self._unbind(rid, finished=True, keep_next=o.error is None)
+            append(o)
 
     def _stray(self, idx: int, o: StageOutput) -> bool:
         """Classify, count and log an output of replica ``idx`` for a request it does not hold."""
