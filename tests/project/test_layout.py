@@ -232,6 +232,32 @@ def test_trio_orch_imports_go_one_way() -> None:
     assert layering_violations(graph) == []
 
 
+#: the packages that reach the engine through its seam only (trio_orch/engine/api.py)
+THROUGH_THE_SEAM = ("trio_orch.http", "trio_orch.cli")
+
+
+def seam_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Modules of :data:`THROUGH_THE_SEAM` that import an engine module other than ``engine.api``."""
+    return sorted(f"{m} imports {d}" for m, deps in graph.items() if m.startswith(THROUGH_THE_SEAM)
+                  for d in deps if d.startswith("trio_orch.engine") and d != "trio_orch.engine.api")
+
+
+def test_seam_violations_are_found() -> None:
+    graph = {"trio_orch.http.x": {"trio_orch.engine", "trio_orch.engine.api"},
+             "trio_orch.cli.y": {"trio_orch.engine.bridge"}, "trio_orch.serve.z": {"trio_orch.engine"}}
+    assert seam_violations(graph) == ["trio_orch.cli.y imports trio_orch.engine.bridge",
+                                      "trio_orch.http.x imports trio_orch.engine"]
+
+
+def test_http_and_cli_reach_the_engine_through_its_seam_only() -> None:
+    """The HTTP app and the commands type and call the engine as ``EngineClient`` (engine/api.py), never
+    the thread adapter or the engine itself: either engine, or a remote one, serves them."""
+    graph = project_graph()
+    assert any(d == "trio_orch.engine.api" for m, deps in graph.items() if m.startswith("trio_orch.http")
+               for d in deps)
+    assert seam_violations(graph) == []
+
+
 def test_the_worker_side_imports_nothing_from_trio_orch() -> None:
     """stages/ holds the worker and the contract it needs (wire, auth, config): the head depends on it."""
     graph = project_graph()

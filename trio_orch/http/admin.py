@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.control import UNKNOWN_METHOD
-from trio_orch.engine import ControlError, Engine, EngineClosed
+from trio_orch.engine.api import ControlError, EngineClient, EngineClosed
 from trio_orch.http.limits import Refusal, Scope
 from trio_orch.http.schemas import error_body
 from trio_orch.types import RpcResult
@@ -136,11 +136,11 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=default))
 
 
-async def _stats(e: Engine, b: _Replicas) -> Any:
+async def _stats(e: EngineClient, b: _Replicas) -> Any:
     return await e.collective_rpc_async("stats", stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _rpc(e: Engine, b: _Rpc) -> Any:
+async def _rpc(e: EngineClient, b: _Rpc) -> Any:
     results = await e.collective_rpc_async(b.method, b.args, b.kwargs, stage_ids=b.stage_ids,
                                            timeout=b.timeout)
     asked = [r for r in results if r.replica >= 0]
@@ -149,41 +149,41 @@ async def _rpc(e: Engine, b: _Rpc) -> Any:
     return results
 
 
-async def _pause(e: Engine, b: _Pause) -> Any:
+async def _pause(e: EngineClient, b: _Pause) -> Any:
     await e.pause_async(b.mode)
 
 
-async def _resume(e: Engine, b: _Resume) -> Any:
+async def _resume(e: EngineClient, b: _Resume) -> Any:
     await e.resume_async()
 
 
-async def _sleep(e: Engine, b: _Sleep) -> Any:
+async def _sleep(e: EngineClient, b: _Sleep) -> Any:
     return await e.sleep_async(b.level, stage_ids=b.stage_ids, timeout=b.timeout,
                                drain_timeout=b.drain_timeout)
 
 
-async def _wake(e: Engine, b: _Replicas) -> Any:
+async def _wake(e: EngineClient, b: _Replicas) -> Any:
     return await e.wake_up_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _reload(e: Engine, b: _Reload) -> Any:
+async def _reload(e: EngineClient, b: _Reload) -> Any:
     return await e.update_weights_async(b.path, stage_ids=b.stage_ids, timeout=b.timeout,
                                         drain_timeout=b.drain_timeout)
 
 
-async def _start_profile(e: Engine, b: _StartProfile) -> Any:
+async def _start_profile(e: EngineClient, b: _StartProfile) -> Any:
     return await e.start_profile_async(b.dir, stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _stop_profile(e: Engine, b: _Replicas) -> Any:
+async def _stop_profile(e: EngineClient, b: _Replicas) -> Any:
     return await e.stop_profile_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _abort(e: Engine, b: _Abort) -> Any:
+async def _abort(e: EngineClient, b: _Abort) -> Any:
     return await e.abort_confirmed_async(b.request_id, b.timeout)
 
 
-Handler = Callable[[Engine, Any], Awaitable[Any]]
+Handler = Callable[[EngineClient, Any], Awaitable[Any]]
 
 #: route name -> (HTTP methods, body schema, handler)
 ROUTES: dict[str, tuple[tuple[str, ...], type[Struct], Handler]] = {
@@ -215,7 +215,7 @@ def _body(raw: bytes, schema: type[Struct]) -> Any:
         raise ValueError(f"the body is not valid JSON: {exc}") from None
 
 
-def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
+def admin_routes(engine: EngineClient, auth: AdminAuth | None) -> list[Route]:
     """The ``/admin/...`` routes, or none when ``auth`` is None (the control plane stays off).
 
     The middleware refuses a request without the token first; each endpoint
@@ -248,7 +248,7 @@ def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
             for name, (methods, schema, handler) in ROUTES.items()]
 
 
-def _answer(engine: Engine, results: Sequence[RpcResult] | None, status: int, error: str | None = None,
+def _answer(engine: EngineClient, results: Sequence[RpcResult] | None, status: int, error: str | None = None,
             kind: str = "invalid_request_error", code: str | None = None) -> Response:
     body: dict[str, Any] = {"paused": engine.paused, "results": _results(results)}
     if error is not None:

@@ -48,7 +48,7 @@ from starlette.routing import BaseRoute, Route
 
 from stages.registry import text_stage
 from trio_orch import __version__
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed
+from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed
 from trio_orch.http.admin import PREFIX as ADMIN_PREFIX
 from trio_orch.http.admin import AdminAuth, admin_routes
 from trio_orch.http.chat_template import ChatInput
@@ -146,7 +146,7 @@ class WebSocketGuard:
 class ChatCompletions(OpenAIRoute):
     """``POST /v1/chat/completions`` over ``engine`` (see :func:`create_app` for the arguments)."""
 
-    def __init__(self, engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+    def __init__(self, engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                  limits: HTTPLimits, front: FrontMetrics, token_limit: int | None,
                  chat: ChatInput | None = None) -> None:
         super().__init__(engine, CHAT, front, limits)
@@ -198,7 +198,7 @@ class ChatCompletions(OpenAIRoute):
         result = await self.wait(partial(self.answer, req, handle), request)  # 499 if the client left first
         return result if isinstance(result, Response) else self.ok(JSONResponse(result))
 
-    async def answer(self, req: ChatRequest, handle: AsyncRequestHandle) -> dict[str, Any] | OrchError:
+    async def answer(self, req: ChatRequest, handle: AcceptedRequest) -> dict[str, Any] | OrchError:
         """The non-streamed completion, or the request's error terminal."""
         cs = ChatStream(req, self.outputs, self.token_limit)
         try:
@@ -215,12 +215,12 @@ class ChatCompletions(OpenAIRoute):
     def count_tokens(self, cs: ChatStream) -> None:
         self.front.count_tokens(cs.usage()["prompt_tokens"], cs.tokens_by_stage)
 
-    def observe_rtf(self, cs: ChatStream, handle: AsyncRequestHandle) -> None:
+    def observe_rtf(self, cs: ChatStream, handle: AcceptedRequest) -> None:
         rtf = cs.real_time_factor(handle.t_open)
         if rtf is not None:
             self.front.rtf.observe(rtf)
 
-    async def events(self, req: ChatRequest, handle: AsyncRequestHandle) -> AsyncIterator[bytes]:
+    async def events(self, req: ChatRequest, handle: AcceptedRequest) -> AsyncIterator[bytes]:
         cs = ChatStream(req, self.outputs, self.token_limit)
         yield sse(cs.first_chunk())
         gen = handle.batches()
@@ -251,7 +251,7 @@ class ChatCompletions(OpenAIRoute):
         yield b"data: [DONE]\n\n"
 
 
-def _status_routes(engine: Engine, front: FrontMetrics, *, models: ServedModels,
+def _status_routes(engine: EngineClient, front: FrontMetrics, *, models: ServedModels,
                    outputs: Sequence[str] | None, stage_names: Sequence[str] | None,
                    extra_metrics: Callable[[], ExtraCounters] | None) -> list[BaseRoute]:
     """``/v1/models``, ``/v1/models/{name}``, ``/health``, ``/metrics``, ``/version`` and ``/ping``."""
@@ -313,7 +313,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
 
 
-def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
+def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-orch",
                extra_metrics: Callable[[], ExtraCounters] | None = None,
                outputs: Sequence[str] | None = None, limits: HTTPLimits | None = None,
                front: FrontMetrics | None = None, token_limit: int | None = None,
@@ -344,8 +344,7 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
     text = text_stage(engine.final_stage_ids, outputs)
     if text is not None:
         front.expect_stage(text)  # its generated tokens are shown from the start, at 0
-    kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
-    chat_input = (chat_input or ChatInput()).for_kinds(kinds)
+    chat_input = (chat_input or ChatInput()).for_kinds(engine.stage_kinds)
     chat = ChatCompletions(engine, models=models, outputs=outputs, limits=limits, front=front,
                            token_limit=token_limit, chat=chat_input)
     routes: list[BaseRoute] = [

@@ -22,7 +22,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import orch_error_status
@@ -45,7 +45,7 @@ class OpenAIRoute:
     gives either its value or the refusal to return.
     """
 
-    def __init__(self, engine: Engine, path: str, front: FrontMetrics, limits: HTTPLimits) -> None:
+    def __init__(self, engine: EngineClient, path: str, front: FrontMetrics, limits: HTTPLimits) -> None:
         self.engine = engine
         self.path = path
         self.front = front
@@ -78,7 +78,7 @@ class OpenAIRoute:
         return response
 
     async def admit(self, prompt: Any, *, final_stage_id: int | None, sampling: dict[int, dict[str, Any]],
-                    want_timings: bool = False, priority: int = 0) -> AsyncRequestHandle | JSONResponse:
+                    want_timings: bool = False, priority: int = 0) -> AcceptedRequest | JSONResponse:
         """The accepted request's handle, or the refusal (429, 503, or a 400 the engine's checks gave)."""
         engine = self.engine
         if not engine.running:
@@ -119,7 +119,7 @@ class OpenAIRoute:
         return result
 
     @staticmethod
-    async def collect(handle: AsyncRequestHandle, absorb: Callable[[OrchOutput], object]) -> OrchError | None:
+    async def collect(handle: AcceptedRequest, absorb: Callable[[OrchOutput], object]) -> OrchError | None:
         """Feed every output of the request to ``absorb``; its error terminal, if it ended in one."""
         async for msgs in handle.batches():
             for m in msgs:
@@ -129,7 +129,7 @@ class OpenAIRoute:
         return None
 
     @staticmethod
-    async def pieces(handle: AsyncRequestHandle, render: Callable[[OrchOutput], bytes],
+    async def pieces(handle: AcceptedRequest, render: Callable[[OrchOutput], bytes],
                      failure: Callable[[str, str], bytes]) -> AsyncIterator[bytes]:
         """The request's outputs rendered, one chunk per dispatcher batch; an error ends it with
         ``failure(code, message)``.  Leaving early closes the request's stream (and so aborts it)."""

@@ -28,7 +28,7 @@ from trio_orch.histogram import RTF_BUCKETS, Histogram, HistogramSnapshot
 from trio_orch.types import ERROR_KINDS
 
 if TYPE_CHECKING:
-    from trio_orch.engine.base import EngineStatistics
+    from trio_orch.engine.api import EngineStatistics
 
 __all__ = ["CONTENT_TYPE", "FAMILIES", "FINISH_REASONS", "EngineCollector", "ExtraCounters", "FrontMetrics",
            "render"]

@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import as_text, text_stage
-from trio_orch.engine import AsyncRequestHandle, Engine
+from trio_orch.engine.api import AcceptedRequest, EngineClient
 from trio_orch.http import openai_sampling
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
@@ -134,7 +134,7 @@ class TextCompletion:
         return {**self.chunk(""), "choices": [], "usage": self.usage()}
 
 
-def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                       limits: HTTPLimits, front: FrontMetrics, token_limit: int | None) -> Route:
     """``POST /v1/completions`` over ``engine`` (``models``: the names it answers to)."""
     route = OpenAIRoute(engine, COMPLETIONS, front, limits)
@@ -145,7 +145,7 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
     def failure(code: str, message: str) -> bytes:
         return sse(error_body(message, "server_error", code=code))
 
-    async def stream(req: CompletionRequest, tc: TextCompletion, handle: AsyncRequestHandle
+    async def stream(req: CompletionRequest, tc: TextCompletion, handle: AcceptedRequest
                      ) -> AsyncIterator[bytes]:
         if req.echo:
             yield sse(tc.chunk(tc.prompt))
@@ -167,7 +167,7 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
             count_tokens(tc)
         yield b"data: [DONE]\n\n"
 
-    async def collect(req: CompletionRequest, tc: TextCompletion, handle: AsyncRequestHandle) -> Any:
+    async def collect(req: CompletionRequest, tc: TextCompletion, handle: AcceptedRequest) -> Any:
         try:
             err = await route.collect(handle, tc.add)
         finally:

@@ -37,7 +37,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import image_of
-from trio_orch.engine import Engine, Overloaded
+from trio_orch.engine.api import EngineClient, Overloaded
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
@@ -83,7 +83,7 @@ def parse_image_request(req: ImageGenerationRequest) -> ImageRequest:
         raise BadRequest(str(exc), exc.field) from None
 
 
-def image_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+def image_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                 front: FrontMetrics, limits: HTTPLimits) -> Route:
     """``POST /v1/images/generations`` over ``engine``'s pipeline (``front`` counts its answers).
 

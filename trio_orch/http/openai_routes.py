@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from starlette.routing import BaseRoute
 
-from trio_orch.engine import Engine
+from trio_orch.engine.api import EngineClient
 from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
@@ -27,7 +27,7 @@ __all__ = ["GENERATION", "openai_routes"]
 GENERATION = frozenset({COMPLETIONS, SPEECH})
 
 
-def openai_routes(engine: Engine, models: ServedModels, *, outputs: Sequence[str] | None,
+def openai_routes(engine: EngineClient, models: ServedModels, *, outputs: Sequence[str] | None,
                   limits: HTTPLimits, front: FrontMetrics, token_limit: int | None = None,
                   chat: ChatInput | None = None) -> list[BaseRoute]:
     """``/v1/completions``, ``/v1/audio/speech``, ``/tokenize`` and ``/detokenize`` over ``engine``.

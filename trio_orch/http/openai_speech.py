@@ -46,7 +46,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from stages.registry import as_audio, text_stage
-from trio_orch.engine import AsyncRequestHandle, Engine
+from trio_orch.engine.api import AcceptedRequest, EngineClient
 from trio_orch.http import openai_sampling
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
@@ -54,7 +54,7 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import pcm16, wav_bytes
 from trio_orch.http.schemas import BadRequest, Scheduled, Seed, ServedModels, Voice, error_body
 from trio_orch.http.streaming import sse
-from trio_orch.http.tokenizer import TOKENIZERS, prompt_token_count, stage_info
+from trio_orch.http.tokenizer import TOKENIZERS, prompt_token_count
 from trio_orch.types import OrchOutput
 
 __all__ = ["FORMATS", "SPEECH", "SpeechRequest", "Speed", "speech_route"]
@@ -156,13 +156,13 @@ class Speech:
         return data
 
 
-def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+def speech_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                  limits: HTTPLimits, front: FrontMetrics) -> Route:
     """``POST /v1/audio/speech`` over ``engine`` (``models``: the names it answers to)."""
     route = OpenAIRoute(engine, SPEECH, front, limits)
     finals = sorted(engine.final_stage_ids)
     audio_finals = [k for k in finals if outputs is None or outputs[k] in ("audio", "data")]
-    kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
+    kinds = engine.stage_kinds
     # the input's tokens go straight to stage 0 when it reads a thinker's tokens to make speech codes
     first = TOKENIZERS.get(kinds[0]) if kinds and outputs is not None and outputs[0] == "codes" else None
     text_k = text_stage(finals, outputs) if first is None else None
@@ -194,7 +194,7 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
             payload: Any = {"tokens": np.asarray(first.encode(req.input), dtype=np.int32)}
         elif kinds is not None and kinds[0] == "thinker":
             prompt, n_prompt = say_prompt()
-            limit = stage_info(engine, 0).get("max_say")  # its cache's room after a one-token prompt
+            limit = engine.stage_info(0).get("max_say")  # its cache's room after a one-token prompt
             room = limit + 1 - n_prompt if isinstance(limit, int) else None
             if room is not None and n_in > room:  # the thinker counts 'say' in its tokens
                 raise BadRequest(f"'input' is {n_in} tokens: this pipeline speaks at most {room} per "
@@ -212,7 +212,7 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
     def failure(code: str, message: str) -> bytes:
         return sse({"type": "error", **error_body(message, "server_error", code=code)})
 
-    async def events(sp: Speech, handle: AsyncRequestHandle, input_tokens: int) -> AsyncIterator[bytes]:
+    async def events(sp: Speech, handle: AcceptedRequest, input_tokens: int) -> AsyncIterator[bytes]:
         def render(m: OrchOutput) -> bytes:
             data = sp.add(m)
             out = b""
@@ -231,11 +231,11 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
         log.warning("a pcm stream ended early (%s): %s", code, message)
         return b""
 
-    async def audio(sp: Speech, handle: AsyncRequestHandle) -> AsyncIterator[bytes]:
+    async def audio(sp: Speech, handle: AcceptedRequest) -> AsyncIterator[bytes]:
         async for chunk in route.pieces(handle, sp.add, cut):
             yield chunk
 
-    async def whole(fmt: str, sp: Speech, handle: AsyncRequestHandle) -> Any:
+    async def whole(fmt: str, sp: Speech, handle: AcceptedRequest) -> Any:
         err = await route.collect(handle, sp.add)
         if err is not None:
             return err

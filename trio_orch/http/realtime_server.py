@@ -36,7 +36,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stages.registry import as_text
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.http.schemas import BadRequest, ServedModels, error_body
@@ -50,7 +50,7 @@ log = logging.getLogger("trio_orch.http.realtime")
 _ids = itertools.count()
 
 
-def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/v1/realtime",
+def realtime_route(engine: EngineClient, outputs: Sequence[str] | None, path: str = "/v1/realtime",
                    models: ServedModels | None = None, front: FrontMetrics | None = None,
                    **limits: int) -> WebSocketRoute:
     """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's).
@@ -64,7 +64,7 @@ def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/
     return WebSocketRoute(path, endpoint)
 
 
-async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, *,
+async def run_session(ws: WebSocket, engine: EngineClient, outputs: Sequence[str] | None, *,
                       models: ServedModels | None = None, front: FrontMetrics | None = None,
                       **limits: int) -> None:
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
@@ -99,9 +99,9 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
             for e in events:
                 await ws.send_text(json.dumps(e, separators=(",", ":")))
 
-    handle: AsyncRequestHandle | None = None
+    handle: AcceptedRequest | None = None
 
-    async def stream(h: AsyncRequestHandle) -> None:
+    async def stream(h: AcceptedRequest) -> None:
         async for m in h:
             counted.output(m)
             await send(session.output(m))
@@ -155,7 +155,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
 class Counted:
     """What one session adds to the front's token and finish-reason counters (nothing without ``front``)."""
 
-    def __init__(self, front: FrontMetrics | None, engine: Engine, outputs: Sequence[str] | None,
+    def __init__(self, front: FrontMetrics | None, engine: EngineClient, outputs: Sequence[str] | None,
                  text_stage: int | None) -> None:
         self.front, self.engine, self.outputs, self.text_stage = front, engine, outputs, text_stage
         self.reason: str | None = None  # the text stage's finish_reason for the response in progress

@@ -38,7 +38,7 @@ from starlette.routing import Route
 
 from stages.registry import text_stage
 from stages.tokenizer import TextTokenizer, byte_level, load_tokenizer
-from trio_orch.engine import Engine
+from trio_orch.engine.api import EngineClient
 from trio_orch.http.chat_template import ChatInput
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
@@ -47,7 +47,7 @@ from trio_orch.http.openai_chat import parse_chat_request
 from trio_orch.http.schemas import BadRequest, ServedModels
 
 __all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "Tokenizer", "pipeline_tokenizer",
-           "prompt_token_count", "stage_info", "tokenizer_routes"]
+           "prompt_token_count", "tokenizer_routes"]
 
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
@@ -86,16 +86,7 @@ Tokenizer = ByteTokenizer | TextTokenizer
 TOKENIZERS: dict[str, Tokenizer] = {"thinker": byte_level(), "talker": byte_level()}
 
 
-def stage_info(engine: Engine, stage: int) -> dict[str, Any]:
-    """What the stage's first ready worker reported in its handshake (empty: in-process, or none yet)."""
-    for client in getattr(engine.stages[stage], "replicas", ()):
-        ready = getattr(client, "ready", None)
-        if ready is not None and isinstance(ready.info, dict):
-            return ready.info
-    return {}
-
-
-def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[int, Tokenizer] | None:
+def pipeline_tokenizer(engine: EngineClient, outputs: Sequence[str] | None) -> tuple[int, Tokenizer] | None:
     """The stage a prompt is tokenized for (its text stage, else stage 0) and its tokenizer; None: unknown.
 
     A stage whose workers report a ``tokenizer`` -- a ``tokenizer.json`` (the thinker's ``[stages.model]
@@ -103,12 +94,12 @@ def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[i
     (:func:`stages.tokenizer.load_tokenizer`, loaded once); a built-in text kind that reports none has
     the byte-level one.
     """
-    kinds = [p.name for p in engine.stage_params] if engine.stage_params is not None else None
+    kinds = engine.stage_kinds
     if kinds is None:
         return None
     k = text_stage(engine.final_stage_ids, outputs)
     for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
-        path = stage_info(engine, stage).get("tokenizer")
+        path = engine.stage_info(stage).get("tokenizer")
         if isinstance(path, str):
             try:
                 return stage, load_tokenizer(path)
@@ -119,15 +110,15 @@ def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[i
     return None
 
 
-def prompt_token_count(engine: Engine, outputs: Sequence[str] | None, prompt: str) -> int | None:
+def prompt_token_count(engine: EngineClient, outputs: Sequence[str] | None, prompt: str) -> int | None:
     """``prompt``'s length in the pipeline's tokens (usage's ``prompt_tokens``; None: no tokenizer known)."""
     found = pipeline_tokenizer(engine, outputs)
     return len(found[1].encode(prompt)) if found is not None else None
 
 
-def max_model_len(engine: Engine, stage: int) -> int | None:
+def max_model_len(engine: EngineClient, stage: int) -> int | None:
     """The stage's context length (prompt and generated tokens), when its workers report it."""
-    info = stage_info(engine, stage)
+    info = engine.stage_info(stage)
     total = info.get("max_model_len")
     if isinstance(total, int):
         return total
@@ -149,7 +140,7 @@ class DetokenizeRequest(msgspec.Struct, kw_only=True):
     model: str | None = None
 
 
-def tokenizer_routes(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+def tokenizer_routes(engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                      limits: HTTPLimits, front: FrontMetrics, chat: ChatInput | None = None) -> list[Route]:
     """``POST /tokenize`` and ``POST /detokenize`` for ``engine``'s pipeline (``models``: its names;
     ``chat``: the chat route's template and media, for ``messages``)."""
