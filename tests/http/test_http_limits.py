@@ -117,7 +117,7 @@ def test_a_slow_body_gets_408_and_a_client_that_leaves_mid_upload_costs_one_log_
         reply = read_all(s)
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.5s" in reply
     before = metrics(client)["trio_orch_http_client_disconnects_total"]
-    with caplog.at_level(logging.INFO, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.INFO, logger="trio_orch.http"):
         with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
             s.sendall(head + b'{"messages": ')
         wait_until(lambda: metrics(client)["trio_orch_http_client_disconnects_total"] == before + 1,
@@ -133,7 +133,7 @@ def test_an_unexpected_error_is_an_openai_shaped_500_that_is_counted(
         raise RuntimeError("a bug in the front")
 
     monkeypatch.setattr(served.engine, "add_request_async", broken)
-    with caplog.at_level(logging.ERROR, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.ERROR, logger="trio_orch.http"):
         r = client.post("/v1/chat/completions", json=chat("hi"))
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error" and r.json()["error"]["code"] == "internal_error"

@@ -23,7 +23,7 @@ from stages.config import PipelineConfig, StageConfig
 from stages.tokenizer import byte_level, load_tokenizer
 from tests.http_helpers import FRONTS, HANG, sse_events
 from tests.tokenizer_helpers import word_tokenizer
-from trio_orch.http.tokenizer import pipeline_tokenizer
+from trio_orch.openai.tokenizer import pipeline_tokenizer
 
 WORDS = ["</s>", "[UNK]", "user", ":", "assistant", "the", "cat", "sat", "on", "a", "mat", "."]
 

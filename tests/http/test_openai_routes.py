@@ -31,8 +31,8 @@ from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve, sse_even
 from tests.waiting import wait_until
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.engine import static_pipeline
-from trio_orch.http.openai_speech import Speed
-from trio_orch.http.tokenizer import ByteTokenizer
+from trio_orch.openai.speech import Speed
+from trio_orch.openai.tokenizer import ByteTokenizer
 from trio_orch.testing import LeakProbe, ScriptedStage
 from trio_orch.testing.toy_pipeline import SAMPLE_RATE, toy_pipeline
 

@@ -192,7 +192,7 @@ def test_unknown_fields_are_ignored_and_logged_once_per_request(client: httpx.Cl
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     body = {**chat("still here"), "temperatur": 1, "metadata": {"k": "v"},
             "messages": [{"role": "user", "content": "still here", "extra": 1}], "audio": {"speed": 2}}
-    with caplog.at_level(logging.WARNING, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.WARNING, logger="trio_orch.openai"):
         r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "You said: still here"
     ignored = [rec.getMessage() for rec in caplog.records if "ignored unknown field" in rec.getMessage()]

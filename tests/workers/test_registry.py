@@ -179,3 +179,11 @@ def test_companions_reach_only_a_kind_whose_forward_conditions_on_them() -> None
     assert "uncond" not in fwd(0, "a cat", enc)  # no companions: the prompt alone
     with pytest.raises(ValueError, match=r"stage 0 \(thinker\) takes no companions"):
         registry.forward_fn(["thinker", "talker"])(0, "p", [{"tokens": np.array([1])}], companions=neg)
+
+
+def test_which_kinds_read_tokens_and_can_be_told_what_to_say_is_the_registry_s_to_say() -> None:
+    """A front never names a kind: it asks the registry how a stage reads text (tokenizer, speech)."""
+    kinds = ("thinker", "talker", "code2wav", "echo")
+    assert [registry.reads_tokens(k) for k in kinds] == ["text", "ids", "", ""]
+    assert [registry.says(k) for k in ("thinker", "talker")] == [True, False]
+    assert registry.reads_tokens("toy thinker") == "" and not registry.says("toy thinker")  # no kind at all

@@ -16,7 +16,7 @@ from stages.wire import InboundMsg, Submit, WireCodec
 from tests.waiting import await_until
 from trio_orch import OrchOutput, open_orchestrator
 from trio_orch.engine import PipelineSpec, ThreadEngine, open_trio_engine, static_pipeline
-from trio_orch.http.openai_sampling import SamplingError, chat_sampling, map_sampling
+from trio_orch.openai.sampling import SamplingError, chat_sampling, map_sampling
 from trio_orch.testing import ScriptedStage
 
 KINDS = ["thinker", "talker", "code2wav"]

@@ -39,13 +39,13 @@ from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import EngineClient, EngineStartupError, ThreadEngine
 from trio_orch.engine.base import as_spec
-from trio_orch.http.admin import TOKEN_ENV
-from trio_orch.http.app import API_KEY_ENV, create_app
-from trio_orch.http.chat_template import ChatInput, ChatTemplate
+from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.http.media import MediaPolicy
 from trio_orch.http.metrics import FrontMetrics
+from trio_orch.openai.chat_template import ChatInput, ChatTemplate
+from trio_orch.openai.media import MediaPolicy
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
+from trio_orch.serve.credentials import API_KEY_ENV, TOKEN_ENV
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
