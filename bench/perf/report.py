@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.drivers.floor import PATHS
 from bench.drivers.zmq_floor import PATH as ZMQ_PATH
@@ -169,8 +169,8 @@ def floors_hold(results: dict[str, Any]) -> bool:
 
 
 def chain_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["impl", "admission p50 us", "admission p99 us", "fwd 0->1 p50 us", "fwd 1->2 p50 us",
-             "fwd p99 us", "final p50 us"]]
+    rows = [["impl", "admission\np50 us", "admission\np99 us", "fwd 0->1\np50 us", "fwd 1->2\np50 us",
+             "fwd\np99 us", "final\np50 us"]]
     for impl, res in results.get("workloads", {}).get("c_chain", {}).items():
         rows.append([impl, _fmt(res.get("admission", {}).get("p50_us")),
                      _fmt(res.get("admission", {}).get("p99_us")),
@@ -182,7 +182,7 @@ def chain_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["pipeline", "requests", "first text p50 ms", "first audio p50 ms", "total p50 ms"]]
+    rows = [["pipeline", "requests", "first text\np50 ms", "first audio\np50 ms", "total\np50 ms"]]
     for wl in ("e2e", "e2e_async_chunk"):
         res = results.get("workloads", {}).get(wl, {}).get(BASE)
         if not res:
@@ -196,7 +196,7 @@ def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
 
 def spread_rows(results: dict[str, Any]) -> list[list[str]]:
     """p99 of each round, for the tail-latency workloads: how much they move between rounds."""
-    rows = [["workload", "impl", "p99 per round us (min-max)", "rounds"]]
+    rows = [["workload", "impl", "p99 per round us\n(min-max)", "rounds"]]
     for wl in ("b_64_unbatched", "b_512_unbatched", "zmq_b_64", "loop_b_512_unbatched"):
         for impl, res in results.get("workloads", {}).get(wl, {}).items():
             p = res.get("p99_rounds_us")
@@ -207,8 +207,8 @@ def spread_rows(results: dict[str, Any]) -> list[list[str]]:
 
 def serving_rows(results: dict[str, Any]) -> list[list[str]]:
     """The serving benchmark: both fronts per pipeline."""
-    rows = [["pipeline", "front", "requests", "failed", "TTFC p50 ms", "TTFC p99 ms", "inter-chunk p50 ms",
-             "inter-chunk p99 ms", "req/s", "server CPU ms/req"]]
+    rows = [["pipeline", "front", "requests", "failed", "TTFC\np50 ms", "TTFC\np99 ms", "inter-chunk\np50 ms",
+             "inter-chunk\np99 ms", "req/s", "server CPU\nms/req"]]
     for pipe, per in results.get("serving", {}).items():
         if not isinstance(per, dict):
             continue
@@ -221,7 +221,7 @@ def serving_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def misc_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["impl", "idle CPU %", "shutdown ms (median, in-process)", "shutdown ms (max, in-process)"]]
+    rows = [["impl", "idle CPU %", "shutdown ms\n(median, in-process)", "shutdown ms\n(max, in-process)"]]
     wls = results.get("workloads", {})
     for impl in results.get("implementations", []):
         idle = wls.get("idle", {}).get(impl, {}).get("idle_cpu_pct")
@@ -252,23 +252,36 @@ def legend(results: dict[str, Any]) -> list[str]:
             "floor holds / BEATEN: BEATEN where another row's interval lies wholly below the floor's"]
 
 
-def _sections(results: dict[str, Any]) -> list[tuple[str, list[list[str]], int]]:
-    """(title, rows, first numeric column) of every table this run has, in order."""
-    out = [("Dispatch latency and throughput (ratios: this implementation / trio)", table_rows(results), 3)]
+class Section(NamedTuple):
+    """One table of the report: its title, its rows (the header first) and which columns hold what."""
+
+    title: str
+    rows: list[list[str]]
+    numbers: set[int]  #: columns of numbers (right-aligned, never wrapped)
+    names: set[int]  #: columns of names (an implementation, a workload: never wrapped)
+
+
+def _sections(results: dict[str, Any]) -> list[Section]:
+    """Every table this run has, in order."""
+    def section(title: str, rows: list[list[str]], first_number: int, names: int) -> Section:
+        return Section(title, rows, set(range(first_number, len(rows[0]))), set(range(names)))
+
+    out = [section("Dispatch latency and throughput (ratios: this implementation / trio)",
+                   table_rows(results), 3, 3)]
     if len(floor_rows(results)) > 1:
-        out.append(("Floors: each bounds the path beside it, hop for hop", floor_rows(results), 3))
+        out.append(section("Floors: each bounds the path beside it, hop for hop", floor_rows(results), 3, 1))
     if "c_chain" in results.get("workloads", {}):
-        out.append(("c_chain: admission and forward latency", chain_rows(results), 1))
+        out.append(section("c_chain: admission and forward latency", chain_rows(results), 1, 1))
     if len(e2e_rows(results)) > 1:
-        out.append(("End to end, default torch pipeline (trio-orch)", e2e_rows(results), 1))
+        out.append(section("End to end, default torch pipeline (trio-orch)", e2e_rows(results), 1, 0))
     if len(spread_rows(results)) > 1:
-        out.append(("Tail latency: p99 of each round", spread_rows(results), 2))
+        out.append(section("Tail latency: p99 of each round", spread_rows(results), 2, 2))
     if len(serving_rows(results)) > 1:
         conc = results["serving"].get("concurrency")
-        out.append((f"Serving: serve --loop trio vs --loop asyncio, {conc} streaming clients",
-                    serving_rows(results), 2))
-    out += [("Idle CPU and shutdown", misc_rows(results), 1),
-            ("Targets (trio-orch, this run)", target_rows(results), 1)]
+        out.append(section(f"Serving: serve --loop trio vs --loop asyncio, {conc} streaming clients",
+                           serving_rows(results), 2, 0))
+    out += [section("Idle CPU and shutdown", misc_rows(results), 1, 1),
+            Section("Targets (trio-orch, this run)", target_rows(results), {1, 2}, set())]
     return out
 
 
@@ -286,23 +299,25 @@ def renderables(results: dict[str, Any]) -> list[Any]:
     from bench.tables import table
 
     parts: list[Any] = []
-    for n, (title, rows, numeric) in enumerate(_sections(results)):
+    for n, (title, rows, numbers, names) in enumerate(_sections(results)):
         if n == 0:  # the main table, one per workload (the workload in the title): it fits 100 columns
             parts.append(title)
             for wl in dict.fromkeys(r[0] for r in rows[1:]):
                 what = WORKLOADS[wl].description if wl in WORKLOADS else ""
-                mine = [r[1:] for r in rows[1:] if r[0] == wl]
-                ns = {r[4] for r in mine}
-                if len(ns) == 1:  # the sample count in the title: the table fits 100 columns
+                mine = [r for r in rows[1:] if r[0] == wl]
+                ns = {r[5] for r in mine}
+                drop = {0}  # the workload: in the title
+                if len(ns) == 1:  # the sample count too: the table fits 100 columns
                     what += f" ({ns.pop()} samples each)"
-                    parts.append(table([c for j, c in enumerate(rows[0][1:]) if j != 4],
-                                       [[c for j, c in enumerate(r) if j != 4] for r in mine],
-                                       title=f"{wl}: {what}", numeric_from=numeric - 1))
-                else:
-                    parts.append(table(rows[0][1:], mine, title=f"{wl}: {what}", numeric_from=numeric - 1))
+                    drop.add(5)
+                keep = [j for j in range(len(rows[0])) if j not in drop]
+                parts.append(table([rows[0][j] for j in keep], [[r[j] for j in keep] for r in mine],
+                                   title=f"{wl}: {what}",
+                                   numbers={k for k, j in enumerate(keep) if j in numbers},
+                                   names={k for k, j in enumerate(keep) if j in names}))
             continue
-        parts.append(table(rows[0], rows[1:], title=title, numeric_from=numeric,
-                           wide=(0, 3) if title.startswith("Targets") else ()))
+        parts.append(table(rows[0], rows[1:], title=title, numbers=numbers, names=names,
+                           flex={0: 2, 3: 3} if title.startswith("Targets") else None))
     parts.append("Legend\n" + "\n".join(f"  {line}" for line in legend(results)))
     lines = headlines(results)
     if lines:
@@ -336,7 +351,7 @@ def markdown_report(results: dict[str, Any]) -> str:
              f"Machine: {meta.get('machine', '?')}. Command: `{meta.get('command', 'trio-orch bench')}`. "
              f"Load (`uptime`) before / after: {meta.get('load_before', '?')} / "
              f"{meta.get('load_after', '?')}.", ""]
-    for title, rows, _ in _sections(results):
+    for title, rows, *_ in _sections(results):
         parts += [f"## {title}", "", render_markdown(rows), ""]
     parts += ["Legend:", "", *(f"- {line}" for line in legend(results)), "", missed_note(results), ""]
     lines = headlines(results) + headlines(results, "p99")
