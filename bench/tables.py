@@ -18,12 +18,12 @@ from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["StepProgress", "console", "render", "table", "text"]
+__all__ = ["StepProgress", "console", "markdown_table", "render", "table", "text"]
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None,
           numbers: Collection[int] = (), names: Collection[int] = (),
-          flex: Mapping[int, int] | None = None) -> Any:
+          flex: Mapping[int, int] | None = None, rule: bool = True) -> Any:
     """A :class:`rich.table.Table`; rich fits it to the width it is printed in.
 
     Columns in ``numbers`` hold numbers (right-aligned), columns in ``names``
@@ -35,7 +35,8 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | 
     share the width the others leave, in that ratio (the table then takes the
     whole width).  Only where even that does not fit does rich narrow every
     column; a word longer than its column is folded, never cut off.  Cells
-    may be strings or :class:`rich.text.Text`.
+    may be strings or :class:`rich.text.Text`.  ``rule``: a line under the
+    header and one space between columns (else no lines, two spaces).
     """
     from rich import box
     from rich.table import Table
@@ -44,16 +45,27 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | 
     flex = dict(flex or {})
     cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
     t = Table(title=Text(title) if title else None, title_justify="left", title_style="bold",
-              box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, padding=(0, 0), expand=bool(flex))
+              box=box.SIMPLE_HEAD if rule else None, pad_edge=False, show_edge=False,
+              padding=(0, 0) if rule else (0, 1), expand=bool(flex))
     for i, name in enumerate(header):
+        head = Text(name)  # brackets in a header are text, not markup
         fixed = i in numbers or i in names
-        width = max(line.cell_len for c in (Text(name), *(r[i] for r in cells)) for line in c.split()) \
+        width = max(line.cell_len for c in (head, *(r[i] for r in cells)) for line in c.split()) \
             if fixed else None
-        t.add_column(name, justify="right" if i in numbers else "left", overflow="fold", width=width,
+        t.add_column(head, justify="right" if i in numbers else "left", overflow="fold", width=width,
                      ratio=flex.get(i))
     for row in cells:
         t.add_row(*row)
     return t
+
+
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    """The same rows as a markdown table, header first (a cell's line breaks, there for the terminal,
+    become spaces)."""
+    def line(r: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("\n", " ").replace("|", "/") for c in r) + " |"
+
+    return "\n".join([line(rows[0]), "|" + "---|" * len(rows[0]), *(line(r) for r in rows[1:])])
 
 
 def console(*, stderr: bool = False, width: int | None = None, file: Any = None) -> Any:
