@@ -52,8 +52,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stages.fit import check_fit
 from stages.media import FEATURE_DIM
-from stages.registry import KindError, check_stage, outputs_of
+from stages.registry import KindError, check_stage, outputs_of, stage_sizes
 from stages.schema import check_file, set_fields
 
 __all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
@@ -134,6 +135,7 @@ class PipelineConfig:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
         self._check_roles()
         self._check_features()
+        self._check_fit()
         return self
 
     def admission_bounds(self, *, serving: bool) -> list[int | None]:
@@ -170,6 +172,16 @@ class PipelineConfig:
             elif s.role == "decode" and (k == 0 or st[k - 1].role != "prefill"):
                 raise ValueError(f"pipeline config: stage {k} has role 'decode': the stage before it must "
                                  "have role 'prefill'")
+
+    def _check_fit(self) -> None:
+        """Each stage reads what the stage before it emits (vocabulary, codebooks: :mod:`stages.fit`)."""
+        sizes = []
+        for k, st in enumerate(self.stages):
+            try:
+                sizes.append(stage_sizes(st.kind, st.model, st.role))
+            except KindError as exc:
+                raise ValueError(f"pipeline config: stage {k}: {exc}") from None
+        check_fit([st.label for st in self.stages], sizes)
 
     def _check_features(self) -> None:
         """A built-in encoder feeds a later thinker, whose ``feature_dim`` is the encoder's ``dim``."""
