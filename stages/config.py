@@ -57,8 +57,9 @@ from stages.media import FEATURE_DIM
 from stages.registry import KindError, check_stage, outputs_of, stage_sizes
 from stages.schema import check_file, set_fields
 
-__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
-           "from_dict", "load_config", "omni_in_config", "pd_config", "text2image_config"]
+__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "checkpoint_config",
+           "default_config", "echo_config", "from_dict", "load_config", "omni_in_config", "pd_config",
+           "text2image_config"]
 
 @dataclass
 class StageConfig:
@@ -289,6 +290,26 @@ def builtin_config(name: str) -> PipelineConfig:
     if make is None:
         raise ValueError(f"unknown pipeline {name!r} (built-in: {', '.join(PIPELINES)})")
     return make()
+
+
+def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str = "auto",
+                      **pipeline: Any) -> PipelineConfig:
+    """The pipeline that serves the Hugging Face checkpoint in directory ``path``, chosen from its
+    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text.
+
+    ValueError (naming the path) for a directory that is not a checkpoint this project serves, or a
+    ``max_model_len`` over the model's context; nothing is started.
+    """
+    from stages.hf.checkpoint import DTYPES, load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    options: dict[str, Any] = {"checkpoint": str(ckpt.path), "dtype": dtype}
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_model_len is not None:
+        options["max_model_len"] = ckpt.context(max_model_len)
+    stage = StageConfig("hf-causal-lm", model=options, name=ckpt.architecture)
+    return PipelineConfig([stage], final_stage_ids=[0], **pipeline).validate()
 
 
 def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None, replicas: int = 1,

@@ -20,7 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["RULES", "Sizes", "check_fit", "code2wav_sizes", "talker_sizes", "thinker_sizes"]
+__all__ = ["RULES", "Sizes", "causal_lm_sizes", "check_fit", "code2wav_sizes", "talker_sizes",
+           "thinker_sizes"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,18 @@ def code2wav_sizes(options: Mapping[str, Any]) -> Sizes:
     """The toy vocoder reads frames of ``codebooks`` codes below ``codebook_size``."""
     return Sizes(reads={"codebooks": options["codebooks"], "codebook_size": options["codebook_size"]},
                  options={"codebooks": "codebooks", "codebook_size": "codebook_size"})
+
+
+def causal_lm_sizes(options: Mapping[str, Any]) -> Sizes:
+    """A checkpoint's causal LM emits ids of its ``config.json`` vocabulary (and, asked for hidden
+    states, rows of its hidden size)."""
+    from stages.hf.checkpoint import load_checkpoint
+
+    ckpt = load_checkpoint(options["checkpoint"])
+    emits = {"vocabulary": ckpt.vocab_size}
+    if options.get("hidden_states") and ckpt.hidden_size is not None:
+        emits["hidden_size"] = ckpt.hidden_size
+    return Sizes(emits=emits)
 
 
 #: a kind's size function: its options (defaults filled in) -> what it emits and reads

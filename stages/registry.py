@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from stages.base import StageModel
-from stages.fit import SizeFn, Sizes, code2wav_sizes, talker_sizes, thinker_sizes
+from stages.fit import SizeFn, Sizes, causal_lm_sizes, code2wav_sizes, talker_sizes, thinker_sizes
 from stages.forwarding import (
     codes_input,
     encoding_input,
@@ -60,6 +60,7 @@ from stages.forwarding import (
 from stages.media import audio_features_input, image_features_input
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
+    HF_PARAMS,
     NO_PARAMS,
     TALKER_PARAMS,
     THINKER_PARAMS,
@@ -150,6 +151,9 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
                                media="image"),
     "audio-encoder": StageSpec("embedding", audio_features_input, model="stages.media_encoders:AudioEncoder",
                                media="audio"),
+    # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
+    "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
+                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes),
 }.items()}
 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the

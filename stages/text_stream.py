@@ -52,6 +52,8 @@ class TextStream:
         """The token just generated; ``ended``: it ends the text (end-of-text or a stop token, never
         shown); ``length``: a token limit is reached with it.  None: nothing to release yet."""
         piece = self.decoder.push(token) if not ended else ""  # whole characters only
+        if ended or length:  # the end: characters held back behind an unfinished last one go out
+            piece += self.decoder.flush()
         if not ended:
             self.held.append((token, len(piece), extra))
         text, stopped = piece, False

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -36,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from stages.hf.tokenizer import checkpoint_tokenizer
 from stages.limits import context_error
 from stages.registry import text_stage
 from stages.tokenizer import TextTokenizer, byte_level, load_tokenizer
@@ -112,9 +114,10 @@ def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[i
     for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
         path = stage_info(engine, stage).get("tokenizer")
         if isinstance(path, str):
-            try:
-                return stage, load_tokenizer(path)
-            except ValueError:
+            try:  # a checkpoint stage reports its directory: its tokenizer is transformers'
+                checkpoint = bool(path) and Path(path).is_dir()
+                return stage, checkpoint_tokenizer(path) if checkpoint else load_tokenizer(path)
+            except (ValueError, ImportError):
                 return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
         if kinds[stage] in TOKENIZERS:
             return stage, TOKENIZERS[kinds[stage]]
