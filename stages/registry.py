@@ -139,18 +139,18 @@ class StageSpec:
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker",
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.toy.models:Thinker",
                          sizes=thinker_sizes),
-    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker",
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.toy.models:Talker",
                         sizes=talker_sizes),
-    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav",
+    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.toy.models:Code2Wav",
                           sizes=code2wav_sizes),
-    "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
-    "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
-    "image-encoder": StageSpec("embedding", image_features_input, model="stages.media_encoders:ImageEncoder",
-                               media="image"),
-    "audio-encoder": StageSpec("embedding", audio_features_input, model="stages.media_encoders:AudioEncoder",
-                               media="audio"),
+    "encoder": StageSpec("embedding", encoding_input, model="stages.toy.encoder:ThinkerEncoder"),
+    "diffusion": StageSpec("image", model="stages.toy.diffusion:Diffusion"),
+    "image-encoder": StageSpec("embedding", image_features_input,
+                               model="stages.toy.media_encoders:ImageEncoder", media="image"),
+    "audio-encoder": StageSpec("embedding", audio_features_input,
+                               model="stages.toy.media_encoders:AudioEncoder", media="audio"),
     # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
     "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
                               model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes),
@@ -163,9 +163,9 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
 ROLES: dict[tuple[str, str], StageSpec] = {(kind, role): replace(spec, kind=kind, role=role)
                                            for (kind, role), spec in {
     ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, sampling=THINKER_PARAMS,
-                                      model="stages.pd:PrefillThinker"),
+                                      model="stages.toy.pd:PrefillThinker"),
     ("thinker", "decode"): StageSpec("text", tokens_input, sampling=THINKER_PARAMS,
-                                     model="stages.pd:DecodeThinker", sizes=thinker_sizes),
+                                     model="stages.toy.pd:DecodeThinker", sizes=thinker_sizes),
 }.items()}
 
 

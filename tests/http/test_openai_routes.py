@@ -277,7 +277,7 @@ def test_a_talker_first_pipeline_speaks_its_input_word_for_word(tts: Served) -> 
 
 # ---------------------------------------------------------------- no server
 def test_the_byte_tokenizer_is_the_thinker_s() -> None:
-    from stages.models import EOS, Thinker
+    from stages.toy.models import EOS, Thinker
 
     tok = ByteTokenizer()
     assert tok.eos == EOS
@@ -290,7 +290,7 @@ def test_the_byte_tokenizer_is_the_thinker_s() -> None:
 
 
 def test_a_thinker_told_what_to_say_says_it_and_ends() -> None:
-    from stages.models import Thinker
+    from stages.toy.models import Thinker
 
     thinker = Thinker(d_model=16, layers=1, heads=2, max_model_len=20, max_new_tokens=4, slots=2)
     req = ReqState("r", {"text": " ", "say": "more than four"})

@@ -3,7 +3,7 @@
 The server counts and splits text with the same ``tokenizers``-library
 tokenizer as the text stage (:mod:`stages.tokenizer`), so ``/tokenize`` and
 chat ``usage`` agree with what the stage reads.  The built-in text model
-(``stages.models.Thinker``) reads bytes by default: the library-built
+(``stages.toy.models.Thinker``) reads bytes by default: the library-built
 byte-level tokenizer, a token per byte of the prompt's UTF-8 text and 256
 for end-of-text; it runs here, in the server, without torch or a model
 (:class:`ByteTokenizer` says the same mapping in plain Python; tests check
