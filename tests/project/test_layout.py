@@ -9,6 +9,7 @@ works after some other module happened to be imported first fails here.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -382,3 +383,18 @@ def hooks_overridden_across_packages() -> list[str]:
 
 def test_no_private_hook_is_overridden_across_packages() -> None:
     assert hooks_overridden_across_packages() == []
+
+
+def test_every_layout_rule_in_the_design_doc_names_a_test_that_exists() -> None:
+    """docs/design.md's table of the tree's rules names, for each rule, the test that checks it."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    block = doc.split("<!-- layout-rules:begin -->")[1].split("<!-- layout-rules:end -->")[0]
+    rows = re.findall(r"^\| (.+?) \| `([\w/.]+\.py)::(\w+)` \|$", block, re.M)
+    assert len(rows) >= 8
+    missing = []
+    for rule, file, name in rows:
+        path = ROOT / (file if file.startswith("tests/") else f"tests/project/{file}")
+        names = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        if name not in names:
+            missing.append(f"{rule}: {file}::{name}")
+    assert missing == []
