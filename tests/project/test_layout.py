@@ -398,3 +398,60 @@ def test_every_layout_rule_in_the_design_doc_names_a_test_that_exists() -> None:
         if name not in names:
             missing.append(f"{rule}: {file}::{name}")
     assert missing == []
+
+
+# ---------------------------------------------------------------------- probes and long classes
+#: what a probed object is called when it is a stage client (a stage, a replica, a pool, a client)
+STAGE_CLIENT = re.compile(r"stage|client|replica|pool", re.I)
+
+
+def stage_client_probes(source: str, name: str = "<source>") -> list[str]:
+    """``getattr``/``hasattr`` calls on something named like a stage client: an ability probed, not
+    declared (the stage-client Protocols declare them; cluster/, which makes the clients, may look)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and node.args
+                and STAGE_CLIENT.search(ast.unparse(node.args[0]))):
+            found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_probes_of_stage_clients_are_found() -> None:
+    source = ("def f(stage, args, obj):\n"
+              "    a = getattr(stage, 'pump', None)\n"
+              "    b = hasattr(self.stages[k], 'rpc')\n"
+              "    c = getattr(args, 'stage_ids', None)\n"  # a namespace, not a stage client
+              "    return getattr(obj, 'x')\n")
+    assert stage_client_probes(source, "m.py") == ["m.py:2 getattr(stage, 'pump', None)",
+                                                   "m.py:3 hasattr(self.stages[k], 'rpc')"]
+
+
+#: a class longer than this needs a reason in docs/design.md's list of long classes
+LONG_CLASS = 500
+
+
+def class_lengths(source: str, module: str) -> dict[str, int]:
+    """``module.Class`` -> its length in lines, for every class ``source`` defines at any depth."""
+    return {f"{module}.{n.name}": n.end_lineno - n.lineno + 1  # type: ignore[operator]
+            for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
+
+
+def unlisted_long_classes(lengths: dict[str, int], listed: set[str]) -> list[str]:
+    """The classes over :data:`LONG_CLASS` lines the list does not name, and what it names that is
+    no such class, or one in the shell or the core (where none may be that long)."""
+    long = {c for c, n in lengths.items() if n > LONG_CLASS}
+    bad = [f"{c} ({lengths[c]} lines) is not in docs/design.md's list of long classes"
+           for c in sorted(long - listed)]
+    bad += [f"{c} is listed but is no class over {LONG_CLASS} lines" for c in sorted(listed - long)]
+    bad += [f"{c} is in the shell or the core" for c in sorted(listed)
+            if c.startswith(("trio_orch.shell.", "trio_orch.core."))]
+    return bad
+
+
+def test_long_classes_and_the_list_are_compared() -> None:
+    lengths = {"trio_orch.engine.a.A": 600, "trio_orch.shell.b.B": 501, "trio_orch.core.c.C": 20}
+    assert unlisted_long_classes(lengths, {"trio_orch.engine.a.A"}) == [
+        "trio_orch.shell.b.B (501 lines) is not in docs/design.md's list of long classes"]
+    assert unlisted_long_classes(lengths, {"trio_orch.engine.a.A", "trio_orch.shell.b.B", "x.Y"}) == [
+        "x.Y is listed but is no class over 500 lines", "trio_orch.shell.b.B is in the shell or the core"]
