@@ -406,17 +406,13 @@ class Registrar:
 
 
 def prometheus_counters(reg: Registrar) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
-    """Membership and authentication counters in the ``/metrics`` extra-counters shape."""
+    """Membership counters in the ``/metrics`` extra-counters shape (the pipeline's supervisor reports
+    the authentication refusals, these included)."""
     counts = dict(reg.counters)
-    refused = dict(reg.auth.refused)
     return {
         "trio_orch_membership_events": (
             "replicas that registered, joined, left, were lost, or were refused (by reason)",
             {(("event", name),): n for name, n in sorted(counts.items())},
-        ),
-        "trio_orch_auth_refused": (
-            "connections refused by the security handshake, by mechanism and socket",
-            {(("reason", name),): n for name, n in sorted(refused.items())},
         ),
     }
 
