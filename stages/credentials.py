@@ -21,9 +21,13 @@ hold of what it is given.  Four pieces, none specific to workers:
    that end (``SCM_RIGHTS``); the kernel stamps the message with the sender's
    pid (``SCM_CREDENTIALS``), and the head answers on the fresh socket -- the
    ticket and whatever else the child needs -- only if that pid is the one it
-   launched.  So nothing secret ever sits in the inherited socket (which, unlike
-   a pipe, cannot be reopened through ``/proc/<pid>/fd/N`` either), and what
-   is handed over goes to a process nobody else can read any more.
+   launched, or that one's child (``lock_down(fresh=True)`` goes on in a
+   forked child: from then on *it* is the launched process, the only pid the
+   slot takes).  So nothing secret ever sits in the inherited socket (which,
+   unlike a pipe, cannot be reopened through ``/proc/<pid>/fd/N`` either), and
+   what is handed over goes to a process nobody else can read any more.
+   :meth:`Handover.answer` serves an event loop, :meth:`Handover.serve`
+   blocks (a Ray actor).
 3. **The child's side**: :func:`receive_credentials` (after ``lock_down``).
 4. **The peer of a message**: :func:`peer_pid` reads the pid out of libzmq's
    ipc peer address (ZAP's address frame, a message's ``Peer-Address``
@@ -41,9 +45,12 @@ import array
 import hmac
 import os
 import secrets
+import select
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["LAUNCH_USER", "PID_CHECKED", "Handover", "HandoverError", "Launch", "LaunchRegistry",
@@ -247,6 +254,23 @@ class Handover:
         finally:
             for fd in fds:
                 os.close(fd)
+
+    def serve(self, pid: int, payload: bytes, timeout: float = 60.0,
+              on_stranger: Callable[[int], None] | None = None) -> int:
+        """Blocking :meth:`answer` until ``pid`` (or its fresh child) got ``payload``; the pid that got it.
+
+        For a parent without an event loop (a Ray actor).  ``on_stranger(pid)`` for each refused
+        asker.  Raises :class:`HandoverError` if the child exited first or nothing came in ``timeout``.
+        """
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            select.select([self.fileno()], [], [], left)
+            delivered, asker = self.answer(pid, payload)
+            if delivered and asker is not None:
+                return asker
+            if asker is not None and on_stranger is not None:
+                on_stranger(asker)
+        raise HandoverError(f"process {pid} did not ask for its credentials within {timeout:g}s")
 
     def close(self) -> None:
         if self._child is not None:

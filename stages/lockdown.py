@@ -18,7 +18,8 @@ instant, that nobody can have opened -- while the parent stays behind as its
 stand-in (:func:`_stand_in`): it passes signals on, tells the child when its
 own parent is gone (SIGHUP), and exits as the child does, so whoever started
 the process sees no difference but one more process with the same command
-line.  The child dies with its stand-in (``PR_SET_PDEATHSIG``).  Workers do
+line (in a process group of its own, so that a signal to the group reaches it
+once).  The child dies with its stand-in (``PR_SET_PDEATHSIG``).  Workers do
 this before anything else; a tracer that attached in the window would keep
 its access too, so :func:`lock_down` refuses to go on under a tracer that is
 not one of the process's ancestors (``strace -f`` or a debugger that started
@@ -30,6 +31,7 @@ This module imports only the standard library: it runs before anything else.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
@@ -138,6 +140,8 @@ def _fork_fresh() -> None:
         raise
     if child == 0:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the stand-in killed: so are we (as if we were it)
+        with contextlib.suppress(OSError):  # a group of its own: a signal to the stand-in's group (Ctrl-C,
+            os.setpgid(0, 0)                # kill -- -PGID) reaches it once, passed on, not twice
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if os.getppid() != stand_in:  # it died before the line above
             os._exit(1)

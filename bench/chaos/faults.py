@@ -352,12 +352,12 @@ async def remote_lost(run: ChaosRun) -> None:
         for i in others:
             pool.uncordon(i)
     run.notes.update(placed_on_it=pool.placements[idx], held_when_lost=pool.in_flight()[idx])
-    proc = remote.procs[0]
+    serving = remote.serving_pid(remote.procs[0])
     run.mark_fault()
-    proc.send_signal(signal.SIGSTOP)  # silent, connection open: only the missed heartbeats tell
+    os.kill(serving, signal.SIGSTOP)  # silent, connection open: only the missed heartbeats tell
     await remote.wait_for(lambda: member.gone is not None)
     run.mark_detect()  # its requests ended with replica_died, its slot evicted
-    proc.send_signal(signal.SIGCONT)  # back, but the head dropped it: it registers again, a new identity
+    os.kill(serving, signal.SIGCONT)  # back, but the head dropped it: it registers again, a new identity
     await remote.wait_for(lambda: any(mid != first_id for mid in remote.live_members(1)))
     run.mark_recover()
 

@@ -29,7 +29,7 @@ import trio
 from stages.auth import Authenticator
 from stages.credentials import Handover, HandoverError, Launch
 
-__all__ = ["AUTH_FD_FLAG", "REFUSALS", "LaunchCredentials", "prometheus_counters"]
+__all__ = ["AUTH_FD_FLAG", "REFUSALS", "LaunchCredentials", "hand_over", "prometheus_counters"]
 
 #: the flag that names the inherited hand-over socket on a launched process's command line
 AUTH_FD_FLAG = "--auth-fd"
@@ -74,25 +74,39 @@ class LaunchCredentials:
         when the launched process exited without asking (its exit is reported elsewhere).
         """
         assert self.launched is not None, "started() first"
-        while not self.delivered:
-            await trio.lowlevel.wait_readable(self.handover.fileno())
-            try:
-                self.delivered, asker = self.handover.answer(self.launched, self._payload)
-            except HandoverError:
-                return None
-            if self.delivered and asker is not None:
-                self.pid = asker
-                self.authenticator.launches.bind(self.launch, asker)
-            elif asker is not None:
-                self.authenticator.report(
-                    "handover:stranger", f"refused the credentials of {self.label} to pid {asker}: it is "
-                                         f"not the process launched for it (pid {self.launched})")
-        return self.pid
+        launched = self.launched
+
+        def stranger(asker: int) -> None:
+            self.authenticator.report(
+                "handover:stranger", f"refused the credentials of {self.label} to pid {asker}: it is not the "
+                                     f"process launched for it (pid {launched})")
+
+        serving = await hand_over(self.handover, launched, self._payload, stranger)
+        if serving is not None:
+            self.delivered, self.pid = True, serving
+            self.authenticator.launches.bind(self.launch, serving)
+        return serving
 
     def close(self) -> None:
         """The launch is over: close the hand-over, revoke the ticket (unless a newer launch replaced it)."""
         self.handover.close()
         self.authenticator.launches.close(self.launch)
+
+
+async def hand_over(handover: Handover, pid: int, payload: bytes,
+                    on_stranger: Callable[[int], None] | None = None) -> int | None:
+    """Answer ``handover``'s requests until process ``pid`` (or its fresh child) got ``payload``; the pid
+    that got it, or None when ``pid`` exited without asking.  ``on_stranger(asker)``: each refusal."""
+    while True:
+        await trio.lowlevel.wait_readable(handover.fileno())
+        try:
+            delivered, asker = handover.answer(pid, payload)
+        except HandoverError:
+            return None
+        if delivered:
+            return asker
+        if asker is not None and on_stranger is not None:
+            on_stranger(asker)
 
 
 #: one counter family of ``/metrics`` (trio_orch.http.metrics.ExtraCounters' shape)
