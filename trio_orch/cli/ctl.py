@@ -19,8 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from trio_orch.http.admin import TOKEN_ENV
-from trio_orch.serve.credentials import read_secret_file
+from trio_orch.serve.credentials import TOKEN_ENV, read_secret_file
 
 __all__ = ["configure", "request", "run"]
 

@@ -18,6 +18,9 @@ can read its memory or ``/proc/<pid>/environ`` afterwards), but its
 environment is readable from ``exec`` until then, and stays readable to root.
 A file readable by other users is used with a warning.  An empty or
 unreadable file is an error (exit 2), never "no key".
+
+Client commands (``trio-orch ctl``) read the same variables and files from
+here, without importing the HTTP app.
 """
 
 from __future__ import annotations
@@ -30,13 +33,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from trio_orch.http.admin import TOKEN_ENV
-from trio_orch.http.app import API_KEY_ENV
-
 __all__ = [
+    "API_KEY_ENV",
     "CREDENTIALS_DIRECTORY",
     "CREDENTIAL_FILES",
     "SECRETS",
+    "TOKEN_ENV",
     "Secret",
     "add_arguments",
     "read_secret_file",
@@ -44,6 +46,11 @@ __all__ = [
 ]
 
 log = logging.getLogger("trio_orch.serve.credentials")
+
+#: the environment variable ``serve`` reads the API key from when nothing before it gives one
+API_KEY_ENV = "TRIO_ORCH_API_KEY"
+#: the environment variable ``serve`` and ``ctl`` read the admin token from when nothing before it gives one
+TOKEN_ENV = "TRIO_ORCH_ADMIN_TOKEN"
 
 #: systemd's variable naming the directory of the unit's credentials (LoadCredential=, SetCredential=)
 CREDENTIALS_DIRECTORY = "CREDENTIALS_DIRECTORY"
