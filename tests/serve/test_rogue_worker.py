@@ -30,7 +30,7 @@ from stages.config import echo_config
 from stages.registry import outputs_of
 from tests.http_helpers import HANG, Served, chat, metrics, wait_until
 from trio_orch.cluster.supervisor import RestartPolicy, supervised_pipeline
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.testing import worker_alive
 from trio_orch.testing.rogue import ROGUE_TEXT, read_report
 
@@ -54,7 +54,7 @@ def test_a_rogue_with_stolen_credentials_never_takes_a_killed_workers_slot(
             holder["pipe"] = p
             yield p
 
-    served = Served(Engine(factory, startup_timeout=30).start(), stage_names=["thinker", "talker"],
+    served = Served(ThreadEngine(factory, startup_timeout=30).start(), stage_names=["thinker", "talker"],
                     outputs=outputs_of(s.kind for s in cfg.stages),
                     extra_metrics=lambda: holder["pipe"].supervisor.prometheus_counters())
     pipe = holder["pipe"]
