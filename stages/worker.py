@@ -626,9 +626,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_parent_gone)
-    # No PR_SET_PDEATHSIG: it fires when the *thread* that forked us exits, and trio's open_process
-    # forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed healthy workers.
-    # Orphans are still caught: serve() exits when getppid() changes (checked every heartbeat).
+    # No PR_SET_PDEATHSIG towards the launcher: it fires when the *thread* that forked us exits, and
+    # trio's open_process forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed
+    # healthy workers. Orphans are still caught: our stand-in (the launched process, stages/lockdown.py)
+    # sends SIGHUP when the launcher is gone, and serve() exits when getppid() changes.
     if args.fail_at_startup:
         print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
         return 3
