@@ -3,7 +3,8 @@
 A worker started with any of these flags is a
 :class:`~stages.worker.FaultyWorker`: :class:`FaultInjection` over the plain
 :class:`~stages.worker.Worker`, overriding the worker's seams (``submit``,
-``take_chunk``, ``run_step``, ``finish``, ``stepped``, ``before_start``) to
+``take_chunk``, ``run_step``, ``finish``, ``stepped``, ``before_start``,
+``before_load``) to
 misbehave as asked and otherwise doing what the worker does.  A worker
 started without them has no fault code on its path at all.
 
@@ -112,15 +113,18 @@ class FaultInjection(_Base):
 
     @classmethod
     def before_start(cls, args: argparse.Namespace) -> int | None:
-        """Before the model loads: ``--fail-at-startup`` exits 3; ``--startup-delay`` waits (while the
-        parent lives)."""
+        """Before anything (credentials, sockets): ``--fail-at-startup`` exits 3."""
         if args.fail_at_startup:
             print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
             return 3
+        return None
+
+    @classmethod
+    def before_load(cls, args: argparse.Namespace) -> None:
+        """Before the model loads: ``--startup-delay`` waits (while the parent lives)."""
         deadline = time.monotonic() + args.startup_delay
         while time.monotonic() < deadline and os.getppid() == args.parent_pid:
             time.sleep(min(0.1, deadline - time.monotonic()))
-        return None
 
     def submit(self, msg: Submit) -> None:
         fail = self.args.fail_requests_containing

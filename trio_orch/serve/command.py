@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 import signal
 import socket
 import sys
@@ -49,6 +48,7 @@ from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 from trio_orch.openai.media import MediaPolicy
+from trio_orch.serve import credentials
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
     checkpoint_pipeline,
@@ -57,7 +57,6 @@ from trio_orch.serve.checkpoint import (
     resolve_model,
 )
 from trio_orch.serve.connection_limits import default_max_connections
-from trio_orch.serve.credentials import API_KEY_ENV, TOKEN_ENV
 from trio_orch.serve.options import ServeOptions, ServeOutcome
 from trio_orch.serve.signals import EXIT_SIGNAL
 
@@ -119,14 +118,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "a request naming another model gets 404 model_not_found, answers carry the "
                              "first (default: the checkpoint's MODEL_DIR as given, as vLLM's; without one "
                              "trio-orch; --model-name is the same flag)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
-                             "/version and /ping, else 401 (/admin keeps its own token; default: "
-                             f"${API_KEY_ENV}; unset: open). Prefer the variable: a flag shows in ps")
-    parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
-                        help="serve the control plane under /admin/... (stats, pause, sleep, weight "
-                             "reload, profiling; 'trio-orch ctl' is its client), each call needing "
-                             f"'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; unset: no /admin)")
+    api_key, admin_token = credentials.SECRETS
+    credentials.add_arguments(parser, api_key, "require 'Authorization: Bearer KEY' on every route but "
+                              "/health, /metrics, /version and /ping, else 401 (/admin keeps its own token)",
+                              "open")
+    credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
+                              "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
+                              "needing 'Authorization: Bearer TOKEN'", "no /admin")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
@@ -238,8 +236,7 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key: the key may not be empty (leave it out to serve without one)")
+    credentials.resolve(args)  # the API key and admin token: flag, file, systemd credential, environment
     # one limit on connections for either server: the flag's, else what the fd limit leaves room for
     max_connections = args.max_connections or default_max_connections()
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
