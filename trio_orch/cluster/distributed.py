@@ -108,7 +108,13 @@ async def open_head_pipeline(
     supervised: bool = True,
     handle_sigterm: bool = True,
 ) -> AsyncIterator[Any]:
-    """The pipeline, its registrar (``pipe.registrar``, or None) and supervisor (``pipe.supervisor``)."""
+    """The pipeline, its registrar (``pipe.registrar``, or None), supervisor (``pipe.supervisor``) and
+    Ray replicas (``pipe.ray``: :class:`~trio_orch.cluster.ray_replicas.RayReplicas`, or None).
+
+    With ``--worker-backend ray`` and a supervisor, lost Ray replicas are restarted as new actors
+    under the supervisor's policy; a cluster that cannot hold the pipeline raises
+    :class:`~trio_orch.cluster.ray_placement.PlacementError` here.
+    """
     from trio_orch.cluster.launcher import open_pipeline
     from trio_orch.cluster.registrar import HeadKeys, open_registrar, parse_listen
     from trio_orch.cluster.supervisor import open_supervisor
@@ -122,6 +128,7 @@ async def open_head_pipeline(
             await stack.enter_async_context(open_supervisor(pipe, policy)) if supervised else None
         )
         pipe.registrar = None
+        pipe.ray = None
         if opts.listen is not None:
             keys = None
             ray_keys = None
@@ -140,8 +147,9 @@ async def open_head_pipeline(
             if ray_keys is not None:
                 from trio_orch.cluster.ray_backend import open_ray_replicas
 
-                await stack.enter_async_context(
-                    open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address)
+                pipe.ray = await stack.enter_async_context(
+                    open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address,
+                                      registrar=pipe.registrar, supervisor=pipe.supervisor)
                 )
         yield pipe
 

@@ -1,10 +1,13 @@
 """``--worker-backend ray``: every configured replica as a Ray actor that joins over TCP.
 
-Each actor (:class:`ReplicaActor`, placed with the stage's ``resources``
-from the config, e.g. ``num_gpus``; ``num_cpus`` defaults to 1) runs one
-``python -m stages.headless`` process that registers with the head like any
-remote worker.  The head makes an ephemeral key pair for itself and one for
-its Ray workers (the workers' public key is allowed; the key pair travels to
+Each actor (:class:`ReplicaActor`, in its replica's placement-group bundle:
+the stage's ``resources`` from the config, e.g. ``num_gpus``, ``num_cpus``
+defaulting to 1, and its ``label_selector``; see
+:mod:`trio_orch.cluster.ray_placement`) runs one ``python -m stages.headless``
+process that registers with the head like any remote worker, under a member
+id the backend chose (how it knows which member is which actor's).  The head
+makes an ephemeral key pair for itself and one for its Ray workers (the
+workers' public key is allowed; the key pair travels to
 each actor as a constructor argument and from the actor to its worker over a
 pipe the worker inherits, ``--keys-fd``: never written to disk, never in an
 environment or on a command line, where any process of the same user could
@@ -12,10 +15,11 @@ read it in ``/proc``); the pipeline config travels to the actor the same way
 and to the worker in its environment (it holds no secret).  The worker gets
 the actor's environment without the variables named like a secret and
 without Ray's own settings (:func:`stages.auth.scrubbed_environ`).  Leaving
-the block stops every actor's worker (SIGTERM, then SIGKILL) and kills the
-actors.  An actor that dies (killed,
-its node lost) takes its worker with it: the worker exits when its parent
-goes, and the head sees a lost replica (``replica_died`` for its requests).
+the block stops every actor's worker (SIGTERM, then SIGKILL), kills the
+actors and removes the placement groups.  An actor that dies (killed, its
+node lost) takes its worker with it: the worker exits when its parent goes,
+and the head sees a lost replica; under a supervisor it is restarted as a new
+actor in the same bundle (:mod:`trio_orch.cluster.ray_replicas`).
 
 Ray is an optional dependency: ``pip install -e '.[ray]'``.  The cluster is
 an existing one (``ray start --head`` locally; ``--ray-address`` or
@@ -32,12 +36,18 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from stages.auth import Keypair, scrubbed_environ
 from stages.config import PipelineConfig, to_dict
+
+if TYPE_CHECKING:  # an actor imports this module on its node: only what ReplicaActor needs
+    from trio_orch.cluster.ray_placement import Bundle
+    from trio_orch.cluster.ray_replicas import RayReplicas
+    from trio_orch.cluster.registrar import Registrar
+    from trio_orch.cluster.supervisor import Supervisor
 
 __all__ = ["CONFIG_ENV", "RayKeys", "ReplicaActor", "ephemeral_keys", "keys_text", "open_ray_replicas"]
 
@@ -110,8 +120,15 @@ def _import_ray() -> Any:
 
 @asynccontextmanager
 async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, address: str | None,
-                            *, stop_grace: float = 5.0) -> AsyncIterator[list[Any]]:
-    """Place ``cfg``'s replicas as Ray actors that join ``head``; yield the actor handles."""
+                            *, registrar: Registrar, supervisor: Supervisor | None = None,
+                            stop_grace: float = 5.0) -> AsyncIterator[RayReplicas]:
+    """Place ``cfg``'s replicas as Ray actors that join ``head`` (see :mod:`trio_orch.cluster.ray_replicas`).
+
+    Raises :class:`~trio_orch.cluster.ray_placement.PlacementError` when the
+    cluster cannot hold them.  With a ``supervisor`` a lost replica is restarted.
+    """
+    from trio_orch.cluster.ray_replicas import RayReplicas, open_ray_slots
+
     ray = _import_ray()
     started_ray = False
     if not ray.is_initialized():
@@ -122,31 +139,18 @@ async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, addre
     actor_cls = ray.remote(ReplicaActor)
     secret = keys_text(keys)
     env = {CONFIG_ENV: json.dumps(to_dict(cfg))}
-    actors: list[Any] = []
-    try:
-        for k, st in enumerate(cfg.stages):
-            res = dict(st.resources)
-            opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
-            if res:
-                opts["resources"] = res
-            for r in range(st.replicas):
-                argv = [sys.executable, "-m", "stages.headless", "--stage", str(k), "--head", head,
-                        "--device", cfg.device]
-                actors.append(actor_cls.options(name=None, **opts).remote(argv, secret, env))
-                log.info("stage %d replica %d: placed as a Ray actor (%s)", k, r, opts)
-        pids = await trio.to_thread.run_sync(lambda: ray.get([a.pid.remote() for a in actors], timeout=120))
-        log.info("Ray actors started %d workers (pids %s)", len(pids), pids)
-        yield actors
-    finally:
-        with trio.CancelScope(shield=True):
-            def stop_all() -> None:
-                try:
-                    ray.get([a.stop.remote(stop_grace) for a in actors], timeout=stop_grace + 10)
-                except Exception as exc:  # an actor already dead: killing it below is enough
-                    log.warning("stopping Ray workers: %r", exc)
-                for a in actors:
-                    ray.kill(a)
-                if started_ray:
-                    ray.shutdown()
 
-            await trio.to_thread.run_sync(stop_all)
+    def launch(bundle: Bundle, scheduling: Any, member_id: str) -> Any:
+        argv = [sys.executable, "-m", "stages.headless", "--stage", str(bundle.stage_id), "--head", head,
+                "--device", cfg.device, "--member-id", member_id]
+        return actor_cls.options(scheduling_strategy=scheduling, **bundle.actor_options()).remote(
+            argv, secret, env)
+
+    try:
+        reps = RayReplicas(ray, cfg, registrar, launch, supervisor, stop_grace=stop_grace)
+        async with open_ray_slots(reps):
+            yield reps
+    finally:
+        if started_ray:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(ray.shutdown)
