@@ -272,7 +272,7 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
                     raise RuntimeError(f"{name} runs on Ray: give --worker-backend ray")
                 pipe = await stack.enter_async_context(open_ray_pipeline(cfg, opts.ray, POLICY))
                 sup = pipe.supervisor
-                res.workers += " as Ray actors on 2 nodes"
+                res.workers = f"Ray-actor (2 nodes) {res.workers}"
             else:
                 pipe = await stack.enter_async_context(
                     open_pipeline(cfg, inbox_host=LISTEN_HOST if setup.listen else None))

@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["local", "ray"],
         default="local",
         help="local: worker processes on this host (default); ray: every configured replica "
-        "runs as a Ray actor that joins over TCP",
+        "runs as a Ray actor that joins over TCP, in placement groups made from the config "
+        "(a stage's resources and label_selector, [pipeline] placement_strategy and "
+        "placement_scope); a lost one is restarted as a new actor (docs/distributed.md)",
     )
     g.add_argument(
         "--ray-address",

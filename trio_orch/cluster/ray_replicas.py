@@ -140,8 +140,12 @@ class RayReplicas:
         """Start every slot's actor; return once each has started its worker (raises if one cannot)."""
         await trio.to_thread.run_sync(lambda: [self._spawn(s) for s in self.slots])
         timeout = self.cfg.startup_timeout
-        pids = await trio.to_thread.run_sync(
-            lambda: self.ray.get([s.actor.pid.remote() for s in self.slots], timeout=timeout))
+        try:
+            pids = await trio.to_thread.run_sync(
+                lambda: self.ray.get([s.actor.pid.remote() for s in self.slots], timeout=timeout))
+        except Exception as exc:  # an actor that could not start its worker, or none in time
+            raise WorkerStartupError(f"the Ray actors did not all start their workers within {timeout:g} s "
+                                     f"(startup_timeout): {type(exc).__name__}: {exc}") from None
         for s in self.slots:
             s.constructed = True
         log.info("Ray actors started %d workers (pids %s)", len(pids), pids)

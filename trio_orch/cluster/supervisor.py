@@ -21,6 +21,12 @@ slot (same index, same ipc addresses, so async-chunk peers reconnect) and new
 requests are placed on it.  Only when every slot of a stage was given up does
 the stage become dead for good.
 
+Replicas that another owner starts -- the Ray backend's actors
+(:mod:`trio_orch.cluster.ray_replicas`) -- are *adopted* (:meth:`Supervisor.adopt`):
+their owner reports a death (:meth:`Supervisor.record_death`) and restarts
+them through :meth:`Supervisor.restart` with a starter of its own, under the
+same policy, backoff, counters and give-up rule as a local worker's slot.
+
 Restarts, their causes and give-ups are logged (``trio_orch.cluster.supervisor``) and
 counted: :meth:`Supervisor.counters` / :meth:`Supervisor.prometheus_counters`
 (in the :data:`trio_orch.http.metrics.ExtraCounters` shape, for ``/metrics``).
