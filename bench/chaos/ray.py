@@ -127,16 +127,11 @@ async def leftover_workers(cluster: LocalRayCluster, wait: float = 30.0) -> list
 def _talker(run: Any, node: str) -> tuple[int, Any]:
     """A talker's worker pid on ``node`` and its member (its slot in the pool)."""
     cluster: LocalRayCluster = run.opts.ray
-    pids = cluster.nodes[node].find("stages.headless", "--stage 1 ")
+    pids = cluster.nodes[node].workers("--stage 1 ")
     members = {m.client.ready.pid: m for m in run.pipe.registrar.members.values()
                if m.gone is None and m.stage_id == 1 and m.client.ready is not None}
     pid = next(p for p in pids if p in members)
     return pid, members[pid]
-
-
-def _parent(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
 async def ray_worker_killed(run: Any) -> None:
@@ -151,7 +146,7 @@ async def ray_actor_killed(run: Any) -> None:
     await run.submitted_at_least(0.3)
     pid, member = _talker(run, "two")
     run.mark_fault()
-    os.kill(_parent(pid), signal.SIGKILL)  # the actor's process: its worker exits with it
+    os.kill(run.opts.ray.nodes["two"].actor_of(pid), signal.SIGKILL)  # its worker exits with it
     await run.mark_restart(1, member.replica)
 
 
@@ -159,7 +154,7 @@ async def ray_node_lost(run: Any) -> None:
     cluster: LocalRayCluster = run.opts.ray
     await run.submitted_at_least(0.3)
     lost = [m for m in run.pipe.registrar.members.values() if m.gone is None and m.client.ready is not None
-            and m.client.ready.pid in cluster.nodes["two"].find("stages.headless")]
+            and m.client.ready.pid in cluster.nodes["two"].workers()]
     run.notes["replicas_on_lost_node"] = len(lost)
     run.mark_fault()
     await trio.to_thread.run_sync(lambda: cluster.stop_node("two", crash=True))  # every process of it
@@ -176,7 +171,7 @@ async def ray_node_lost(run: Any) -> None:
 
     await run.sup.wait_for(lambda: len(replaced()) >= len(slots))
     run.mark_recover(run.trio_to_mono(max(replaced())))  # the last of them ready on the node left
-    run.notes["replaced_on_head"] = len(cluster.nodes["head"].find("stages.headless", "--stage 1 "))
+    run.notes["replaced_on_head"] = len(cluster.nodes["head"].workers("--stage 1 "))
     t = time.monotonic()
     await trio.to_thread.run_sync(lambda: cluster.add_node("two", **TWO))  # type: ignore[arg-type]
     run.notes["node_back_s"] = round(time.monotonic() - t, 1)

@@ -202,11 +202,7 @@ def all_ready(code: int, body: dict[str, Any]) -> bool:
 
 def talker(cluster: LocalRayCluster, node: str = "two") -> list[int]:
     """Pids of the talker's trio-orch worker on that node."""
-    return cluster.nodes[node].find("stages.headless", "--stage 1 ")
-
-
-def parent_of(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return cluster.nodes[node].workers("--stage 1 ")
 
 
 class Streams:
@@ -307,7 +303,7 @@ def test_streams_across_nodes_survive_a_killed_talker_worker_and_a_killed_talker
         s.wait_health(all_ready, "every stage joined")
         # placement: the talker's worker runs on the second node, the others on the head
         [first] = talker(c)
-        assert len(c.nodes["head"].find("stages.headless")) == 2 and not talker(c, "head")
+        assert len(c.nodes["head"].workers()) == 2 and not talker(c, "head")
 
         streams = Streams(s.url, 32, "a")
         assert streams.first_text.wait(HANG), "no stream got text"
@@ -326,12 +322,12 @@ def test_streams_across_nodes_survive_a_killed_talker_worker_and_a_killed_talker
         check_connector_over_curve(s.stats())
 
         # the actor itself killed: its worker exits with it, a new actor comes up in the same bundle
-        actor = parent_of(second)
+        actor = c.nodes["two"].actor_of(second)
         os.kill(actor, signal.SIGKILL)
         wait_for(lambda: restarts(s.metrics(), 1) == 2, "the killed actor was replaced")
         s.wait_health(all_ready, "health back to ok")
         [third] = talker(c)
-        assert third not in (first, second) and parent_of(third) != actor
+        assert third not in (first, second) and c.nodes["two"].actor_of(third) != actor
         assert Streams(s.url, 8, "b").join() == ["finish"] * 8
 
 

@@ -117,6 +117,7 @@ async def open_head_pipeline(
     under the supervisor's policy; a cluster that cannot hold the pipeline raises
     :class:`~trio_orch.cluster.ray_placement.PlacementError` here.
     """
+    from stages.auth import Keypair
     from trio_orch.cluster.launcher import open_pipeline
     from trio_orch.cluster.registrar import HeadKeys, open_registrar, parse_listen
     from trio_orch.cluster.supervisor import open_supervisor
@@ -132,26 +133,16 @@ async def open_head_pipeline(
         pipe.registrar = None
         pipe.ray = None
         if opts.listen is not None:
-            keys = None
-            ray_keys = None
-            if opts.backend == "ray":
-                from trio_orch.cluster.ray_backend import ephemeral_keys
-
-                ray_keys = ephemeral_keys()
-            if opts.keys is not None:
-                keys = HeadKeys.load(opts.keys)
-            elif ray_keys is not None:
-                keys = HeadKeys(ray_keys.head, frozenset())
-            assert keys is not None
-            if ray_keys is not None:
-                keys = keys.with_allowed({ray_keys.worker.public})
+            # with Ray and no key directory: an ephemeral head key pair; each actor gets a one-time key
+            keys = HeadKeys.load(opts.keys) if opts.keys is not None else HeadKeys(Keypair.generate(),
+                                                                                    frozenset())
             pipe.registrar = await stack.enter_async_context(open_registrar(pipe, opts.listen, keys))
-            if ray_keys is not None:
+            if opts.backend == "ray":
                 from trio_orch.cluster.ray_backend import open_ray_replicas
 
                 pipe.ray = await stack.enter_async_context(
-                    open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address,
-                                      registrar=pipe.registrar, supervisor=pipe.supervisor)
+                    open_ray_replicas(full_config or cfg, pipe.registrar, opts.ray_address,
+                                      supervisor=pipe.supervisor)
                 )
         yield pipe
 

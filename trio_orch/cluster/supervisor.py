@@ -40,10 +40,8 @@ Usage, nested inside the pipeline and around the orchestrator::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -54,6 +52,7 @@ import trio
 from trio_util import AsyncValue
 
 from stages.config import PipelineConfig
+from trio_orch.cluster.credentials import prometheus_counters as auth_counters
 from trio_orch.cluster.launcher import (
     Pipeline,
     WorkerHandle,
@@ -209,6 +208,8 @@ class Supervisor:
             "messages from workers refused or dropped: garbage, oversized, output for an unknown "
             "request id, second finish of a request",
             {(("stage", str(k)), ("kind", kind)): n for (k, kind), n in sorted(self.bad_input().items())})
+        if self.pipeline.authenticator is not None:  # who tried to take a slot's place, and was refused
+            fams.update(auth_counters(self.pipeline.authenticator))
         return fams
 
     def bad_input(self) -> dict[tuple[int, str], int]:
@@ -422,8 +423,7 @@ class Supervisor:
             # the address is bound again, or its socket could reconnect and take some of our sends.
             hung = classify_death(old.client.dead_reason) == "heartbeat_timeout"
             if old.process.returncode is None and hung:
-                with contextlib.suppress(ProcessLookupError):
-                    old.process.send_signal(signal.SIGKILL)
+                await old.kill_and_reap()
             await old.process.wait()
         await old.client.aclose()  # closes the socket and removes its ipc file
         slot.generation += 1

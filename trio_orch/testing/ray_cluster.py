@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["RAY_ENV", "LocalRayCluster", "RayNode", "session_pids"]
+__all__ = ["RAY_ENV", "LocalRayCluster", "RayNode", "parent_of", "session_pids"]
 
 #: environment of every node (and of a driver: :attr:`LocalRayCluster.driver_env`): no usage report,
 #: no token authentication (the cluster is on loopback; a token file in the shared ``~/.ray`` of
@@ -77,6 +77,15 @@ def session_pids(sid: int) -> list[int]:
     return out
 
 
+def parent_of(pid: int) -> int:
+    """The parent pid of ``pid`` (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return 0
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -109,6 +118,20 @@ class RayNode:
     def find(self, *needles: str) -> list[int]:
         """Pids of this node's processes whose command line contains every needle."""
         return [p for p in self.pids() if all(n in _cmdline(p) for n in needles)]
+
+    def workers(self, *needles: str) -> list[int]:
+        """The trio-orch workers serving on this node (``stages.headless`` and ``needles`` in their
+        command line): a worker runs in the child of a stand-in with the same command line
+        (``stages.lockdown``); the stand-ins are left out."""
+        found = set(self.find("stages.headless", *needles))
+        return sorted(p for p in found if parent_of(p) in found)
+
+    def actor_of(self, worker: int) -> int:
+        """The Ray actor process a worker (or its stand-in) runs under."""
+        pid = worker
+        while "stages.headless" in _cmdline(pid):
+            pid = parent_of(pid)
+        return pid
 
 
 class LocalRayCluster:
