@@ -53,7 +53,7 @@ import hashlib
 import json
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType, field
@@ -91,9 +91,13 @@ class StageConfig(Struct, forbid_unknown_fields=True):
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
     role: str = ""  # which roles a kind has: the registry says (naming them)
-    #: what one replica needs from a Ray cluster (``--worker-backend ray``), e.g. ``{num_gpus = 1}``;
-    #: ``num_cpus`` defaults to 1
+    #: what one replica needs from a Ray cluster (``--worker-backend ray``): its placement-group
+    #: bundle, e.g. ``{num_gpus = 1}`` or a custom resource of the nodes it may run on; ``num_cpus``
+    #: defaults to 1
     resources: dict[str, NonNegativeFloat] = field(default_factory=dict)
+    #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
+    #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -105,7 +109,9 @@ class PipelineConfig(Struct):
     ``startup_timeout``: most seconds a worker may take to become ready;
     ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers;
     ``max_retries``: failovers per request when the replica holding it dies before
-    answering it (0: off; see docs/fault-tolerance.md)."""
+    answering it (0: off; see docs/fault-tolerance.md).  ``placement_strategy`` and
+    ``placement_scope``: how ``--worker-backend ray`` groups the replicas' bundles (Ray's
+    strategies; one placement group for the pipeline or one per stage; see docs/distributed.md)."""
 
     stages: Annotated[list[StageConfig], Meta(min_length=1)]
     #: the stages whose outputs reach the user (the file's ``final_stages``)
@@ -118,6 +124,10 @@ class PipelineConfig(Struct):
     startup_timeout: PositiveFloat = 60.0
     stop_grace: NonNegativeFloat = 3.0
     max_retries: NonNegativeInt = 1
+    #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
+    #: placement group holds the whole pipeline or each stage gets its own
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_scope: Literal["pipeline", "stage"] = "pipeline"
 
     def validate(self) -> PipelineConfig:
         """Raise ValueError naming the stage (or the key's path) and the problem; return self.

@@ -4,7 +4,8 @@ It loads its keys (its own key pair, and the head's public key: a head that
 cannot prove it holds the matching secret key is refused by the CurveZMQ
 handshake), registers for ``--stage K`` at ``--head tcp://HOST:PORT``
 (:mod:`stages.membership_wire`), and once accepted builds the stage's
-model from ``--config`` (the same pipeline TOML the head reads), connects to
+model from ``--config`` (the same pipeline TOML the head reads; the stage's
+``worker_args`` apply to it as to a local replica), connects to
 the control port the head gave it, sends ``Ready`` and serves like a local
 worker (:class:`stages.worker.Worker`), streaming async-chunk data to the
 peers the head names and taking chunks only from the keys it names.
@@ -171,7 +172,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="connection to the head down this long: register again with a new identity",
     )
-    p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)  # tests: a chosen (stale) identity
+    # the Ray backend (which member is its actor's) and tests (a chosen, stale identity)
+    p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)
     p.add_argument("--step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow stage
 
 
@@ -344,14 +346,15 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 )
                 model.warmup()
                 model_seed = answer.seed
-            # the local worker's options, defaults and all, then what the head and our config say
-            ns = build_worker_parser().parse_args(["--connect", answer.control])
+            # the local worker's options, defaults and all, the stage's worker_args from the config
+            # (as a local replica of it gets them), then what the head and our config say
+            ns = build_worker_parser().parse_args(["--connect", answer.control, *st.worker_args])
             ns.stage_id, ns.replica, ns.kind, ns.role = args.stage, answer.replica, st.kind, st.role
             ns.inbox_tcp = f"tcp://{advertise}:0" if answer.inbox else None
             ns.control_only, ns.heartbeat_interval = answer.control_only, answer.heartbeat_interval
             ns.max_batch, ns.device, ns.seed = st.max_batch, device, answer.seed
             ns.threads = args.threads or st.threads
-            ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms
+            ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms or ns.step_delay_ms
             HeadlessWorker.head_timeout = args.head_timeout
             cls = FaultyHeadlessWorker if injected(ns) else HeadlessWorker
             worker = cls(ns, model, ctx, Security(b"", session, server_key=head_key), auth)

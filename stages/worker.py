@@ -353,6 +353,9 @@ class Worker:
                  stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
         if self.inbox is not None:
             s["inbox_pending"] = self.inbox.pending
+        s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
+                          "outbox": self.outbox.describe() if self.outbox is not None else None,
+                          "sent": self.outbox.sent if self.outbox is not None else 0}
         return s
 
     # ------------------------------------------------------------------ stepping

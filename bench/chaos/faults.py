@@ -17,7 +17,9 @@ row).  Two kinds satisfy the protocol:
 
 The ``remote_*`` faults run with a registrar on loopback TCP
 (``RunSetup(listen=True)``) and act on headless workers that join over it
-(:mod:`bench.chaos.remote`).
+(:mod:`bench.chaos.remote`).  The ``ray_*`` faults (``RunSetup(ray=True)``)
+run only with ``--worker-backend ray``, on a two-node Ray cluster the command
+starts (:mod:`bench.chaos.ray`); the others only without it.
 
 Adding a fault is adding an entry to :data:`FAULTS` here (with its inject
 coroutine, for a pipeline fault) and a test.
@@ -36,6 +38,7 @@ from typing import Any, Protocol
 
 import trio
 
+from bench.chaos.ray import placement, ray_actor_killed, ray_node_lost, ray_worker_killed
 from bench.chaos.remote import RemoteWorkers
 from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
 from bench.chaos.server import HttpFault
@@ -280,6 +283,17 @@ async def leave_rejoin(run: ChaosRun) -> None:
     run.mark_recover()  # back in the pool and placed on
 
 
+def _ray_queue_at(stage: int) -> Callable[[PipelineConfig], None]:
+    """The Ray placement (:func:`bench.chaos.ray.placement`) and small batches at ``stage``."""
+    queue = _queue_at(stage)
+
+    def hook(cfg: PipelineConfig) -> None:
+        placement(cfg)
+        queue(cfg)
+
+    return hook
+
+
 def _slow_restart_of_thinker_0(stage: int, replica: int, attempt: int) -> list[str]:
     return ["--startup-delay", "1"] if (stage, replica) == (0, 0) else []
 
@@ -425,6 +439,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   RunSetup(listen=True, joined_before_load=(1,))),
     PipelineFault("remote_unknown_key", "a worker whose key is not on the head's allow-list tries to join "
                   "under load", remote_unknown_key, RunSetup(listen=True)),
+    PipelineFault("ray_worker_killed", "--worker-backend ray: kill -9 a talker's worker under load (its "
+                  "actor lives on); a new actor replaces it", ray_worker_killed,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
+    PipelineFault("ray_actor_killed", "--worker-backend ray: kill -9 a talker's Ray actor under load (its "
+                  "worker exits with it); a new actor replaces it", ray_actor_killed,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
+    PipelineFault("ray_node_lost", "--worker-backend ray: the second node (one of the two talkers) crashes "
+                  "under load; its talker is replaced on the node left", ray_node_lost,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
     HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after its first "
               "chunks)", "disconnect"),
     HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",

@@ -1,9 +1,12 @@
 """``--worker-backend ray``: every configured replica as a Ray actor that joins over TCP.
 
-Each actor (:class:`ReplicaActor`, placed with the stage's ``resources``
-from the config, e.g. ``num_gpus``; ``num_cpus`` defaults to 1) runs one
-``python -m stages.headless`` process that registers with the head like any
-remote worker.  Each actor gets a key pair of its own that opens the head's
+Each actor (:class:`ReplicaActor`, in its replica's placement-group bundle:
+the stage's ``resources`` from the config, e.g. ``num_gpus``, ``num_cpus``
+defaulting to 1, and its ``label_selector``; see
+:mod:`trio_orch.cluster.ray_placement`) runs one ``python -m stages.headless``
+process that registers with the head like any remote worker, under a member
+id the backend chose (how it knows which member is which actor's).  Each
+actor -- a replacement too -- gets a key pair of its own that opens the head's
 registration once (:meth:`~trio_orch.cluster.registrar.Registrar.one_time_key`:
 spent by its worker's ``Register``, so a copy read later opens nothing).  It
 travels to the actor as a constructor argument (Ray's trust boundary: any
@@ -17,10 +20,11 @@ itself.  The pipeline config travels to the actor the same way and to the
 worker in its environment (it holds no secret).  The worker gets
 the actor's environment without the variables named like a secret and
 without Ray's own settings (:func:`stages.auth.scrubbed_environ`).  Leaving
-the block stops every actor's worker (SIGTERM, then SIGKILL) and kills the
-actors.  An actor that dies (killed,
-its node lost) takes its worker with it: the worker exits when its parent
-goes, and the head sees a lost replica (``replica_died`` for its requests).
+the block stops every actor's worker (SIGTERM, then SIGKILL), kills the
+actors and removes the placement groups.  An actor that dies (killed, its
+node lost) takes its worker with it: the worker exits when its parent goes,
+and the head sees a lost replica; under a supervisor it is restarted as a new
+actor in the same bundle (:mod:`trio_orch.cluster.ray_replicas`).
 
 Ray is an optional dependency: ``pip install -e '.[ray]'``.  The cluster is
 an existing one (``ray start --head`` locally; ``--ray-address`` or
@@ -44,8 +48,11 @@ from stages.auth import Keypair, scrubbed_environ
 from stages.config import PipelineConfig, to_dict
 from stages.credentials import Handover, HandoverError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # an actor imports this module on its node: only what ReplicaActor needs
+    from trio_orch.cluster.ray_placement import Bundle
+    from trio_orch.cluster.ray_replicas import RayReplicas
     from trio_orch.cluster.registrar import Registrar
+    from trio_orch.cluster.supervisor import Supervisor
 
 __all__ = ["CONFIG_ENV", "ReplicaActor", "keys_text", "open_ray_replicas"]
 
@@ -116,9 +123,16 @@ def _import_ray() -> Any:
 
 @asynccontextmanager
 async def open_ray_replicas(cfg: PipelineConfig, registrar: Registrar, address: str | None,
-                            *, stop_grace: float = 5.0) -> AsyncIterator[list[Any]]:
-    """Place ``cfg``'s replicas as Ray actors that join ``registrar``, each with a one-time key; yield
-    the actor handles."""
+                            *, supervisor: Supervisor | None = None,
+                            stop_grace: float = 5.0) -> AsyncIterator[RayReplicas]:
+    """Place ``cfg``'s replicas as Ray actors that join ``registrar``, each with a one-time key
+    (see :mod:`trio_orch.cluster.ray_replicas`).
+
+    Raises :class:`~trio_orch.cluster.ray_placement.PlacementError` when the
+    cluster cannot hold them.  With a ``supervisor`` a lost replica is restarted.
+    """
+    from trio_orch.cluster.ray_replicas import RayReplicas, open_ray_slots
+
     ray = _import_ray()
     started_ray = False
     if not ray.is_initialized():
@@ -129,32 +143,19 @@ async def open_ray_replicas(cfg: PipelineConfig, registrar: Registrar, address: 
     actor_cls = ray.remote(ReplicaActor)
     head, head_key = registrar.address, registrar.keys.keypair.public
     env = {CONFIG_ENV: json.dumps(to_dict(cfg))}
-    actors: list[Any] = []
-    try:
-        for k, st in enumerate(cfg.stages):
-            res = dict(st.resources)
-            opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
-            if res:
-                opts["resources"] = res
-            for r in range(st.replicas):
-                argv = [sys.executable, "-m", "stages.headless", "--stage", str(k), "--head", head,
-                        "--device", cfg.device]
-                keys = keys_text(registrar.one_time_key(), head_key)
-                actors.append(actor_cls.options(name=None, **opts).remote(argv, keys, env))
-                log.info("stage %d replica %d: placed as a Ray actor (%s)", k, r, opts)
-        pids = await trio.to_thread.run_sync(lambda: ray.get([a.pid.remote() for a in actors], timeout=120))
-        log.info("Ray actors started %d workers (pids %s)", len(pids), pids)
-        yield actors
-    finally:
-        with trio.CancelScope(shield=True):
-            def stop_all() -> None:
-                try:
-                    ray.get([a.stop.remote(stop_grace) for a in actors], timeout=stop_grace + 10)
-                except Exception as exc:  # an actor already dead: killing it below is enough
-                    log.warning("stopping Ray workers: %r", exc)
-                for a in actors:
-                    ray.kill(a)
-                if started_ray:
-                    ray.shutdown()
 
-            await trio.to_thread.run_sync(stop_all)
+    def launch(bundle: Bundle, scheduling: Any, member_id: str) -> Any:
+        argv = [sys.executable, "-m", "stages.headless", "--stage", str(bundle.stage_id), "--head", head,
+                "--device", cfg.device, "--member-id", member_id]
+        keys = keys_text(registrar.one_time_key(), head_key)
+        return actor_cls.options(scheduling_strategy=scheduling, **bundle.actor_options()).remote(
+            argv, keys, env)
+
+    try:
+        reps = RayReplicas(ray, cfg, registrar, launch, supervisor, stop_grace=stop_grace)
+        async with open_ray_slots(reps):
+            yield reps
+    finally:
+        if started_ray:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(ray.shutdown)

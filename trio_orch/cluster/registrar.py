@@ -135,6 +135,7 @@ class Registrar:
         self._sock: zmq.Socket | None = None
         self._nursery: trio.Nursery | None = None
         self._sent_peers: dict[int, Peers] = {}
+        self._joining: dict[str, tuple[int, str]] = {}  # member id -> (stage, session key) while it joins
         #: registration keys that open it once (:meth:`one_time_key`), not spent yet
         self._one_time: set[bytes] = set()
 
@@ -274,6 +275,7 @@ class Registrar:
                 k, reg.member_id, partial(self._handshake, ident, reg, client, pool)
             )
         except JoinRefused as exc:
+            self._joining.pop(reg.member_id, None)
             self._refuse(ident, reg, exc.reason, str(exc))
             await self._discard(client, domain, "join refused")
             return
@@ -288,6 +290,7 @@ class Registrar:
             return
         m = Member(reg.member_id, k, idx, key, client, dict(reg.capabilities), session_key=reg.session_key)
         self.members[reg.member_id] = m
+        self._joining.pop(reg.member_id, None)  # a member now: its key stays allowed as one
         client.on_leaving = partial(self._on_leaving, m)
         self.refresh_peers()  # upstream replicas learn its inbox before anything is placed on it
         pool.uncordon(idx)
@@ -309,6 +312,12 @@ class Registrar:
         k = reg.stage_id
         idx = self._claim_slot(pool, client)
         down, up = self._peers(k, local=False)
+        # The next stage's workers take chunks from its key before it can send any: it connects to
+        # their inboxes as soon as its model is loaded, before its Ready (a refused CurveZMQ
+        # handshake is not retried), and the key of a join that fails is dropped again.
+        self._joining[reg.member_id] = (k, reg.session_key)
+        self.refresh_peers()
+        self._sent_peers[id(client)] = Peers(down, up)  # what it is told with Accepted (below)
         try:
             self._reply(
                 ident,
@@ -328,8 +337,10 @@ class Registrar:
                 await client.wait_ready()
         except BaseException:
             client.mark_dead("its join did not complete")  # its slot is evicted (nothing was placed on it)
+            self._joining.pop(reg.member_id, None)
+            self.refresh_peers()
             raise
-        return idx
+        return idx  # its key stays in _joining until _admit made it a member
 
     def _claim_slot(self, pool: ReplicaPool, client: ZmqStageClient) -> int:
         """A cordoned slot for a joining replica: a dead member's, else a new one."""
@@ -347,6 +358,7 @@ class Registrar:
         client.farewell = None
         client.mark_dead(why)
         await client.aclose()
+        self._sent_peers.pop(id(client), None)
         self.auth.forget(domain)
 
     def _on_leaving(self, m: Member, client: ZmqStageClient) -> None:
@@ -378,6 +390,7 @@ class Registrar:
         )
         m.client.farewell = None
         await m.client.aclose()
+        self._sent_peers.pop(id(m.client), None)  # (a later client may get its id)
         self.auth.forget(domain)
         self.refresh_peers()
 
@@ -408,8 +421,8 @@ class Registrar:
                     down.append(None)
         up: list[str] = []
         if k > 0 and cfg.hands_off(k - 1):
-            up = sorted(m.session_key for m in self.members.values()
-                        if m.stage_id == k - 1 and m.gone is None)
+            live = {m.session_key for m in self.members.values() if m.stage_id == k - 1 and m.gone is None}
+            up = sorted(live | {key for stage, key in self._joining.values() if stage == k - 1})
         return down, up
 
     def refresh_peers(self) -> None:
