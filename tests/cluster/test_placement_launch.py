@@ -146,3 +146,20 @@ def test_the_same_config_serves_with_cpu_everywhere(tmp_path: Path) -> None:
                 server.wait()
     assert server.returncode in (0, 130), "".join(lines)  # a clean drain (130: stopped by a signal)
     assert not [p for p in workers if worker_alive(p)] and not _workers_of(tmp_path)
+
+
+def test_a_joining_worker_takes_its_stages_device_and_refuses_one_its_host_lacks(tmp_path: Path) -> None:
+    from stages.auth import generate_keys
+
+    generate_keys(tmp_path / "keys", workers=1)
+    config = tmp_path / "placed.toml"
+    config.write_text(TWO_STAGES)
+    base = [sys.executable, "-m", "stages.headless", "--head", "tcp://127.0.0.1:9", "--keys",
+            str(tmp_path / "keys"), "--key", "worker-1", "--config", str(config), "--register-timeout", "1"]
+    env = {**os.environ, VISIBLE: ""}
+    proc = subprocess.run([*base, "--stage", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr  # before it registers: nothing was sent to the head
+    assert "error: stage 0 (echo): device cuda:1 asked for, but no CUDA device is available" in proc.stderr
+    proc = subprocess.run([*base, "--stage", "0", "--device", "cpu"], env=env, capture_output=True, text=True,
+                          timeout=120)  # its own --device wins: it gets as far as the (absent) head
+    assert proc.returncode == 1 and "cannot join tcp://127.0.0.1:9" in proc.stderr, proc.stderr
