@@ -5,7 +5,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     [pipeline]
     final_stages = [0, 2]     # stages whose outputs reach the user
     async_chunk = false       # stream chunks worker-to-worker
-    device = "cpu"            # or "cuda"
+    device = "cpu"            # or "cuda", "cuda:N": every stage's, unless it says its own
     seed = 0
 
     [[stages]]
@@ -13,6 +13,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     replicas = 1
     max_batch = 32            # most requests in one batched step of a worker
     max_inflight = 32         # admission bound per replica (0: none; default max_batch when serving)
+    device = "cuda:1"         # this stage's device, or one per replica: ["cuda:0", "cuda:1"]
     [stages.model]            # model options: the model constructor's keyword arguments
     max_new_tokens = 48
 
@@ -44,7 +45,9 @@ rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate` checks each
 stage's kind and model options there (names, and types against the model
 constructor's annotations), so a typo is a ``ValueError`` before any worker
 starts.  A plug-in kind (an import path) is imported to be
-checked; built-in kinds are checked without importing torch.
+checked; built-in kinds are checked without importing torch.  Where each
+replica runs -- its device, the one GPU its process sees -- is
+:mod:`stages.placement`'s.
 """
 
 from __future__ import annotations
@@ -61,8 +64,17 @@ from msgspec.structs import replace
 
 from stages.fit import check_fit
 from stages.media import FEATURE_DIM
+from stages.placement import Placement, place
 from stages.registry import KindError, check_stage, outputs_of, stage_sizes
-from stages.schema import ConfigError, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, explain
+from stages.schema import (
+    ConfigError,
+    Device,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    explain,
+)
 from stages.validation import Invalid, convert
 
 __all__ = ["PIPELINES", "ConfigFile", "PipelineConfig", "PipelineTable", "StageConfig", "builtin_config",
@@ -78,7 +90,9 @@ class StageConfig(Struct, forbid_unknown_fields=True):
     per live replica, the admitted requests that still have to pass this
     stage (0: no bound; None: ``max_batch`` when serving, none otherwise):
     more would only queue inside the worker.  ``role``: ``"prefill"`` or
-    ``"decode"`` for the two stages of a split kind, else empty.
+    ``"decode"`` for the two stages of a split kind, else empty.  ``device``:
+    this stage's device, or a list with one per replica (None: the pipeline's;
+    see :mod:`stages.placement`).
     """
 
     kind: Annotated[str, Meta(min_length=1)]
@@ -98,6 +112,8 @@ class StageConfig(Struct, forbid_unknown_fields=True):
     #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
     #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
     label_selector: dict[str, str] = field(default_factory=dict)
+    #: this stage's device, or one per replica (None, or left out: the pipeline's)
+    device: Device | Annotated[list[Device], Meta(min_length=1)] | None = None
 
     @property
     def label(self) -> str:
@@ -117,7 +133,7 @@ class PipelineConfig(Struct):
     #: the stages whose outputs reach the user (the file's ``final_stages``)
     final_stage_ids: Annotated[list[NonNegativeInt], Meta(min_length=1)] = field(default_factory=lambda: [0])
     async_chunk: bool = False
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] = "cpu"
+    device: Device = "cpu"
     seed: int = 0
     heartbeat_interval: NonNegativeFloat = 0.5
     heartbeat_timeout: PositiveFloat = 5.0
@@ -151,6 +167,7 @@ class PipelineConfig(Struct):
             raise ValueError(f"pipeline config: final_stages {bad} out of range for {n} stages")
         if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
+        self._check_devices()
         self._check_roles()
         self._check_features()
         self._check_fit()
@@ -171,6 +188,43 @@ class PipelineConfig(Struct):
             else:
                 out.append(n or None)
         return out
+
+    def replica_device(self, k: int, r: int) -> str:
+        """The device replica ``r`` of stage ``k`` asks for: its own, its stage's, or the pipeline's."""
+        dev = self.stages[k].device
+        if dev is None:
+            return self.device
+        return dev[r] if isinstance(dev, list) else dev
+
+    def placement(self, k: int, r: int) -> Placement:
+        """Where replica ``r`` of stage ``k`` runs: the device it is told, the environment it gets."""
+        return place(self.replica_device(k, r))
+
+    def stage_device(self, k: int) -> str:
+        """Stage ``k``'s device where it names one for every replica, else the pipeline's (a worker
+        joining from another host has no place in a per-replica list)."""
+        dev = self.stages[k].device
+        return dev if isinstance(dev, str) else self.device
+
+    def devices(self) -> list[tuple[str, str]]:
+        """``(who, device)`` of every replica started here, in order (``who`` names the stage)."""
+        return [(f"stage {k} ({st.label}) replica {r}", self.replica_device(k, r))
+                for k, st in enumerate(self.stages) for r in range(st.replicas)]
+
+    def where(self) -> str:
+        """Where the replicas run, for a person: ``cpu``, or each stage's devices when they differ."""
+        per_stage = [sorted({self.replica_device(k, r) for r in range(st.replicas)} or {self.stage_device(k)})
+                     for k, st in enumerate(self.stages)]
+        if len({d for ds in per_stage for d in ds}) == 1:
+            return per_stage[0][0]
+        return ", ".join(f"stage {k} on {'/'.join(ds)}" for k, ds in enumerate(per_stage))
+
+    def _check_devices(self) -> None:
+        """A per-replica device list has one entry per replica."""
+        for k, st in enumerate(self.stages):
+            if isinstance(st.device, list) and len(st.device) != st.replicas:
+                raise ValueError(f"pipeline config: stage {k} ({st.label}): device lists {len(st.device)} "
+                                 f"devices, one per replica, but it has {st.replicas} replica(s)")
 
     def _check_roles(self) -> None:
         """A prefill stage is followed by its decode stage: same kind, same options; never a final stage."""
@@ -254,7 +308,8 @@ class PipelineConfig(Struct):
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
                        device: str | None = None, max_retries: int | None = None) -> PipelineConfig:
-        """A copy with command-line overrides applied (``replicas`` applies to every stage)."""
+        """A copy with command-line overrides applied: ``replicas`` and ``device`` apply to every stage
+        (the command line wins over the file's per-stage devices)."""
         cfg = replace(self, stages=[replace(s) for s in self.stages])
         if async_chunk is not None:
             cfg.async_chunk = async_chunk
@@ -263,6 +318,8 @@ class PipelineConfig(Struct):
                 s.replicas = replicas
         if device is not None:
             cfg.device = device
+            for s in cfg.stages:
+                s.device = None
         if max_retries is not None:
             cfg.max_retries = max_retries
         return cfg.validate()

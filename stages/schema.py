@@ -25,10 +25,11 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
+from stages.placement import DEVICE_PATTERN
 from stages.validation import Invalid, convert
 
-__all__ = ["ANNOTATION_NAMES", "ConfigError", "NonNegativeFloat", "NonNegativeInt", "PositiveFloat",
-           "PositiveInt", "check_option", "explain"]
+__all__ = ["ANNOTATION_NAMES", "ConfigError", "Device", "NonNegativeFloat", "NonNegativeInt",
+           "PositiveFloat", "PositiveInt", "check_option", "explain"]
 
 #: a count that must be at least 1 (tokens, frames, layers)
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -38,6 +39,10 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 #: a quantity that may be 0
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
+#: a torch device: cpu, cuda or cuda:N (stages/placement.py)
+Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
+#: a torch device: cpu, cuda or cuda:N (stages/placement.py)
+Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
 
 
 class ConfigError(ValueError):

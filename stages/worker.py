@@ -350,7 +350,9 @@ class Worker:
         s: dict[str, Any] = dict(self.stats)
         s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
                  sessions=len(self.segments.sessions), late_chunks=self.segments.late_chunks,
-                 stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
+                 stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info(),
+                 # where it runs: its device, and the GPUs its placement let it see (stages/placement.py)
+                 device=self.args.device, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
         if self.inbox is not None:
             s["inbox_pending"] = self.inbox.pending
         s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
