@@ -233,3 +233,33 @@ def test_the_talker_streamed_row_by_row_makes_the_same_codes(ckpt: Path) -> None
         if res.finished:
             break
     assert waited == len(outs) and codes == whole["codes"].tolist()
+
+
+def test_token2wav_solves_a_window_as_sample_solves_the_whole(ckpt: Path) -> None:
+    """The window solver is the DiT's sample() with the noise given: over every code, the same mel."""
+    t2w = OmniToken2Wav(str(ckpt))
+    spk = speakers(ckpt)["Chelsie"]
+    codes = np.random.default_rng(0).integers(0, 300, 30)
+    y0 = torch.randn(1, 30 * t2w.rep, 80, generator=t2w.runner.noise(5))
+    assert torch.equal(t2w.runner.solve(codes, spk["cond"], spk["ref_mel"], y0),
+                       t2w.runner.mel(codes, spk["cond"], spk["ref_mel"], 5))
+
+
+def test_token2wav_streams_audio_once_a_chunk_and_its_look_ahead_are_in(ckpt: Path) -> None:
+    t2w = OmniToken2Wav(str(ckpt))
+    codes = np.random.default_rng(1).integers(0, 300, 37)
+    req = ReqState("s", None, upstream=True, input_done=False, sampling={"voice": "Ethan"})
+    t2w.admit(req)
+    fed, heard = 0, []  # (codes in when a piece came, its samples)
+    while True:
+        if not t2w.runnable(req):
+            t2w.feed(req, {"codes": codes[fed:fed + 3]}, end=fed + 3 >= len(codes))
+            fed += 3
+            continue
+        res = t2w.step([req])[0]
+        heard.append((fed, len(res.data["pcm"])))
+        if res.finished:
+            break
+    samples = t2w.rep * t2w.runner.hop
+    assert heard[0] == (-(-(t2w.stream + t2w.future) // 3) * 3, t2w.stream * samples)  # before the rest came
+    assert sum(n for _, n in heard) == len(codes) * samples

@@ -291,6 +291,38 @@ class Token2WavRunner:
                                    num_steps=num_steps, guidance_scale=guidance_scale,
                                    sway_coefficient=sway_coefficient)
 
+    def noise(self, seed: int) -> torch.Generator:
+        """A request's noise source for windows (:meth:`solve`): a CPU generator seeded with ``seed``."""
+        return torch.Generator(device="cpu").manual_seed(seed)
+
+    @torch.inference_mode()
+    def solve(self, codes: np.ndarray, cond: torch.Tensor, ref_mel: torch.Tensor, y0: torch.Tensor, *,
+              num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0
+              ) -> torch.Tensor:
+        """The DiT's solve of ``codes`` from the noise ``y0`` [1, frames, mel_dim]: mel [1, mel_dim, frames].
+
+        The steps of ``sample()`` with the noise given: over a window of a
+        request's codes (async-chunk mode), each window from its own slice of
+        the request's noise.
+        """
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        code = torch.as_tensor(np.asarray(codes, dtype=np.int64), device=self.device)[None]
+        cond = cond.to(self.device).float()
+        ref = ref_mel.to(self.device).float()
+        speaker = cond.unsqueeze(1).repeat(1, y0.shape[1], 1)
+
+        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            out = self.dit(hidden_states=x, quantized_code=code, speaker_embedding=speaker,
+                           condition_vector=ref, time_step=t, apply_cfg=True)
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * guidance_scale
+
+        times = torch.linspace(0, 1, num_steps, device=self.device, dtype=speaker.dtype)
+        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        path = RungeKutta4ODESolver(function=velocity, initial_value=y0.to(self.device)).integrate(times)
+        return path[-1].permute(0, 2, 1)
+
     @torch.inference_mode()
     def waveform(self, mel: torch.Tensor) -> np.ndarray:
         """The whole waveform of ``mel`` (float32 [samples])."""
