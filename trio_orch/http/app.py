@@ -76,7 +76,7 @@ from trio_orch.http.openai_routes import GENERATION, openai_routes
 from trio_orch.http.realtime_server import realtime_route
 from trio_orch.http.schemas import BadRequest, ServedModels, error_body, parse_json_body
 from trio_orch.http.streaming import SSEResponse, sse
-from trio_orch.http.tokenizer import prompt_token_count
+from trio_orch.http.tokenizer import check_context, context_length, prompt_token_count
 from trio_orch.types import OrchError
 
 __all__ = ["API_KEY_ENV", "CHAT", "GENERATION_PATHS", "ApiKeyAuth", "ChatCompletions", "WebSocketGuard",
@@ -183,6 +183,7 @@ class ChatCompletions(OpenAIRoute):
             req = parse_chat_request(body, self.models, limits.max_prompt_chars, self.chat, defer_remote=True)
             await req.fetch_media()  # remote images (--allowed-media-domains), without blocking the loop
             req.prompt_tokens = prompt_token_count(engine, self.outputs, req.prompt)
+            check_context(engine, self.outputs, req.prompt_tokens, req.max_tokens, "messages")
             final = self.final_stage_for(req)
             map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids,
                               outputs=self.outputs, final_stage_id=final)
@@ -337,7 +338,7 @@ def create_app(engine: Engine, *, model_name: str | Sequence[str] = "trio-orch",
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
-    models = ServedModels(model_name)  # created: now, when the server starts
+    models = ServedModels(model_name, max_model_len=context_length(engine, outputs))  # created: now
     auth = AdminAuth(admin_token) if admin_token else None
     guards: tuple[Guard, ...] = tuple(g for g in (ApiKeyAuth(api_key) if api_key else None, auth)
                                       if g is not None)

@@ -41,7 +41,7 @@ from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.schemas import BadRequest, OpenAIRequest, ServedModels, error_body
 from trio_orch.http.streaming import sse
-from trio_orch.http.tokenizer import prompt_token_count
+from trio_orch.http.tokenizer import check_context, prompt_token_count
 from trio_orch.types import OrchOutput
 
 __all__ = ["COMPLETIONS", "CompletionRequest", "TextCompletion", "completions_route"]
@@ -187,6 +187,8 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
                 raise BadRequest(f"model {model!r} gives no text: this pipeline has no text stage", "model")
             sampling = openai_sampling.map_sampling(req.sampling_fields(), engine.stage_params,
                                                     text_stage=k, last_stage=k)
+            prompt_tokens = prompt_token_count(engine, outputs, prompt)
+            check_context(engine, outputs, prompt_tokens, req.max_tokens, "prompt")
         except BadRequest as exc:
             return route.bad(exc)
         except openai_sampling.SamplingError as exc:
@@ -195,7 +197,7 @@ def completions_route(engine: Engine, *, models: ServedModels, outputs: Sequence
         if isinstance(admitted, Response):
             return admitted
         tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs,
-                            prompt_tokens=prompt_token_count(engine, outputs, prompt))
+                            prompt_tokens=prompt_tokens)
         if req.stream:
             return route.stream(stream(req, tc, admitted))
         answer = await route.wait(partial(collect, req, tc, admitted), request)

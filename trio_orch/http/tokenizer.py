@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -36,6 +37,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from stages.hf.tokenizer import checkpoint_tokenizer
+from stages.limits import context_error
 from stages.registry import text_stage
 from stages.tokenizer import TextTokenizer, byte_level, load_tokenizer
 from trio_orch.engine import Engine
@@ -46,8 +49,9 @@ from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.openai_chat import parse_chat_request
 from trio_orch.http.schemas import BadRequest, ServedModels
 
-__all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "Tokenizer", "pipeline_tokenizer",
-           "prompt_token_count", "stage_info", "tokenizer_routes"]
+__all__ = ["DETOKENIZE", "TOKENIZE", "TOKENIZERS", "ByteTokenizer", "Tokenizer", "check_context",
+           "context_length", "max_model_len", "pipeline_tokenizer", "prompt_token_count", "stage_info",
+           "tokenizer_routes"]
 
 TOKENIZE = "/tokenize"
 DETOKENIZE = "/detokenize"
@@ -110,9 +114,10 @@ def pipeline_tokenizer(engine: Engine, outputs: Sequence[str] | None) -> tuple[i
     for stage in dict.fromkeys(s for s in (k, 0) if s is not None):
         path = stage_info(engine, stage).get("tokenizer")
         if isinstance(path, str):
-            try:
-                return stage, load_tokenizer(path)
-            except ValueError:
+            try:  # a checkpoint stage reports its directory: its tokenizer is transformers'
+                checkpoint = bool(path) and Path(path).is_dir()
+                return stage, checkpoint_tokenizer(path) if checkpoint else load_tokenizer(path)
+            except (ValueError, ImportError):
                 return None  # the worker loaded it; this process cannot: say the tokenizer is unknown
         if kinds[stage] in TOKENIZERS:
             return stage, TOKENIZERS[kinds[stage]]
@@ -125,14 +130,33 @@ def prompt_token_count(engine: Engine, outputs: Sequence[str] | None, prompt: st
     return len(found[1].encode(prompt)) if found is not None else None
 
 
+def check_context(engine: Engine, outputs: Sequence[str] | None, prompt_tokens: int | None,
+                  max_tokens: int | None, param: str) -> None:
+    """BadRequest (400, vLLM's words, naming both numbers) when the prompt and ``max_tokens`` do not fit
+    the text stage's context: the rule of :func:`stages.limits.context_error`, asked before admission
+    (the stage asks it again).  Nothing to check without a known tokenizer or context length."""
+    limit = context_length(engine, outputs)
+    if limit is None or prompt_tokens is None:
+        return
+    error = context_error(limit, prompt_tokens, max_tokens)
+    if error is not None:
+        raise BadRequest(error, param, code="context_length_exceeded")
+
+
+def context_length(engine: Engine, outputs: Sequence[str] | None) -> int | None:
+    """The context of the stage a prompt is counted for (its text stage, else stage 0), when its workers
+    report one (``max_model_len``); what ``/v1/models`` shows."""
+    if engine.stage_params is None:
+        return None
+    k = text_stage(engine.final_stage_ids, outputs)
+    return next((n for s in dict.fromkeys(x for x in (k, 0) if x is not None)
+                 if (n := max_model_len(engine, s)) is not None), None)
+
+
 def max_model_len(engine: Engine, stage: int) -> int | None:
     """The stage's context length (prompt and generated tokens), when its workers report it."""
-    info = stage_info(engine, stage)
-    total = info.get("max_model_len")
-    if isinstance(total, int):
-        return total
-    parts = (info.get("max_prompt"), info.get("max_new_tokens"))
-    return sum(parts) if all(isinstance(p, int) for p in parts) else None  # type: ignore[arg-type]
+    total = stage_info(engine, stage).get("max_model_len")
+    return total if isinstance(total, int) else None
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):
