@@ -57,6 +57,8 @@ from stages.forwarding import (
     placeholder_input,
     tokens_input,
 )
+from stages.hf.omni.forwarding import talker_input
+from stages.hf.omni.params import schema_for, talker_params, thinker_params, token2wav_params
 from stages.media import audio_features_input, image_features_input
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
@@ -73,8 +75,9 @@ from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
            "check_kind_name", "check_sampling", "check_stage", "forward_fn", "full_options", "image_of",
-           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "source_root",
-           "spec_for", "stage_params", "stage_sizes", "takes_companions", "text_of", "text_stage"]
+           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "sampling_schema",
+           "says", "source_root", "spec_for", "stage_params", "stage_sizes", "takes_companions", "text_of",
+           "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -123,6 +126,12 @@ class StageSpec:
     ``sizes``: what the kind emits to the next stage and reads from the one
     before (:mod:`stages.fit`), from its options with the constructor's
     defaults filled in; None: nothing declared, nothing checked.
+    ``says``: a payload ``{"text", "say": str}`` makes the kind answer with
+    ``say``, token for token (``/v1/audio/speech`` has a pipeline that starts
+    with it speak its input word for word).
+    ``sampling_for``: the kind's sampling parameters for a stage's options,
+    where they depend on the model it loads (a checkpoint's speakers are its
+    ``voice`` choices); None: ``sampling`` whatever the options.
     """
 
     output: str = "data"
@@ -132,15 +141,17 @@ class StageSpec:
     model: str = ""
     kind: str = ""
     role: str = ""
-    media: str = ""
+    media: str | tuple[str, ...] = ""
     sizes: SizeFn | None = None
+    says: bool = False
+    sampling_for: Callable[[Mapping[str, Any]], SamplingSchema] | None = None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
     "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker",
-                         sizes=thinker_sizes),
+                         sizes=thinker_sizes, says=True),
     "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker",
                         sizes=talker_sizes),
     "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav",
@@ -153,7 +164,16 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
                                media="audio"),
     # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
     "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
-                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes),
+                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes, says=True),
+    # Qwen2.5-Omni from a local checkpoint, one part per stage (stages.hf.omni; the hf extra)
+    "omni-thinker": StageSpec("text", talker_input, sampling=thinker_params(()), media=("image", "audio"),
+                              model="stages.hf.omni.thinker:OmniThinker", says=True,
+                              sampling_for=schema_for("thinker")),
+    "omni-talker": StageSpec("codes", codes_input, sampling=talker_params(()),
+                             model="stages.hf.omni.talker:OmniTalker", sampling_for=schema_for("talker")),
+    "omni-token2wav": StageSpec("audio", sampling=token2wav_params(()),
+                                model="stages.hf.omni.token2wav:OmniToken2Wav",
+                                sampling_for=schema_for("token2wav")),
 }.items()}
 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
@@ -489,23 +509,48 @@ def input_media(kinds: Iterable[str]) -> frozenset[str]:
 
     A name that is no kind (an in-process stage's label) encodes none.
     """
-    found = set()
+    found: set[str] = set()
     for kind in kinds:
         try:
-            found.add(spec_for(kind).media)
+            media = spec_for(kind).media
         except KindError:
             continue
+        found.update((media,) if isinstance(media, str) else media)
     return frozenset(found - {""})
 
 
-def stage_params(kinds: Iterable[str]) -> list[StageParams]:
-    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto)."""
-    return [StageParams(spec.kind, spec.sampling) for spec in map(spec_for, kinds)]
+def says(kind: str) -> bool:
+    """Can a stage of ``kind`` be told what to say (``StageSpec.says``)?  A name that is no kind (an
+    in-process stage's label) cannot."""
+    try:
+        return spec_for(kind).says
+    except KindError:
+        return False
 
 
-def check_sampling(kinds: Iterable[str]) -> Callable[[int, Any], dict[str, Any]]:
+def sampling_schema(kind: str, options: Mapping[str, Any] | None = None) -> SamplingSchema:
+    """The sampling parameters a stage of ``kind`` takes with these model ``options``
+    (``StageSpec.sampling_for`` when the kind's depend on them, and options are given)."""
+    spec = spec_for(kind)
+    if spec.sampling_for is not None and options:
+        return spec.sampling_for(options)
+    return spec.sampling
+
+
+def stage_params(kinds: Iterable[str], options: Sequence[Mapping[str, Any]] | None = None
+                 ) -> list[StageParams]:
+    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto);
+    ``options``: each stage's model options, for the kinds whose parameters depend on them."""
+    kinds = list(kinds)
+    opts = list(options) if options is not None else [{}] * len(kinds)
+    return [StageParams(spec_for(kind).kind, sampling_schema(kind, o))
+            for kind, o in zip(kinds, opts, strict=True)]
+
+
+def check_sampling(kinds: Iterable[str], options: Sequence[Mapping[str, Any]] | None = None
+                   ) -> Callable[[int, Any], dict[str, Any]]:
     """The pipeline's ``check_sampling(stage_id, params)``: stage k's parameters against its kind's."""
-    return checker(stage_params(kinds))
+    return checker(stage_params(kinds, options))
 
 
 def outputs_of(kinds: Iterable[str], roles: Sequence[str] | None = None) -> list[str]:

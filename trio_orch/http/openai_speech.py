@@ -1,7 +1,8 @@
 """``POST /v1/audio/speech``: OpenAI's text-to-speech route over the pipeline's audio stage.
 
-Request: ``input`` (the text, 1..4096 characters), ``voice`` (a speaker:
-``stages.sampling_params.VOICES``), ``response_format`` (``"wav"``, the
+Request: ``input`` (the text, 1..4096 characters), ``voice`` (a speaker of the
+pipeline's: ``stages.sampling_params.VOICES`` for the built-in vocoder, a
+checkpoint's own for Qwen2.5-Omni), ``response_format`` (``"wav"``, the
 default here, or ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
 24 kHz for the built-in vocoder, as OpenAI's), ``speed`` (0.25..4: the audio
 is resampled, so its pitch moves with it), ``stream_format`` (``"audio"``:
@@ -16,11 +17,12 @@ How the input reaches the speech stages depends on the pipeline:
   codes (a talker first: ``talker -> code2wav``) gets the input's tokens as
   its input, as if a thinker had just said them: the input is spoken word for
   word, and nothing generates text;
-- a pipeline whose first stage is the built-in thinker (the speech
-  pipeline) has it *say* the input (its ``say`` payload: forced decoding, the
-  input's tokens as its answer), so the talker and vocoder speak the input
-  word for word, through every stage of the pipeline; an input longer than
-  the thinker's cache holds (``max_say`` in its info) is a 400 naming ``input``;
+- a pipeline whose first stage can be told what to say (``StageSpec.says``:
+  the built-in thinker of the speech pipeline, a checkpoint's thinker) has it
+  *say* the input (its ``say`` payload: forced decoding, the input's tokens
+  as its answer), so the talker and vocoder speak the input word for word,
+  through every stage of the pipeline; an input longer than the thinker's
+  cache holds (``max_say`` in its info) is a 400 naming ``input``;
 - another text stage first (a plug-in) runs on the input as its prompt, with
   a token budget as long as the input, and what it says is spoken.
 
@@ -45,7 +47,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from stages.registry import as_audio, text_stage
+from stages.registry import as_audio, says, text_stage
 from trio_orch.engine import AsyncRequestHandle, Engine
 from trio_orch.http import openai_sampling
 from trio_orch.http.generation import OpenAIRoute
@@ -192,7 +194,7 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
                                     (openai_sampling.EXTENSION, req.stage_sampling)) if v is not None}
         if first is not None:
             payload: Any = {"tokens": np.asarray(first.encode(req.input), dtype=np.int32)}
-        elif kinds is not None and kinds[0] == "thinker":
+        elif kinds is not None and says(kinds[0]):
             prompt, n_prompt = say_prompt()
             limit = stage_info(engine, 0).get("max_say")  # its cache's room after a one-token prompt
             room = limit + 1 - n_prompt if isinstance(limit, int) else None
@@ -206,7 +208,7 @@ def speech_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str]
             if text_k is not None and stages is not None and "max_tokens" in stages[text_k].schema:
                 fields["max_tokens"] = len(req.input.encode())  # about as long as the input
         sampling = openai_sampling.map_sampling(fields, engine.stage_params, text_stage=text_k,
-                                                last_stage=audio_finals[-1])
+                                                last_stage=audio_finals[-1], voice_field="voice")
         return payload, sampling
 
     def failure(code: str, message: str) -> bytes:

@@ -11,7 +11,9 @@ under one:
   checkpoint's own vocabularies (its codec end and pad codes are NOT the ids
   ``generate()`` hard-codes, so code that reads them from the config is tested);
 - ``model.safetensors`` (the ``thinker.``, ``talker.`` and ``token2wav.``
-  prefixes of the real one), ``generation_config.json``;
+  prefixes of the real one; BigVGAN's convolutions drawn wider than the
+  library draws them, so the waveform is loud enough to be heard and
+  compared), ``generation_config.json``;
 - a byte-level BPE tokenizer of a few hundred tokens trained here, with the
   Omni special tokens (``<|IMAGE|>``, ``<|AUDIO|>``, ``<|vision_bos|>``, ...)
   and the attributes its processor reads (``tokenizer.json``,
@@ -140,27 +142,44 @@ def _preprocessor() -> dict[str, Any]:
             "feature_extractor_type": "WhisperFeatureExtractor", "processor_class": "Qwen2_5OmniProcessor"}
 
 
+def _audible(vocoder: Any, seed: int) -> None:
+    """Redraw BigVGAN's convolutions at 0.7 / sqrt(fan-in): at the library's initial scale a random
+    vocoder's waveform is about 1e-8, which 16-bit PCM rounds to silence; at this one it peaks near
+    0.75 without clipping, so tests that compare audio compare sound."""
+    import math
+
+    import torch
+    from torch import nn
+
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for module in vocoder.modules():
+            if isinstance(module, nn.Conv1d | nn.ConvTranspose1d):
+                w = module.weight
+                fan_in = (w.shape[1] * w.shape[2] if isinstance(module, nn.Conv1d)
+                          else w.shape[0] * w.shape[2] / module.stride[0])
+                w.copy_(torch.randn(w.shape, generator=g) * (0.7 / math.sqrt(fan_in)))
+
+
 def tiny_qwen_omni(path: str | Path, *, seed: int = 0) -> Path:
     """Write a tiny random Qwen2.5-Omni checkpoint into directory ``path`` (created); return it."""
     import torch
     from transformers import GenerationConfig, Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
+
+    from stages.hf.omni.parts import quiet_transformers
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the talker's config warns of text ids outside the codec vocabulary
-    try:
+    with quiet_transformers():  # the talker's config warns of text ids outside the codec vocabulary
         tok = _tokenizer()
         ids = {s: tok.convert_tokens_to_ids(s) for s in _SPECIALS}
         config = _config(ids)
         torch.manual_seed(seed)
         model = Qwen2_5OmniForConditionalGeneration(config).eval()
+        _audible(model.token2wav.code2wav_bigvgan_model, seed)
         model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"],
                                                    pad_token_id=ids["<|endoftext|>"])
         model.save_pretrained(out)
-    finally:
-        hf_logging.set_verbosity(verbosity)
     tok.save_pretrained(out)
     (out / "chat_template.jinja").write_text(OMNI_TEMPLATE, encoding="utf-8")
     (out / "preprocessor_config.json").write_text(json.dumps(_preprocessor(), indent=2, default=str) + "\n",

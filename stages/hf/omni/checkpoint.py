@@ -6,20 +6,23 @@ control codes (its end and pad codes are the config's -- ``generate()``
 hard-codes 8292 and 8294, the real checkpoint's, and stops a checkpoint with
 other ids at the wrong code), the ids of the text tokens whose thinker
 embeddings frame the talker's input, and token2wav's rates.  The speakers
-are in ``spk_dict.pt``, a torch file: :func:`speakers` reads it (torch,
-imported then).
+are in ``spk_dict.pt``, a torch file: :func:`speaker_ids` reads their names
+and start ids without torch (the head lists them to refuse an unknown voice),
+:func:`speakers` the whole of it (torch, imported then).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 __all__ = ["ARCHITECTURE", "SAMPLE_RATE", "SPEAKER_FILE", "OmniConfig", "OmniConfigError", "read_omni_config",
-           "speakers"]
+           "speaker_ids", "speakers"]
 
 ARCHITECTURE = "Qwen2_5OmniForConditionalGeneration"
 SPEAKER_FILE = "spk_dict.pt"
@@ -154,3 +157,38 @@ def speakers(path: str | Path) -> dict[str, dict[str, Any]]:
             isinstance(v, dict) and {"bos_token", "cond", "ref_mel"} <= set(v) for v in found.values()):
         raise OmniConfigError(f"{file}: expected speaker name -> {{bos_token, cond, ref_mel}}")
     return {str(k): v for k, v in found.items()}
+
+
+class _Tensor:
+    """Whatever torch would rebuild: the names and ids are all :func:`speaker_ids` reads."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class _Names(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return dict
+        if module.startswith("torch"):
+            return _Tensor
+        raise pickle.UnpicklingError(f"unexpected {module}.{name}")
+
+    def persistent_load(self, pid: Any) -> Any:
+        return None
+
+
+def speaker_ids(path: str | Path) -> dict[str, int]:
+    """``spk_dict.pt``'s speakers -> their start token id, read without torch (a torch zip file's pickle,
+    tensors left unbuilt); OmniConfigError naming the file when it is not one."""
+    file = Path(path) / SPEAKER_FILE
+    try:
+        with zipfile.ZipFile(file) as z:
+            name = next(n for n in z.namelist() if n.endswith("/data.pkl") or n == "data.pkl")
+            found = _Names(z.open(name)).load()
+    except (OSError, StopIteration, zipfile.BadZipFile, pickle.UnpicklingError, EOFError) as exc:
+        raise OmniConfigError(f"{file}: not a torch speaker file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(found, dict) or not found or not all(
+            isinstance(v, dict) and isinstance(v.get("bos_token"), int) for v in found.values()):
+        raise OmniConfigError(f"{file}: expected speaker name -> {{bos_token, cond, ref_mel}}")
+    return {str(k): int(v["bos_token"]) for k, v in found.items()}

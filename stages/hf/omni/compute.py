@@ -71,7 +71,12 @@ class ThinkerSequence:
 
 
 class ThinkerRunner:
-    """The thinker (``model.thinker``) one sequence at a time (see the module's docstring)."""
+    """The thinker (``model.thinker``) one sequence at a time (see the module's docstring).
+
+    The rows are caught on their way through the text model (its input
+    embeddings and its last hidden state, by hooks): asking the model for
+    every layer's hidden states would keep them all for the prompt.
+    """
 
     def __init__(self, model: Any, cfg: OmniConfig) -> None:
         self.model = model
@@ -79,6 +84,17 @@ class ThinkerRunner:
         self.device = next(model.parameters()).device
         self.vocab_size = cfg.vocab_size
         self.hidden_size = cfg.hidden_size
+        self._caught: dict[str, torch.Tensor] | None = None
+        model.model.register_forward_pre_hook(self._catch_input, with_kwargs=True)
+        model.model.register_forward_hook(self._catch_output)
+
+    def _catch_input(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if self._caught is not None:
+            self._caught["embeds"] = kwargs["inputs_embeds"]
+
+    def _catch_output(self, module: Any, args: Any, output: Any) -> None:
+        if self._caught is not None:
+            self._caught["last"] = output.last_hidden_state
 
     def start(self, media: Mapping[str, Any] | None = None, *, use_audio_in_video: bool = False
               ) -> ThinkerSequence:
@@ -110,21 +126,26 @@ class ThinkerRunner:
         else:
             assert seq.delta is not None
             positions = _decode_positions(seq.cache.get_seq_length(), len(new_ids), seq.delta, self.device)
-        cache = seq.cache
-        out = self.model(input_ids=new, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, output_hidden_states=rows, return_dict=True, **kw)
+        self._caught = {} if rows else None
+        try:
+            out = self.model(input_ids=new, attention_mask=mask, position_ids=positions,
+                             past_key_values=seq.cache, use_cache=True, return_dict=True, **kw)
+            caught = self._caught
+        finally:
+            self._caught = None
         seq.cache = out.past_key_values
         logits = out.logits[0, -1].to(dtype=torch.float32, device="cpu")
-        if not rows:
+        if caught is None:
             return logits, None
-        embeds = out.hidden_states[0][0].clone()
+        embeds = caught["embeds"][0].clone()
         if first:  # generate() hands the talker no image or audio features: zero their placeholders
             for key, medium in (("input_features", "audio"), ("pixel_values", "image"),
                                 ("pixel_values_videos", "video")):
                 if key in seq.media:
                     embeds[new[0] == self.cfg.media_token(medium)] = 0
+        if first:
             seq.media = {}
-        found = out.hidden_states[-1][0] + embeds
+        found = caught["last"][0] + embeds
         return logits, found.to(dtype=torch.float32, device="cpu").numpy()
 
     @torch.inference_mode()

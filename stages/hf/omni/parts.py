@@ -31,7 +31,8 @@ import torch
 
 from stages.hf.omni.checkpoint import OmniConfig, read_omni_config
 
-__all__ = ["PARTS", "PartError", "load_part", "load_processor", "part_dtype", "require_transformers"]
+__all__ = ["PARTS", "PartError", "load_part", "load_processor", "part_dtype", "require_transformers",
+           "weights_summary"]
 
 #: the parts of the checkpoint: attribute of the full model -> its class in ``transformers``
 PARTS = {"thinker": "Qwen2_5OmniThinkerForConditionalGeneration",
@@ -128,9 +129,10 @@ def load_processor(path: str | Path) -> Any:
             return super().check_argument_for_proper_class(argument_name, argument)
 
     folder = str(cfg.path)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    images = transformers.Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
-    audio = transformers.WhisperFeatureExtractor.from_pretrained(folder, local_files_only=True)
+    with quiet_transformers():
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        images = transformers.Qwen2VLImageProcessorPil.from_pretrained(folder, local_files_only=True)
+        audio = transformers.WhisperFeatureExtractor.from_pretrained(folder, local_files_only=True)
     return OmniProcessor(image_processor=images, video_processor=_NoVideo(), feature_extractor=audio,
                          tokenizer=tokenizer, chat_template=_chat_template(cfg.path, tokenizer))
 
@@ -148,3 +150,12 @@ def _chat_template(folder: Path, tokenizer: Any) -> str | None:
         if isinstance(found, str):
             return found
     return getattr(tokenizer, "chat_template", None)
+
+
+def weights_summary(part: str, model: Any) -> dict[str, Any]:
+    """What a worker holds, for its ``weights`` RPC: its part, every parameter's and buffer's name, their
+    count and bytes (each stage's worker holds one part and no other's)."""
+    tensors = dict(model.named_parameters())
+    tensors.update(model.named_buffers())
+    return {"part": part, "names": sorted(tensors), "parameters": sum(p.numel() for p in model.parameters()),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}

@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 from stages.base import ReqState, StageModel, StepResult
+from stages.control import rpc_method
 from stages.hf.omni.checkpoint import read_omni_config, speakers
 from stages.hf.omni.compute import TalkerInput, TalkerRunner, TalkerSequence
 from stages.hf.omni.forwarding import TalkerTrack
 from stages.hf.omni.params import talker_params
-from stages.hf.omni.parts import load_part
+from stages.hf.omni.parts import load_part, weights_summary
 from stages.sampling import RequestSampler, sample
 from stages.sampling_params import with_defaults
 from stages.schema import PositiveInt
@@ -178,6 +179,11 @@ class OmniTalker(StageModel):
         if isinstance(t, _Talk) and t.seq is not None:
             self.runner.release(t.seq)
             t.seq = None
+
+    @rpc_method("weights")
+    def weights(self) -> dict[str, Any]:
+        """The ``weights`` RPC: the names, count and bytes of the tensors this worker holds."""
+        return weights_summary("talker", self.runner.model)
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "checkpoint": str(self.cfg.path), "voices": self.voices,

@@ -34,10 +34,11 @@ import numpy as np
 import torch
 
 from stages.base import ReqState, StageModel, StepResult
+from stages.control import rpc_method
 from stages.hf.omni.checkpoint import SAMPLE_RATE, read_omni_config, speakers
 from stages.hf.omni.compute import Token2WavRunner
 from stages.hf.omni.params import token2wav_params
-from stages.hf.omni.parts import load_part
+from stages.hf.omni.parts import load_part, weights_summary
 from stages.sampling_params import with_defaults
 from stages.schema import NonNegativeInt, PositiveInt
 
@@ -166,6 +167,11 @@ class OmniToken2Wav(StageModel):
     def release(self, req: ReqState) -> None:
         if isinstance(req.model, _Wave):
             req.model.mel = req.model.drawn = req.model.tail = None
+
+    @rpc_method("weights")
+    def weights(self) -> dict[str, Any]:
+        """The ``weights`` RPC: the names, count and bytes of the tensors this worker holds."""
+        return weights_summary("token2wav", self.runner.model)
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "checkpoint": str(self.cfg.path), "voices": list(self.speakers),
