@@ -13,7 +13,9 @@ differs between kinds is read from here, and nowhere else:
   :func:`prewarm_fn`), from each row's ``next_input`` (with the request's
   companions where the kind conditions on them) and ``prewarm_input``;
 - ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
-  :func:`as_text`, :func:`as_audio`, :func:`text_stage`);
+  :func:`as_text`, :func:`as_audio`, :func:`text_stage`), the media a chat
+  may carry to it (:func:`input_media`), whether it reads tokens and can be
+  told what to say (:func:`reads_tokens`, :func:`says`);
 - per-request sampling parameters: what each kind takes, checked when a request
   is accepted and again in the worker (``sampling``, :func:`stage_params`,
   :func:`check_sampling`; the parameters themselves are in :mod:`stages.sampling_params`).
@@ -75,9 +77,9 @@ from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
            "check_kind_name", "check_sampling", "check_stage", "forward_fn", "full_options", "image_of",
-           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "sampling_schema",
-           "says", "source_root", "spec_for", "stage_params", "stage_sizes", "takes_companions", "text_of",
-           "text_stage"]
+           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens",
+           "sampling_schema", "says", "source_root", "spec_for", "stage_params", "stage_sizes",
+           "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -121,14 +123,18 @@ class StageSpec:
     default: none, so any parameter sent to it is refused).  ``model`` is the
     ``"module:Class"`` path, imported only when needed; ``kind`` the name;
     ``role`` the role of a split kind (:data:`ROLES`), else empty.  ``media``:
-    the medium a chat part may carry that this kind encodes ("image", "audio";
-    :mod:`stages.media`), else empty: a pipeline takes the media its stages encode.
+    the medium a chat part may carry that this kind encodes ("image", "audio",
+    or a tuple of both; :mod:`stages.media`), else empty: a pipeline takes the
+    media its stages encode.
+    ``tokens``: how the kind reads text, for a front that counts or feeds its
+    tokens -- ``"text"`` (it tokenizes text itself: with the tokenizer its
+    workers report, else the byte-level one of :mod:`stages.tokenizer`),
+    ``"ids"`` (it reads the token ids such a stage makes), else empty.
+    ``says``: it can be told what to say (a payload's ``say`` is forced as its
+    answer: the speech route speaks its input through it).
     ``sizes``: what the kind emits to the next stage and reads from the one
     before (:mod:`stages.fit`), from its options with the constructor's
     defaults filled in; None: nothing declared, nothing checked.
-    ``says``: a payload ``{"text", "say": str}`` makes the kind answer with
-    ``say``, token for token (``/v1/audio/speech`` has a pipeline that starts
-    with it speak its input word for word).
     ``sampling_for``: the kind's sampling parameters for a stage's options,
     where they depend on the model it loads (a checkpoint's speakers are its
     ``voice`` choices); None: ``sampling`` whatever the options.
@@ -142,32 +148,33 @@ class StageSpec:
     kind: str = ""
     role: str = ""
     media: str | tuple[str, ...] = ""
-    sizes: SizeFn | None = None
+    tokens: str = ""
     says: bool = False
+    sizes: SizeFn | None = None
     sampling_for: Callable[[Mapping[str, Any]], SamplingSchema] | None = None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker",
-                         sizes=thinker_sizes, says=True),
-    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker",
-                        sizes=talker_sizes),
-    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav",
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.toy.models:Thinker",
+                         sizes=thinker_sizes, tokens="text", says=True),
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.toy.models:Talker",
+                        sizes=talker_sizes, tokens="ids"),
+    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.toy.models:Code2Wav",
                           sizes=code2wav_sizes),
-    "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
-    "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
-    "image-encoder": StageSpec("embedding", image_features_input, model="stages.media_encoders:ImageEncoder",
-                               media="image"),
-    "audio-encoder": StageSpec("embedding", audio_features_input, model="stages.media_encoders:AudioEncoder",
-                               media="audio"),
+    "encoder": StageSpec("embedding", encoding_input, model="stages.toy.encoder:ThinkerEncoder"),
+    "diffusion": StageSpec("image", model="stages.toy.diffusion:Diffusion"),
+    "image-encoder": StageSpec("embedding", image_features_input,
+                               model="stages.toy.media_encoders:ImageEncoder", media="image"),
+    "audio-encoder": StageSpec("embedding", audio_features_input,
+                               model="stages.toy.media_encoders:AudioEncoder", media="audio"),
     # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
     "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
-                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes, says=True),
+                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes, tokens="text"),
     # Qwen2.5-Omni from a local checkpoint, one part per stage (stages.hf.omni; the hf extra)
     "omni-thinker": StageSpec("text", talker_input, sampling=thinker_params(()), media=("image", "audio"),
-                              model="stages.hf.omni.thinker:OmniThinker", says=True,
+                              model="stages.hf.omni.thinker:OmniThinker", tokens="text", says=True,
                               sampling_for=schema_for("thinker")),
     "omni-talker": StageSpec("codes", codes_input, sampling=talker_params(()),
                              model="stages.hf.omni.talker:OmniTalker", sampling_for=schema_for("talker")),
@@ -183,9 +190,9 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
 ROLES: dict[tuple[str, str], StageSpec] = {(kind, role): replace(spec, kind=kind, role=role)
                                            for (kind, role), spec in {
     ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, sampling=THINKER_PARAMS,
-                                      model="stages.pd:PrefillThinker"),
+                                      model="stages.toy.pd:PrefillThinker"),
     ("thinker", "decode"): StageSpec("text", tokens_input, sampling=THINKER_PARAMS,
-                                     model="stages.pd:DecodeThinker", sizes=thinker_sizes),
+                                     model="stages.toy.pd:DecodeThinker", sizes=thinker_sizes),
 }.items()}
 
 
@@ -510,22 +517,29 @@ def input_media(kinds: Iterable[str]) -> frozenset[str]:
     A name that is no kind (an in-process stage's label) encodes none.
     """
     found: set[str] = set()
-    for kind in kinds:
-        try:
-            media = spec_for(kind).media
-        except KindError:
-            continue
-        found.update((media,) if isinstance(media, str) else media)
+    for spec in map(_spec_or_none, kinds):
+        if spec is not None:
+            found.update((spec.media,) if isinstance(spec.media, str) else spec.media)
     return frozenset(found - {""})
 
 
-def says(kind: str) -> bool:
-    """Can a stage of ``kind`` be told what to say (``StageSpec.says``)?  A name that is no kind (an
-    in-process stage's label) cannot."""
+def _spec_or_none(kind: str) -> StageSpec | None:
     try:
-        return spec_for(kind).says
-    except KindError:
-        return False
+        return spec_for(kind)
+    except KindError:  # a name that is no kind (an in-process stage's label)
+        return None
+
+
+def reads_tokens(kind: str) -> str:
+    """How a stage of ``kind`` reads text: ``"text"``, ``"ids"`` or "" (see :class:`StageSpec`)."""
+    spec = _spec_or_none(kind)
+    return spec.tokens if spec is not None else ""
+
+
+def says(kind: str) -> bool:
+    """Can a stage of ``kind`` be told what to say (a ``say`` payload)?"""
+    spec = _spec_or_none(kind)
+    return spec is not None and spec.says
 
 
 def sampling_schema(kind: str, options: Mapping[str, Any] | None = None) -> SamplingSchema:

@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Dispatch latency (a stage output handed over in the main thread -> the consumer in the main\n"
         "thread receives it through the thread bridge), forward and admission latency, throughput,\n"
         "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch (direct and through\n"
-        "the production Engine bridge), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
+        "the production thread adapter), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
         "asyncio.TaskGroup) and the floors, interleaved in one run (worker workloads: on those that\n"
         "support worker processes). A floor takes every hop of its path and nothing else: the thread\n"
         "hand-off floor (two plain-thread wake-ups), the in-loop floor (one task wake-up), the ZMQ floor\n"

@@ -19,7 +19,7 @@ import pytest
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig
 from stages.limits import context_error
-from stages.models import Thinker
+from stages.toy.models import Thinker
 from tests.http_helpers import HANG, Served, TrioServed, worker_server
 
 openai = pytest.importorskip("openai")

@@ -44,7 +44,7 @@ from PIL import Image  # noqa: E402
 
 from stages.hf.omni.checkpoint import read_omni_config  # noqa: E402
 from stages.hf.omni.parts import load_processor, quiet_transformers  # noqa: E402
-from trio_orch.http.media import MediaPolicy, decode_audio  # noqa: E402
+from trio_orch.openai.media import MediaPolicy, decode_audio  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ import trio
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig, default_config, from_dict
 from stages.fit import Sizes, check_fit
-from stages.models import Talker, Thinker
 from stages.registry import stage_sizes
+from stages.toy.models import Talker, Thinker
 from tests.tokenizer_helpers import word_tokenizer
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.shell.orchestrator import open_orchestrator

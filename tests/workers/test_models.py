@@ -44,7 +44,7 @@ def test_thinker_batched_greedy_decoding_matches_one_at_a_time() -> None:
 
 def test_decoder_batched_step_equals_separate_steps_for_different_lengths() -> None:
     """Slots of different lengths in one batch: masking keeps each request's attention its own."""
-    from stages.torch_blocks import TinyDecoder
+    from stages.toy.torch_blocks import TinyDecoder
 
     def fresh() -> TinyDecoder:
         torch.manual_seed(0)
@@ -68,7 +68,7 @@ def test_decoder_batched_step_equals_separate_steps_for_different_lengths() -> N
 
 def test_the_kv_cache_grows_as_sequences_need_it_up_to_the_context() -> None:
     """A long context costs memory only once a request is that long."""
-    from stages.torch_blocks import TinyDecoder
+    from stages.toy.torch_blocks import TinyDecoder
 
     torch.manual_seed(0)
     dec = TinyDecoder(32, 2, 2, max_len=1000, slots=2).eval()

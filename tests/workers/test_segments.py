@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stages.base import EchoModel, ReqState, StageModel, StepResult
-from stages.models import Code2Wav, Talker, Thinker
 from stages.segments import SegmentTracker
-from stages.torch_blocks import TinyDecoder
+from stages.toy.models import Code2Wav, Talker, Thinker
+from stages.toy.torch_blocks import TinyDecoder
 
 TINY_THINKER = {"d_model": 32, "layers": 2, "heads": 2, "max_model_len": 70, "max_new_tokens": 6,
                 "min_new_tokens": 6, "temperature": 0.0, "slots": 4}

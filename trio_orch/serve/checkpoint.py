@@ -22,7 +22,7 @@ from typing import Any
 from stages.config import PipelineConfig, checkpoint_config
 from stages.hf.checkpoint import DTYPES, load_checkpoint
 from stages.hf.tokenizer import require_transformers
-from trio_orch.http.chat_template import ChatTemplate
+from trio_orch.openai.chat_template import ChatTemplate
 
 __all__ = ["add_model_arguments", "checkpoint_pipeline", "checkpoint_template", "describe", "model_dir",
            "resolve_model"]

@@ -31,7 +31,7 @@ runnable request.  Every model takes more input for a resumable request
 (:meth:`extend`, one input segment at a time): the thinker appends the new
 text to the KV cache it has and keeps generating from there; the talker keeps
 its speech context; the vocoder its phase.  Arrays handed back are numpy (CPU), so the wire never
-sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`;
+sees a torch tensor.  The building blocks live in :mod:`stages.toy.torch_blocks`;
 what each kind means to the orchestrator (its output modality, how its outputs
 become the next stage's input) is its row in :mod:`stages.registry`, which also
 builds these classes (``build_model``).
@@ -62,7 +62,7 @@ from stages.sampling_params import (
 from stages.schema import NonNegativeFloat, NonNegativeInt, PositiveInt
 from stages.text_stream import TextStream
 from stages.tokenizer import TextTokenizer, load_tokenizer
-from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
+from stages.toy.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
 __all__ = ["Code2Wav", "Talker", "Thinker"]
 
@@ -186,7 +186,7 @@ class Thinker(SlotModel):
         ``features``: the feature rows before the prompt (they take context too).
         Refused (ValueError, vLLM's words) when the prompt and the answer asked
         for do not fit the context.  The decode role of a split thinker
-        (:mod:`stages.pd`) calls it when the prompt's KV cache arrives, with the
+        (:mod:`stages.toy.pd`) calls it when the prompt's KV cache arrives, with the
         prompt the prefill role encoded.
         """
         sp = with_defaults(THINKER_PARAMS, req.sampling, temperature=self.temperature,
@@ -276,7 +276,7 @@ class Thinker(SlotModel):
     def _prefill(self, req: ReqState) -> torch.Tensor:
         """Fill the request's cache slot with its prompt and set its position; the last hidden state.
 
-        The decode role of a split thinker (:mod:`stages.pd`) takes both from
+        The decode role of a split thinker (:mod:`stages.toy.pd`) takes both from
         the prefill role's KV cache instead.
         """
         m = req.model

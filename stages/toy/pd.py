@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from stages.base import ReqState, StepResult
-from stages.models import Thinker
+from stages.toy.models import Thinker
 
 __all__ = ["DecodeThinker", "PrefillThinker"]
 

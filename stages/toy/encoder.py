@@ -17,8 +17,8 @@ import torch
 
 from stages.base import ReqState, StepResult
 from stages.limits import check_context
-from stages.models import EOS, Thinker
 from stages.schema import PositiveInt
+from stages.toy.models import EOS, Thinker
 
 __all__ = ["ThinkerEncoder"]
 
