@@ -318,6 +318,9 @@ def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str
         stages = [StageConfig("omni-thinker", model=options, name="thinker"),
                   StageConfig("omni-talker", model={**part, "dtype": dtype}, name="talker"),
                   StageConfig("omni-token2wav", model=part, name="token2wav")]
+        # a real model's step (a long prefill, a long solve) can take seconds on a CPU: a worker is
+        # declared hung after 30 s of silence, not the toys' 5
+        pipeline = {"heartbeat_timeout": 30.0, **pipeline}
         return PipelineConfig(stages, final_stage_ids=[0, 2], **pipeline).validate()
     stage = StageConfig("hf-causal-lm", model=options, name=ckpt.architecture)
     return PipelineConfig([stage], final_stage_ids=[0], **pipeline).validate()

@@ -9,10 +9,12 @@ talker the waveform is ``generate()``'s (so are its codes: the waveform is a
 function of them); the same for one image and one audio input.  Each worker
 holds only its part (asked over the admin RPC), ``modalities: ["text"]``
 never reaches the talker or token2wav, an unknown voice is a 400 listing the
-checkpoint's.  In async-chunk mode, ``kill -9`` of the talker's only worker
-after the first audio reached the client ends that request with one
-terminal and its partial text; the talker comes back and the next request
-is answered.  Every worker is gone after each server.
+checkpoint's, ``/v1/audio/speech`` speaks its input.  In async-chunk mode (a
+pipeline config), a realtime session gets text and audio turn after turn,
+and ``kill -9`` of the talker's only worker after the first audio reached the
+client ends that request with one terminal and its partial text; the talker
+comes back and the next request is answered.  Every worker is gone after
+each server.
 """
 
 from __future__ import annotations
@@ -226,6 +228,67 @@ def test_speech_speaks_its_input_through_the_three_stages(served: Server) -> Non
 
 
 # ---------------------------------------------------------------------------- async-chunk mode
+CHUNKED = """\
+[pipeline]
+async_chunk = true
+final_stage_ids = [0, 2]
+heartbeat_timeout = 30.0
+
+[[stages]]
+kind = "omni-thinker"
+name = "thinker"
+model = {{checkpoint = "{ckpt}"}}
+
+[[stages]]
+kind = "omni-talker"
+name = "talker"
+model = {{checkpoint = "{ckpt}", max_tokens = {talker}, chunk_codes = 4}}
+
+[[stages]]
+kind = "omni-token2wav"
+name = "token2wav"
+model = {{checkpoint = "{ckpt}"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_omni: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The same checkpoint in async-chunk mode, from a pipeline config (the talker's default budget
+    bounded: realtime has no per-stage parameters)."""
+    config = tmp_path_factory.mktemp("omni-config") / "omni.toml"
+    config.write_text(CHUNKED.format(ckpt=tiny_omni, talker=TALKER_MAX))
+    s = Server("--config", str(config), "--served-model-name", MODEL, env={"TRIO_ORCH_ADMIN_TOKEN": TOKEN})
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_realtime_session_hears_text_and_audio_turn_after_turn(chunked: Server) -> None:
+    """Each turn is the next input segment of one request: the thinker goes on from the conversation in
+    its cache, the talker speaks each answer from the whole conversation's rows."""
+    with openai.OpenAI(base_url=chunked.url + "/v1", api_key="unused", max_retries=0).realtime.connect(
+            model=MODEL) as conn:
+        assert conn.recv().type == "session.created"
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"voice": "Ethan"}},
+                                     "max_output_tokens": 6})
+        assert conn.recv().type == "session.updated"
+        for text in ("Hello", "How are you"):
+            conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                "content": [{"type": "input_text", "text": text}]})
+            conn.response.create()
+            pcm, transcript = b"", ""
+            while (e := conn.recv()).type != "response.done":
+                assert e.type != "error", e
+                if e.type == "response.output_audio.delta":
+                    pcm += base64.b64decode(e.delta)
+                elif e.type == "response.output_audio_transcript.delta":
+                    transcript += e.delta
+            assert e.response.status == "completed" and transcript
+            samples = np.frombuffer(pcm, "<i2")
+            assert len(samples) == (TALKER_MAX - 1) * 2 * 240 and np.abs(samples).max() > 1000
+
+
 def stage_pid(server: Server, stage: int) -> int:
     for pid in server.workers:
         args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -234,38 +297,34 @@ def stage_pid(server: Server, stage: int) -> int:
     raise AssertionError(f"no worker of stage {stage}")
 
 
-def test_a_killed_talker_ends_its_request_with_partial_text_then_comes_back(tiny_omni: Path) -> None:
-    server = Server(str(tiny_omni), "--async-chunk", "--served-model-name", MODEL,
-                    env={"TRIO_ORCH_ADMIN_TOKEN": TOKEN})
-    try:
-        talker = stage_pid(server, 1)
-        body = {"model": MODEL, "messages": messages(media_part("text")[0]), "temperature": 0,
-                "max_tokens": THINKER_MAX, "stream": True, "modalities": ["text", "audio"],
-                "audio": {"voice": "Chelsie", "format": "pcm16"},
-                "stage_sampling": {"omni-talker": {"temperature": 0, "max_tokens": 4000}}}
-        events: list[Any] = []
-        with httpx.Client(base_url=server.url, timeout=HANG * 3) as c:
-            with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                lines = r.iter_lines()
-                for line in lines:
-                    events += sse_events([line])
-                    if any(d.get("audio", {}).get("data") for d in deltas(events)):
-                        os.kill(talker, signal.SIGKILL)  # the first audio is in: the talker is still talking
-                        break
-                events += sse_events(lines)
-            ends = [e for e in events if isinstance(e, dict) and ("error" in e or (
-                e.get("choices") and e["choices"][0]["finish_reason"]))]
-            assert len(ends) == 1 and "error" in ends[0], ends  # one terminal: the failure
-            assert "replica_died" in json.dumps(ends[0]) and events[-1] == "[DONE]"
-            assert "".join(d.get("content") or "" for d in deltas(events))  # the text it had made
-            wait_until(lambda: not worker_alive(talker), "the killed talker gone")
-            wait_until(lambda: any(r["stage_id"] == 1 and (r["value"] or {}).get("pid") not in (None, talker)
-                                   for r in admin(server, "/admin/stats")), "a new talker", hang=HANG * 6)
-            again = c.post("/v1/chat/completions", json={**body, "stream": False, "audio": {
-                "voice": "Chelsie", "format": "wav"}, **GREEDY_TALKER})
-        assert again.status_code == 200, again.text
-        assert len(wav_samples(again.json()["choices"][0]["message"]["audio"]["data"])) > 0
-        server.workers = {p for p in child_pids(server.proc.pid) if worker_alive(p)}  # the new talker too
-        assert stage_pid(server, 1) != talker
-    finally:
-        server.stop()
+def test_a_killed_talker_ends_its_request_with_partial_text_then_comes_back(chunked: Server) -> None:
+    server = chunked
+    talker = stage_pid(server, 1)
+    body = {"model": MODEL, "messages": messages(media_part("text")[0]), "temperature": 0,
+            "max_tokens": THINKER_MAX, "stream": True, "modalities": ["text", "audio"],
+            "audio": {"voice": "Chelsie", "format": "pcm16"},
+            "stage_sampling": {"omni-talker": {"temperature": 0, "max_tokens": 4000}}}
+    events: list[Any] = []
+    with httpx.Client(base_url=server.url, timeout=HANG * 3) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            lines = r.iter_lines()
+            for line in lines:
+                events += sse_events([line])
+                if any(d.get("audio", {}).get("data") for d in deltas(events)):
+                    os.kill(talker, signal.SIGKILL)  # the first audio is in: the talker is still talking
+                    break
+            events += sse_events(lines)
+        ends = [e for e in events if isinstance(e, dict) and ("error" in e or (
+            e.get("choices") and e["choices"][0]["finish_reason"]))]
+        assert len(ends) == 1 and "error" in ends[0], ends  # one terminal: the failure
+        assert "replica_died" in json.dumps(ends[0]) and events[-1] == "[DONE]"
+        assert "".join(d.get("content") or "" for d in deltas(events))  # the text it had made
+        wait_until(lambda: not worker_alive(talker), "the killed talker gone")
+        wait_until(lambda: any(r["stage_id"] == 1 and (r["value"] or {}).get("pid") not in (None, talker)
+                               for r in admin(server, "/admin/stats")), "a new talker", hang=HANG * 6)
+        again = c.post("/v1/chat/completions", json={**body, "stream": False, "audio": {
+            "voice": "Chelsie", "format": "wav"}, **GREEDY_TALKER})
+    assert again.status_code == 200, again.text
+    assert len(wav_samples(again.json()["choices"][0]["message"]["audio"]["data"])) > 0
+    server.workers = {p for p in child_pids(server.proc.pid) if worker_alive(p)}  # the new talker too
+    assert stage_pid(server, 1) != talker

@@ -235,13 +235,16 @@ def test_the_talker_streamed_row_by_row_makes_the_same_codes(ckpt: Path) -> None
 
 
 def test_token2wav_solves_a_window_as_sample_solves_the_whole(ckpt: Path) -> None:
-    """The window solver is the DiT's sample() with the noise given: over every code, the same mel."""
+    """The solver, an interval at a time, with the noise given: over every code, sample()'s mel."""
     t2w = OmniToken2Wav(str(ckpt))
     spk = speakers(ckpt)["Chelsie"]
     codes = np.random.default_rng(0).integers(0, 300, 30)
     y0 = torch.randn(1, 30 * t2w.rep, 80, generator=t2w.runner.noise(5))
-    assert torch.equal(t2w.runner.solve(codes, spk["cond"], spk["ref_mel"], y0),
-                       t2w.runner.mel(codes, spk["cond"], spk["ref_mel"], 5))
+    window = t2w.runner.start(codes, spk["cond"], spk["ref_mel"], y0=y0)
+    steps = 0
+    while not t2w.runner.advance(window):
+        steps += 1
+    assert steps + 1 == 9 and torch.equal(window.mel, t2w.runner.mel(codes, spk["cond"], spk["ref_mel"], 5))
 
 
 def test_token2wav_streams_audio_once_a_chunk_and_its_look_ahead_are_in(ckpt: Path) -> None:

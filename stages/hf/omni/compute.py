@@ -20,7 +20,8 @@ steps of many requests and stop after any of them:
   the text track (:class:`stages.hf.omni.forwarding.TalkerTrack`);
 - :class:`Token2WavRunner` -- the DiT's flow-matching solve from noise drawn
   with the request's seed (``generate()`` draws it from the global generator:
-  ``torch.manual_seed(s)`` before it gives the noise of seed ``s``), then
+  ``torch.manual_seed(s)`` before it gives the noise of seed ``s``), one ODE
+  interval at a time (:class:`MelSolve`: a worker answers between them), then
   BigVGAN, whole or in chunks with enough mel context on each side that every
   chunk's samples are the whole waveform's (:func:`vocoder_context`).
 
@@ -40,7 +41,7 @@ import torch
 
 from stages.hf.omni.checkpoint import OmniConfig
 
-__all__ = ["TalkerInput", "TalkerRunner", "TalkerSequence", "ThinkerRunner", "ThinkerSequence",
+__all__ = ["MelSolve", "TalkerInput", "TalkerRunner", "TalkerSequence", "ThinkerRunner", "ThinkerSequence",
            "Token2WavRunner", "vocoder_context"]
 
 #: processor outputs the thinker's prefill consumes, and those the rope index reads
@@ -283,6 +284,28 @@ def vocoder_context(bigvgan: Mapping[str, Any]) -> int:
     return math.ceil(frames) + 1
 
 
+@dataclass(slots=True)
+class MelSolve:
+    """One request's DiT solve in progress: its inputs, the ODE's time points and where it is."""
+
+    code: torch.Tensor
+    speaker: torch.Tensor
+    ref: torch.Tensor
+    y: torch.Tensor  # [1, frames, mel_dim]: the noise, then the state after each interval
+    times: torch.Tensor
+    guidance: float
+    at: int = 0  # intervals done
+
+    @property
+    def done(self) -> bool:
+        return self.at >= len(self.times) - 1
+
+    @property
+    def mel(self) -> torch.Tensor:
+        """The solved mel, [1, mel_dim, frames]."""
+        return self.y.permute(0, 2, 1)
+
+
 class Token2WavRunner:
     """token2wav (``model.token2wav``): codes -> mel (DiT) -> waveform (BigVGAN), float32."""
 
@@ -295,54 +318,67 @@ class Token2WavRunner:
         self.hop = cfg.hop
         self.context = vocoder_context(cfg.token2wav.get("bigvgan_config") or {})
 
-    @torch.inference_mode()
-    def mel(self, codes: np.ndarray, cond: torch.Tensor, ref_mel: torch.Tensor, seed: int, *,
-            num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0) -> torch.Tensor:
-        """The DiT's mel [1, mel_dim, frames] of ``codes`` for a speaker, its noise drawn with ``seed``.
-
-        The noise is the first draw of a generator seeded with ``seed``, as in
-        ``generate()`` after ``torch.manual_seed(seed)``; the global generator
-        is left as it was.
+    def start(self, codes: np.ndarray, cond: torch.Tensor, ref_mel: torch.Tensor, *, seed: int | None = None,
+              y0: torch.Tensor | None = None, num_steps: int = 10, guidance_scale: float = 0.5,
+              sway_coefficient: float = -1.0) -> MelSolve:
+        """The DiT's solve of ``codes`` for a speaker, to be advanced one ODE interval at a time
+        (:meth:`advance`): what ``sample()`` computes, from noise ``y0`` [1, frames, mel_dim], or drawn
+        as ``sample()`` draws it after ``torch.manual_seed(seed)`` (the global generator is left as it was).
         """
         code = torch.as_tensor(np.asarray(codes, dtype=np.int64), device=self.device)[None]
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
-            return self.dit.sample(cond.to(self.device).float(), ref_mel.to(self.device).float(), code,
-                                   num_steps=num_steps, guidance_scale=guidance_scale,
-                                   sway_coefficient=sway_coefficient)
+        ref = ref_mel.to(self.device).float()
+        frames = code.shape[1] * self.dit.repeats
+        if y0 is None:
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0 if seed is None else seed)
+                y0 = torch.randn([1, frames, self.dit.mel_dim], dtype=ref.dtype, device=self.device)
+        speaker = cond.to(self.device).float().unsqueeze(1).repeat(1, frames, 1)
+        times = torch.linspace(0, 1, num_steps, device=self.device, dtype=speaker.dtype)
+        if sway_coefficient is not None:
+            times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
+        return MelSolve(code, speaker, ref, y0.to(self.device), times, guidance_scale)
+
+    def _velocity(self, s: MelSolve, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if s.guidance < 1e-5:
+            return self.dit(hidden_states=x, speaker_embedding=s.speaker, condition_vector=s.ref,
+                            quantized_code=s.code, time_step=t, apply_cfg=False)
+        out = self.dit(hidden_states=x, quantized_code=s.code, speaker_embedding=s.speaker,
+                       condition_vector=s.ref, time_step=t, apply_cfg=True)
+        guided, null = torch.chunk(out, 2, dim=0)
+        return guided + (guided - null) * s.guidance
+
+    @torch.inference_mode()
+    def advance(self, s: MelSolve) -> bool:
+        """One interval of the solve (a Runge-Kutta 4 step: four DiT passes); True once it is solved.
+
+        The arithmetic of ``transformers``' ``RungeKutta4ODESolver``, in its order, so the mel is
+        ``sample()``'s; a worker steps a long solve an interval at a time, so it answers between.
+        """
+        if s.done:
+            return True
+        t0, t1 = s.times[s.at], s.times[s.at + 1]
+        dt = t1 - t0
+        y = s.y
+        k1 = self._velocity(s, t0, y)
+        k2 = self._velocity(s, t0 + dt * (1 / 3), y + dt * k1 * (1 / 3))
+        k3 = self._velocity(s, t0 + dt * (2 / 3), y + dt * (k2 - k1 * (1 / 3)))
+        k4 = self._velocity(s, t1, y + dt * (k1 - k2 + k3))
+        s.y = y + (k1 + 3 * (k2 + k3) + k4) * dt / 8
+        s.at += 1
+        return s.done
+
+    def mel(self, codes: np.ndarray, cond: torch.Tensor, ref_mel: torch.Tensor, seed: int, *,
+            num_steps: int = 10) -> torch.Tensor:
+        """The whole solve at once: the DiT's mel [1, mel_dim, frames] of ``codes``, noise of ``seed``."""
+        s = self.start(codes, cond, ref_mel, seed=seed, num_steps=num_steps)
+        while not self.advance(s):
+            pass
+        return s.mel
 
     def noise(self, seed: int) -> torch.Generator:
-        """A request's noise source for windows (:meth:`solve`): a CPU generator seeded with ``seed``."""
+        """A request's noise source for windows (async-chunk mode): a CPU generator seeded with ``seed``."""
         return torch.Generator(device="cpu").manual_seed(seed)
-
-    @torch.inference_mode()
-    def solve(self, codes: np.ndarray, cond: torch.Tensor, ref_mel: torch.Tensor, y0: torch.Tensor, *,
-              num_steps: int = 10, guidance_scale: float = 0.5, sway_coefficient: float = -1.0
-              ) -> torch.Tensor:
-        """The DiT's solve of ``codes`` from the noise ``y0`` [1, frames, mel_dim]: mel [1, mel_dim, frames].
-
-        The steps of ``sample()`` with the noise given: over a window of a
-        request's codes (async-chunk mode), each window from its own slice of
-        the request's noise.
-        """
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-        code = torch.as_tensor(np.asarray(codes, dtype=np.int64), device=self.device)[None]
-        cond = cond.to(self.device).float()
-        ref = ref_mel.to(self.device).float()
-        speaker = cond.unsqueeze(1).repeat(1, y0.shape[1], 1)
-
-        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            out = self.dit(hidden_states=x, quantized_code=code, speaker_embedding=speaker,
-                           condition_vector=ref, time_step=t, apply_cfg=True)
-            guided, null = torch.chunk(out, 2, dim=0)
-            return guided + (guided - null) * guidance_scale
-
-        times = torch.linspace(0, 1, num_steps, device=self.device, dtype=speaker.dtype)
-        times += sway_coefficient * (torch.cos(torch.pi / 2 * times) - 1 + times)
-        path = RungeKutta4ODESolver(function=velocity, initial_value=y0.to(self.device)).integrate(times)
-        return path[-1].permute(0, 2, 1)
 
     @torch.inference_mode()
     def waveform(self, mel: torch.Tensor) -> np.ndarray:

@@ -12,7 +12,10 @@ joins and slices numpy arrays -- no torch, no trio.  A thinker asked to speak
 - in its first output, ``talker``: the prompt's ids, the speaker's start id,
   ``frame`` -- the thinker's embeddings of the speaker's start token, the
   text end token and the text pad token (float32 [3, H]) -- and the media
-  grids the talker's rope index reads.
+  grids the talker's rope index reads; for a later segment of a conversation
+  (a realtime session's next turn) the ids of the whole conversation and
+  ``history``, the rows of everything before the segment, so the talker
+  frames the new answer as ``generate()`` would on the whole conversation.
 
 ``generate()`` then starts the talker from ``embeds`` = the prompt's rows,
 the start embedding, the first reply token's row (``[L+2, H]``) and feeds it
@@ -54,6 +57,11 @@ class TalkerTrack:
             return
         if isinstance(output.get("talker"), dict):
             self.head = output["talker"]
+            if self.head.get("history") is not None:  # a later turn: the conversation's rows so far
+                block = np.asarray(self.head["history"], dtype=np.float32)
+                self.rows.append(block)
+                self.count += len(block)
+                self._flat = None
         if output.get("rows") is not None:
             block = np.asarray(output["rows"], dtype=np.float32)
             self.rows.append(block)

@@ -79,39 +79,50 @@ class OmniTalker(StageModel):
     """The talker of the checkpoint in directory ``checkpoint`` (see the module's docstring).
 
     Options: ``checkpoint``, ``dtype`` (auto: the checkpoint's), ``chunk_codes``
-    (codes per output: smaller reaches token2wav sooner in async-chunk mode).
+    (codes per output: smaller reaches token2wav sooner in async-chunk mode),
+    ``max_tokens`` (the default of the request parameter: ``generate()``'s 4096).
     """
 
     kind = "omni-talker"
 
     def __init__(self, checkpoint: str, dtype: str = "auto", chunk_codes: PositiveInt = 16,
-                 device: str = "cpu", seed: int = 0) -> None:
+                 max_tokens: PositiveInt = 4096, device: str = "cpu", seed: int = 0) -> None:
         self.cfg = read_omni_config(checkpoint)
         self.runner = TalkerRunner(load_part(checkpoint, "talker", device=device, dtype=dtype), self.cfg)
         self.voices = list(speakers(checkpoint))
         self.schema = talker_params(self.voices)
         self.chunk = chunk_codes
+        self.max_tokens = max_tokens
         self.stop = frozenset(self.cfg.codec_stop)
         self.start_code = self.cfg.codec["start"]
         self.width = int(self.cfg.talker["embedding_size"])
         self.gen = torch.Generator(device="cpu").manual_seed(seed)
 
     def admit(self, req: ReqState) -> None:
-        sp = with_defaults(self.schema, req.sampling)
+        req.model = self._talk(req, req.payload)
+
+    def _talk(self, req: ReqState, payload: Any) -> _Talk:
+        sp = with_defaults(self.schema, req.sampling, max_tokens=self.max_tokens)
         prompt = [self.cfg.codec["mask"], self.cfg.codec["pad"], self.start_code]  # what the penalty counts
         sampler = RequestSampler(sp, self.runner.vocab_size, seed_source=self.gen, prompt=prompt)
         source: _Framed | TalkerTrack | None
         if req.upstream:  # the thinker's outputs stream in (feed)
             source = TalkerTrack()
         else:
-            p = req.payload
-            if not isinstance(p, dict):
+            if not isinstance(payload, dict):
                 raise ValueError("omni-talker: the payload is the thinker's framed answer (a dict)")
-            source = None if p.get("empty") else _Framed(p)
+            source = None if payload.get("empty") else _Framed(payload)
             if source is not None and source.inp.embeds.shape[1] != self.width:
                 raise ValueError(f"omni-talker: rows of width {source.inp.embeds.shape[1]}, the talker "
                                  f"reads {self.width}")
-        req.model = _Talk(source, sampler, sp["max_tokens"])
+        return _Talk(source, sampler, sp["max_tokens"])
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """A conversation's next answer: spoken afresh from its framing (the whole conversation's rows)."""
+        self.release(req)
+        req.model = self._talk(req, payload)
+        if req.upstream:
+            req.input_done = False
 
     def feed(self, req: ReqState, data: Any, end: bool) -> None:
         track = req.model.source

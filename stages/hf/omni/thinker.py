@@ -162,15 +162,32 @@ class OmniThinker(DecoderStage):
         return np.interp(at, np.arange(len(pcm)), pcm).astype(np.float32)
 
     def extend(self, req: ReqState, payload: Any) -> None:
-        raise ValueError("omni-thinker takes no more input for a running request")
+        """A resumable request's next segment (a realtime session's next turn): text only, after the
+        conversation in the cache.  The talker then speaks the new answer from the whole conversation:
+        the segment's first output carries every row so far (``history``) and every id."""
+        if isinstance(payload, dict) and (payload.get("images") or payload.get("audios")):
+            raise ValueError("omni-thinker: a later segment of a conversation takes text only")
+        super().extend(req, payload)
+        m: Decoding = req.model
+        head = m.extra.get("first")
+        if not self.speak or head is None:
+            return
+        seq: _Sequence = m.state
+        ids = seq.runner_seq.ids
+        done = ids[0].tolist() if ids is not None else []
+        history = m.extra.get("rows", [])
+        m.extra["talker"] = {**head, "prompt_ids": np.asarray([*done, *m.feed], dtype=np.int64),
+                             "history": np.concatenate(history) if history else None}
 
     def step_fields(self, m: Decoding, run: Forward) -> dict[str, Any]:
         rows = run.rows if isinstance(run, OmniForward) else None
         if rows is None:
             return {}
+        m.extra.setdefault("rows", []).append(rows)  # a later segment's talker reads the whole conversation
         fields: dict[str, Any] = {"rows": rows}
         if "talker" in m.extra:
             fields["talker"] = m.extra.pop("talker")
+            m.extra.setdefault("first", fields["talker"])
         return fields
 
     def warmup(self) -> None:

@@ -1,7 +1,8 @@
 """``omni-token2wav``: token2wav of a Qwen2.5-Omni checkpoint as a stage: codec codes in, a waveform out.
 
 **Normal mode** (the talker's whole answer, :func:`stages.forwarding.codes_input`):
-the DiT solves the whole mel at once -- from noise drawn with the request's
+the DiT solves the whole mel at once -- one ODE interval per step, so the
+worker answers (heartbeats, aborts) between them -- from noise drawn with the request's
 ``seed`` (default 0: ``generate()``'s noise after ``torch.manual_seed(0)``),
 conditioned on the request's ``voice`` -- and BigVGAN vocodes it
 ``chunk_frames`` mel frames per step, with enough context on each side that
@@ -21,6 +22,12 @@ waveform is the sliding window's, close to but not the same as the whole
 solve's (``generate()`` solves the whole), and ``docs/performance.md``
 measures the first-audio latency per chunk size.
 
+An answer of more than ``whole_codes`` codes (1500: 30 s of speech) is
+decoded in the sliding window in normal mode too: a whole solve's time and
+memory grow with the square of its length (its attention masks are frames x
+frames), and ``generate()``'s default talker budget, 4096 codes, would stall
+a worker for minutes on a long answer.
+
 Each output is ``{"pcm": float32[samples], "sample_rate": 24000}``; a request
 whose talker said nothing ends with one empty piece.
 """
@@ -36,7 +43,7 @@ import torch
 from stages.base import ReqState, StageModel, StepResult
 from stages.control import rpc_method
 from stages.hf.omni.checkpoint import SAMPLE_RATE, read_omni_config, speakers
-from stages.hf.omni.compute import Token2WavRunner
+from stages.hf.omni.compute import MelSolve, Token2WavRunner
 from stages.hf.omni.params import token2wav_params
 from stages.hf.omni.parts import load_part, weights_summary
 from stages.sampling_params import with_defaults
@@ -52,8 +59,8 @@ class _Wave:
     voice: str
     seed: int
     codes: list[int]
-    streamed: bool
-    mel: torch.Tensor | None = None  # normal mode: the whole mel
+    windowed: bool  # decoded in sliding windows: codes stream in, or too many to solve whole
+    solve: MelSolve | None = None  # normal mode: the whole mel's solve, an interval per step
     at: int = 0  # normal mode: the next mel frame to vocode; streamed: the next code to solve
     noise: torch.Generator | None = None  # streamed: the request's noise, drawn as far as needed
     drawn: torch.Tensor | None = None  # [1, frames, mel_dim]
@@ -66,15 +73,16 @@ class OmniToken2Wav(StageModel):
     Options: ``chunk_frames``: normal mode, mel frames vocoded per step (100 a
     second of audio); ``stream_codes``, ``past_codes``, ``future_codes``:
     async-chunk mode, the codes per chunk and the window's reach back and
-    ahead (0: the DiT's block, in codes, times 3, 2 and 1); ``num_steps``:
-    the DiT's ODE steps (``generate()``'s 10).
+    ahead (0: the DiT's block, in codes, times 3, 2 and 1); ``whole_codes``:
+    the most codes normal mode solves whole; ``num_steps``: the DiT's ODE
+    steps (``generate()``'s 10).
     """
 
     kind = "omni-token2wav"
 
     def __init__(self, checkpoint: str, chunk_frames: PositiveInt = 50, stream_codes: NonNegativeInt = 0,
                  past_codes: NonNegativeInt = 0, future_codes: NonNegativeInt = 0,
-                 num_steps: PositiveInt = 10, device: str = "cpu") -> None:
+                 whole_codes: PositiveInt = 1500, num_steps: PositiveInt = 10, device: str = "cpu") -> None:
         self.cfg = read_omni_config(checkpoint)
         self.runner = Token2WavRunner(load_part(checkpoint, "token2wav", device=device), self.cfg)
         self.speakers = speakers(checkpoint)
@@ -87,20 +95,35 @@ class OmniToken2Wav(StageModel):
         self.stream = stream_codes or 3 * block
         self.past = past_codes or 2 * block
         self.future = future_codes or block
+        self.whole = whole_codes
         self.num_steps = num_steps
 
     def admit(self, req: ReqState) -> None:
+        req.model = self._wave(req, req.payload)
+
+    def extend(self, req: ReqState, payload: Any) -> None:
+        """A conversation's next answer: its codes decoded afresh."""
+        self.release(req)
+        req.model = self._wave(req, payload)
+        if req.upstream:
+            req.input_done = False
+
+    def _wave(self, req: ReqState, payload: Any) -> _Wave:
         sp = with_defaults(self.schema, req.sampling)
         seed = 0 if sp["seed"] is None else int(sp["seed"])
         if req.upstream:  # codes stream in from the talker (feed)
-            req.model = _Wave(sp["voice"], seed, [], True, noise=self.runner.noise(seed),
-                              drawn=torch.zeros(1, 0, self.mel_dim))
-            return
-        p = req.payload
-        codes = p.get("codes") if isinstance(p, dict) else None
+            return self._windowed(sp["voice"], seed, [])
+        codes = payload.get("codes") if isinstance(payload, dict) else None
         if codes is None:
             raise ValueError("omni-token2wav: the payload is {'codes': int[n]} (the talker's codes)")
-        req.model = _Wave(sp["voice"], seed, self._check(codes), False)
+        found = self._check(codes)
+        if len(found) > self.whole:  # a whole solve grows with the square of its length: slide instead
+            return self._windowed(sp["voice"], seed, found)
+        return _Wave(sp["voice"], seed, found, False)
+
+    def _windowed(self, voice: str, seed: int, codes: list[int]) -> _Wave:
+        return _Wave(voice, seed, codes, True, noise=self.runner.noise(seed),
+                     drawn=torch.zeros(1, 0, self.mel_dim))
 
     def _check(self, codes: Any) -> list[int]:
         arr = np.asarray(codes).reshape(-1)
@@ -117,24 +140,28 @@ class OmniToken2Wav(StageModel):
 
     def runnable(self, req: ReqState) -> bool:
         w: _Wave = req.model
-        return not w.streamed or req.input_done or len(w.codes) >= w.at + self.stream + self.future
+        return not w.windowed or req.input_done or len(w.codes) >= w.at + self.stream + self.future
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
-        return [self._window(r.model, r.input_done) if r.model.streamed else self._whole(r.model)
+        return [self._window(r.model, r.input_done) if r.model.windowed else self._whole(r.model)
                 for r in reqs]
 
     def _whole(self, w: _Wave) -> StepResult:
         if not w.codes:
             return StepResult(self._pcm(np.zeros(0, np.float32)), True, None)
-        if w.mel is None:
+        if w.solve is None:
             spk = self.speakers[w.voice]
-            w.mel = self.runner.mel(np.asarray(w.codes), spk["cond"], spk["ref_mel"], w.seed,
-                                    num_steps=self.num_steps)
-        b = min(w.mel.shape[-1], w.at + self.chunk)
-        piece = self.runner.waveform_piece(w.mel, w.at, b)
+            w.solve = self.runner.start(np.asarray(w.codes), spk["cond"], spk["ref_mel"], seed=w.seed,
+                                        num_steps=self.num_steps)
+        if not w.solve.done:  # one ODE interval per step: the worker answers between them
+            self.runner.advance(w.solve)
+            return StepResult(None, False, None)
+        mel = w.solve.mel
+        b = min(mel.shape[-1], w.at + self.chunk)
+        piece = self.runner.waveform_piece(mel, w.at, b)
         w.at = b
-        return StepResult(self._pcm(piece), w.at >= w.mel.shape[-1], None)
+        return StepResult(self._pcm(piece), w.at >= mel.shape[-1], None)
 
     def _window(self, w: _Wave, done: bool) -> StepResult:
         n, a = len(w.codes), w.at
@@ -149,8 +176,11 @@ class OmniToken2Wav(StageModel):
                                generator=w.noise)
             w.drawn = torch.cat([w.drawn, more], 1)
         spk = self.speakers[w.voice]
-        mel = self.runner.solve(np.asarray(w.codes[lo:hi]), spk["cond"], spk["ref_mel"],
-                                w.drawn[:, lo * rep:hi * rep], num_steps=self.num_steps)
+        window = self.runner.start(np.asarray(w.codes[lo:hi]), spk["cond"], spk["ref_mel"],
+                                   y0=w.drawn[:, lo * rep:hi * rep], num_steps=self.num_steps)
+        while not self.runner.advance(window):
+            pass
+        mel = window.mel
         chunk = mel[..., (a - lo) * rep:(b - lo) * rep]
         ahead = mel[..., (b - lo) * rep:(b - lo) * rep + self.runner.context]
         left = w.tail if w.tail is not None else chunk[..., :0]
@@ -166,7 +196,7 @@ class OmniToken2Wav(StageModel):
 
     def release(self, req: ReqState) -> None:
         if isinstance(req.model, _Wave):
-            req.model.mel = req.model.drawn = req.model.tail = None
+            req.model.solve = req.model.drawn = req.model.tail = None
 
     @rpc_method("weights")
     def weights(self) -> dict[str, Any]:
