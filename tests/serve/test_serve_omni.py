@@ -37,6 +37,7 @@ from tests.http_helpers import deltas, sse_events
 from tests.serve_process import Server
 from tests.waiting import HANG, wait_until
 from trio_orch.testing import child_pids, worker_alive
+from trio_orch.testing.omni_checkpoint import omni_config
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
@@ -228,35 +229,13 @@ def test_speech_speaks_its_input_through_the_three_stages(served: Server) -> Non
 
 
 # ---------------------------------------------------------------------------- async-chunk mode
-CHUNKED = """\
-[pipeline]
-async_chunk = true
-final_stage_ids = [0, 2]
-heartbeat_timeout = 30.0
-
-[[stages]]
-kind = "omni-thinker"
-name = "thinker"
-model = {{checkpoint = "{ckpt}"}}
-
-[[stages]]
-kind = "omni-talker"
-name = "talker"
-model = {{checkpoint = "{ckpt}", max_tokens = {talker}, chunk_codes = 4}}
-
-[[stages]]
-kind = "omni-token2wav"
-name = "token2wav"
-model = {{checkpoint = "{ckpt}"}}
-"""
-
-
 @pytest.fixture(scope="module")
 def chunked(tiny_omni: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """The same checkpoint in async-chunk mode, from a pipeline config (the talker's default budget
     bounded: realtime has no per-stage parameters)."""
     config = tmp_path_factory.mktemp("omni-config") / "omni.toml"
-    config.write_text(CHUNKED.format(ckpt=tiny_omni, talker=TALKER_MAX))
+    config.write_text(omni_config(tiny_omni, async_chunk=True, talker={"max_tokens": TALKER_MAX,
+                                                                        "chunk_codes": 4}))
     s = Server("--config", str(config), "--served-model-name", MODEL, env={"TRIO_ORCH_ADMIN_TOKEN": TOKEN})
     try:
         yield s

@@ -38,7 +38,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["OMNI_SPEAKERS", "OMNI_TEMPLATE", "tiny_qwen_omni"]
+__all__ = ["OMNI_SPEAKERS", "OMNI_TEMPLATE", "omni_config", "tiny_qwen_omni"]
 
 #: the speakers of the tiny checkpoint, as the real one names its two
 OMNI_SPEAKERS = ("Chelsie", "Ethan")
@@ -192,6 +192,23 @@ def tiny_qwen_omni(path: str | Path, *, seed: int = 0) -> Path:
                 for name, bos in zip(OMNI_SPEAKERS, _SPEAKER_BOS, strict=True)}
     torch.save(speakers, out / "spk_dict.pt")
     return out
+
+
+def omni_config(checkpoint: str | Path, *, async_chunk: bool, device: str = "cpu",
+                talker: dict[str, Any] | None = None, token2wav: dict[str, Any] | None = None) -> str:
+    """A pipeline config (TOML, for ``serve --config``) serving ``checkpoint`` as ``serve DIR`` does,
+    in async-chunk mode or not, with model options for the talker and token2wav (a benchmark's chunk
+    sizes, a test's talker budget)."""
+    def options(extra: dict[str, Any] | None) -> str:
+        items = {"checkpoint": str(checkpoint), **(extra or {})}
+        return ", ".join(f"{k} = {json.dumps(v)}" for k, v in items.items())
+
+    stages = [("omni-thinker", "thinker", None), ("omni-talker", "talker", talker),
+              ("omni-token2wav", "token2wav", token2wav)]
+    head = (f"[pipeline]\nasync_chunk = {str(async_chunk).lower()}\nfinal_stage_ids = [0, 2]\n"
+            f"heartbeat_timeout = 60.0\ndevice = {json.dumps(device)}\n")
+    return head + "".join(f'\n[[stages]]\nkind = "{kind}"\nname = "{name}"\nmodel = {{{options(extra)}}}\n'
+                          for kind, name, extra in stages)
 
 
 if __name__ == "__main__":

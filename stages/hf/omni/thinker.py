@@ -190,14 +190,6 @@ class OmniThinker(DecoderStage):
             m.extra.setdefault("first", fields["talker"])
         return fields
 
-    def warmup(self) -> None:
-        req = ReqState("__warmup__", "Hello", sampling={"max_tokens": 2})
-        self.admit(req)
-        for _ in range(2):
-            if self.step([req])[0].finished:
-                break
-        self.release(req)
-
     @rpc_method("weights")
     def weights(self) -> dict[str, Any]:
         """The ``weights`` RPC: the names, count and bytes of the tensors this worker holds."""
