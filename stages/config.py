@@ -84,9 +84,13 @@ class StageConfig:
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
     role: str = ""
-    #: what one replica needs from a Ray cluster (``--worker-backend ray``), e.g. ``{num_gpus = 1}``;
-    #: ``num_cpus`` defaults to 1
+    #: what one replica needs from a Ray cluster (``--worker-backend ray``): its placement-group
+    #: bundle, e.g. ``{num_gpus = 1}`` or a custom resource of the nodes it may run on; ``num_cpus``
+    #: defaults to 1
     resources: dict[str, float] = field(default_factory=dict)
+    #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
+    #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -99,7 +103,9 @@ class PipelineConfig:
     ``startup_timeout``: most seconds a worker may take to become ready;
     ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers;
     ``max_retries``: failovers per request when the replica holding it dies before
-    answering it (0: off; see docs/fault-tolerance.md)."""
+    answering it (0: off; see docs/fault-tolerance.md).  ``placement_strategy`` and
+    ``placement_scope``: how ``--worker-backend ray`` groups the replicas' bundles (Ray's
+    strategies; one placement group for the pipeline or one per stage; see docs/distributed.md)."""
 
     stages: list[StageConfig]
     final_stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -111,6 +117,8 @@ class PipelineConfig:
     startup_timeout: float = 60.0
     stop_grace: float = 3.0
     max_retries: int = 1
+    placement_strategy: str = "PACK"
+    placement_scope: str = "pipeline"
 
     def validate(self) -> PipelineConfig:
         """Raise ValueError naming the stage (or the key's path) and the problem; return self.

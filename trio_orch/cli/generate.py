@@ -58,6 +58,7 @@ from trio_orch.cluster import distributed
 from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
+from trio_orch.cluster.ray_placement import PlacementError
 from trio_orch.openai.chat import check_max_tokens
 from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.openai.sampling import SamplingError, map_sampling
@@ -397,7 +398,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
             return await _generate(args, cfg, pipe, orch)
-    except (WorkerStartupError, ReplicasMissing) as exc:
+    except (WorkerStartupError, ReplicasMissing, PlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1, None
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
@@ -44,6 +43,7 @@ from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 from trio_orch.openai.media import MediaPolicy
+from trio_orch.serve import credentials
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
     checkpoint_pipeline,
@@ -52,7 +52,6 @@ from trio_orch.serve.checkpoint import (
     resolve_model,
 )
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
-from trio_orch.serve.credentials import API_KEY_ENV, TOKEN_ENV
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
@@ -120,14 +119,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "a request naming another model gets 404 model_not_found, answers carry the "
                              "first (default: the checkpoint's MODEL_DIR as given, as vLLM's; without one "
                              "trio-orch; --model-name is the same flag)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
-                             "/version and /ping, else 401 (/admin keeps its own token; default: "
-                             f"${API_KEY_ENV}; unset: open). Prefer the variable: a flag shows in ps")
-    parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
-                        help="serve the control plane under /admin/... (stats, pause, sleep, weight "
-                             "reload, profiling; 'trio-orch ctl' is its client), each call needing "
-                             f"'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; unset: no /admin)")
+    api_key, admin_token = credentials.SECRETS
+    credentials.add_arguments(parser, api_key, "require 'Authorization: Bearer KEY' on every route but "
+                              "/health, /metrics, /version and /ping, else 401 (/admin keeps its own token)",
+                              "open")
+    credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
+                              "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
+                              "needing 'Authorization: Bearer TOKEN'", "no /admin")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
@@ -236,8 +234,7 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key: the key may not be empty (leave it out to serve without one)")
+    credentials.resolve(args)  # the API key and admin token: flag, file, systemd credential, environment
     if args.http_server is not None and args.loop != "trio":
         raise ValueError(f"--http-server {args.http_server} applies to --loop trio only (--loop "
                          f"{args.loop} serves with uvicorn)")
