@@ -42,6 +42,8 @@ class OmniConfig:
     thinker: dict[str, Any]
     talker: dict[str, Any]
     token2wav: dict[str, Any]
+    #: the checkpoint's dtype (``config.json``'s ``dtype``, or ``torch_dtype`` as older files say)
+    dtype: str = "float32"
 
     # ---- the thinker
     @property
@@ -130,7 +132,8 @@ def read_omni_config(path: str | Path) -> OmniConfig:
     if not isinstance(config, dict) or ARCHITECTURE not in (config.get("architectures") or []):
         raise OmniConfigError(f"{folder}: config.json does not name {ARCHITECTURE} in its architectures")
     found = OmniConfig(folder, _part(config, "thinker", folder), _part(config, "talker", folder),
-                       _part(config, "token2wav", folder))
+                       _part(config, "token2wav", folder),
+                       str(config.get("dtype") or config.get("torch_dtype") or "float32"))
     try:
         needed = [found.hidden_size, found.vocab_size, found.codec_vocab, *found.codec.values(),
                   *found.tts_text.values(), found.media_token("image"), found.media_token("audio")]

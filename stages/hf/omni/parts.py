@@ -78,7 +78,7 @@ def part_dtype(cfg: OmniConfig, part: str, dtype: str = "auto") -> torch.dtype:
     name = dtype
     if dtype == "auto":
         sub = cfg.thinker if part == "thinker" else cfg.talker
-        name = str(sub.get("dtype") or (cfg.text.get("dtype") if part == "thinker" else None) or "float32")
+        name = str(sub.get("dtype") or sub.get("torch_dtype") or cfg.dtype)
     found = getattr(torch, name, None)
     if not isinstance(found, torch.dtype):
         raise PartError(f"{cfg.path}: dtype {name!r} is not a torch dtype")
