@@ -51,20 +51,26 @@ def full(ckpt: Path) -> Any:
         return Qwen2_5OmniForConditionalGeneration.from_pretrained(str(ckpt)).eval()
 
 
-def media_inputs(ckpt: Path, medium: str) -> dict[str, Any]:
-    """The processor's inputs for a chat with one ``medium`` part ("text", "image", "audio")."""
-    proc = load_processor(ckpt)
+def chat_prompt(ckpt: Path, medium: str) -> tuple[str, dict[str, Any]]:
+    """The chat-templated prompt of a chat with one ``medium`` part ("text", "image", "audio"), and the
+    media beside it (the processor's keywords)."""
     rng = np.random.default_rng(7)
     part = {"text": {"type": "text", "text": "hello there"}, "image": {"type": "image"},
             "audio": {"type": "audio"}}[medium]
     conv = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
-    text = proc.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+    text = load_processor(ckpt).apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
     media: dict[str, Any] = {}
     if medium == "image":
         media["images"] = [(rng.random((60, 80, 3)) * 255).astype(np.uint8)]
     if medium == "audio":
         media["audio"] = [(rng.standard_normal(16000) * 0.1).astype(np.float32)]
-    return dict(proc(text=text, return_tensors="pt", **media))
+    return text, media
+
+
+def media_inputs(ckpt: Path, medium: str) -> dict[str, Any]:
+    """The processor's inputs for :func:`chat_prompt`'s chat."""
+    text, media = chat_prompt(ckpt, medium)
+    return dict(load_processor(ckpt)(text=text, return_tensors="pt", **media))
 
 
 def generate(full: Any, inputs: dict[str, Any], cfg: OmniConfig, voice: str) -> tuple[list[int], list[int],
@@ -265,3 +271,41 @@ def test_token2wav_streams_audio_once_a_chunk_and_its_look_ahead_are_in(ckpt: Pa
     samples = t2w.rep * t2w.runner.hop
     assert heard[0] == (-(-(t2w.stream + t2w.future) // 3) * 3, t2w.stream * samples)  # before the rest came
     assert sum(n for _, n in heard) == len(codes) * samples
+
+
+def test_the_thinker_stage_batches_requests_as_if_each_were_alone(ckpt: Path) -> None:
+    """The omni-thinker stage (the checkpoint decoder loop): requests of different media in one batch
+    send the tokens and rows the runner computes for each alone, the talker's header first."""
+    from stages.hf.omni.thinker import OmniThinker
+
+    cfg = read_omni_config(ckpt)
+    runner = ThinkerRunner(load_part(ckpt, "thinker"), cfg)
+    stage = OmniThinker(str(ckpt))
+    payloads, alone = {}, {}
+    for medium in ("text", "image", "audio"):
+        prompt, media = chat_prompt(ckpt, medium)
+        clips = [{"pcm": a, "sample_rate": 16000} for a in media.get("audio", [])]
+        payloads[medium] = {"text": prompt, "images": media.get("images", []), "audios": clips}
+        alone[medium] = thinker_outputs(runner, media_inputs(ckpt, medium), cfg,
+                                        speakers(ckpt)["Chelsie"]["bos_token"])
+    greedy = {"temperature": 0.0, "max_tokens": THINKER_MAX}
+    reqs = [ReqState(m, p, sampling=greedy) for m, p in payloads.items()]
+    for r in reqs:
+        stage.admit(r)
+    got: dict[str, list[dict]] = {r.request_id: [] for r in reqs}
+    active = list(reqs)
+    while active:
+        for r, res in zip(list(active), stage.step(active), strict=True):
+            got[r.request_id].append(res.data)
+            if res.finished:
+                active.remove(r)
+                stage.release(r)
+    for medium, outs in got.items():
+        ref = alone[medium]
+        assert np.concatenate([o["tokens"] for o in outs]).tolist() == \
+            np.concatenate([o["tokens"] for o in ref]).tolist()
+        np.testing.assert_array_equal(np.concatenate([o["rows"] for o in outs]),
+                                      np.concatenate([o["rows"] for o in ref]))
+        head, ref_head = outs[0]["talker"], ref[0]["talker"]
+        assert head["prompt_ids"].tolist() == ref_head["prompt_ids"].tolist()
+        np.testing.assert_array_equal(head["frame"], ref_head["frame"])
