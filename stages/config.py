@@ -369,7 +369,9 @@ def builtin_config(name: str) -> PipelineConfig:
 def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str = "auto",
                       **pipeline: Any) -> PipelineConfig:
     """The pipeline that serves the Hugging Face checkpoint in directory ``path``, chosen from its
-    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text.
+    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text; a
+    Qwen2.5-Omni model is its thinker (text, stage 0), talker and token2wav (audio, stage 2), each
+    stage loading only its part (``omni-thinker``, ``omni-talker``, ``omni-token2wav``).
 
     ValueError (naming the path) for a directory that is not a checkpoint this project serves, or a
     ``max_model_len`` over the model's context; nothing is started.
@@ -382,6 +384,18 @@ def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_model_len is not None:
         options["max_model_len"] = ckpt.context(max_model_len)
+    if ckpt.is_pipeline:
+        from stages.hf.omni.checkpoint import read_omni_config
+
+        read_omni_config(ckpt.path)  # its three parts' ids and its speakers, checked before any worker
+        part = {"checkpoint": str(ckpt.path)}
+        stages = [StageConfig("omni-thinker", model=options, name="thinker"),
+                  StageConfig("omni-talker", model={**part, "dtype": dtype}, name="talker"),
+                  StageConfig("omni-token2wav", model=part, name="token2wav")]
+        # a real model's step (a long prefill, a long solve) can take seconds on a CPU: a worker is
+        # declared hung after 30 s of silence, not the toys' 5
+        pipeline = {"heartbeat_timeout": 30.0, **pipeline}
+        return PipelineConfig(stages, final_stage_ids=[0, 2], **pipeline).validate()
     stage = StageConfig("hf-causal-lm", model=options, name=ckpt.architecture)
     return PipelineConfig([stage], final_stage_ids=[0], **pipeline).validate()
 

@@ -44,7 +44,15 @@ from stages.credentials import HandoverError
 from stages.faults import FaultInjection, injected
 from stages.faults import add_arguments as add_fault_arguments
 from stages.lockdown import LockdownError, lock_down
-from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
+from stages.registry import (
+    KINDS,
+    KindError,
+    build_model,
+    check_kind_name,
+    model_class,
+    sampling_schema,
+    spec_for,
+)
 from stages.sampling_params import check_params
 from stages.scheduling import WaitingQueue
 from stages.segments import SegmentTracker
@@ -106,7 +114,9 @@ class Worker:
         #: graceful leave: when the grace period ends (monotonic), once ``begin_leave`` was called
         self.leave_deadline: float | None = None
         self.cordoned = False  # the orchestrator confirmed it places nothing more here
-        self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
+        self.spec = spec_for(args.kind)
+        #: its sampling parameters (for its options): checked again here, whoever sent them
+        self.schema = sampling_schema(args.kind, json.loads(args.model_json))
         self.active: dict[str, ReqState] = {}
         #: submitted, not in the batch yet: they join it by priority, deadline, arrival (stages/scheduling.py)
         self.waiting: WaitingQueue[ReqState] = WaitingQueue()
@@ -266,7 +276,7 @@ class Worker:
             if req.downstream >= 0 and self.outbox is None:
                 raise ValueError("submit names a downstream replica but this worker has no --downstream")
             if msg.sampling:
-                req.sampling = check_params(self.spec.kind, self.spec.sampling, msg.sampling)
+                req.sampling = check_params(self.spec.kind, self.schema, msg.sampling)
             self.model.admit(req)
         except Exception as exc:
             self.stats["errors"] += 1

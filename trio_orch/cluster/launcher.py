@@ -166,8 +166,9 @@ class Pipeline:
         self.forward_fn = registry.forward_fn(config.kinds(), config.roles())
         self.prewarm_fn = registry.prewarm_fn(config.kinds(), config.roles())
         #: each stage's name and sampling parameters (what requests are checked and mapped against)
-        self.stage_params = registry.stage_params(config.kinds())
-        self.check_sampling = registry.check_sampling(config.kinds())
+        options = [st.model for st in config.stages]
+        self.stage_params = registry.stage_params(config.kinds(), options)
+        self.check_sampling = registry.check_sampling(config.kinds(), options)
 
     @property
     def final_stage_ids(self) -> list[int]:
