@@ -208,7 +208,7 @@ def spread_rows(results: dict[str, Any]) -> list[list[str]]:
 def serving_rows(results: dict[str, Any]) -> list[list[str]]:
     """The serving benchmark: both fronts per pipeline."""
     rows = [["pipeline", "front", "requests", "failed", "TTFC p50 ms", "TTFC p99 ms", "inter-chunk p50 ms",
-             "inter-chunk p99 ms", "req/s", "server CPU ms/req"]]
+             "inter-chunk p99 ms", "req/s", "server CPU ms/req", "worker steps/req", "worker CPU ms/req"]]
     for pipe, per in results.get("serving", {}).items():
         if not isinstance(per, dict):
             continue
@@ -216,7 +216,9 @@ def serving_rows(results: dict[str, Any]) -> list[list[str]]:
             rows.append([pipe, f"--loop {front}", str(r["requests"]), str(r["failed"]),
                          _fmt(r["ttfc"]["p50_us"] / 1e3, 2), _fmt(r["ttfc"]["p99_us"] / 1e3, 2),
                          _fmt(r["inter_chunk"]["p50_us"] / 1e3, 2), _fmt(r["inter_chunk"]["p99_us"] / 1e3, 2),
-                         _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2)])
+                         _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2),
+                         _fmt(r.get("worker_steps_per_request", float("nan")), 1),
+                         _fmt(r.get("worker_cpu_ms_per_request", float("nan")), 2)])
     return rows
 
 

@@ -138,4 +138,7 @@ def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         t, a = trio_f["requests_per_s"], asy_f["requests_per_s"]
         add(f"serving (echo workers, {conc} clients): --loop trio requests/s not below --loop asyncio", t,
             f">= {a:.1f}", [(t >= a, f"{t:,.1f} requests/s below asyncio's {a:,.1f}")])
+        t, a = trio_f["server_cpu_ms_per_request"], asy_f["server_cpu_ms_per_request"]
+        add(f"serving (echo workers, {conc} clients): --loop trio server CPU per request not above "
+            "--loop asyncio", t, f"<= {a:.2f}", [(t <= a, f"{t:.2f} ms a request above asyncio's {a:.2f}")])
     return [r for r in rows if r["value"] is not None or r["target"].startswith(("a_seq", "forward"))]
