@@ -21,7 +21,7 @@ their implementations here, by what they need (:data:`CAPABILITIES`):
   connector, the supervisor (the end-to-end torch workloads, the chaos
   matrix).
 
-The Trio side is listed here (the orchestrator, the production ``Engine``
+The Trio side is listed here (the orchestrator, the production ``ThreadEngine``
 bridge, the benchmark's floor).  The asyncio references register
 themselves: every :class:`~bench.refs.orchestrator.AsyncioOrchestrator`
 subclass in a module of ``bench/refs/`` whose ``variant`` is set is one
@@ -140,7 +140,7 @@ IMPLEMENTATIONS: dict[str, Implementation] = {i.name: i for i in (
                    ZmqFloorDriver, frozenset({"workers"})),
     Implementation("trio", "trio_orch.Orchestrator: one nursery, memory channels, Trio token bridge",
                    TrioDriver, frozenset(CAPABILITIES)),
-    Implementation("trio-engine", "trio-orch through the production Engine bridge: one RequestHandle "
+    Implementation("trio-engine", "trio-orch through the production ThreadEngine bridge: one RequestHandle "
                    "per request", EngineDriver, frozenset({"fed"})),
     *_references(),
     *(_vllm_omni() if available() else []),

@@ -1,9 +1,11 @@
 """Terminal tables and progress for the bench commands (``bench``, ``chaos``), drawn with ``rich``.
 
-One way to print a table for every command: it fits the terminal's width,
-cells wrap at word boundaries (a word longer than its column is folded,
-never cut off), and a legend under it says what its words mean.  Progress is
-a bar on a terminal and one line per step elsewhere (a log keeps them).
+One way to print a table for every command: a :class:`rich.table.Table`
+whose columns say what they hold (numbers, names or text), so that rich
+fits it to the terminal -- text wraps between words, numbers and names
+keep their width -- and a legend under it says what its words mean.
+Progress is a bar on a terminal and one line per step elsewhere (a log
+keeps them).
 """
 
 from __future__ import annotations
@@ -12,71 +14,58 @@ import io
 import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
-__all__ = ["StepProgress", "console", "render", "table", "text"]
+__all__ = ["StepProgress", "console", "markdown_table", "render", "table", "text"]
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[Any]], *, title: str | None = None,
-          numeric_from: int = 2, wide: Sequence[int] = ()) -> Any:
-    """A table that fits the width it is printed in: columns from ``numeric_from`` on are right-aligned.
+          numbers: Collection[int] = (), names: Collection[int] = (),
+          flex: Mapping[int, int] | None = None, rule: bool = True) -> Any:
+    """A :class:`rich.table.Table`; rich fits it to the width it is printed in.
 
-    Cells may be strings (``\\n`` breaks a line) or :class:`rich.text.Text`.  Each
-    column gets at least its longest word, and the width left over goes to
-    the columns whose lines are longer than that, in proportion (``wide``:
-    columns that take twice their share) -- so cells wrap between words and
-    a word is folded only where the width cannot hold the longest words.
+    Columns in ``numbers`` hold numbers (right-aligned), columns in ``names``
+    names (an implementation, a fault): both keep the width of their longest
+    line (a ``\\n`` in a cell or header is where such a cell breaks: a header
+    wider than its numbers needs one).  The other columns hold text: where
+    the table is too wide, rich narrows the widest of them first and their
+    cells wrap between words.  ``flex`` (column -> ratio): text columns that
+    share the width the others leave, in that ratio (the table then takes the
+    whole width).  Only where even that does not fit does rich narrow every
+    column; a word longer than its column is folded, never cut off.  Cells
+    may be strings or :class:`rich.text.Text`.  ``rule``: a line under the
+    header and one space between columns (else no lines, two spaces).
     """
-    return _Fitted(list(header), [list(r) for r in rows], title, numeric_from, tuple(wide))
+    from rich import box
+    from rich.table import Table
+    from rich.text import Text
+
+    flex = dict(flex or {})
+    cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
+    t = Table(title=Text(title) if title else None, title_justify="left", title_style="bold",
+              box=box.SIMPLE_HEAD if rule else None, pad_edge=False, show_edge=False,
+              padding=(0, 0) if rule else (0, 1), expand=bool(flex))
+    for i, name in enumerate(header):
+        head = Text(name)  # brackets in a header are text, not markup
+        fixed = i in numbers or i in names
+        width = max(line.cell_len for c in (head, *(r[i] for r in cells)) for line in c.split()) \
+            if fixed else None
+        t.add_column(head, justify="right" if i in numbers else "left", overflow="fold", width=width,
+                     ratio=flex.get(i))
+    for row in cells:
+        t.add_row(*row)
+    return t
 
 
-class _Fitted:
-    """A rich renderable: the table laid out for the width at hand (see :func:`table`)."""
+def markdown_table(rows: Sequence[Sequence[str]]) -> str:
+    """The same rows as a markdown table, header first (a cell's line breaks, there for the terminal,
+    become spaces)."""
+    def line(r: Sequence[str]) -> str:
+        return "| " + " | ".join(c.replace("\n", " ").replace("|", "/") for c in r) + " |"
 
-    GAP = 1  # the box's column divider: one space between columns (no padding)
-
-    def __init__(self, header: list[str], rows: list[list[Any]], title: str | None, numeric_from: int,
-                 wide: tuple[int, ...]) -> None:
-        from rich.text import Text
-
-        self.header = [Text(h) for h in header]
-        self.rows = [[c if isinstance(c, Text) else Text(str(c)) for c in r] for r in rows]
-        self.title, self.numeric_from, self.wide = title, numeric_from, wide
-
-    def widths(self, width: int) -> list[int] | None:
-        """Column widths for ``width`` columns, or None where even the longest words do not fit."""
-        cols = list(zip(self.header, *self.rows, strict=True))
-        low = [max(len(w) for c in col for w in (c.plain.split() or [""])) for col in cols]
-        high = [max(len(line) for c in col for line in (c.plain.splitlines() or [""])) for col in cols]
-        room = width - self.GAP * (len(cols) - 1)
-        if sum(high) <= room:
-            return high
-        if sum(low) > room:
-            return None
-        spare = room - sum(low)
-        want = [(h - lo) * (2 if i in self.wide else 1)
-                for i, (lo, h) in enumerate(zip(low, high, strict=True))]
-        total = sum(want) or 1
-        out = [lo + min(h - lo, spare * w // total) for lo, h, w in zip(low, high, want, strict=True)]
-        return out
-
-    def __rich_console__(self, console: Any, options: Any) -> Any:
-        from rich import box
-        from rich.table import Table
-        from rich.text import Text
-
-        widths = self.widths(options.max_width)
-        t = Table(title=Text(self.title) if self.title else None, title_justify="left", title_style="bold",
-                  box=box.SIMPLE_HEAD, pad_edge=False, expand=False, show_edge=False,
-                  padding=0)
-        for i, name in enumerate(self.header):
-            t.add_column(name, justify="right" if i >= self.numeric_from else "left", overflow="fold",
-                         width=None if widths is None else widths[i])
-        for row in self.rows:
-            t.add_row(*row)
-        yield t
+    return "\n".join([line(rows[0]), "|" + "---|" * len(rows[0]), *(line(r) for r in rows[1:])])
 
 
 def console(*, stderr: bool = False, width: int | None = None, file: Any = None) -> Any:

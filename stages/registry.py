@@ -13,7 +13,9 @@ differs between kinds is read from here, and nowhere else:
   :func:`prewarm_fn`), from each row's ``next_input`` (with the request's
   companions where the kind conditions on them) and ``prewarm_input``;
 - ``generate`` and ``serve``: how a stage's outputs are shown (``output``,
-  :func:`as_text`, :func:`as_audio`, :func:`text_stage`);
+  :func:`as_text`, :func:`as_audio`, :func:`text_stage`), the media a chat
+  may carry to it (:func:`input_media`), whether it reads tokens and can be
+  told what to say (:func:`reads_tokens`, :func:`says`);
 - per-request sampling parameters: what each kind takes, checked when a request
   is accepted and again in the worker (``sampling``, :func:`stage_params`,
   :func:`check_sampling`; the parameters themselves are in :mod:`stages.sampling_params`).
@@ -71,7 +73,7 @@ from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
            "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "input_media",
-           "model_class", "outputs_of", "pcm_of", "prewarm_fn", "source_root",
+           "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens", "says", "source_root",
            "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
@@ -118,6 +120,12 @@ class StageSpec:
     ``role`` the role of a split kind (:data:`ROLES`), else empty.  ``media``:
     the medium a chat part may carry that this kind encodes ("image", "audio";
     :mod:`stages.media`), else empty: a pipeline takes the media its stages encode.
+    ``tokens``: how the kind reads text, for a front that counts or feeds its
+    tokens -- ``"text"`` (it tokenizes text itself: with the tokenizer its
+    workers report, else the byte-level one of :mod:`stages.tokenizer`),
+    ``"ids"`` (it reads the token ids such a stage makes), else empty.
+    ``says``: it can be told what to say (a payload's ``say`` is forced as its
+    answer: the speech route speaks its input through it).
     """
 
     output: str = "data"
@@ -128,13 +136,17 @@ class StageSpec:
     kind: str = ""
     role: str = ""
     media: str = ""
+    tokens: str = ""
+    says: bool = False
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker"),
-    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker"),
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker",
+                         tokens="text", says=True),
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker",
+                        tokens="ids"),
     "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
     "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
     "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
@@ -436,13 +448,26 @@ def input_media(kinds: Iterable[str]) -> frozenset[str]:
 
     A name that is no kind (an in-process stage's label) encodes none.
     """
-    found = set()
-    for kind in kinds:
-        try:
-            found.add(spec_for(kind).media)
-        except KindError:
-            continue
-    return frozenset(found - {""})
+    return frozenset(spec.media for spec in map(_spec_or_none, kinds) if spec is not None) - {""}
+
+
+def _spec_or_none(kind: str) -> StageSpec | None:
+    try:
+        return spec_for(kind)
+    except KindError:  # a name that is no kind (an in-process stage's label)
+        return None
+
+
+def reads_tokens(kind: str) -> str:
+    """How a stage of ``kind`` reads text: ``"text"``, ``"ids"`` or "" (see :class:`StageSpec`)."""
+    spec = _spec_or_none(kind)
+    return spec.tokens if spec is not None else ""
+
+
+def says(kind: str) -> bool:
+    """Can a stage of ``kind`` be told what to say (a ``say`` payload)?"""
+    spec = _spec_or_none(kind)
+    return spec is not None and spec.says
 
 
 def stage_params(kinds: Iterable[str]) -> list[StageParams]:

@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from stages.validation import Invalid, convert
+
 __all__ = ["ANNOTATION_NAMES", "ConfigError", "ConfigFile", "NonNegativeFloat", "NonNegativeInt",
            "PipelineTable", "PositiveFloat", "PositiveInt", "StageTable", "check_file", "check_option",
            "set_fields"]
@@ -83,10 +85,6 @@ class ConfigFile(Struct, forbid_unknown_fields=True, omit_defaults=True):
     pipeline: PipelineTable = msgspec.field(default_factory=PipelineTable)
 
 
-_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
-_UNKNOWN = re.compile(r"Object contains unknown field `(?P<name>[^`]+)`")
-
-
 def _fields_at(path: str) -> list[str]:
     """The keys the schema allows at ``path`` (for a did-you-mean hint)."""
     target: type[Struct] = ConfigFile
@@ -97,23 +95,16 @@ def _fields_at(path: str) -> list[str]:
     return list(target.__struct_fields__)
 
 
-def _explain(exc: msgspec.ValidationError, prefix: str = "") -> str:
-    """msgspec's message, with the path first, in the config's own spelling."""
-    msg = str(exc)
-    m = _PATH.search(msg)
-    path = m.group("path") if m else ""
-    msg = _PATH.sub("", msg)
-    full = ".".join(p for p in (prefix, path) if p)
-    unknown = _UNKNOWN.fullmatch(msg)
-    if unknown:
-        name = unknown.group("name")
-        what = "table" if not full else "key"
-        close = difflib.get_close_matches(name, _fields_at(full), n=1)
+def _explain(exc: Invalid) -> str:
+    """An error of the config's schema, its path first, in the config's own spelling."""
+    where = exc.param or ""
+    if exc.unknown is not None:
+        what = "table" if not where else "key"
+        close = difflib.get_close_matches(exc.unknown, _fields_at(where), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        where = f" in {full}" if full else ""
-        return f"unknown {what} {name!r}{where} (allowed: {', '.join(_fields_at(full))}){hint}"
-    msg = msg[:1].lower() + msg[1:]
-    return f"{full}: {msg}" if full else msg
+        at = f" in {where}" if where else ""
+        return f"unknown {what} {exc.unknown!r}{at} (allowed: {', '.join(_fields_at(where))}){hint}"
+    return f"{where}: {exc.detail}" if where else exc.detail
 
 
 def check_file(data: Any) -> ConfigFile:
@@ -121,8 +112,8 @@ def check_file(data: Any) -> ConfigFile:
     if not isinstance(data, dict) or "stages" not in data:
         raise ConfigError("pipeline config: a [[stages]] table array with at least one stage is needed")
     try:
-        checked = msgspec.convert(data, ConfigFile)
-    except msgspec.ValidationError as exc:
+        checked = convert(data, ConfigFile)
+    except Invalid as exc:
         raise ConfigError(f"pipeline config: {_explain(exc)}") from None
     pipe = checked.pipeline
     if pipe.final_stages is not UNSET and pipe.final_stage_ids is not UNSET:
@@ -160,8 +151,8 @@ def check_option(kind: str, name: str, value: Any, annotation: Any) -> None:
     if annotation is Any or annotation is None:
         return
     try:
-        msgspec.convert(value, annotation)
-    except msgspec.ValidationError as exc:
+        convert(value, annotation)
+    except Invalid as exc:
         raise ConfigError(f"model option {name!r} of {kind}: {_explain(exc)}") from None
     except TypeError:  # an annotation msgspec cannot check (a class of the model's own)
         return

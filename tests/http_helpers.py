@@ -2,7 +2,7 @@
 
 ``serve(front, factory)`` starts the one app (:func:`~trio_orch.http.app.create_app`)
 the way ``trio-orch serve --loop FRONT`` does: ``"asyncio"`` -- the
-thread-bridge :class:`Engine` and uvicorn with the serve command's settings
+thread-bridge :class:`ThreadEngine` and uvicorn with the serve command's settings
 (:class:`Served`); ``"trio"`` -- the :class:`TrioEngine` and the lean Trio
 server (or, ``http_server="hypercorn"``, hypercorn's Trio worker) in one Trio
 run (:class:`TrioServed`, in a thread of its own so the test can be a plain
@@ -24,7 +24,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.waiting import HANG, wait_until  # the HTTP tests import them from here too
-from trio_orch.engine import Engine, TrioEngine
+from trio_orch.engine import ThreadEngine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
@@ -44,11 +44,11 @@ def listening_socket(backlog: int) -> socket.socket:
 
 
 class Served:
-    """An Engine + the app under uvicorn (the serve command's settings and head deadline) in a thread."""
+    """A ThreadEngine + the app under uvicorn (the serve command's settings, head deadline) in a thread."""
 
     front_name = "asyncio"
 
-    def __init__(self, engine: Engine, *, limits: HTTPLimits | None = None, max_connections: int = 1000,
+    def __init__(self, engine: ThreadEngine, *, limits: HTTPLimits | None = None, max_connections: int = 1000,
                  model_name: str = "toy", **app_kwargs: Any) -> None:
         self.engine = engine
         self.limits = limits or HTTPLimits()
@@ -166,7 +166,7 @@ def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = N
         return TrioServed(factory, engine_options=engine_options, http_server="hypercorn", **served_kwargs)
     if front == "trio":
         return TrioServed(factory, engine_options=engine_options, **served_kwargs)
-    return Served(Engine(factory, **(engine_options or {})).start(), **served_kwargs)
+    return Served(ThreadEngine(factory, **(engine_options or {})).start(), **served_kwargs)
 
 
 def chat(text: str, **kw: Any) -> dict[str, Any]:

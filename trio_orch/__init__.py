@@ -25,7 +25,8 @@ _EXPORTS: dict[str, str] = {
     "Orchestrator": "trio_orch.shell.orchestrator",
     "OrchestratorStatistics": "trio_orch.shell.orchestrator",
     "open_orchestrator": "trio_orch.shell.orchestrator",
-    "Engine": "trio_orch.engine",
+    "ThreadEngine": "trio_orch.engine",
+    "EngineClient": "trio_orch.engine",
     "TrioEngine": "trio_orch.engine",
     "open_trio_engine": "trio_orch.engine",
     "EngineClosed": "trio_orch.engine",
@@ -37,7 +38,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "ControlError",
-    "Engine",
+    "EngineClient",
     "EngineClosed",
     "EngineStartupError",
     "Message",
@@ -51,6 +52,7 @@ __all__ = [
     "StageDied",
     "StageOutput",
     "StageUnavailable",
+    "ThreadEngine",
     "TrioEngine",
     "open_orchestrator",
     "open_trio_engine",
@@ -60,10 +62,11 @@ __all__ = [
 if TYPE_CHECKING:
     from trio_orch.engine import (
         ControlError,
-        Engine,
+        EngineClient,
         EngineClosed,
         EngineStartupError,
         Overloaded,
+        ThreadEngine,
         TrioEngine,
         open_trio_engine,
         static_pipeline,

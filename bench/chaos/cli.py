@@ -122,7 +122,7 @@ def renderables(results: list[ChaosResult]) -> list[Any]:
 
     rows = [_row(r) for r in results]
     parts: list[Any] = [table([h for h, _ in _TERMINAL], [[cell(c) for _, cell in _TERMINAL] for c in rows],
-                              title="Chaos matrix", numeric_from=len(_TERMINAL))]
+                              title="Chaos matrix", names={0}, numbers={1, 3, 4, 6})]
     notes = [f"  {c[0]}: {c[11]}" for c in rows if c[11] != "-"]
     if notes:
         parts.append(text("Notes\n" + "\n".join(notes)))

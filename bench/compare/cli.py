@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["KIND_LEGEND", "VERDICTS", "configure", "default_impls", "differences", "headline",
-           "markdown_report", "print_table", "run", "run_matrix", "terminal_table", "write_markdown"]
+__all__ = ["KIND_LEGEND", "VERDICTS", "VERDICT_LINES", "configure", "default_impls", "differences",
+           "headline", "markdown_report", "print_table", "run", "run_matrix", "terminal_table", "verdict",
+           "write_markdown"]
 
 
 def default_impls() -> list[str]:
@@ -273,6 +274,43 @@ def headline(result: dict[str, Any]) -> str:
     return " ".join(lines)
 
 
+#: the verdict's length, at most (one line per implementation compared with trio, and four more)
+VERDICT_LINES = 10
+
+
+def verdict(result: dict[str, Any], base: str = "trio") -> list[str]:
+    """The closing block: per implementation the rows it passed; ``base``'s misses; how each differs from it.
+
+    Every count comes from the verdicts of this run (n/a cells are left out
+    of an implementation's total: the scenario has no counterpart there);
+    at most :data:`VERDICT_LINES` lines at 80 columns.
+    """
+    impls = list(result["implementations"])
+    scs = result["scenarios"]
+    lines = [f"Verdict: {len(scs)} scenarios x {len(impls)} implementations, {result['elapsed_s']} s"]
+    passed = []
+    for i in impls:
+        said = [sc["results"][i]["verdict"] for sc in scs if i in sc["results"]]
+        expressible = [v for v in said if v != "n/a"]
+        na = len(said) - len(expressible)
+        passed.append(f"{i} {expressible.count('ok')}/{len(expressible)}" + (f" ({na} n/a)" if na else ""))
+    lines.append("  ok: " + ", ".join(passed))
+    if base in impls:
+        missed = [f"{sc['number']} {sc['results'][base]['verdict']}" for sc in scs
+                  if sc["results"].get(base, {}).get("verdict", "ok") not in ("ok", "n/a")]
+        lines.append(f"  {base} not ok in: {', '.join(missed) or 'none'}")
+        for other in impls:
+            if other == base:
+                continue
+            d = differences(result, base, other)
+            lines.append(f"  {base} vs {other}: {len(d['model']) + len(d['design'])} rows differ "
+                         f"({len(d['model'])} model, {len(d['design'])} design); {base} worse in "
+                         f"{_rows(d['left_worse'])}")
+    errors = [f"{sc['number']} {i}" for sc in scs for i, r in sc["results"].items() if r.get("driver_error")]
+    lines.append(f"  driver errors: {', '.join(errors) or 'none'}; the rules and reasons: --markdown PATH")
+    return lines
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     """A computed headline, the table, then per scenario its kind, question, rule and each reason."""
     impls = list(result["implementations"])
@@ -351,9 +389,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     result = run_matrix(numbers or None, args.impl, progress=not args.quiet)
     from rich.console import Console
+    from rich.text import Text
 
-    print_table(result, Console())
-    print(f"\n{headline(result)}\n{result['elapsed_s']} s. The rules and reasons: --markdown PATH.")
+    console = Console()
+    print_table(result, console)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -361,6 +400,7 @@ def run(args: argparse.Namespace) -> int:
     if args.markdown:
         write_markdown(args.markdown, markdown_report(result))
         print(f"wrote {args.markdown}")
+    console.print(Text("\n".join(verdict(result))))  # the report ends with its verdict
     # n/a cells are not errors: nothing failed, the scenario has no counterpart there
     errors = sum(1 for sc in result["scenarios"] for r in sc["results"].values() if r["driver_error"])
     return 1 if errors else 0

@@ -4,7 +4,7 @@ A serving system talks to its orchestrator from another thread; so does a
 driver.  Each implementation runs in a background thread with its own event
 loop and the driver hands calls over the way that implementation's thread
 bridge does (the Trio token, janus queues plus ``call_soon_threadsafe``, the
-production ``Engine``), so the comparison and the benchmark both measure an
+production ``ThreadEngine``), so the comparison and the benchmark both measure an
 implementation as a serving front sees it.
 
 The stages are scripted in-process stage clients

@@ -1,7 +1,7 @@
-"""The engine's thread adapter, :class:`trio_orch.engine.bridge.Engine`, behind a driver.
+"""The engine's thread adapter, :class:`trio_orch.engine.bridge.ThreadEngine`, behind a driver.
 
 Where :class:`bench.drivers.trio.TrioDriver` reads the orchestrator's whole
-output stream through one queue, this driver consumes through the Engine's
+output stream through one queue, this driver consumes through the ThreadEngine's
 public sync API: one :class:`~trio_orch.engine.handles.RequestHandle` per request (the
 per-request demultiplexing a serving front gets).  :meth:`EngineDriver.next_batch`
 serves the open handles round-robin, so with many concurrent requests a
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.drivers.base import Driver, ShutdownReport
-from trio_orch.engine import Engine, RequestHandle
+from trio_orch.engine import RequestHandle, ThreadEngine
 from trio_orch.engine.base import static_pipeline
 from trio_orch.testing import PushScriptedStage
 from trio_orch.types import Message
@@ -27,13 +27,13 @@ __all__ = ["EngineDriver"]
 
 
 class EngineDriver(Driver):
-    """trio-orch through ``Engine``: push scripted stages, one handle per request."""
+    """trio-orch through ``ThreadEngine``: push scripted stages, one handle per request."""
 
     framework = "trio"
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.engine: Engine | None = None
+        self.engine: ThreadEngine | None = None
         self._handles: list[RequestHandle] = []
         self._next = 0
 
@@ -41,7 +41,7 @@ class EngineDriver(Driver):
         if self.engine is not None:
             return self
         self.stages = [PushScriptedStage(k, on_submit=self.record_submission) for k in range(self.num_stages)]
-        self.engine = Engine(static_pipeline(self.stages, self.final_stage_ids),
+        self.engine = ThreadEngine(static_pipeline(self.stages, self.final_stage_ids),
                              startup_timeout=self.startup_timeout if timeout is None else timeout)
         self.engine.start()
         self.thread = self.engine.run_sync_in_trio(threading.current_thread)

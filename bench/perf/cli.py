@@ -26,7 +26,7 @@ from bench.implementations import IMPLEMENTATIONS, SKIPPED, names
 from bench.perf import report
 from bench.perf.stats import COVERAGE, RESAMPLES, SEED, summarize
 from bench.perf.targets import targets
-from bench.perf.workloads import WORKLOADS, run_workload
+from bench.perf.workloads import SWEEP_OUTPUTS_QUICK, WORKLOADS, run_workload
 from bench.tables import StepProgress
 
 
@@ -36,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "Dispatch latency (a stage output handed over in the main thread -> the consumer in the main\n"
         "thread receives it through the thread bridge), forward and admission latency, throughput,\n"
         "orchestrator-thread CPU per output, idle CPU and shutdown time, for trio-orch (direct and through\n"
-        "the production Engine bridge), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
+        "the production thread adapter), the asyncio references (vLLM-Omni event-driven and 1 ms polling,\n"
         "asyncio.TaskGroup) and the floors, interleaved in one run (worker workloads: on those that\n"
         "support worker processes). A floor takes every hop of its path and nothing else: the thread\n"
         "hand-off floor (two plain-thread wake-ups), the in-loop floor (one task wake-up), the ZMQ floor\n"
@@ -44,14 +44,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "a ratio against trio-orch says lower / higher only where the intervals do not overlap (else =).\n"
         "A full run (3 rounds) takes at least 10,000 latency samples per implementation and workload.\n"
         "Prints the tables (fitted to the terminal, with a legend) and the performance targets (a\n"
-        "missed one names the clause that failed); writes results.json, results.md and PNG plots to\n"
-        "--out.")
+        "missed one names the clause that failed); writes results.json, results.md and PNG plots (the\n"
+        "a_seq latency CDF, the throughput curve) to --out; ends with a verdict of at most ten lines:\n"
+        "targets met and missed, the headline ratios with their bounds, whether the floors held.")
     parser.epilog = ("workloads:\n"
                      + "\n".join(f"  {k:16s} {w.description}" for k, w in WORKLOADS.items())
                      + "\nimplementations:\n"
                      + "\n".join(f"  {k:18s} {i.description}" for k, i in IMPLEMENTATIONS.items()))
     parser.add_argument("--quick", action="store_true",
-                        help="smaller workloads and one round (a few minutes; intervals are wide)")
+                        help="one round of small workloads (a few hundred latency samples per row, "
+                             f"{SWEEP_OUTPUTS_QUICK:,} outputs per point of the throughput curve; about a "
+                             "minute or two on 2 cores): checks that every workload runs and shows the "
+                             "shape of the results; its intervals are wide, so it judges no floor")
     parser.add_argument("--rounds", type=int, default=None,
                         help="interleaved rounds per workload (default 3, --quick 1)")
     parser.add_argument("--workloads", default=None,
@@ -157,10 +161,11 @@ def summarize_serving(raw: dict[str, Any], concurrency: int) -> dict[str, Any]:
                 "inter_chunk": percentiles_us([x for r in runs for x in r["gaps"]]),
                 "requests_per_s": ok / wall if wall else float("nan"),
                 "server_cpu_ms_per_request": cpu / ok * 1e3 if ok else float("nan"),
-                "worker_steps_per_request": _per_request(runs, "worker_steps", ok),
-                "worker_cpu_ms_per_request": _per_request(runs, "worker_cpu_s", ok, 1e3),
                 "requests_per_s_rounds": [r["ok"] / r["wall_s"] for r in runs if r["wall_s"]],
             }
+            if runs and all("worker_steps" in r for r in runs):  # the workers were measured
+                out[pipe][front].update(worker_steps_per_request=_per_request(runs, "worker_steps", ok),
+                                        worker_cpu_ms_per_request=_per_request(runs, "worker_cpu_s", ok, 1e3))
     return out
 
 
@@ -203,10 +208,10 @@ def run(args: argparse.Namespace) -> int:
         "load_after": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "intervals": {"coverage": COVERAGE, "resamples": RESAMPLES, "seed": SEED,
                       "method": "percentile bootstrap over the samples of all rounds"},
-        "floors_hold": report.floors_hold(results),
         "command": " ".join(["trio-orch", "bench", *sys.argv[2:]]) if sys.argv[1:2] == ["bench"]
         else "trio-orch bench",
     }
+    results["meta"]["floors_hold"] = report.floors_hold(results)  # None in a quick run: not judged
     from bench.tables import console, text
 
     out = console()
@@ -227,5 +232,6 @@ def run(args: argparse.Namespace) -> int:
     if args.readme:
         report.update_between_markers(args.readme, report.readme_block(results, args.out))
         written.append(args.readme)
-    print("\nwrote: " + ", ".join(str(p) for p in written))
+    out.print(text("\nwrote: " + ", ".join(str(p) for p in written)))
+    out.print(report.closing(results))  # the report ends with its verdict
     return 0

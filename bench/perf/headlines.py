@@ -24,12 +24,23 @@ from typing import Any
 from bench.perf.stats import ratio, verdict
 from bench.perf.targets import get
 
-__all__ = ["WORKLOADS", "headlines"]
+__all__ = ["FLOOR", "PAIRS", "WORKLOADS", "floor_of", "headlines"]
 
 #: the workloads a headline is written for, and what their path is called
 WORKLOADS = {"a_seq": "thread hand-off", "c_chain": "thread hand-off, three stages",
              "loop_a_seq": "in the loop", "loop_c_chain": "in the loop, three stages",
              "zmq_a_seq": "over ZMQ workers"}
+
+#: stands for the floor of the workload's path in :data:`PAIRS`
+FLOOR = "<floor>"
+#: the comparisons of a headline: (what it separates, the row, the row it is divided by)
+PAIRS = (("model", "trio", "asyncio-taskgroup"), ("design", "omni-event", "asyncio-taskgroup"),
+         ("above the floor", "trio", FLOOR))
+
+
+def floor_of(results: dict[str, Any], wl: str) -> str | None:
+    """The floor row this run has for ``wl`` (the thread / in-loop floor or the ZMQ floor), if any."""
+    return next((f for f in ("floor", "zmq-floor") if get(results, wl, f, "latency")), None)
 
 
 def _compare(results: dict[str, Any], wl: str, a: str, b: str, pct: str) -> str | None:
@@ -57,18 +68,14 @@ def headlines(results: dict[str, Any], pct: str = "p50") -> list[str]:
     for wl, path in WORKLOADS.items():
         parts = []
         push = {i: get(results, wl, i, "push") for i in ("trio", "asyncio-taskgroup")}
-        model = _compare(results, wl, "trio", "asyncio-taskgroup", pct)
-        if model:
-            same = push["trio"] == push["asyncio-taskgroup"]
-            what = "model" if same else "model and the push path (asyncio-taskgroup has none here)"
-            parts.append(f"{what}: {model}")
-        design = _compare(results, wl, "omni-event", "asyncio-taskgroup", pct)
-        if design:
-            parts.append(f"design: {design}")
-        floor = next((f for f in ("floor", "zmq-floor") if get(results, wl, f, "latency")), None)
-        shell = floor and _compare(results, wl, "trio", floor, pct)
-        if shell:
-            parts.append(f"above the floor: {shell}")
+        for what, a, b in PAIRS:
+            b = floor_of(results, wl) if b == FLOOR else b
+            line = b and _compare(results, wl, a, b, pct)
+            if not line:
+                continue
+            if what == "model" and push[a] != push[b]:
+                what = "model and the push path (asyncio-taskgroup has none here)"
+            parts.append(f"{what}: {line}")
         if parts:
             out.append(f"{wl} ({path}, {pct}) -- " + "; ".join(parts))
     return out

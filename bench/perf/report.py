@@ -11,15 +11,21 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.drivers.floor import PATHS
 from bench.drivers.zmq_floor import PATH as ZMQ_PATH
 from bench.perf.headlines import headlines
 from bench.perf.stats import ratio, verdict
 from bench.perf.targets import BASE, get
+from bench.perf.verdict import build as build_verdict
+from bench.perf.verdict import quick
+from bench.tables import markdown_table
 
 __all__ = [
+    "cdf_figure",
+    "closing",
+    "curve_rows",
     "floor_rows",
     "floors_hold",
     "markdown_report",
@@ -30,6 +36,7 @@ __all__ = [
     "table_rows",
     "target_rows",
     "text_report",
+    "throughput_figure",
     "update_between_markers",
     "write_json",
 ]
@@ -53,6 +60,9 @@ HEADLINE_NOTE = ("model: trio vs asyncio-taskgroup (the same routing core and de
                  "asyncio-taskgroup (both asyncio, vLLM-Omni's design vs the Trio shell's); above the floor: "
                  "trio vs the floor of its path. Lower / higher only where the 95 % intervals do not "
                  "overlap.")
+BOUNDS_LEGEND = ("x [bounds] (the verdict): a / b and the bounds the two 95 % intervals allow (a's low end / "
+                 "b's high end to a's high end / b's low end); they exclude 1 exactly where it says lower / "
+                 "higher")
 CI_LEGEND = ("[lo-hi]: the 95 % percentile-bootstrap interval of that percentile over this run's samples "
              "(10,000 seeded resamples)")
 
@@ -108,7 +118,7 @@ def table_rows(results: dict[str, Any]) -> list[list[str]]:
     rows = [header]
     for wl, per_impl in results.get("workloads", {}).items():
         for impl, res in per_impl.items():
-            if wl == "idle" or wl.startswith("e2e"):
+            if "latency" not in res and "forward" not in res:  # idle CPU, end to end, the curve
                 continue
             key = "latency" if "latency" in res else "forward"
             lat = res.get(key, {})
@@ -134,6 +144,11 @@ def floor_rows(results: dict[str, Any]) -> list[list[str]]:
     loop-thread CPU per output.
     """
     rows = [["workload", "floor of path", "measure", "floor", "best other", "verdict"]]
+    judged = not quick(results)  # a quick run's intervals are too wide to judge a floor by
+
+    def said(beaten: bool) -> str:
+        return ("BEATEN" if beaten else "holds") if judged else "not judged"
+
     for wl, per_impl in results.get("workloads", {}).items():
         floor = next((f for f in ("floor", "zmq-floor") if f in per_impl), None)
         if floor is None or "latency" not in per_impl[floor]:
@@ -149,28 +164,33 @@ def floor_rows(results: dict[str, Any]) -> list[list[str]]:
                                 key=lambda x: x[1].get(f"{pct}_us", math.inf))
                 beaten = verdict(low.get(f"{pct}_ci_us"), mine["latency"].get(f"{pct}_ci_us")) == "lower"
                 rows.append([wl, bounds, f"{pct} us", _ci(mine["latency"], pct), f"{best} {_ci(low, pct)}",
-                             "BEATEN" if beaten else "holds"])
+                             said(beaten)])
             continue
         best_t = max(others, key=lambda i: others[i].get("throughput_per_s", 0.0))
         t_floor, t_best = mine.get("throughput_per_s"), others[best_t].get("throughput_per_s")
         rows.append([wl, bounds, "outputs/s", _fmt(t_floor, 0), f"{best_t} {_fmt(t_best, 0)}",
-                     "BEATEN" if t_floor and t_best and t_best > t_floor else "holds"])
+                     said(bool(t_floor and t_best and t_best > t_floor))])
         best_c = min(others, key=lambda i: others[i].get("cpu_us_per_output", math.inf))
         c_floor, c_best = mine.get("cpu_us_per_output"), others[best_c].get("cpu_us_per_output")
         beaten = c_floor is not None and c_best is not None and c_best < c_floor
-        rows.append([wl, bounds, "cpu us/out", _fmt(c_floor), f"{best_c} {_fmt(c_best)}",
-                     "BEATEN" if beaten else "holds"])
+        rows.append([wl, bounds, "cpu us/out", _fmt(c_floor), f"{best_c} {_fmt(c_best)}", said(beaten)])
     return rows
 
 
-def floors_hold(results: dict[str, Any]) -> bool:
-    """No implementation comes in under its floor beyond the intervals (every floor row holds)."""
-    return all(r[-1] == "holds" for r in floor_rows(results)[1:])
+def floors_hold(results: dict[str, Any]) -> bool | None:
+    """No implementation comes in under its floor beyond the intervals (every floor row holds).
+
+    None where no floor is judged: a quick run, or a run without a floor row.
+    """
+    rows = floor_rows(results)[1:]
+    if quick(results) or not rows:
+        return None
+    return all(r[-1] == "holds" for r in rows)
 
 
 def chain_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["impl", "admission p50 us", "admission p99 us", "fwd 0->1 p50 us", "fwd 1->2 p50 us",
-             "fwd p99 us", "final p50 us"]]
+    rows = [["impl", "admission\np50 us", "admission\np99 us", "fwd 0->1\np50 us", "fwd 1->2\np50 us",
+             "fwd\np99 us", "final\np50 us"]]
     for impl, res in results.get("workloads", {}).get("c_chain", {}).items():
         rows.append([impl, _fmt(res.get("admission", {}).get("p50_us")),
                      _fmt(res.get("admission", {}).get("p99_us")),
@@ -182,7 +202,7 @@ def chain_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["pipeline", "requests", "first text p50 ms", "first audio p50 ms", "total p50 ms"]]
+    rows = [["pipeline", "requests", "first text\np50 ms", "first audio\np50 ms", "total\np50 ms"]]
     for wl in ("e2e", "e2e_async_chunk"):
         res = results.get("workloads", {}).get(wl, {}).get(BASE)
         if not res:
@@ -196,7 +216,7 @@ def e2e_rows(results: dict[str, Any]) -> list[list[str]]:
 
 def spread_rows(results: dict[str, Any]) -> list[list[str]]:
     """p99 of each round, for the tail-latency workloads: how much they move between rounds."""
-    rows = [["workload", "impl", "p99 per round us (min-max)", "rounds"]]
+    rows = [["workload", "impl", "p99 per round us\n(min-max)", "rounds"]]
     for wl in ("b_64_unbatched", "b_512_unbatched", "zmq_b_64", "loop_b_512_unbatched"):
         for impl, res in results.get("workloads", {}).get(wl, {}).items():
             p = res.get("p99_rounds_us")
@@ -206,24 +226,37 @@ def spread_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def serving_rows(results: dict[str, Any]) -> list[list[str]]:
-    """The serving benchmark: both fronts per pipeline."""
-    rows = [["pipeline", "front", "requests", "failed", "TTFC p50 ms", "TTFC p99 ms", "inter-chunk p50 ms",
-             "inter-chunk p99 ms", "req/s", "server CPU ms/req", "worker steps/req", "worker CPU ms/req"]]
-    for pipe, per in results.get("serving", {}).items():
-        if not isinstance(per, dict):
-            continue
+    """The serving benchmark: both fronts per pipeline (the workers' steps and CPU when the run measured
+    them: a worker step sends one message, so steps per request say how many requests shared one)."""
+    serving = {p: per for p, per in results.get("serving", {}).items() if isinstance(per, dict)}
+    workers = any("worker_steps_per_request" in r for per in serving.values() for r in per.values())
+    rows = [["pipeline", "front", "requests", "failed", "TTFC\np50 ms", "TTFC\np99 ms", "inter-chunk\np50 ms",
+             "inter-chunk\np99 ms", "req/s", "server CPU\nms/req",
+             *(["worker steps\n/req", "worker CPU\nms/req"] if workers else [])]]
+    for pipe, per in serving.items():
         for front, r in per.items():
             rows.append([pipe, f"--loop {front}", str(r["requests"]), str(r["failed"]),
                          _fmt(r["ttfc"]["p50_us"] / 1e3, 2), _fmt(r["ttfc"]["p99_us"] / 1e3, 2),
                          _fmt(r["inter_chunk"]["p50_us"] / 1e3, 2), _fmt(r["inter_chunk"]["p99_us"] / 1e3, 2),
                          _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2),
-                         _fmt(r.get("worker_steps_per_request", float("nan")), 1),
-                         _fmt(r.get("worker_cpu_ms_per_request", float("nan")), 2)])
+                         *([_fmt(r.get("worker_steps_per_request", float("nan")), 1),
+                            _fmt(r.get("worker_cpu_ms_per_request", float("nan")), 2)] if workers else [])])
+    return rows
+
+
+def curve_rows(results: dict[str, Any]) -> list[list[str]]:
+    """The throughput curve (``b_sweep``): outputs/s per implementation at each concurrency."""
+    per = results.get("workloads", {}).get("b_sweep", {})
+    points = list(dict.fromkeys(n for res in per.values() for n in res.get("curve", {})))
+    rows = [["impl", *(f"{n} in\nflight" for n in points)]]
+    for impl, res in per.items():
+        curve = res.get("curve", {})
+        rows.append([impl, *(_fmt(curve.get(n, {}).get("throughput_per_s"), 0) for n in points)])
     return rows
 
 
 def misc_rows(results: dict[str, Any]) -> list[list[str]]:
-    rows = [["impl", "idle CPU %", "shutdown ms (median, in-process)", "shutdown ms (max, in-process)"]]
+    rows = [["impl", "idle CPU %", "shutdown ms\n(median, in-process)", "shutdown ms\n(max, in-process)"]]
     wls = results.get("workloads", {})
     for impl in results.get("implementations", []):
         idle = wls.get("idle", {}).get(impl, {}).get("idle_cpu_pct")
@@ -250,36 +283,46 @@ def legend(results: dict[str, Any]) -> list[str]:
     """What the tables' words mean: the path column (only the words used), intervals, ratios."""
     used = {r[2].replace("\n", " ") for r in table_rows(results)[1:]}
     lines = [f"{k}: {v}" for k, v in PATH_LEGEND.items() if k in used]
-    return [*lines, CI_LEGEND, RATIO_LEGEND,
-            "floor holds / BEATEN: BEATEN where another row's interval lies wholly below the floor's"]
+    floors = ("floor not judged: a quick run's intervals are too wide to judge a floor by (a full run "
+              "does)" if quick(results) else
+              "floor holds / BEATEN: BEATEN where another row's interval lies wholly below the floor's")
+    return [*lines, CI_LEGEND, RATIO_LEGEND, floors, BOUNDS_LEGEND]
 
 
-def _sections(results: dict[str, Any]) -> list[tuple[str, list[list[str]], int]]:
-    """(title, rows, first numeric column) of every table this run has, in order."""
-    out = [("Dispatch latency and throughput (ratios: this implementation / trio)", table_rows(results), 3)]
+class Section(NamedTuple):
+    """One table of the report: its title, its rows (the header first) and which columns hold what."""
+
+    title: str
+    rows: list[list[str]]
+    numbers: set[int]  #: columns of numbers (right-aligned, never wrapped)
+    names: set[int]  #: columns of names (an implementation, a workload: never wrapped)
+
+
+def _sections(results: dict[str, Any]) -> list[Section]:
+    """Every table this run has, in order."""
+    def section(title: str, rows: list[list[str]], first_number: int, names: int) -> Section:
+        return Section(title, rows, set(range(first_number, len(rows[0]))), set(range(names)))
+
+    out = [section("Dispatch latency and throughput (ratios: this implementation / trio)",
+                   table_rows(results), 3, 3)]
     if len(floor_rows(results)) > 1:
-        out.append(("Floors: each bounds the path beside it, hop for hop", floor_rows(results), 3))
+        out.append(section("Floors: each bounds the path beside it, hop for hop", floor_rows(results), 3, 1))
+    if len(curve_rows(results)) > 1:
+        out.append(section("Throughput (b_sweep): outputs/s by requests in flight",
+                           curve_rows(results), 1, 1))
     if "c_chain" in results.get("workloads", {}):
-        out.append(("c_chain: admission and forward latency", chain_rows(results), 1))
+        out.append(section("c_chain: admission and forward latency", chain_rows(results), 1, 1))
     if len(e2e_rows(results)) > 1:
-        out.append(("End to end, default torch pipeline (trio-orch)", e2e_rows(results), 1))
+        out.append(section("End to end, default torch pipeline (trio-orch)", e2e_rows(results), 1, 0))
     if len(spread_rows(results)) > 1:
-        out.append(("Tail latency: p99 of each round", spread_rows(results), 2))
+        out.append(section("Tail latency: p99 of each round", spread_rows(results), 2, 2))
     if len(serving_rows(results)) > 1:
         conc = results["serving"].get("concurrency")
-        out.append((f"Serving: serve --loop trio vs --loop asyncio, {conc} streaming clients",
-                    serving_rows(results), 2))
-    out += [("Idle CPU and shutdown", misc_rows(results), 1),
-            ("Targets (trio-orch, this run)", target_rows(results), 1)]
+        out.append(section(f"Serving: serve --loop trio vs --loop asyncio, {conc} streaming clients",
+                           serving_rows(results), 2, 0))
+    out += [section("Idle CPU and shutdown", misc_rows(results), 1, 1),
+            Section("Targets (trio-orch, this run)", target_rows(results), {1, 2}, set())]
     return out
-
-
-def render_markdown(rows: list[list[str]]) -> str:
-    """A markdown table (a cell's line breaks, there for the terminal, become spaces)."""
-    def line(r: list[str]) -> str:
-        return "| " + " | ".join(c.replace("\n", " ").replace("|", "/") for c in r) + " |"
-
-    return "\n".join([line(rows[0]), "|" + "---|" * len(rows[0]), *(line(r) for r in rows[1:])])
 
 
 def renderables(results: dict[str, Any]) -> list[Any]:
@@ -288,38 +331,42 @@ def renderables(results: dict[str, Any]) -> list[Any]:
     from bench.tables import table
 
     parts: list[Any] = []
-    for n, (title, rows, numeric) in enumerate(_sections(results)):
+    for n, (title, rows, numbers, names) in enumerate(_sections(results)):
         if n == 0:  # the main table, one per workload (the workload in the title): it fits 100 columns
             parts.append(title)
             for wl in dict.fromkeys(r[0] for r in rows[1:]):
                 what = WORKLOADS[wl].description if wl in WORKLOADS else ""
-                mine = [r[1:] for r in rows[1:] if r[0] == wl]
-                ns = {r[4] for r in mine}
-                if len(ns) == 1:  # the sample count in the title: the table fits 100 columns
+                mine = [r for r in rows[1:] if r[0] == wl]
+                ns = {r[5] for r in mine}
+                drop = {0}  # the workload: in the title
+                if len(ns) == 1:  # the sample count too: the table fits 100 columns
                     what += f" ({ns.pop()} samples each)"
-                    parts.append(table([c for j, c in enumerate(rows[0][1:]) if j != 4],
-                                       [[c for j, c in enumerate(r) if j != 4] for r in mine],
-                                       title=f"{wl}: {what}", numeric_from=numeric - 1))
-                else:
-                    parts.append(table(rows[0][1:], mine, title=f"{wl}: {what}", numeric_from=numeric - 1))
+                    drop.add(5)
+                keep = [j for j in range(len(rows[0])) if j not in drop]
+                parts.append(table([rows[0][j] for j in keep], [[r[j] for j in keep] for r in mine],
+                                   title=f"{wl}: {what}",
+                                   numbers={k for k, j in enumerate(keep) if j in numbers},
+                                   names={k for k, j in enumerate(keep) if j in names}))
             continue
-        parts.append(table(rows[0], rows[1:], title=title, numeric_from=numeric,
-                           wide=(0, 3) if title.startswith("Targets") else ()))
+        parts.append(table(rows[0], rows[1:], title=title, numbers=numbers, names=names,
+                           flex={0: 2, 3: 3} if title.startswith("Targets") else None))
     parts.append("Legend\n" + "\n".join(f"  {line}" for line in legend(results)))
-    lines = headlines(results)
-    if lines:
-        parts.append("Headlines (p50)\n" + "\n".join(f"  {h}" for h in lines))
     note = missed_note(results)
     if note:
         parts.append(note)
     return parts
 
 
+def closing(results: dict[str, Any]) -> Any:
+    """The verdict that closes the report (:mod:`bench.perf.verdict`), for a console."""
+    return build_verdict(results, floors_hold(results)).renderable()
+
+
 def text_report(results: dict[str, Any], columns: int | None = None) -> str:
-    """Every table of the run as plain text, ``columns`` wide (default: the terminal's)."""
+    """Every table of the run and its verdict as plain text, ``columns`` wide (default: the terminal's)."""
     from bench.tables import render
 
-    return render(renderables(results), columns)
+    return render([*renderables(results), closing(results)], columns)
 
 
 def missed_note(results: dict[str, Any]) -> str:
@@ -338,73 +385,80 @@ def markdown_report(results: dict[str, Any]) -> str:
              f"Machine: {meta.get('machine', '?')}. Command: `{meta.get('command', 'trio-orch bench')}`. "
              f"Load (`uptime`) before / after: {meta.get('load_before', '?')} / "
              f"{meta.get('load_after', '?')}.", ""]
-    for title, rows, _ in _sections(results):
-        parts += [f"## {title}", "", render_markdown(rows), ""]
+    for title, rows, *_ in _sections(results):
+        parts += [f"## {title}", "", markdown_table(rows), ""]
     parts += ["Legend:", "", *(f"- {line}" for line in legend(results)), "", missed_note(results), ""]
     lines = headlines(results) + headlines(results, "p99")
     if lines:
         parts[4:4] = ["## Headlines: model, design, floor", "", HEADLINE_NOTE, "",
                       *(f"- {h}" for h in lines), ""]
-    return "\n".join(parts)
+    return "\n".join(parts) + "\n" + build_verdict(results, floors_hold(results)).markdown()
 
 
 def write_json(results: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(results, indent=2, sort_keys=False, default=float))
 
 
-def plot(results: dict[str, Any], raw_latency: dict[str, list[float]], out_dir: Path) -> list[Path]:
-    """Latency CDF for a_seq per implementation; throughput vs concurrency."""
-    import matplotlib
+def _lines_figure(lines: dict[str, tuple[Any, Any]], title: str, xlabel: str, ylabel: str,
+                  **style: Any) -> tuple[Any, Any]:
+    """(figure, axes): one line per label, a grid, and the legend beside the axes (it hides no data)."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    fig = Figure(figsize=(8.5, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    for label, (xs, ys) in lines.items():
+        ax.plot(xs, ys, label=label, **style)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.legend(loc="outside right upper")
+    return fig, ax
+
+
+def cdf_figure(raw_latency: dict[str, list[float]]) -> Any:
+    """The a_seq dispatch-latency CDF, one line per implementation."""
     import numpy as np
 
-    written: list[Path] = []
-    if raw_latency:
-        fig, ax = plt.subplots(figsize=(7, 4.2))
-        for impl, samples in raw_latency.items():
-            if not samples:
-                continue
+    lines = {}
+    for impl, samples in raw_latency.items():
+        if samples:
             a = np.sort(np.asarray(samples) * 1e6)
-            ax.plot(a, np.arange(1, a.size + 1) / a.size, label=impl)
-        ax.set_xscale("log")
-        ax.set_xlabel("dispatch latency (µs, log scale)")
-        ax.set_ylabel("fraction of outputs")
-        ax.set_title("a_seq: dispatch latency CDF")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-        p = out_dir / "a_seq_latency_cdf.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
-    wls = results.get("workloads", {})
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
-    for wl, per in wls.items():
-        if not wl.startswith("b_") or wl.startswith("b_zmq"):
-            continue
-        _, n, mode = wl.split("_")
-        for impl, res in per.items():
-            if "throughput_per_s" in res:
-                series.setdefault(mode, {}).setdefault(impl, []).append((int(n), res["throughput_per_s"]))
-    if series:
-        fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 4.2), squeeze=False)
-        for ax, (mode, per_impl) in zip(axes[0], sorted(series.items()), strict=True):
-            for impl, pts in per_impl.items():
-                pts.sort()
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent requests")
-            ax.set_ylabel("outputs / s")
-            ax.set_title(f"throughput vs concurrency ({mode})")
-            ax.grid(True, alpha=0.3)
-            ax.legend()
-        p = out_dir / "throughput_vs_concurrency.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        written.append(p)
+            lines[impl] = (a, np.arange(1, a.size + 1) / a.size)
+    fig, ax = _lines_figure(lines, "a_seq: dispatch latency CDF", "dispatch latency (µs, log scale)",
+                            "fraction of outputs")
+    ax.set_xscale("log")
+    return fig
+
+
+def throughput_figure(results: dict[str, Any]) -> Any:
+    """The throughput curve (``b_sweep``): outputs/s against requests in flight; None without a curve."""
+    lines = {}
+    for impl, res in results.get("workloads", {}).get("b_sweep", {}).items():
+        pts = sorted((int(n), p["throughput_per_s"]) for n, p in res.get("curve", {}).items())
+        if pts:
+            lines[impl] = ([n for n, _ in pts], [t for _, t in pts])
+    if not lines:
+        return None
+    fig, ax = _lines_figure(lines, "b_sweep: throughput vs concurrency",
+                            "requests in flight (each output handed over on its own; log scale)",
+                            "outputs / s (log scale)", marker="o")
+    points = sorted({n for xs, _ in lines.values() for n in xs})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(points, labels=[str(n) for n in points])
+    ax.set_yscale("log")
+    return fig
+
+
+def plot(results: dict[str, Any], raw_latency: dict[str, list[float]], out_dir: Path) -> list[Path]:
+    """Write the plots this run has: the a_seq latency CDF, the throughput curve; their paths."""
+    figures = {"a_seq_latency_cdf.png": cdf_figure(raw_latency) if raw_latency else None,
+               "throughput_vs_concurrency.png": throughput_figure(results)}
+    written: list[Path] = []
+    for name, fig in figures.items():
+        if fig is not None:
+            fig.savefig(out_dir / name, dpi=110)
+            written.append(out_dir / name)
     return written
 
 
@@ -419,11 +473,11 @@ def readme_block(results: dict[str, Any], out_dir: Path) -> str:
     rows = [[c for j, c in enumerate(r) if j not in (5, 7)] for r in rows]  # n and cpu: in results.md
     parts = [f"Latest run: {meta.get('mode', '?')}, {meta.get('date', '?')}, {meta.get('machine', '?')} "
              f"(`{meta.get('command', 'trio-orch bench')}`; all workloads in "
-             f"[{out_dir}/results.md]({out_dir}/results.md)).", "", render_markdown(rows), "",
+             f"[{out_dir}/results.md]({out_dir}/results.md)).", "", markdown_table(rows), "",
              *(["Headlines (p50). " + HEADLINE_NOTE, "", *(f"- {h}" for h in headlines(results)), ""]
                if headlines(results) else []),
-             *([render_markdown(serving_rows(results)), ""] if len(serving_rows(results)) > 1 else []),
-             render_markdown(target_rows(results)), "", missed_note(results), "",
+             *([markdown_table(serving_rows(results)), ""] if len(serving_rows(results)) > 1 else []),
+             markdown_table(target_rows(results)), "", missed_note(results), "",
              "Intervals: 95 % bootstrap; a ratio says lower / higher only where the intervals do not "
              "overlap (else =); the path column and the floors: "
              "[docs/performance.md](docs/performance.md).", "",

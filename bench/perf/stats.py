@@ -105,6 +105,15 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out["outputs"] = outputs
         out["throughput_per_s"] = outputs / elapsed if elapsed else float("nan")
         out["cpu_us_per_output"] = cpu / outputs * 1e6
+    if any("curve" in r for r in runs):  # the throughput curve: per concurrency, over all rounds
+        points = dict.fromkeys(n for r in runs for n in r.get("curve", {}))
+        out["curve"] = {}
+        for n in points:
+            mine = [r["curve"][n] for r in runs if n in r.get("curve", {})]
+            done, took = sum(p["outputs"] for p in mine), sum(p["elapsed_s"] for p in mine)
+            out["curve"][n] = {"outputs": done, "throughput_per_s": done / took if took else float("nan"),
+                               "cpu_us_per_output": sum(p["cpu_s"] for p in mine) / done * 1e6 if done
+                               else float("nan")}
     if any("idle_cpu_s" in r for r in runs):
         idle_cpu = sum(r.get("idle_cpu_s", 0.0) for r in runs)
         idle_wall = sum(r.get("idle_wall_s", 0.0) for r in runs)
@@ -120,3 +129,15 @@ def ratio(value: float | None, base: float | None) -> float | None:
     if value is None or base is None or base == 0 or value != value or base != base:
         return None
     return value / base
+
+
+def ratio_bounds(ci: list[float] | None, base_ci: list[float] | None) -> tuple[float, float] | None:
+    """The bounds of value / base that the two intervals allow: ``(lo / base_hi, hi / base_lo)``.
+
+    They exclude 1 exactly where the intervals do not overlap -- where
+    :func:`verdict` calls a difference -- so a ratio shown with them reads the
+    same as the verdict.  None where an interval is missing or touches zero.
+    """
+    if not ci or not base_ci or any(v != v for v in (*ci, *base_ci)) or base_ci[0] <= 0:
+        return None
+    return ci[0] / base_ci[1], ci[1] / base_ci[0]

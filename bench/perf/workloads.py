@@ -114,14 +114,15 @@ def chain(driver: Driver, n: int) -> Result:
             "cpu_s": driver.cpu_seconds() - cpu0}
 
 
-def concurrent(driver: Driver, n_requests: int, n_outputs: int, batched: bool) -> Result:
+def concurrent(driver: Driver, n_requests: int, n_outputs: int, batched: bool, prefix: str = "b") -> Result:
     """``b_N_batched`` / ``b_N_unbatched``: N requests x M outputs, produced by another thread.
 
     Batched: one hand-over per step carries an output for every request (one
     ``receive`` returns the whole step).  Unbatched: every output is handed
-    over on its own.  The main thread only consumes.
+    over on its own.  The main thread only consumes.  ``prefix``: of the
+    request ids (one driver may run several of these, each with its own ids).
     """
-    rids = [f"b{i}" for i in range(n_requests)]
+    rids = [f"{prefix}{i}" for i in range(n_requests)]
     for rid in rids:
         driver.post_request(rid, "prompt", final_stage_id=0)
     for _ in rids:
@@ -152,6 +153,25 @@ def concurrent(driver: Driver, n_requests: int, n_outputs: int, batched: bool) -
     elapsed = perf() - t_start
     producer.join()
     return {"latency": lat, "outputs": total, "elapsed_s": elapsed, "cpu_s": driver.cpu_seconds() - cpu0}
+
+
+#: the throughput curve's concurrencies (``b_sweep``) and the outputs at each, full run / --quick
+SWEEP = (1, 4, 16, 64, 256, 512)
+SWEEP_OUTPUTS, SWEEP_OUTPUTS_QUICK = 16_384, 8_192
+
+
+def sweep(driver: Driver, outputs: int) -> Result:
+    """``b_sweep``: the unbatched concurrent workload at each of :data:`SWEEP`, ~``outputs`` outputs each.
+
+    One driver runs every concurrency in turn, smallest first; each point is
+    timed on its own (``curve``: concurrency -> outputs, seconds, CPU seconds).
+    """
+    curve: dict[str, dict[str, float]] = {}
+    for n in SWEEP:
+        res = concurrent(driver, n, max(2, outputs // n), batched=False, prefix=f"s{n}-")
+        curve[str(n)] = {k: res[k] for k in ("outputs", "elapsed_s", "cpu_s")}
+    totals = {k: sum(p[k] for p in curve.values()) for k in ("outputs", "elapsed_s", "cpu_s")}
+    return {"curve": curve, **totals}
 
 
 def idle(driver: Driver, seconds: float) -> Result:
@@ -293,6 +313,9 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
              lambda d, q: concurrent(d, 512, 10 if q else 50, batched=True)),
     Workload("b_512_unbatched", "512 concurrent requests x 50 outputs, each output on its own", "fed",
              _in_process, lambda d, q: concurrent(d, 512, 10 if q else 50, batched=False)),
+    Workload("b_sweep", "the throughput curve: b_N_unbatched at N = " + ", ".join(map(str, SWEEP))
+             + f", {SWEEP_OUTPUTS:,} outputs each", "fed", _in_process,
+             lambda d, q: sweep(d, SWEEP_OUTPUTS_QUICK if q else SWEEP_OUTPUTS)),
     Workload("loop_a_seq", "a_seq with producer and consumer as tasks in the implementation's own loop "
              "(no thread hand-off)", "in_loop", _in_loop, lambda d, q: loop_seq(d, 300 if q else FULL_SEQ)),
     Workload("loop_c_chain", "c_chain inside the implementation's own loop", "in_loop", _in_loop,

@@ -169,6 +169,9 @@ def test_compare_cli_only_one_writes_every_field(tmp_path, capsys) -> None:
     assert "| 1 | model | stage receive() swallows one cancellation |" in text and "Rule:" in text
     assert "Kind: **model**" in text and "**Headline.**" in text
     assert set(result).issuperset({"watchdog_cut_s", "shutdown_grace_s", "python", "platform", "elapsed_s"})
+    closing = printed.rstrip("\n").split("\nVerdict: ")[-1]  # the report ends with its verdict
+    assert closing.startswith("1 scenarios x 4 implementations") and len(closing.splitlines()) <= 10
+    assert "trio 1/1" in closing
 
 
 def test_compare_cli_rejects_unknown_scenario(capsys) -> None:

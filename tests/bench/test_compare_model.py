@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.compare.cli import VERDICTS, differences, headline, markdown_report, terminal_table
+from bench.compare.cli import (
+    VERDICT_LINES,
+    VERDICTS,
+    differences,
+    headline,
+    markdown_report,
+    terminal_table,
+    verdict,
+)
 from bench.compare.scenarios import SCENARIOS, Scenario, by_number, run_scenario
 from bench.compare.scenarios.base import CUT, GRACE, KINDS
 from bench.compare.scenarios.model import (
@@ -167,6 +175,40 @@ def test_differences_and_the_headline_come_from_the_verdicts() -> None:
     assert "2 because of the model (1, 3)" in text and "worse of the two in 3" in text
     md = markdown_report(result)
     assert "| 1 | model | t1 |" in md and "Kind: **model**" in md and "**Headline.**" in md
+
+
+@pytest.mark.parametrize("recorded", ["cancellation.json", "bench/vllm-omni-compare.json"])
+def test_the_verdict_counts_the_runs_verdicts_in_at_most_ten_lines(recorded: str) -> None:
+    import io
+
+    from rich.console import Console
+    from rich.text import Text
+
+    result = json.loads((DOCS / recorded).read_text())
+    console = Console(width=80, file=io.StringIO())
+    console.print(Text("\n".join(verdict(result))))
+    block = console.file.getvalue()
+    assert len(block.splitlines()) <= VERDICT_LINES
+    for impl in result["implementations"]:  # each implementation's ok count, from its cells
+        cells = [sc["results"][impl]["verdict"] for sc in result["scenarios"]]
+        shown = f"{impl} {cells.count('ok')}/{len(cells) - cells.count('n/a')}"
+        assert shown in block, shown
+    d = differences(result, "trio", "omni-event")
+    assert (f"trio vs omni-event: {len(d['model']) + len(d['design'])} rows differ ({len(d['model'])} model, "
+            f"{len(d['design'])} design)") in block
+    trio_bad = [f"{sc['number']} {sc['results']['trio']['verdict']}" for sc in result["scenarios"]
+                if sc["results"]["trio"]["verdict"] != "ok"]
+    assert f"trio not ok in: {', '.join(trio_bad) or 'none'}" in block
+
+
+def test_the_verdict_names_a_failed_driver() -> None:
+    result = _result([(1, "model", "ok", "slow"), (2, "design", "hang", "ok")])
+    result["scenarios"][1]["results"]["trio"]["driver_error"] = "boom"
+    lines = verdict(result)
+    assert lines[0] == "Verdict: 2 scenarios x 2 implementations, 1 s"
+    assert "trio 1/2, asyncio-taskgroup 1/2" in lines[1] and lines[2] == "  trio not ok in: 2 hang"
+    assert lines[3] == "  trio vs asyncio-taskgroup: 2 rows differ (1 model, 1 design); trio worse in 2"
+    assert lines[-1].startswith("  driver errors: 2 trio;")
 
 
 def test_the_terminal_table_fits_the_terminal_wraps_at_words_and_has_a_legend() -> None:

@@ -20,7 +20,7 @@ from tests.waiting import await_until, run_async, settle, wait_until
 from trio_orch import OrchError, OrchOutput, open_orchestrator
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied
-from trio_orch.engine import Engine, Overloaded, open_trio_engine, static_pipeline
+from trio_orch.engine import Overloaded, ThreadEngine, open_trio_engine, static_pipeline
 from trio_orch.testing import ScriptedStage
 
 
@@ -165,7 +165,7 @@ async def test_a_replica_pool_reports_deaths_replacements_and_cordons_the_moment
 # ---------------------------------------------------------------- the thread bridge sheds
 def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> None:
     stage = ScriptedStage(0)
-    engine = Engine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
+    engine = ThreadEngine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
                     admission_timeout=0.2, max_waiting=1).start()
     try:
         async def main() -> None:
@@ -197,7 +197,7 @@ def test_the_engine_sheds_past_its_bounds_with_overloaded_and_counts_it() -> Non
 
 def test_the_engine_refuses_a_request_whose_path_has_a_dead_stage_without_queueing_it() -> None:
     stages = [ScriptedStage(0), ScriptedStage(1)]
-    engine = Engine(static_pipeline(stages, {0, 1})).start()
+    engine = ThreadEngine(static_pipeline(stages, {0, 1})).start()
     try:
         engine.call_soon(stages[1].fail_nowait)
         wait_until(lambda: engine.stats().stage_available == (True, False), "stage 1 seen dead")
@@ -242,7 +242,7 @@ async def test_the_trio_engine_sheds_after_its_admission_timeout(
 def test_the_shedding_hint_lasts_from_a_shed_until_the_request_channel_has_room() -> None:
     """What an HTTP front reads to refuse cheaply: on while full (not a fixed window), off once room."""
     stage = ScriptedStage(0)
-    engine = Engine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
+    engine = ThreadEngine(static_pipeline([stage], {0}), max_inflight=[1], request_queue_size=1,
                     admission_timeout=0.0, max_waiting=0).start()
     try:
         async def main() -> None:
@@ -359,7 +359,7 @@ def test_the_engine_reports_its_capacity_to_any_thread() -> None:
     stage = ScriptedStage(0)
     cases = ((0.0, 4, 2 + 1 + 3), (1.0, 4, 2 + 1 + 3 + 4), (None, None, float("inf")))
     for timeout, waiting, expected in cases:  # nobody waits / four may wait / any number may
-        engine = Engine(static_pipeline([stage], {0}), max_inflight=[2], request_queue_size=3,
+        engine = ThreadEngine(static_pipeline([stage], {0}), max_inflight=[2], request_queue_size=3,
                         admission_timeout=timeout, max_waiting=waiting)
         assert engine.capacity == float("inf")  # not started: no bound known yet
         engine.start()

@@ -1,6 +1,6 @@
 """The thread bridge: sync, asyncio and Trio callers; backpressure; cancellation; the fatal drain.
 
-Sync tests drive an :class:`Engine` (Trio in its own thread) with
+Sync tests drive an :class:`ThreadEngine` (Trio in its own thread) with
 :class:`ScriptedStage` stages; stage outputs are injected *in the Trio
 thread* with ``engine.call_soon``.  ``wait_until`` (tests/waiting.py) polls
 the Trio thread's state with a generous bound: it only guards against a
@@ -22,10 +22,10 @@ import trio.testing
 from tests.waiting import HANG, await_until, run_async, wait_until
 from trio_orch import OrchError, OrchOutput
 from trio_orch.engine import (
-    Engine,
     EngineClosed,
     EngineStartupError,
     PipelineSpec,
+    ThreadEngine,
     open_trio_engine,
     static_pipeline,
 )
@@ -33,9 +33,9 @@ from trio_orch.engine import demux as demux_mod
 from trio_orch.testing import ScriptedStage
 
 
-def make(num: int = 3, finals: set[int] | None = None, **kw: Any) -> tuple[Engine, list[ScriptedStage]]:
+def make(num: int = 3, finals: set[int] | None = None, **kw: Any) -> tuple[ThreadEngine, list[ScriptedStage]]:
     stages = [ScriptedStage(k) for k in range(num)]
-    engine = Engine(static_pipeline(stages, finals or {0, num - 1}), **kw)
+    engine = ThreadEngine(static_pipeline(stages, finals or {0, num - 1}), **kw)
     return engine, stages
 
 
@@ -350,7 +350,7 @@ def test_close_drains_every_waiter_then_every_call_raises() -> None:
 
 def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
     stages = [KillableStage(0)]
-    engine = Engine(static_pipeline(stages, {0}))
+    engine = ThreadEngine(static_pipeline(stages, {0}))
     with engine:
         sync_h = engine.add_request("a", request_id="sync")
         got: list[Any] = []
@@ -378,7 +378,7 @@ def test_orchestrator_crash_mid_request_drains_and_later_calls_raise() -> None:
 
 def test_crash_drains_queued_and_backpressured_callers_too() -> None:
     stages = [KillableStage(0)]
-    engine = Engine(static_pipeline(stages, {0}), request_queue_size=1)
+    engine = ThreadEngine(static_pipeline(stages, {0}), request_queue_size=1)
     engine.start()
     engine.call_soon(stages[0].hold_submits)
     stuck = engine.add_request("a", request_id="stuck")  # the handler is stuck submitting it
@@ -429,7 +429,7 @@ def test_startup_failure_is_reraised_with_its_cause() -> None:
         raise OSError("worker set cannot start: stage 1 exited with code 3")
         yield  # pragma: no cover
 
-    engine = Engine(broken)
+    engine = ThreadEngine(broken)
     with pytest.raises(EngineStartupError, match="stage 1 exited") as info:
         engine.start()
     assert isinstance(info.value.__cause__, OSError)
@@ -445,7 +445,7 @@ def test_startup_timeout_stops_the_thread() -> None:
         await trio.sleep_forever()
         yield  # pragma: no cover
 
-    engine = Engine(hangs, startup_timeout=0.2)
+    engine = ThreadEngine(hangs, startup_timeout=0.2)
     with pytest.raises(EngineStartupError, match="did not become ready"):
         engine.start()
     assert not engine.thread_alive
@@ -465,7 +465,7 @@ def test_a_signal_inside_thread_start_still_lets_close_stop_cleanly(
             original(self)
         raise KeyboardInterrupt("SIGTERM")
 
-    engine = Engine(static_pipeline([ScriptedStage(0)], {0}), close_timeout=HANG)
+    engine = ThreadEngine(static_pipeline([ScriptedStage(0)], {0}), close_timeout=HANG)
     monkeypatch.setattr(threading.Thread, "start", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.start()
@@ -487,7 +487,7 @@ def test_close_is_bounded_when_the_pipeline_will_not_stop() -> None:
         finally:
             release.wait(HANG)  # blocks the Trio thread itself: no cancellation can help
 
-    engine = Engine(stubborn, close_timeout=0.2)
+    engine = ThreadEngine(stubborn, close_timeout=0.2)
     engine.start()
     h = engine.add_request("x", request_id="r1")
     engine.close()  # returns after close_timeout although the thread is stuck
@@ -563,7 +563,7 @@ def test_worker_set_that_cannot_start_raises_startup_error_with_cause(
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the launcher's ipc dir goes here
     cfg = echo_config(2, worker_args=["--fail-at-startup", "no GPU here"], startup_timeout=20)
-    engine = Engine(lambda: open_pipeline(cfg), startup_timeout=30)
+    engine = ThreadEngine(lambda: open_pipeline(cfg), startup_timeout=30)
     with pytest.raises(EngineStartupError, match="no GPU here") as info:
         engine.start()
     assert isinstance(info.value.__cause__, WorkerStartupError)
@@ -579,7 +579,7 @@ def test_sync_and_asyncio_callers_over_real_echo_workers() -> None:
     from trio_orch.cluster.launcher import open_pipeline
 
     cfg = echo_config(2, final_stage_ids=[0, 1], outputs=3)
-    with Engine(lambda: open_pipeline(cfg)) as engine:
+    with ThreadEngine(lambda: open_pipeline(cfg)) as engine:
         msgs = list(engine.add_request("ping", request_id="s1"))
         assert [(m.stage_id, m.data) for m in msgs] == [(0, "ping")] * 3 + [(1, "ping")] * 3
         assert msgs[-1].finished and not any(m.finished for m in msgs[:-1])
@@ -600,7 +600,7 @@ def test_many_callers_with_random_cancels_and_aborts_leave_nothing_behind() -> N
     from trio_orch.testing.toy_pipeline import toy_pipeline
 
     rng = random.Random(4)
-    engine = Engine(toy_pipeline(token_delay=0.001, audio_delay=0.0005), request_queue_size=8)
+    engine = ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.0005), request_queue_size=8)
     outcomes: dict[str, Any] = {}
     seen = 0  # messages the callers got so far, all together
     streaming = asyncio.Event()  # set once enough of them are under way to cancel some mid-stream

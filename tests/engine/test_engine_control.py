@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from trio_orch import OrchError, OrchOutput, RpcResult
-from trio_orch.engine import ControlError, Engine, EngineClosed, open_trio_engine, static_pipeline
+from trio_orch.engine import ControlError, EngineClosed, ThreadEngine, open_trio_engine, static_pipeline
 from trio_orch.testing import ScriptedStage
 
 
@@ -58,7 +58,7 @@ async def test_update_weights_reloads_between_the_requests_it_lets_finish_and_th
         results: list[list[RpcResult]] = []
 
         async def update() -> None:
-            results.append(await engine.update_weights("/w.pt", stage_ids=[1]))
+            results.append(await engine.update_weights_async("/w.pt", stage_ids=[1]))
 
         nursery.start_soon(update)
         await trio.testing.wait_all_tasks_blocked()
@@ -82,12 +82,12 @@ async def test_a_refused_file_changes_no_replica_and_the_engine_resumes() -> Non
     recording(stages[1], log, refuse="bad")
     async with open_trio_engine(static_pipeline(stages, {1})) as engine:
         with pytest.raises(ControlError, match=r"nothing changed.*stage 1 replica 0.*does not fit") as info:
-            await engine.update_weights("/bad.pt")
+            await engine.update_weights_async("/bad.pt")
         assert [r.error is None for r in info.value.results] == [True, False]
         assert sorted(log) == ["check0:/bad.pt", "check1:/bad.pt"]  # concurrent checks; nobody loaded it
         assert engine.paused is None
         with pytest.raises(ValueError, match="invalid stage ids"):
-            await engine.update_weights("/w.pt", stage_ids=[5])
+            await engine.update_weights_async("/w.pt", stage_ids=[5])
 
 
 async def test_sleep_holds_new_requests_until_wake_up() -> None:
@@ -96,7 +96,7 @@ async def test_sleep_holds_new_requests_until_wake_up() -> None:
     recording(stages[0], log)
     stages[0].on_submit = lambda k, rid: log.append(f"submit:{rid}")
     async with open_trio_engine(static_pipeline(stages, {0})) as engine, trio.open_nursery() as nursery:
-        assert [r.value for r in await engine.sleep(2)] == [{"asleep": 2}]
+        assert [r.value for r in await engine.sleep_async(2)] == [{"asleep": 2}]
         assert engine.paused == "wait"
 
         async def run() -> None:
@@ -105,7 +105,7 @@ async def test_sleep_holds_new_requests_until_wake_up() -> None:
         nursery.start_soon(run)
         await trio.testing.wait_all_tasks_blocked()
         assert log == ["sleep0:2"]  # the request waits, no error
-        await engine.wake_up()
+        await engine.wake_up_async()
         await trio.testing.wait_all_tasks_blocked()
         assert log == ["sleep0:2", "wake0", "submit:r"] and engine.paused is None
         await stages[0].emit("r", "x", finished=True)
@@ -120,7 +120,7 @@ async def test_a_pause_that_does_not_drain_in_time_is_lifted(autojump_clock: tri
         nursery.start_soon(run)
         await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(TimeoutError, match="did not finish within 5s"):
-            await engine.update_weights("/w.pt", drain_timeout=5)
+            await engine.update_weights_async("/w.pt", drain_timeout=5)
         assert engine.paused is None and stages[0].rpc_calls == []
         await stages[0].emit("stuck", "x", finished=True)
 
@@ -129,7 +129,7 @@ def test_the_thread_bridge_offers_it_to_plain_threads_and_asyncio() -> None:
     stages = [ScriptedStage(0)]
     log: list[str] = []
     recording(stages[0], log)
-    engine = Engine(static_pipeline(stages, {0})).start()
+    engine = ThreadEngine(static_pipeline(stages, {0})).start()
     try:
         assert engine.collective_rpc("reload_weights", ["/a"], {"check_only": True}) == [
             RpcResult(0, 0, {"path": "/a"}, None)]

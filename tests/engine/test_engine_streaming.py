@@ -120,14 +120,14 @@ async def test_trio_api_takes_updates_for_a_resumable_generate() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(consume)
             await trio.testing.wait_all_tasks_blocked()
-            await engine.update_request("r1", "b", final=True)
+            await engine.update_request_async("r1", "b", final=True)
             with pytest.raises(ValueError, match="final input segment"):
-                await engine.update_request("r1", "c")
+                await engine.update_request_async("r1", "c")
             await stage.emit("r1", "A", finished=True)
             await stage.emit("r1", "B", finished=True)
         with pytest.raises(ValueError, match="unknown or ended"):
-            await engine.update_request("r1", "d")
+            await engine.update_request_async("r1", "d")
     assert stage.updates == [("r1", "b")]
     assert [(m.data, m.finished) for m in got] == [("A", False), ("B", True)]
     with pytest.raises(EngineClosed):
-        await engine.update_request("r1", "e")
+        await engine.update_request_async("r1", "e")

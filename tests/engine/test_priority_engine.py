@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from tests.waiting import HANG, await_until, run_async, wait_until
-from trio_orch.engine import Engine, static_pipeline
+from trio_orch.engine import ThreadEngine, static_pipeline
 from trio_orch.engine.trio_engine import open_trio_engine
 from trio_orch.testing import ScriptedStage
 from trio_orch.types import OrchOutput
@@ -21,7 +21,7 @@ def submitted(stage: ScriptedStage) -> list[str]:
 
 def test_the_thread_adapter_starts_a_later_urgent_request_first_from_threads_and_asyncio() -> None:
     stage = ScriptedStage(0)
-    with Engine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
+    with ThreadEngine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
         busy = engine.add_request("p", request_id="busy")
         wait_until(lambda: submitted(stage) == ["busy"], "busy submitted")
         lows = [engine.add_request("p", request_id=f"low{i}", priority=5) for i in range(2)]
@@ -74,9 +74,9 @@ async def test_the_trio_engine_passes_priority_on_and_refuses_a_bad_one(
 
 
 def test_the_thread_adapters_asyncio_generate_takes_priority_and_refuses_a_bad_one() -> None:
-    """``Engine.generate`` (what the asyncio serving front streams through) passes priority on."""
+    """``ThreadEngine.generate`` (what the asyncio serving front streams through) passes priority on."""
     stage = ScriptedStage(0)
-    with Engine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
+    with ThreadEngine(static_pipeline([stage], {0}), max_inflight=[1]) as engine:
         busy = engine.add_request("p", request_id="busy")
         wait_until(lambda: submitted(stage) == ["busy"], "busy submitted")
         low = engine.add_request("p", request_id="low", priority=5)

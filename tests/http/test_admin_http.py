@@ -21,7 +21,7 @@ from stages.registry import build_model
 from stages.weights import state_of
 from tests.http_helpers import FRONTS, HANG, Served, chat, metrics, wait_until
 from tests.serve.test_service import start_serve
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
 pytestmark = pytest.mark.processes  # real worker processes or servers
@@ -32,7 +32,7 @@ TOKEN = "s3cret-token"
 
 @pytest.fixture()
 def admin() -> Iterator[Served]:
-    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), admin_token=TOKEN)
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), admin_token=TOKEN)
     yield s
     s.stop()
 
@@ -42,7 +42,7 @@ def auth(token: str = TOKEN) -> dict[str, str]:
 
 
 def test_without_a_token_there_is_no_admin_route() -> None:
-    s = Served(Engine(toy_pipeline()).start())
+    s = Served(ThreadEngine(toy_pipeline()).start())
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             assert c.post("/admin/pause", headers=auth(), json={}).status_code == 404

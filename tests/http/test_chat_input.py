@@ -18,10 +18,11 @@ import pytest
 from PIL import Image
 
 from trio_orch.cli import main
-from trio_orch.http.chat_template import DEFAULT_TEMPLATE, ChatInput, ChatTemplate
-from trio_orch.http.media import MediaPolicy, decode_audio, decode_image, wav_clip
-from trio_orch.http.openai_chat import parse_chat_request
-from trio_orch.http.schemas import BadRequest, ServedModels
+from trio_orch.openai.chat import parse_chat_request
+from trio_orch.openai.chat_template import DEFAULT_TEMPLATE, ChatInput, ChatTemplate
+from trio_orch.openai.media import MediaPolicy, decode_audio, decode_image, wav_clip
+from trio_orch.openai.protocol import ServedModels
+from trio_orch.openai.validation import BadRequest
 
 MODELS = ServedModels("m")
 OMNI = ChatInput().for_kinds(["image-encoder", "audio-encoder", "thinker"])

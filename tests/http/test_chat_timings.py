@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from trio_orch.cluster.pool import StageTiming
-from trio_orch.http.openai_chat import ChatStream, parse_chat_request
-from trio_orch.http.schemas import ServedModels
+from trio_orch.openai.chat import ChatStream, parse_chat_request
+from trio_orch.openai.protocol import ServedModels
 
 
 def test_timings_name_each_stage_s_replica_and_the_dead_one_it_was_failed_over_from() -> None:

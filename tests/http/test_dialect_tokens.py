@@ -63,7 +63,7 @@ def test_completions_and_speech_count_the_text_stage_s_tokens(served: Served) ->
 
 
 def test_the_speech_limit_is_the_thinker_s_tokens_not_the_input_s_bytes(served: Served) -> None:
-    limit = served.engine.stages[0].replicas[0].ready.info["max_say"]  # type: ignore[attr-defined]
+    limit = served.engine.stage_info(0)["max_say"]
     fits = " ".join(["cat"] * (limit // 2))  # twice as many bytes as the limit, half as many tokens
     assert len(fits.encode()) > limit
     with openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0, timeout=HANG) as c:

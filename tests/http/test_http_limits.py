@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from tests.http_helpers import HANG, Served, chat, metrics, wait_until
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.testing.toy_pipeline import toy_pipeline
@@ -30,7 +30,7 @@ LIMITS = HTTPLimits(max_body_bytes=64 << 10, max_prompt_chars=2000, max_json_dep
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), limits=LIMITS)
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(), limits=LIMITS)
     yield s
     s.stop()
 
@@ -117,7 +117,7 @@ def test_a_slow_body_gets_408_and_a_client_that_leaves_mid_upload_costs_one_log_
         reply = read_all(s)
     assert reply.startswith("HTTP/1.1 408") and "did not arrive within 0.5s" in reply
     before = metrics(client)["trio_orch_http_client_disconnects_total"]
-    with caplog.at_level(logging.INFO, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.INFO, logger="trio_orch.http"):
         with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
             s.sendall(head + b'{"messages": ')
         wait_until(lambda: metrics(client)["trio_orch_http_client_disconnects_total"] == before + 1,
@@ -133,7 +133,7 @@ def test_an_unexpected_error_is_an_openai_shaped_500_that_is_counted(
         raise RuntimeError("a bug in the front")
 
     monkeypatch.setattr(served.engine, "add_request_async", broken)
-    with caplog.at_level(logging.ERROR, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.ERROR, logger="trio_orch.http"):
         r = client.post("/v1/chat/completions", json=chat("hi"))
     assert r.status_code == 500
     assert r.json()["error"]["type"] == "server_error" and r.json()["error"]["code"] == "internal_error"
@@ -187,7 +187,7 @@ def test_a_kept_alive_connection_gets_a_full_deadline_for_each_head(served: Serv
 def test_at_the_connection_limit_a_new_request_gets_503() -> None:
     """``--max-connections`` is uvicorn's ``limit_concurrency``: past it, a request is refused with 503
     rather than queued (the connections that hold the limit are served as usual)."""
-    s = Served(Engine(toy_pipeline(token_delay=0.001)).start(), max_connections=2)
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.001)).start(), max_connections=2)
     held = [socket.create_connection(("127.0.0.1", s.port), timeout=HANG) for _ in range(2)]
     try:
         wait_until(lambda: s.open_connections() == 2, "both connections accepted")

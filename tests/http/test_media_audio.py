@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import soundfile
 
-from trio_orch.http.chat_template import ChatInput
-from trio_orch.http.media import AUDIO_FORMATS, MediaPolicy, audio_clip
-from trio_orch.http.openai_chat import parse_chat_request
-from trio_orch.http.schemas import BadRequest, ServedModels
+from trio_orch.openai.chat import parse_chat_request
+from trio_orch.openai.chat_template import ChatInput
+from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip
+from trio_orch.openai.protocol import ServedModels
+from trio_orch.openai.validation import BadRequest
 
 MODELS = ServedModels("m")
 OMNI = ChatInput().for_kinds(["image-encoder", "audio-encoder", "thinker"])

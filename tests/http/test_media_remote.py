@@ -28,10 +28,11 @@ import trio
 from PIL import Image
 
 from tests.waiting import HANG
-from trio_orch.http.chat_template import ChatInput
-from trio_orch.http.media import MediaPolicy
-from trio_orch.http.openai_chat import ChatRequest, parse_chat_request
-from trio_orch.http.schemas import BadRequest, ServedModels
+from trio_orch.openai.chat import ChatRequest, parse_chat_request
+from trio_orch.openai.chat_template import ChatInput
+from trio_orch.openai.media import MediaPolicy
+from trio_orch.openai.protocol import ServedModels
+from trio_orch.openai.validation import BadRequest
 
 MODELS = ServedModels("m")
 LIMIT = 4096  # the image byte limit of these tests' policy

@@ -23,16 +23,15 @@ from stages.config import PipelineConfig, StageConfig
 from stages.tokenizer import byte_level, load_tokenizer
 from tests.http_helpers import FRONTS, HANG, sse_events
 from tests.tokenizer_helpers import word_tokenizer
-from trio_orch.http.tokenizer import pipeline_tokenizer
+from trio_orch.openai.tokenizer import pipeline_tokenizer
 
 WORDS = ["</s>", "[UNK]", "user", ":", "assistant", "the", "cat", "sat", "on", "a", "mat", "."]
 
 
 
 def engine(kinds: list[str], infos: list[dict[str, Any]], final: int = -1) -> Any:
-    """The parts of an Engine the tokenizer routes read: kinds, final stages, workers' ready info."""
-    stages = [SimpleNamespace(replicas=[SimpleNamespace(ready=SimpleNamespace(info=info))]) for info in infos]
-    return SimpleNamespace(stage_params=[SimpleNamespace(name=k) for k in kinds], stages=stages,
+    """The parts of an engine the tokenizer routes read: kinds, final stages, workers' ready info."""
+    return SimpleNamespace(stage_kinds=list(kinds), stage_info=lambda k: infos[k],
                            final_stage_ids=[len(kinds) - 1 if final < 0 else final])
 
 

@@ -31,8 +31,8 @@ from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve, sse_even
 from tests.waiting import wait_until
 from trio_orch.cluster.launcher import open_pipeline
 from trio_orch.engine import static_pipeline
-from trio_orch.http.openai_speech import Speed
-from trio_orch.http.tokenizer import ByteTokenizer
+from trio_orch.openai.speech import Speed
+from trio_orch.openai.tokenizer import ByteTokenizer
 from trio_orch.testing import LeakProbe, ScriptedStage
 from trio_orch.testing.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
@@ -235,7 +235,7 @@ def test_a_seed_gives_the_same_completion_streamed_and_not(speech: Served) -> No
 @SERVES
 @pytest.mark.slow
 def test_speech_from_the_speech_pipeline_is_a_wav_at_the_vocoder_s_rate(speech: Served) -> None:
-    rate = next(r.ready.info["sample_rate"] for r in speech.engine.stages[2].replicas)  # type: ignore[attr-defined]
+    rate = speech.engine.stage_info(2)["sample_rate"]
     with sdk(speech.url) as c:
         wav = c.audio.speech.create(model="tiny", voice="nova", input="good morning", response_format="wav")
     frames = wav_frames(wav.content, rate)
@@ -245,9 +245,9 @@ def test_speech_from_the_speech_pipeline_is_a_wav_at_the_vocoder_s_rate(speech: 
 @SERVES
 @pytest.mark.slow
 def test_the_speech_pipeline_speaks_its_input_word_for_word(speech: Served) -> None:
-    talker = speech.engine.stages[1].replicas[0].ready.info  # type: ignore[attr-defined]
-    vocoder = speech.engine.stages[2].replicas[0].ready.info  # type: ignore[attr-defined]
-    limit = speech.engine.stages[0].replicas[0].ready.info["max_say"]  # type: ignore[attr-defined]
+    talker = speech.engine.stage_info(1)
+    vocoder = speech.engine.stage_info(2)
+    limit = speech.engine.stage_info(0)["max_say"]
     with sdk(speech.url) as c:
         def say(text: str) -> bytes:
             return wav_frames(c.audio.speech.create(model="tiny", voice="echo", input=text,
@@ -271,7 +271,7 @@ def test_tokenize_and_detokenize_round_trip_with_the_thinker_s_tokens(speech: Se
         assert r.status_code == 200, r.text
         got = r.json()
         assert got["tokens"] == list(text.encode()) and got["count"] == len(text.encode())
-        info = speech.engine.stages[0].replicas[0].ready.info  # type: ignore[attr-defined]
+        info = speech.engine.stage_info(0)
         assert got["max_model_len"] == info["max_prompt"] + info["max_new_tokens"]
         assert len(got["token_strs"]) == got["count"]
         back = c.post("/detokenize", json={"model": "tiny", "tokens": got["tokens"]})
@@ -289,9 +289,9 @@ def test_tokenize_and_detokenize_round_trip_with_the_thinker_s_tokens(speech: Se
 @pytest.mark.slow
 def test_a_talker_first_pipeline_speaks_its_input_word_for_word(tts: Served) -> None:
     with sdk(tts.url) as c:
-        info = tts.engine.stages[0].replicas[0].ready.info  # type: ignore[attr-defined]
-        hop = tts.engine.stages[1].replicas[0].ready.info["hop"]  # type: ignore[attr-defined]
-        rate = tts.engine.stages[1].replicas[0].ready.info["sample_rate"]  # type: ignore[attr-defined]
+        info = tts.engine.stage_info(0)
+        hop = tts.engine.stage_info(1)["hop"]
+        rate = tts.engine.stage_info(1)["sample_rate"]
 
         def say(text: str) -> bytes:
             return wav_frames(c.audio.speech.create(model="tiny", voice="echo", input=text,

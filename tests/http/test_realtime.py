@@ -40,7 +40,7 @@ from tests.conftest import live_task_names
 from tests.http_helpers import FRONTS, serve
 from tests.waiting import wait_until
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
+from trio_orch.openai.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.testing import child_pids, worker_alive
 from trio_orch.testing.toy_pipeline import TOY_STAGE_PARAMS, toy_pipeline
 from trio_orch.types import OrchError, OrchOutput
@@ -368,7 +368,7 @@ def test_a_text_only_pipeline_answers_in_text_and_refuses_audio() -> None:
 
 def test_unknown_fields_are_ignored_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     d = Driven()
-    with caplog.at_level(logging.INFO, "trio_orch.http.realtime"):
+    with caplog.at_level(logging.INFO, "trio_orch.openai.realtime"):
         for _ in range(2):
             (e,) = d.send("session.update", session={"type": "realtime", "truncation": "auto"})[0]
             assert e["type"] == "session.updated"

@@ -180,6 +180,21 @@ def test_sessions_count_into_the_token_and_finish_reason_counters(server: Any) -
         1, 0, 1]
 
 
+def test_a_client_that_closes_mid_response_left_before_its_answer_as_an_http_client_may(server: Any) -> None:
+    """The one handler of a client that leaves: its request aborted, a disconnect and an abort counted."""
+    with httpx.Client(base_url=server.url, timeout=HANG) as h:
+        before = metrics(h)
+        with session(server) as conn:
+            ask(conn, "words " * 50)
+            until(conn, ResponseAudioTranscriptDeltaEvent)
+        wait_until(idle(server), "the session's request aborted")
+        wait_until(lambda: metrics(h)["trio_orch_http_client_disconnects_total"]
+                   == before["trio_orch_http_client_disconnects_total"] + 1, "the disconnect counted")
+        after = metrics(h)
+    abort = "trio_orch_request_success_total{finished_reason=abort}"
+    assert after[abort] - before[abort] == 1
+
+
 def test_a_malformed_event_gets_an_error_event_and_the_session_goes_on(server: Any) -> None:
     with session(server) as conn:
         conn.send_raw("not json")

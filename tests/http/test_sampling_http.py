@@ -27,7 +27,7 @@ import pytest
 openai = pytest.importorskip("openai")
 
 from tests.http.test_server import Served, wait_until  # noqa: E402
-from trio_orch.engine import Engine  # noqa: E402
+from trio_orch.engine import ThreadEngine  # noqa: E402
 from trio_orch.testing.toy_pipeline import toy_pipeline  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def client(url: str) -> Any:
 
 @pytest.fixture(scope="module")
 def toy() -> Iterator[Served]:
-    s = Served(Engine(toy_pipeline(token_delay=0.002, audio_delay=0.001)).start())
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.002, audio_delay=0.001)).start())
     yield s
     s.stop()
 

@@ -1,6 +1,6 @@
 """The request schemas on their own: messages built from the schema, unknown fields, unsupported ones, models.
 
-No server: :func:`~trio_orch.http.schemas.decode` on decoded JSON.  The same
+No server: :func:`~trio_orch.openai.validation.decode` on decoded JSON.  The same
 requests over HTTP, on both fronts, are in tests/http/test_server.py and
 tests/http/test_openai_sdk.py.
 """
@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from trio_orch.http.schemas import BadRequest, ChatCompletionRequest, ServedModels, decode
+from trio_orch.openai.protocol import ChatCompletionRequest, ServedModels
+from trio_orch.openai.validation import BadRequest, decode
 
 HI = [{"role": "user", "content": "hi"}]
 
@@ -52,7 +53,7 @@ def test_unknown_fields_anywhere_are_ignored_and_named_in_one_log_line(
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache": 1}], "x": 2}],
             "top_a": 0.1, "audio": {"voice": "nova", "speed": 2},
             "stream_options": {"include_obfuscation": True}}
-    with caplog.at_level(logging.WARNING, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.WARNING, logger="trio_orch.openai"):
         req = decode(body, ChatCompletionRequest, what="a test request")
     assert req.audio is not None and req.audio.voice == "nova" and not req.include_usage
     [line] = [r.getMessage() for r in caplog.records]

@@ -39,7 +39,7 @@ from tests.http_helpers import (
     sse_events,
     wait_until,
 )
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.testing.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -192,7 +192,7 @@ def test_unknown_fields_are_ignored_and_logged_once_per_request(client: httpx.Cl
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     body = {**chat("still here"), "temperatur": 1, "metadata": {"k": "v"},
             "messages": [{"role": "user", "content": "still here", "extra": 1}], "audio": {"speed": 2}}
-    with caplog.at_level(logging.WARNING, logger="trio_orch.serve.command"):
+    with caplog.at_level(logging.WARNING, logger="trio_orch.openai"):
         r = client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "You said: still here"
     ignored = [rec.getMessage() for rec in caplog.records if "ignored unknown field" in rec.getMessage()]
@@ -436,7 +436,7 @@ def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
 
     from trio_orch.serve.command import watch_engine
 
-    engine = Engine(toy_pipeline()).start()
+    engine = ThreadEngine(toy_pipeline()).start()
     server = types.SimpleNamespace(should_exit=False)
     died: list[str] = []
     watcher = threading.Thread(target=watch_engine, args=(engine, server, threading.Event(), died))
@@ -445,7 +445,7 @@ def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
     watcher.join(HANG)
     assert server.should_exit and died == ["its orchestrator stopped"]
     # a deliberate stop (close while serving) is not reported as a death
-    engine = Engine(toy_pipeline()).start()
+    engine = ThreadEngine(toy_pipeline()).start()
     stopping = threading.Event()
     server = types.SimpleNamespace(should_exit=False)
     died = []

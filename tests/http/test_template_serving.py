@@ -15,7 +15,7 @@ import pytest
 
 from tests.http.test_omni_serving import THINKER, worker_server
 from tests.http_helpers import FRONTS, HANG
-from trio_orch.http.chat_template import ChatInput, ChatTemplate
+from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 
 pytestmark = pytest.mark.processes  # worker processes behind a real server
 

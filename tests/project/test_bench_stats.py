@@ -3,7 +3,9 @@
 The benchmark's own runs are process tests (tests/bench/); what is checked
 here is what turns samples into claims: the bootstrap intervals, the rule
 that calls a difference only where intervals do not overlap, the floors'
-verdict, the targets' failed clauses and tables that fit the terminal.
+verdict (none in a quick run), the targets' failed clauses, the verdict that
+closes the report, tables that rich fits to the terminal and plots whose
+legend stays off the data.
 """
 
 from __future__ import annotations
@@ -215,3 +217,156 @@ def test_a_full_run_takes_at_least_10000_latency_samples_per_implementation(work
     res = run_workload(workload, "floor", quick=False)
     assert 3 * len(res["latency"]) >= 10_000
     assert len(run_workload(workload, "floor", quick=True)["latency"]) < 10_000  # --quick stays small
+
+
+# ---------------------------------------------------------------- the verdict, a quick run, the plots
+def test_ratio_bounds_exclude_one_exactly_where_the_intervals_do_not_overlap() -> None:
+    from bench.perf.stats import ratio_bounds
+
+    rng = np.random.default_rng(5)
+    for _ in range(2000):
+        a, b = np.sort(rng.uniform(1, 10, 2)), np.sort(rng.uniform(1, 10, 2))
+        lo, hi = ratio_bounds(list(a), list(b))
+        assert lo <= a[0] / b[0] <= hi and lo <= a[1] / b[1] <= hi
+        assert (lo > 1 or hi < 1) == (verdict(list(a), list(b)) != "=")
+    assert ratio_bounds(None, [1.0, 2.0]) is None and ratio_bounds([1.0, 2.0], [0.0, 1.0]) is None
+
+
+def _with_serving(results: dict[str, object]) -> dict[str, object]:
+    """``results`` with a serving run (trio's front slower at the first chunk) and its targets judged."""
+    from bench.perf.cli import summarize_serving
+
+    def run(ttfc: float, ok: int, seed: int) -> dict[str, object]:
+        rng = np.random.default_rng(seed)
+        return {"ttfc": list(rng.lognormal(np.log(ttfc), 0.2, 400)),
+                "gaps": list(rng.lognormal(-6, 0.2, 400)), "ok": ok, "failed": 0, "wall_s": 1.0,
+                "server_cpu_s": 0.5}
+
+    results["serving"] = summarize_serving({"echo workers": {"trio": [run(0.03, 90, 1)],
+                                                             "asyncio": [run(0.02, 100, 2)]}}, 64)
+    results["targets"] = targets(results)
+    return results
+
+
+HEADLINE_RUN = {"a_seq": {"floor": 20.0, "trio": 40.0, "asyncio-taskgroup": 30.0, "omni-event": 80.0},
+                "loop_a_seq": {"floor": 8.0, "trio": 12.0, "asyncio-taskgroup": 20.0, "omni-event": 50.0},
+                "zmq_a_seq": {"zmq-floor": 90.0, "trio": 150.0, "asyncio-taskgroup": 260.0,
+                              "omni-event": 300.0},
+                "c_chain": {"floor": 20.0, "trio": 45.0, "asyncio-taskgroup": 50.0},
+                "b_512_unbatched": {"floor": 900.0, "trio": 1200.0, "asyncio-taskgroup": 1500.0},
+                "b_64_unbatched": {"floor": 300.0, "trio": 400.0, "asyncio-taskgroup": 350.0}}
+
+
+@pytest.mark.parametrize("columns", [100, 120])
+def test_the_report_ends_with_a_verdict_of_at_most_ten_lines_from_the_runs_numbers(columns: int) -> None:
+    from bench.perf.verdict import MAX_LINES
+    from bench.tables import render
+
+    res = _with_serving(_results(HEADLINE_RUN, n=2000))
+    block = render([report.closing(res)], columns)
+    assert 4 <= len(block.splitlines()) <= MAX_LINES
+    assert report.text_report(res, columns).endswith(block)  # it closes the report
+    assert block.startswith("Verdict, full run") and "every floor holds" in block
+    judged = [t for t in res["targets"] if t["met"] is not None]  # type: ignore[union-attr]
+    assert f"targets: {sum(t['met'] for t in judged)} of {len(judged)} met" in block
+    rows = {line.split()[0]: line for line in block.splitlines()[1:]}
+    for wl in ("a_seq", "loop_a_seq", "zmq_a_seq"):  # the model ratio, its bounds and its word, computed
+        mine, theirs = (res["workloads"][wl][i]["latency"] for i in ("trio", "asyncio-taskgroup"))  # type: ignore[index]
+        lo, hi = mine["p50_ci_us"][0] / theirs["p50_ci_us"][1], mine["p50_ci_us"][1] / theirs["p50_ci_us"][0]
+        cell = f"{mine['p50_us'] / theirs['p50_us']:.2f} [{lo:.2f}-{hi:.2f}] "
+        assert cell + verdict(mine["p50_ci_us"], theirs["p50_ci_us"]) in rows[wl]
+    s = res["serving"]["echo workers"]  # type: ignore[index]
+    assert f"TTFC p50 {s['trio']['ttfc']['p50_us'] / s['asyncio']['ttfc']['p50_us']:.2f} [" in block
+    assert f"req/s {s['trio']['requests_per_s'] / s['asyncio']['requests_per_s']:.2f}" in block
+    assert "## Verdict" in report.markdown_report(res).split("Legend:")[-1]  # results.md closes with it too
+
+
+def test_a_quick_run_says_its_intervals_are_wide_and_judges_no_floor() -> None:
+    from bench.perf.verdict import MAX_LINES
+    from bench.tables import render
+
+    def run(mode: str) -> dict[str, object]:
+        res = _results({"a_seq": {"floor": 30.0, "trio": 20.0, "asyncio-taskgroup": 25.0},
+                        "b_64_unbatched": {"floor": 500.0, "trio": 100.0}}, n=300,
+                       cost={"floor": 20.0, "trio": 2.0, "asyncio-taskgroup": 25.0})
+        res["meta"] = {"mode": mode, "rounds": 1}
+        return res
+
+    full, quick = run("full"), run("quick")
+    assert "BEATEN" in {r[-1] for r in report.floor_rows(full)} and report.floors_hold(full) is False
+    assert {r[-1] for r in report.floor_rows(quick)[1:]} == {"not judged"}
+    assert report.floors_hold(quick) is None
+    text = report.text_report(quick, 100)
+    assert "BEATEN" not in text and "floor not judged: a quick run" in text
+    block = render([report.closing(quick)], 100)
+    assert block.splitlines()[0] == ("Verdict, quick run (1 round, >= 300 samples per row): intervals are "
+                                     "wide, no floor is judged")
+    assert len(block.splitlines()) <= MAX_LINES
+    assert "BEATEN" not in report.markdown_report(quick)
+
+
+def test_the_recorded_runs_documents_are_rendered_from_their_json_and_close_with_a_verdict() -> None:
+    """docs/bench/results.md (and the after-cuts run): the report of the recorded JSON, byte for byte."""
+    import json
+    from pathlib import Path
+
+    from bench.perf.verdict import MAX_LINES
+    from bench.tables import render
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "bench"
+    for run in (docs, docs / "after-cuts"):
+        results = json.loads((run / "results.json").read_text())
+        assert (run / "results.md").read_text() == report.markdown_report(results)
+        assert len(render([report.closing(results)], 100).splitlines()) <= MAX_LINES
+
+
+def _drawn(fig: object) -> tuple[object, object, object]:
+    """(the figure's box, its legend's, its axes') once drawn."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    r = canvas.get_renderer()
+    (legend,) = fig.legends  # type: ignore[attr-defined]
+    (ax,) = fig.axes  # type: ignore[attr-defined]
+    return fig.bbox, legend.get_window_extent(r), ax.get_window_extent(r)  # type: ignore[attr-defined]
+
+
+def test_the_plots_put_their_legend_outside_the_data_and_the_curve_has_every_concurrency() -> None:
+    from bench.perf.workloads import SWEEP
+
+    def sweep_run(cost_us: float) -> dict[str, object]:
+        curve = {str(n): {"outputs": 4096, "elapsed_s": 4096 * cost_us * 1e-6 * (1 + n / 512), "cpu_s": 0.01}
+                 for n in SWEEP}
+        return {"curve": curve, "outputs": 6 * 4096, "elapsed_s": 1.0, "cpu_s": 0.06}
+
+    impls = {"floor": 2.0, "trio": 8.0, "trio-engine": 10.0, "omni-event": 12.0, "omni-poll": 20.0,
+             "asyncio-taskgroup": 9.0}
+    res = {"workloads": {"b_sweep": {i: summarize([sweep_run(c)]) for i, c in impls.items()}}}
+    fig = report.throughput_figure(res)
+    assert len(SWEEP) >= 5
+    for line in fig.axes[0].get_lines():
+        assert list(line.get_xdata()) == list(SWEEP)
+    rows = report.curve_rows(res)
+    assert rows[0][1:] == [f"{n} in\nflight" for n in SWEEP] and len(rows) == 1 + len(impls)
+    cdf = report.cdf_figure({i: _samples(c * 5, 500, k) for k, (i, c) in enumerate(impls.items())})
+    for figure in (fig, cdf):
+        whole, legend, data = _drawn(figure)
+        assert not legend.overlaps(data)  # type: ignore[attr-defined]
+        assert whole.x0 <= legend.x0 and legend.x1 <= whole.x1  # type: ignore[attr-defined]
+        assert len(figure.legends[0].get_texts()) == len(impls)
+
+
+def test_tables_are_fitted_by_rich_numbers_and_names_whole_brackets_shown() -> None:
+    from bench.tables import markdown_table, render, table
+
+    header = ["impl", "note", "p50 us\n[95% CI]", "x [bounds]"]
+    rows = [["asyncio-taskgroup", "a long note that has to wrap between its words " * 3,
+             "1,234.5\n[1,200-1,300]", "0.91 [0.85-0.96] lower"]] * 2
+    text = render([table(header, rows, names={0}, numbers={2, 3})], 80)
+    assert max(len(line) for line in text.splitlines()) <= 80
+    assert "asyncio-taskgroup" in text and "[95% CI]" in text and "x [bounds]" in text
+    assert "0.91 [0.85-0.96] lower" in text and "[1,200-1,300]" in text  # numbers keep their width
+    assert all(w in text.split() for w in rows[0][1].split())  # the text column wrapped between words
+    assert markdown_table([header, rows[0]]).splitlines()[:2] == [
+        "| impl | note | p50 us [95% CI] | x [bounds] |", "|---|---|---|---|"]

@@ -185,9 +185,10 @@ LAYERS: dict[str, int] = {
     "trio_orch.shell": 2,
     "trio_orch.cluster": 3, "trio_orch.engine": 3,
     "trio_orch.testing": 4,
-    "trio_orch.http": 5,
-    "trio_orch.serve": 6,
-    "trio_orch.cli": 7,
+    "trio_orch.openai": 5,
+    "trio_orch.http": 6,
+    "trio_orch.serve": 7,
+    "trio_orch.cli": 8,
 }
 #: same layer, never each other: the worker processes' clients and the engine meet only in a factory
 APART = {("trio_orch.cluster", "trio_orch.engine"), ("trio_orch.engine", "trio_orch.cluster")}
@@ -225,11 +226,85 @@ def test_layering_violations_are_found() -> None:
 
 
 def test_trio_orch_imports_go_one_way() -> None:
-    """types < core < shell < {cluster, engine} < testing < http < serve < cli (lazy imports too)."""
+    """types < core < shell < {cluster, engine} < testing < openai < http < serve < cli (lazy imports too)."""
     graph = project_graph()
     assert {"trio_orch.shell.orchestrator", "trio_orch.engine.bridge", "trio_orch.cli.main"} <= set(graph)
 
     assert layering_violations(graph) == []
+
+
+#: the packages that reach the engine through its seam only (trio_orch/engine/api.py)
+THROUGH_THE_SEAM = ("trio_orch.http", "trio_orch.cli")
+
+
+def seam_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Modules of :data:`THROUGH_THE_SEAM` that import an engine module other than ``engine.api``."""
+    return sorted(f"{m} imports {d}" for m, deps in graph.items() if m.startswith(THROUGH_THE_SEAM)
+                  for d in deps if d.startswith("trio_orch.engine") and d != "trio_orch.engine.api")
+
+
+def test_seam_violations_are_found() -> None:
+    graph = {"trio_orch.http.x": {"trio_orch.engine", "trio_orch.engine.api"},
+             "trio_orch.cli.y": {"trio_orch.engine.bridge"}, "trio_orch.serve.z": {"trio_orch.engine"}}
+    assert seam_violations(graph) == ["trio_orch.cli.y imports trio_orch.engine.bridge",
+                                      "trio_orch.http.x imports trio_orch.engine"]
+
+
+def test_http_and_cli_reach_the_engine_through_its_seam_only() -> None:
+    """The HTTP app and the commands type and call the engine as ``EngineClient`` (engine/api.py), never
+    the thread adapter or the engine itself: either engine, or a remote one, serves them."""
+    graph = project_graph()
+    assert any(d == "trio_orch.engine.api" for m, deps in graph.items() if m.startswith("trio_orch.http")
+               for d in deps)
+    assert seam_violations(graph) == []
+
+
+def test_the_command_line_never_imports_the_http_app() -> None:
+    """cli/ shares request handling with the HTTP routes through trio_orch.openai, never through http/."""
+    graph = project_graph()
+    bad = sorted(f"{m} imports {d}" for m, deps in graph.items() if m.startswith("trio_orch.cli")
+                 for d in deps if d.startswith("trio_orch.http"))
+    assert bad == []
+
+
+#: the web frameworks and HTTP servers the OpenAI request handling must not pull in
+WEB_FRAMEWORKS = frozenset({"starlette", "fastapi", "uvicorn", "hypercorn", "h11", "wsproto", "websockets",
+                            "aiohttp"})
+
+
+def third_party_imports(path: Path) -> set[str]:
+    """The top-level names of the packages outside the project that ``path`` imports (lazy ones too)."""
+    found: set[str] = set()
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found - set(PACKAGES)
+
+
+def reached_from(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every project module ``start`` imports, directly or through others (itself included)."""
+    seen, todo = {start}, [start]
+    while todo:
+        for dep in graph[todo.pop()]:
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_the_openai_request_handling_imports_no_web_framework_not_even_transitively() -> None:
+    files = {m: p for pkg in PACKAGES for m, p in module_files(pkg).items()}
+    graph = project_graph()
+    openai_modules = [m for m in graph if m.startswith("trio_orch.openai")]
+    assert {"trio_orch.openai.chat", "trio_orch.openai.validation", "trio_orch.openai.tokenizer"} <= set(
+        openai_modules)
+    assert "starlette" in third_party_imports(files["trio_orch.http.app"])  # the check sees imports
+    bad = {m: sorted({f"{r}: {name}" for r in reached_from(graph, m)
+                      for name in third_party_imports(files[r]) & WEB_FRAMEWORKS})
+           for m in openai_modules}
+    assert {m: v for m, v in bad.items() if v} == {}
 
 
 def test_the_worker_side_imports_nothing_from_trio_orch() -> None:

@@ -22,7 +22,7 @@ from stages.config import PipelineConfig, echo_config
 from stages.registry import outputs_of
 from tests.http_helpers import HANG, Served, chat, wait_until
 from trio_orch.cluster.supervisor import ExtraArgs, RestartPolicy, supervised_pipeline
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.testing import worker_alive
 
 
@@ -38,7 +38,7 @@ def supervised(cfg: PipelineConfig, policy: RestartPolicy,
             holder.append(pipe)
             yield pipe
 
-    served = Served(Engine(factory, startup_timeout=60).start(),  # serves "toy", the name chat() asks for
+    served = Served(ThreadEngine(factory, startup_timeout=60).start(),  # serves "toy", as chat() asks
                     outputs=outputs_of(s.kind for s in cfg.stages))
     try:
         yield served, holder[0]

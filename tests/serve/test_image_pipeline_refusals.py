@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 from starlette.testclient import TestClient, WebSocketDenialResponse
 
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.http.app import create_app
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
@@ -23,7 +23,7 @@ IMAGE_OUTPUTS = ["image", "codes", "image"]
 
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
-    with Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
+    with ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
         app = create_app(engine, outputs=IMAGE_OUTPUTS, model_name="toy")
         with TestClient(app) as c:
             yield c

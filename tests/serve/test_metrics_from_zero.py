@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stages.config import echo_config
 from stages.control import METHODS
 from trio_orch.cluster.supervisor import CAUSES, supervised_pipeline
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.http.metrics import render
 from trio_orch.testing.toy_pipeline import toy_pipeline
 from trio_orch.types import ERROR_KINDS
@@ -26,7 +26,7 @@ def samples(text: bytes, family: str) -> dict[tuple[tuple[str, str], ...], float
 
 
 def test_error_and_rpc_counters_start_at_zero_for_every_kind_and_method() -> None:
-    with Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
+    with ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
         text = render(engine.stats())
     assert samples(text, "trio_orch_errors") == {(("kind", k),): 0 for k in ERROR_KINDS}
     for family in ("trio_orch_rpc_calls", "trio_orch_rpc_errors"):

@@ -29,7 +29,7 @@ from stages.config import echo_config
 from stages.registry import outputs_of
 from tests.http_helpers import HANG, Served, chat, metrics, sse_events, wait_until
 from trio_orch.cluster.supervisor import RestartPolicy, supervised_pipeline
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FAMILIES
 from trio_orch.testing import child_pids, worker_alive
@@ -55,7 +55,7 @@ class Supervised:
                 self.pipe = pipe
                 yield pipe
 
-        self.served = Served(Engine(factory, startup_timeout=30).start(),  # serves "toy", as chat() asks
+        self.served = Served(ThreadEngine(factory, startup_timeout=30).start(),  # serves "toy" (chat())
                              outputs=outputs_of(s.kind for s in self.cfg.stages), stage_names=["a", "b"],
                              extra_metrics=lambda: self.pipe.supervisor.prometheus_counters())
 
@@ -132,7 +132,7 @@ def burst(url: str, n: int, **body: Any) -> list[tuple[int, float, dict[str, Any
 
 
 def test_a_burst_past_the_bounds_is_shed_with_429_and_the_admitted_ones_all_complete() -> None:
-    engine = Engine(toy_pipeline(token_delay=0.02, audio_delay=0.005), max_inflight=[2, 2, 2],
+    engine = ThreadEngine(toy_pipeline(token_delay=0.02, audio_delay=0.005), max_inflight=[2, 2, 2],
                     request_queue_size=2, admission_timeout=0.0, max_waiting=0).start()
     s = Served(engine)
     try:
@@ -180,7 +180,7 @@ def raw_burst(port: int, n: int) -> list[bytes]:
 def test_a_burst_on_fresh_connections_is_answered_whole_and_nothing_admitted_waits() -> None:
     """No queue and a bound of one: a request starts at once or gets its 429 (most of them from the
     shedder, before their body is read); every answer arrives whole (no reset), every count agrees."""
-    engine = Engine(toy_pipeline(token_delay=0.005, audio_delay=0.002), max_inflight=[1, 1, 1],
+    engine = ThreadEngine(toy_pipeline(token_delay=0.005, audio_delay=0.002), max_inflight=[1, 1, 1],
                     request_queue_size=0, admission_timeout=0.0, max_waiting=0).start()
     s = Served(engine)
     try:
@@ -206,7 +206,7 @@ def test_a_burst_on_fresh_connections_is_answered_whole_and_nothing_admitted_wai
 @pytest.mark.slow
 def test_load_a_1024_request_burst_is_partly_shed_and_every_admitted_request_completes() -> None:
     """The load test: bounded in count and time, loopback only; latencies printed, not asserted."""
-    engine = Engine(toy_pipeline(token_delay=0.01, audio_delay=0.002), max_inflight=[16, 16, 16],
+    engine = ThreadEngine(toy_pipeline(token_delay=0.01, audio_delay=0.002), max_inflight=[16, 16, 16],
                     request_queue_size=16, admission_timeout=0.5, max_waiting=16).start()
     # the head deadline is not under test: on a loaded machine one client process takes seconds to
     # write 1,024 request heads on connections the server accepted at once (a 10 s deadline cut some)
@@ -235,7 +235,7 @@ def test_load_a_1024_request_burst_is_partly_shed_and_every_admitted_request_com
 
 # ---------------------------------------------------------------- metrics
 def test_every_family_parses_with_prometheus_client_with_its_declared_type(tmp_path: Path) -> None:
-    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(),
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start(),
                outputs=["text", "codes", "audio"])
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
@@ -421,7 +421,7 @@ def test_ctl_drives_the_trio_front_served_with_an_admin_token() -> None:
 
 
 def test_stage_timings_reach_the_non_streamed_answer_as_an_extension() -> None:
-    s = Served(Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start())
+    s = Served(ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)).start())
     try:
         with httpx.Client(base_url=s.url, timeout=HANG) as c:
             body = c.post("/v1/chat/completions", json=chat("a b", modalities=["text", "audio"])).json()

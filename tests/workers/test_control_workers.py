@@ -22,7 +22,8 @@ from stages.registry import build_model
 from stages.weights import state_of
 from tests.workers.test_workers import checked_pipeline
 from trio_orch import OrchError, Orchestrator, OrchOutput, RpcResult
-from trio_orch.engine.control import ControlError, sleep, update_weights, wake_up
+from trio_orch.engine.api import ControlError
+from trio_orch.engine.control import sleep, update_weights, wake_up
 
 pytestmark = pytest.mark.processes  # real worker processes or servers
 

@@ -17,7 +17,7 @@ from stages.config import PipelineConfig, StageConfig, default_config
 from stages.registry import KINDS, KindError
 from stages.worker import build_parser
 from trio_orch.cluster.launcher import Pipeline, forward_fn, forward_fn_for, prewarm_fn
-from trio_orch.engine import Engine
+from trio_orch.engine import ThreadEngine
 from trio_orch.http.app import create_app
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
@@ -155,7 +155,7 @@ def _post(app: Any, **body: Any) -> httpx.Response:
 
 def test_server_routes_and_shows_outputs_by_the_declared_modalities() -> None:
     """The toy pipeline's stages 0 and 2 are final: declared modalities decide what serve does."""
-    with Engine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
+    with ThreadEngine(toy_pipeline(token_delay=0.001, audio_delay=0.001)) as engine:
         no_audio = create_app(engine, outputs=["text", "codes", "codes"])
         r = _post(no_audio, modalities=["text", "audio"])
         assert r.status_code == 400 and "no audio output" in r.json()["error"]["message"]
@@ -179,3 +179,11 @@ def test_companions_reach_only_a_kind_whose_forward_conditions_on_them() -> None
     assert "uncond" not in fwd(0, "a cat", enc)  # no companions: the prompt alone
     with pytest.raises(ValueError, match=r"stage 0 \(thinker\) takes no companions"):
         registry.forward_fn(["thinker", "talker"])(0, "p", [{"tokens": np.array([1])}], companions=neg)
+
+
+def test_which_kinds_read_tokens_and_can_be_told_what_to_say_is_the_registry_s_to_say() -> None:
+    """A front never names a kind: it asks the registry how a stage reads text (tokenizer, speech)."""
+    kinds = ("thinker", "talker", "code2wav", "echo")
+    assert [registry.reads_tokens(k) for k in kinds] == ["text", "ids", "", ""]
+    assert [registry.says(k) for k in ("thinker", "talker")] == [True, False]
+    assert registry.reads_tokens("toy thinker") == "" and not registry.says("toy thinker")  # no kind at all

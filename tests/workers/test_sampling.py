@@ -15,8 +15,8 @@ from stages.sampling_params import THINKER_PARAMS, VOICES, describe, with_defaul
 from stages.wire import InboundMsg, Submit, WireCodec
 from tests.waiting import await_until
 from trio_orch import OrchOutput, open_orchestrator
-from trio_orch.engine import Engine, PipelineSpec, open_trio_engine, static_pipeline
-from trio_orch.http.openai_sampling import SamplingError, chat_sampling, map_sampling
+from trio_orch.engine import PipelineSpec, ThreadEngine, open_trio_engine, static_pipeline
+from trio_orch.openai.sampling import SamplingError, chat_sampling, map_sampling
 from trio_orch.testing import ScriptedStage
 
 KINDS = ["thinker", "talker", "code2wav"]
@@ -131,7 +131,7 @@ async def test_a_bad_entry_is_refused_at_acceptance_and_nothing_is_submitted() -
 def test_engine_sync_and_asyncio_callers_pass_sampling_and_get_value_errors() -> None:
     stages = [ScriptedStage(0)]
     spec = PipelineSpec(stages, [0], {}, registry.stage_params(["thinker"]))
-    with Engine(lambda: FixedPipeline(spec)) as engine:
+    with ThreadEngine(lambda: FixedPipeline(spec)) as engine:
         assert engine.stage_params is not None and engine.stage_params[0].name == "thinker"
         with pytest.raises(ValueError, match="'top_k' must be >= 0"):
             engine.add_request("bad", sampling=[{"top_k": -1}])

@@ -17,7 +17,7 @@ from stages.config import PipelineConfig, StageConfig, text2image_config
 from trio_orch import OrchError, OrchOutput, open_orchestrator
 from trio_orch.cli import main
 from trio_orch.cluster.launcher import open_pipeline
-from trio_orch.http.text2image import ImageOptionError, ImageRequest, parse_size
+from trio_orch.openai.images import ImageOptionError, ImageRequest, parse_size
 from trio_orch.testing import LeakProbe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import pytest
 
 from stages.tokenizer import byte_level, load_tokenizer
 from tests.tokenizer_helpers import word_tokenizer
-from trio_orch.http.tokenizer import ByteTokenizer
+from trio_orch.openai.tokenizer import ByteTokenizer
 
 torch = pytest.importorskip("torch")
 

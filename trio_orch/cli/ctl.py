@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from trio_orch.http.admin import TOKEN_ENV
+from trio_orch.serve.credentials import TOKEN_ENV
 
 __all__ = ["configure", "request", "run"]
 

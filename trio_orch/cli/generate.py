@@ -7,12 +7,12 @@ writes the vocoder's audio to a WAV file and prints per-stage timings.  With
 ``--async-chunk`` the stages stream to each other chunk by chunk, so the
 first audio comes long before the text is finished.  Sampling flags
 (``--temperature``, ``--seed``, ``--voice``, ...) go to the stages they concern,
-as the same fields of a chat request do (:mod:`trio_orch.http.openai_sampling`);
+as the same fields of a chat request do (:mod:`trio_orch.openai.sampling`);
 ``--stage-param`` sets any stage's parameter explicitly.  With
 ``--stream-input`` the prompt comes from standard input, one input segment
 per line, into one resumable request (:mod:`trio_orch.cli.generate_stream`).  A
 pipeline whose output is an image (``--pipeline text2image``) draws the
-denoising progress and writes a PNG instead (:mod:`trio_orch.http.text2image`;
+denoising progress and writes a PNG instead (:mod:`trio_orch.cli.text2image`;
 ``--seed`` is then the image's seed).  ``--image FILE`` and ``--audio FILE``
 send images and sounds (WAV, FLAC, Ogg or MP3, by the file's suffix) with
 the prompt to a pipeline with encoder stages (``--pipeline omni-in``),
@@ -52,17 +52,16 @@ from stages.registry import (
     text_stage,
 )
 from stages.sampling_params import VOICES
-from trio_orch.cli import EXIT_SIGNAL
+from trio_orch.cli import EXIT_SIGNAL, text2image
 from trio_orch.cli.generate_stream import first_line, stream_input
 from trio_orch.cluster import distributed
 from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
-from trio_orch.http import text2image
-from trio_orch.http.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
-from trio_orch.http.openai_chat import check_max_tokens
-from trio_orch.http.openai_sampling import SamplingError, map_sampling
-from trio_orch.http.schemas import BadRequest
+from trio_orch.openai.chat import check_max_tokens
+from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
+from trio_orch.openai.sampling import SamplingError, map_sampling
+from trio_orch.openai.validation import BadRequest
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 

@@ -254,6 +254,16 @@ class ReplicaPool:
             out.append(st)
         return out
 
+    def ready_info(self) -> dict[str, Any]:
+        """What the first ready replica reported in its handshake (the model's ``info()``: its
+        tokenizer, context length, token caps); empty while none is ready.  Any thread: each
+        replica's handshake is set once."""
+        for c in self.replicas:
+            ready = c.ready
+            if ready is not None and isinstance(ready.info, dict):
+                return ready.info
+        return {}
+
     def stop_supervision(self) -> None:
         """No replica will come back: ``receive`` raises StageDied once none is live."""
         self.supervised = False

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import trio
 
-from trio_orch.engine.base import Overloaded
+from trio_orch.engine.api import Overloaded
 from trio_orch.engine.demux import ACK, ADMITTED, DONE, PENDING, WITHDRAWN, Demux, Stream
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.types import OrchError

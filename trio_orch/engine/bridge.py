@@ -1,6 +1,6 @@
 """The thread adapter: the engine in a background Trio run, used from plain threads and asyncio.
 
-:class:`Engine` runs ``trio.run`` in a daemon thread that hosts one
+:class:`ThreadEngine` runs ``trio.run`` in a daemon thread that hosts one
 :class:`~trio_orch.engine.trio_engine.TrioEngine` -- the engine, with its
 admission, streams, update forwarding, metrics and control plane.  The
 adapter adds only what a caller outside that run needs: the thread's
@@ -11,9 +11,12 @@ asyncio ones that never block the loop (``generate``, ``add_request_async``,
 ``update_request_async``, ``stats_async``, ``sleep_async()``...).  Inbound
 calls are posted to the engine's run through its Trio token; outbound, each
 dispatcher batch wakes an asyncio loop once (``call_soon_threadsafe``) and a
-plain thread through its queue.  The control plane's two forms are derived
-from the engine's async methods by name (:class:`~trio_orch.engine.control.blocking`,
-:class:`~trio_orch.engine.control.on_asyncio`), not written again.
+plain thread through its queue.  Its asyncio forms satisfy the engine's
+seam (:class:`~trio_orch.engine.api.EngineClient`: what ``serve --loop
+asyncio`` serves the HTTP app over).  What is no more than the engine's --
+its state, the calls that only post to its run, the control plane's two
+forms -- is derived from the engine by name (:mod:`trio_orch.engine.derived`),
+not written again.
 
 Fatal drain: whatever ends the Trio thread (``close()``, a crash, a pipeline
 that cannot start), every registered request gets a terminal
@@ -28,24 +31,17 @@ import atexit
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from functools import partial
 from time import monotonic
 from typing import Any
 
 import trio
 
-from stages.sampling_params import StageParams
-from trio_orch.engine.base import (
-    EngineClosed,
-    EngineStartupError,
-    EngineStatistics,
-    PipelineFactory,
-    collect_stats,
-    unwrap,
-)
-from trio_orch.engine.control import blocking, on_asyncio
-from trio_orch.engine.demux import ACK, WITHDRAWN, AsyncioStream, Demux, Stream, SyncStream
+from trio_orch.engine.api import EngineClosed, EngineStartupError, EngineStatistics
+from trio_orch.engine.base import PipelineFactory, collect_stats, unwrap
+from trio_orch.engine.demux import ACK, WITHDRAWN, AsyncioStream, SyncStream
+from trio_orch.engine.derived import blocking, on_asyncio, passthrough
 from trio_orch.engine.handles import (
     AsyncRequestHandle,
     RequestHandle,
@@ -54,15 +50,14 @@ from trio_orch.engine.handles import (
     stream_batches,
 )
 from trio_orch.engine.trio_engine import TrioEngine
-from trio_orch.shell.orchestrator import Orchestrator
-from trio_orch.types import Message, StageClient
+from trio_orch.types import Message
 
-__all__ = ["Engine"]
+__all__ = ["ThreadEngine"]
 
 log = logging.getLogger("trio_orch.engine.bridge")
 
 
-class Engine:
+class ThreadEngine:
     """The engine in a background Trio thread; see the module docstring.
 
     ``pipeline`` and the admission and orchestrator options are
@@ -90,10 +85,10 @@ class Engine:
         self._failure: BaseException | None = None
 
     # ------------------------------------------------------------------ lifecycle
-    def start(self) -> Engine:
+    def start(self) -> ThreadEngine:
         """Start the thread; return once the orchestrator runs.  Raises EngineStartupError."""
         if self._thread is not None:
-            raise RuntimeError("Engine.start() called twice")
+            raise RuntimeError("ThreadEngine.start() called twice")
         self._thread = threading.Thread(target=self._thread_main, name=self.name, daemon=True)
         self._thread.start()
         atexit.register(self.close)  # a daemon thread dies abruptly at exit: stop the pipeline first
@@ -140,7 +135,7 @@ class Engine:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> ThreadEngine:
         if self._thread is None:
             self.start()
         return self
@@ -167,9 +162,10 @@ class Engine:
             await nursery.start(self.engine.run)
             self._ready.set()
 
-    # ------------------------------------------------------------------ state (the engine's)
+    # ------------------------------------------------------------------ the adapter's own state
     @property
     def running(self) -> bool:
+        """The engine accepts requests (and this adapter saw it start)."""
         return self._ready.is_set() and self.engine.running
 
     @property
@@ -182,87 +178,30 @@ class Engine:
         """What ended the Trio thread, if it crashed or could not start (None otherwise)."""
         return self._failure or self.engine.failure
 
-    @property
-    def orchestrator(self) -> Orchestrator | None:
-        """The orchestrator (lives in the Trio thread: read it there, see :meth:`call_soon`)."""
-        return self.engine.orchestrator
-
-    @property
-    def stages(self) -> list[StageClient]:
-        return self.engine.stages
-
-    @property
-    def stage_params(self) -> Sequence[StageParams] | None:
-        return self.engine.stage_params
-
-    @property
-    def final_stage_ids(self) -> frozenset[int]:
-        return self.engine.final_stage_ids
-
-    @property
-    def demux(self) -> Demux:
-        return self.engine.demux
-
-    @property
-    def latency(self) -> Any:
-        return self.engine.latency
-
-    @property
-    def open_requests(self) -> set[str]:
-        return self.engine.open_requests
-
-    @property
-    def shedding(self) -> bool:
-        """See :attr:`TrioEngine.shedding` (any thread)."""
-        return self.engine.shedding
-
-    @property
-    def capacity(self) -> float:
-        """See :attr:`TrioEngine.capacity` (any thread)."""
-        return self.engine.capacity
-
-    @property
-    def retry_after(self) -> float:
-        return self.engine.retry_after
-
-    @property
-    def admission_waiting(self) -> int:
-        return self.engine.admission_waiting
-
-    @property
-    def closed_reason(self) -> str | None:
-        return self.engine.closed_reason
-
-    @property
-    def paused(self) -> str | None:
-        return self.engine.paused
-
-    # ------------------------------------------------------------------ posted as they are
-    def abort(self, request_id: str) -> None:
-        """:meth:`TrioEngine.abort` (any thread, never blocks)."""
-        self.engine.abort(request_id)
-
-    def client_gone(self, s: Stream) -> None:
-        self.engine.client_gone(s)
-
-    def end_drain(self) -> None:
-        """Cut a drain begun by :meth:`close` short: what is still in flight ends now (any thread)."""
-        self.engine.end_drain()
-
-    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` in the Trio thread soon (any thread; never blocks).  Must not raise."""
-        self.engine.call_soon(fn, *args)
-
-    def run_sync_in_trio(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` in the Trio thread and return its result (plain threads only)."""
-        return self.engine.run_sync_in_trio(fn, *args)
-
-    def run_in_trio(self, async_fn: Callable[..., Any], *args: Any) -> Any:
-        """Await ``async_fn(*args)`` in the Trio thread and return its result (plain threads only)."""
-        return self.engine.run_in_trio(async_fn, *args)
-
-    def control_orchestrator(self) -> Orchestrator:
-        return self.engine.control_orchestrator()
+    # ------------------------------------------------------------------ the engine's, as they are
+    # (state safe to read from any thread, and calls that post to the engine's run)
+    closed_reason = passthrough(TrioEngine.closed_reason)
+    paused = passthrough(TrioEngine.paused)
+    shedding = passthrough(TrioEngine.shedding)
+    capacity = passthrough(TrioEngine.capacity)
+    retry_after = passthrough(TrioEngine.retry_after)
+    admission_waiting = passthrough(TrioEngine.admission_waiting)
+    final_stage_ids = passthrough(TrioEngine.final_stage_ids)
+    stage_params = passthrough(TrioEngine.stage_params)
+    stage_kinds = passthrough(TrioEngine.stage_kinds)
+    stage_info = passthrough(TrioEngine.stage_info)
+    orchestrator = passthrough(TrioEngine.orchestrator)
+    stages = passthrough(TrioEngine.stages)
+    demux = passthrough(TrioEngine.demux)
+    latency = passthrough(TrioEngine.latency)
+    open_requests = passthrough(TrioEngine.open_requests)
+    abort = passthrough(TrioEngine.abort)
+    client_gone = passthrough(TrioEngine.client_gone)
+    end_drain = passthrough(TrioEngine.end_drain)
+    call_soon = passthrough(TrioEngine.call_soon)
+    run_sync_in_trio = passthrough(TrioEngine.run_sync_in_trio)
+    run_in_trio = passthrough(TrioEngine.run_in_trio)
+    control_orchestrator = passthrough(TrioEngine.control_orchestrator)
 
     # ------------------------------------------------------------------ plain threads
     def add_request(self, prompt: Any, *, request_id: str | None = None, final_stage_id: int | None = None,
@@ -309,7 +248,7 @@ class Engine:
 
     def update_request(self, request_id: str, segment: Any, *, final: bool = False,
                        timeout: float | None = None) -> None:
-        """:meth:`TrioEngine.update_request` for plain threads.
+        """:meth:`TrioEngine.update_request_async` for plain threads.
 
         ``TimeoutError`` after ``timeout`` seconds if the update was not taken
         up by then (it is then withdrawn).  Updates of one request apply in
@@ -329,15 +268,15 @@ class Engine:
         return self.engine.stats()
 
     # the control plane (written once on the engine), blocking
-    collective_rpc = blocking(TrioEngine.collective_rpc)
-    abort_confirmed = blocking(TrioEngine.abort_confirmed)
-    pause = blocking(TrioEngine.pause)
-    resume = blocking(TrioEngine.resume)
-    sleep = blocking(TrioEngine.sleep)
-    wake_up = blocking(TrioEngine.wake_up)
-    update_weights = blocking(TrioEngine.update_weights)
-    start_profile = blocking(TrioEngine.start_profile)
-    stop_profile = blocking(TrioEngine.stop_profile)
+    collective_rpc = blocking(TrioEngine.collective_rpc_async)
+    abort_confirmed = blocking(TrioEngine.abort_confirmed_async)
+    pause = blocking(TrioEngine.pause_async)
+    resume = blocking(TrioEngine.resume_async)
+    sleep = blocking(TrioEngine.sleep_async)
+    wake_up = blocking(TrioEngine.wake_up_async)
+    update_weights = blocking(TrioEngine.update_weights_async)
+    start_profile = blocking(TrioEngine.start_profile_async)
+    stop_profile = blocking(TrioEngine.stop_profile_async)
 
     # ------------------------------------------------------------------ asyncio
     def _open_here(self, prompt: Any, *args: Any, **kw: Any) -> AsyncioStream:
@@ -372,7 +311,7 @@ class Engine:
                                                          want_timings=want_timings, priority=priority))
 
     async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None:
-        """:meth:`update_request` for asyncio code: awaited, never blocks the loop.
+        """:meth:`TrioEngine.update_request_async` for asyncio code: awaited, never blocks the loop.
 
         Cancelled before the update was taken up, it is withdrawn; after, it still applies.
         """
@@ -404,13 +343,13 @@ class Engine:
             return collect_stats(None, self.engine.demux, 0, False)
 
     # the control plane, for asyncio
-    collective_rpc_async = on_asyncio(TrioEngine.collective_rpc)
-    abort_confirmed_async = on_asyncio(TrioEngine.abort_confirmed)
-    pause_async = on_asyncio(TrioEngine.pause)
-    resume_async = on_asyncio(TrioEngine.resume)
-    sleep_async = on_asyncio(TrioEngine.sleep)
-    wake_up_async = on_asyncio(TrioEngine.wake_up)
-    update_weights_async = on_asyncio(TrioEngine.update_weights)
-    start_profile_async = on_asyncio(TrioEngine.start_profile)
-    stop_profile_async = on_asyncio(TrioEngine.stop_profile)
+    collective_rpc_async = on_asyncio(TrioEngine.collective_rpc_async)
+    abort_confirmed_async = on_asyncio(TrioEngine.abort_confirmed_async)
+    pause_async = on_asyncio(TrioEngine.pause_async)
+    resume_async = on_asyncio(TrioEngine.resume_async)
+    sleep_async = on_asyncio(TrioEngine.sleep_async)
+    wake_up_async = on_asyncio(TrioEngine.wake_up_async)
+    update_weights_async = on_asyncio(TrioEngine.update_weights_async)
+    start_profile_async = on_asyncio(TrioEngine.start_profile_async)
+    stop_profile_async = on_asyncio(TrioEngine.stop_profile_async)
 

@@ -2,11 +2,12 @@
 
 Written once.  The recipes are Trio functions of an
 :class:`~trio_orch.shell.orchestrator.Orchestrator`; :class:`ControlPlane`
-makes them async methods of the engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`:
-``await engine.sleep()``).  The thread adapter (:class:`~trio_orch.engine.bridge.Engine`)
-derives its two forms from those methods by name, with the descriptors
-:class:`blocking` (``engine.sleep()`` from a plain thread) and
-:class:`on_asyncio` (``await engine.sleep_async()`` on an asyncio loop).
+makes them awaitable calls of the engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`:
+``await engine.sleep_async()``, the names of :class:`~trio_orch.engine.api.EngineClient`).
+The thread adapter (:class:`~trio_orch.engine.bridge.ThreadEngine`) derives
+its two forms from those by name (:mod:`trio_orch.engine.derived`):
+``engine.sleep()`` from a plain thread, ``await engine.sleep_async()`` on an
+asyncio loop.
 
 ``collective_rpc`` returns every replica's answer and never raises for a
 replica's error.  The recipes raise :class:`ControlError` (with every
@@ -28,33 +29,18 @@ pipeline back where it can serve when they can:
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from functools import partial
-from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import trio
 
-from trio_orch.engine.base import EngineClosed
+from trio_orch.engine.api import ControlError, EngineClosed, StageIds
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.types import RpcResult
 
-__all__ = ["ControlError", "ControlPlane", "Hosting", "blocking", "on_asyncio", "sleep", "start_profile",
-           "stop_profile", "update_weights", "wake_up"]
+__all__ = ["ControlPlane", "sleep", "start_profile", "stop_profile", "update_weights", "wake_up"]
 
-StageIds = Iterable[int] | None  #: the stages a call goes to (None: every stage)
 Seconds = float | None
-P = ParamSpec("P")
-R = TypeVar("R")
-
-
-class ControlError(RuntimeError):
-    """A control recipe failed on at least one replica; ``results`` holds every replica's answer."""
-
-    def __init__(self, message: str, results: Sequence[RpcResult]) -> None:
-        bad = [f"stage {r.stage_id} replica {r.replica}: {r.error}" for r in results if r.error is not None]
-        super().__init__(f"{message}: {'; '.join(bad)}" if bad else message)
-        self.results = list(results)
 
 
 def _failed(results: Sequence[RpcResult]) -> bool:
@@ -148,13 +134,10 @@ async def stop_profile(orch: Orchestrator, stage_ids: StageIds = None,
 
 
 class ControlPlane:
-    """The control plane, written once: async methods of the engine, run in its Trio run.
+    """The control plane, written once: awaitable calls of the engine, run in its Trio run.
 
     The engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`) provides
-    :meth:`control_orchestrator` (the running orchestrator, or EngineClosed)
-    and ``abort_confirmed``.  The ``*_async`` names are the same methods, for
-    code written against both engines (the HTTP app): on the thread adapter
-    they are asyncio forms, here the caller already runs in the Trio run.
+    :meth:`control_orchestrator` (the running orchestrator, or EngineClosed).
     """
 
     def control_orchestrator(self) -> Orchestrator:
@@ -168,97 +151,40 @@ class ControlPlane:
         except EngineClosed:
             return None
 
-    async def collective_rpc(self, method: str, args: Sequence[Any] = (),
-                             kwargs: Mapping[str, Any] | None = None, stage_ids: StageIds = None,
-                             timeout: Seconds = None) -> list[RpcResult]:
+    async def collective_rpc_async(self, method: str, args: Sequence[Any] = (),
+                                   kwargs: Mapping[str, Any] | None = None, stage_ids: StageIds = None,
+                                   timeout: Seconds = None) -> list[RpcResult]:
         """Every replica's answer to ``method(*args, **kwargs)`` (see :meth:`Orchestrator.collective_rpc`)."""
         return await self.control_orchestrator().collective_rpc(method, args, kwargs, stage_ids, timeout)
 
-    async def pause(self, mode: str = "wait") -> None:
+    async def pause_async(self, mode: str = "wait") -> None:
         """:meth:`Orchestrator.pause`: returns once the pause is in effect."""
         await self.control_orchestrator().pause(mode)
 
-    async def resume(self) -> None:
+    async def resume_async(self) -> None:
+        """:meth:`Orchestrator.resume`: requests start again."""
         await self.control_orchestrator().resume()
 
-    async def sleep(self, level: int = 1, stage_ids: StageIds = None, timeout: Seconds = None,
-                    drain_timeout: Seconds = None) -> list[RpcResult]:
+    async def sleep_async(self, level: int = 1, stage_ids: StageIds = None, timeout: Seconds = None,
+                          drain_timeout: Seconds = None) -> list[RpcResult]:
         """See :func:`sleep`."""
         return await sleep(self.control_orchestrator(), level, stage_ids, timeout, drain_timeout)
 
-    async def wake_up(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
+    async def wake_up_async(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
         """See :func:`wake_up`."""
         return await wake_up(self.control_orchestrator(), stage_ids, timeout)
 
-    async def update_weights(self, path: str, stage_ids: StageIds = None, timeout: Seconds = None,
-                             drain_timeout: Seconds = None) -> list[RpcResult]:
+    async def update_weights_async(self, path: str, stage_ids: StageIds = None, timeout: Seconds = None,
+                                   drain_timeout: Seconds = None) -> list[RpcResult]:
         """See :func:`update_weights`."""
         return await update_weights(self.control_orchestrator(), path, stage_ids, timeout, drain_timeout)
 
-    async def start_profile(self, dir: str, stage_ids: StageIds = None,
-                            timeout: Seconds = None) -> list[RpcResult]:
+    async def start_profile_async(self, dir: str, stage_ids: StageIds = None,
+                                  timeout: Seconds = None) -> list[RpcResult]:
         """See :func:`start_profile`."""
         return await start_profile(self.control_orchestrator(), dir, stage_ids, timeout)
 
-    async def stop_profile(self, stage_ids: StageIds = None, timeout: Seconds = None) -> list[RpcResult]:
+    async def stop_profile_async(self, stage_ids: StageIds = None,
+                                 timeout: Seconds = None) -> list[RpcResult]:
         """See :func:`stop_profile`."""
         return await stop_profile(self.control_orchestrator(), stage_ids, timeout)
-
-    collective_rpc_async = collective_rpc
-    pause_async = pause
-    resume_async = resume
-    sleep_async = sleep
-    wake_up_async = wake_up
-    update_weights_async = update_weights
-    start_profile_async = start_profile
-    stop_profile_async = stop_profile
-
-
-class Hosting(Protocol):
-    """What the derived forms need of their host (the thread adapter)."""
-
-    @property
-    def engine(self) -> Any: ...
-
-    def run_in_trio(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any: ...
-
-
-class blocking(Generic[P, R]):
-    """The blocking form of one engine method: ``adapter.name(...)`` runs ``engine.name(...)`` in the
-    engine's Trio thread and returns its result (plain threads only)."""
-
-    def __init__(self, method: Callable[Concatenate[Any, P], Awaitable[R]]) -> None:
-        self.name = method.__name__
-        self.__doc__ = method.__doc__
-
-    def __get__(self, host: Hosting, owner: type | None = None) -> Callable[P, R]:
-        name = self.name
-
-        def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            return host.run_in_trio(partial(getattr(host.engine, name), *args, **kwargs))
-
-        call.__name__ = name
-        call.__doc__ = self.__doc__
-        return call
-
-
-class on_asyncio(Generic[P, R]):
-    """The asyncio form of one engine method: ``await adapter.name_async(...)`` runs the blocking form on an
-    executor thread, so the event loop never blocks.  Cancelling the awaiting task does not stop the
-    call: it runs to its end in the Trio thread, bounded by its own timeouts."""
-
-    def __init__(self, method: Callable[Concatenate[Any, P], Awaitable[R]]) -> None:
-        self.name = method.__name__
-        self.__doc__ = method.__doc__
-
-    def __get__(self, host: Hosting, owner: type | None = None) -> Callable[P, Awaitable[R]]:
-        name = self.name
-
-        async def call(*args: P.args, **kwargs: P.kwargs) -> R:
-            host.engine.control_orchestrator()  # EngineClosed at once, not from the executor
-            run = partial(host.run_in_trio, partial(getattr(host.engine, name), *args, **kwargs))
-            return await asyncio.get_running_loop().run_in_executor(None, run)
-
-        call.__name__ = f"{name}_async"
-        call.__doc__ = self.__doc__
-        return call

@@ -200,7 +200,7 @@ class AsyncRequestHandle(HandleBase):
                     self.rejection = self._msgs[0]  # ended before anything else: refused at admission
                 return
 
-    async def batches(self) -> AsyncIterator[list[Message]]:
+    async def batches(self) -> AsyncGenerator[list[Message], None]:
         """The messages, one list per dispatcher batch, the terminal last; leaving early aborts."""
         try:
             while not self.finished:

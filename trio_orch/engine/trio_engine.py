@@ -11,11 +11,12 @@ per dispatcher batch (one :class:`trio.Event`, no thread, no hop).
 Resumable requests take more input through the
 :class:`~trio_orch.engine.updates.UpdateForwarder`, in call order, after
 their own admission.  The control plane is
-:class:`~trio_orch.engine.control.ControlPlane`.  ``serve --loop trio``
-serves the HTTP app this way (:mod:`trio_orch.serve.trio_front`).
+:class:`~trio_orch.engine.control.ControlPlane`.  It satisfies the engine's
+seam, :class:`~trio_orch.engine.api.EngineClient`; ``serve --loop trio``
+serves the HTTP app over it this way (:mod:`trio_orch.serve.trio_front`).
 
 Calls from another thread are posted through the run's Trio token, so the
-thread adapter (:class:`~trio_orch.engine.bridge.Engine`: a Trio run in a
+thread adapter (:class:`~trio_orch.engine.bridge.ThreadEngine`: a Trio run in a
 thread that hosts this engine) adds only the blocking and asyncio forms.
 
 Fatal drain: whatever ends the run (``request_stop``, a crash, a
@@ -42,16 +43,8 @@ import trio
 
 from stages.sampling_params import StageParams
 from trio_orch.engine.admitter import Admitter
-from trio_orch.engine.base import (
-    EngineClosed,
-    EngineStartupError,
-    EngineStatistics,
-    PipelineFactory,
-    as_spec,
-    collect_stats,
-    stage_timings,
-    unwrap,
-)
+from trio_orch.engine.api import EngineClosed, EngineStartupError, EngineStatistics, ReportsReady
+from trio_orch.engine.base import PipelineFactory, as_spec, collect_stats, stage_timings, unwrap
 from trio_orch.engine.control import ControlPlane
 from trio_orch.engine.demux import DONE, PENDING, Demux, Stream, TrioStream
 from trio_orch.engine.handles import AsyncRequestHandle, messages, open_accepted, stream_batches
@@ -231,6 +224,24 @@ class TrioEngine(ControlPlane):
         return self._orch.router.final_stage_ids if self._orch is not None else frozenset()
 
     @property
+    def stage_kinds(self) -> list[str] | None:
+        """Each stage's kind, as the pipeline declared them (None: it declares none)."""
+        params = self._stage_params
+        return [p.name for p in params] if params is not None else None
+
+    def stage_info(self, stage: int) -> Mapping[str, Any]:
+        """What ``stage``'s first ready worker reported in its handshake (any thread).
+
+        Empty for stage clients with no workers (in-process ones) and before
+        any worker of the stage is ready.
+        """
+        orch = self._orch
+        if orch is None:
+            return {}
+        client = orch.stages[stage]
+        return client.ready_info() if isinstance(client, ReportsReady) else {}
+
+    @property
     def failure(self) -> BaseException | None:
         """What ended the run, if it crashed or could not start (None otherwise)."""
         return self._failure
@@ -374,7 +385,7 @@ class TrioEngine(ControlPlane):
         """Abort a request from any thread, without waiting; its consumer gets ``aborted``.
 
         Unknown or finished id: no-op.  Raises EngineClosed once the engine is
-        dead.  To wait for the stages' confirmations: :meth:`abort_confirmed`.
+        dead.  To wait for the stages' confirmations: :meth:`abort_confirmed_async`.
         """
         if self._dead is not None:
             raise EngineClosed(self._closed_message())
@@ -403,7 +414,7 @@ class TrioEngine(ControlPlane):
         self._post(self._update_cb, request_id, segment, bool(final), fut)
         return fut
 
-    async def update_request(self, request_id: str, segment: Any, *, final: bool = False) -> None:
+    async def update_request_async(self, request_id: str, segment: Any, *, final: bool = False) -> None:
         """One more input segment for a live resumable request (``final``: the last one).
 
         Returns once the segment was handed to the stages; waits while the
@@ -423,9 +434,7 @@ class TrioEngine(ControlPlane):
             raise
         fut.result()
 
-    update_request_async = update_request  #: the name code written against both engines calls
-
-    async def abort_confirmed(self, request_id: str, timeout: float | None = None) -> list[RpcResult]:
+    async def abort_confirmed_async(self, request_id: str, timeout: float | None = None) -> list[RpcResult]:
         """Abort and wait until every stage that held the request confirmed it stopped.
 
         As :meth:`Orchestrator.abort`: the consumer gets the ``aborted``
@@ -438,8 +447,6 @@ class TrioEngine(ControlPlane):
             self._abort_cb(s)
             return []
         return await orch.abort(request_id, timeout)
-
-    abort_confirmed_async = abort_confirmed
 
     def control_orchestrator(self) -> Orchestrator:
         """The running orchestrator (for the control plane); EngineClosed when there is none."""

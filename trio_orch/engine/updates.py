@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from trio_orch.engine.base import EngineClosed
+from trio_orch.engine.api import EngineClosed
 from trio_orch.engine.demux import DONE, PENDING, Stream
 from trio_orch.shell.orchestrator import Orchestrator
 

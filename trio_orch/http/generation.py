@@ -1,14 +1,19 @@
-"""What the OpenAI-shaped routes share: the body, refusals, admission and the wait.
+"""What every OpenAI-shaped route shares: the body, refusals, admission, the wait, and the one streaming loop.
 
-The chat route (:mod:`trio_orch.http.app`) and the completions, speech and
-tokenizer routes (:mod:`trio_orch.http.openai_routes`) answer alike: a refusal is OpenAI's error body with a
-status, counted by route in ``/metrics`` and logged; a request is admitted
-before any byte of the answer goes out (429 with ``Retry-After`` when the
-engine sheds it, 503 when it is not running or a stage of the request's path
-has no live replica); a client that leaves before its answer aborts its
-request (counted as finished by ``abort``).  Bodies are read against their
-schema (:mod:`trio_orch.http.schemas`: typed 400s naming the field, unknown
-fields ignored and logged).  AnyIO throughout: the same code on either front.
+The routes (:mod:`trio_orch.http.routes`) answer alike: a refusal is
+OpenAI's error body with a status, counted by route in ``/metrics`` and
+logged; a request is admitted before any byte of the answer goes out (429
+with ``Retry-After`` when the engine sheds it, 503 when it is not running or
+a stage of the request's path has no live replica); bodies are read by the
+one validator (:mod:`trio_orch.openai.validation`: typed 400s naming the
+field).  Every generation route streams through :meth:`OpenAIRoute.body`
+(one chunk per dispatcher batch, an error terminal as the route's failure
+chunk, the tokens counted however it ends) and answers a non-streamed
+request through :meth:`OpenAIRoute.wait`.  A client that leaves before its
+answer -- mid-stream, while it waits for a non-streamed one, or with a
+realtime response in progress -- has its request aborted (the stream's
+handle closed) and is counted and logged in one place,
+:meth:`~trio_orch.http.metrics.FrontMetrics.client_left`.  AnyIO throughout: the same code on either front.
 """
 
 from __future__ import annotations
@@ -22,30 +27,37 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.openai_chat import orch_error_status
-from trio_orch.http.schemas import BadRequest, decode, error_body, parse_json_body
 from trio_orch.http.streaming import SSEResponse, until_done_or_gone
+from trio_orch.openai.validation import BadRequest, decode, error_body, parse_json_body
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["OpenAIRoute"]
+__all__ = ["OpenAIRoute", "orch_error_status"]
 
-log = logging.getLogger("trio_orch.http.generation")
+log = logging.getLogger("trio_orch.http")
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+#: an error terminal's kind -> the status of a request that ended in it before anything was sent
+_STATUS = {"timeout": 504, "shutdown": 503, "stage_unavailable": 503, "replica_died": 503, "aborted": 499}
+
+
+def orch_error_status(err: OrchError) -> int:
+    """HTTP status for a request that ended in ``err`` before anything was sent."""
+    return _STATUS.get(err.kind, 500)
 
 
 class OpenAIRoute:
     """One route's plumbing over ``engine``: ``path`` labels its counts and log lines.
 
-    A handler parses its body, then ``await admit(...)``, then answers with
-    :meth:`wait` (one non-streamed answer) or :meth:`stream`; each of them
-    gives either its value or the refusal to return.
+    A handler reads its body (:meth:`parse`), then ``await admit(...)``, then
+    answers with :meth:`wait` (one non-streamed answer) or :meth:`stream` of
+    :meth:`body`; each of them gives either its value or the refusal to return.
     """
 
-    def __init__(self, engine: Engine, path: str, front: FrontMetrics, limits: HTTPLimits) -> None:
+    def __init__(self, engine: EngineClient, path: str, front: FrontMetrics, limits: HTTPLimits) -> None:
         self.engine = engine
         self.path = path
         self.front = front
@@ -77,19 +89,28 @@ class OpenAIRoute:
         self.front.count(self.path, response.status_code)
         return response
 
+    def not_running(self) -> JSONResponse | None:
+        """The 503 while the engine does not run (None: it runs)."""
+        if self.engine.running:
+            return None
+        why = self.engine.closed_reason or "it has not started"
+        return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
+
+    def overloaded(self, exc: Overloaded) -> JSONResponse:
+        return self.error(429, str(exc), "rate_limit_error", code="overloaded", retry_after=exc.retry_after)
+
     async def admit(self, prompt: Any, *, final_stage_id: int | None, sampling: dict[int, dict[str, Any]],
-                    want_timings: bool = False, priority: int = 0) -> AsyncRequestHandle | JSONResponse:
+                    want_timings: bool = False, priority: int = 0) -> AcceptedRequest | JSONResponse:
         """The accepted request's handle, or the refusal (429, 503, or a 400 the engine's checks gave)."""
-        engine = self.engine
-        if not engine.running:
-            why = engine.closed_reason or "it has not started"
-            return self.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
+        refused = self.not_running()
+        if refused is not None:
+            return refused
         try:
-            handle = await engine.add_request_async(prompt, final_stage_id=final_stage_id, sampling=sampling,
-                                                    want_timings=want_timings, priority=priority)
+            handle = await self.engine.add_request_async(prompt, final_stage_id=final_stage_id,
+                                                         sampling=sampling, want_timings=want_timings,
+                                                         priority=priority)
         except Overloaded as exc:
-            return self.error(429, str(exc), "rate_limit_error", code="overloaded",
-                              retry_after=exc.retry_after)
+            return self.overloaded(exc)
         except EngineClosed as exc:
             return self.error(503, str(exc), "server_error", code="engine_closed")
         except ValueError as exc:
@@ -98,16 +119,15 @@ class OpenAIRoute:
             return self.failed(handle.rejection)
         return handle
 
-    def disconnected(self) -> None:
-        self.front.disconnects += 1
-        self.front.count_finished("abort")
-        log.info("%s: a client disconnected before its answer; its request was aborted", self.path)
+    def client_left(self) -> None:
+        """A client left before its answer; its request was aborted (:meth:`FrontMetrics.client_left`)."""
+        self.front.client_left(self.path)
 
     async def wait(self, fn: Callable[[], Awaitable[Any]], request: Request) -> Any:
         """``await fn()`` unless the client leaves first (then its request is aborted: 499)."""
         result, exc, left = await until_done_or_gone(fn, request.receive)
         if left:
-            self.disconnected()
+            self.client_left()
             self.front.count(self.path, 499)
             return Response(status_code=499)
         if isinstance(exc, EngineClosed):
@@ -119,7 +139,7 @@ class OpenAIRoute:
         return result
 
     @staticmethod
-    async def collect(handle: AsyncRequestHandle, absorb: Callable[[OrchOutput], object]) -> OrchError | None:
+    async def collect(handle: AcceptedRequest, absorb: Callable[[OrchOutput], object]) -> OrchError | None:
         """Feed every output of the request to ``absorb``; its error terminal, if it ended in one."""
         async for msgs in handle.batches():
             for m in msgs:
@@ -129,13 +149,22 @@ class OpenAIRoute:
         return None
 
     @staticmethod
-    async def pieces(handle: AsyncRequestHandle, render: Callable[[OrchOutput], bytes],
-                     failure: Callable[[str, str], bytes]) -> AsyncIterator[bytes]:
-        """The request's outputs rendered, one chunk per dispatcher batch; an error ends it with
-        ``failure(code, message)``.  Leaving early closes the request's stream (and so aborts it)."""
-        gen = handle.batches()
+    async def body(handle: AcceptedRequest, render: Callable[[OrchOutput], bytes],
+                   failure: Callable[[str, str], bytes], *, first: bytes = b"", last: bytes = b"",
+                   on_end: Callable[[], object] | None = None) -> AsyncIterator[bytes]:
+        """The one streaming loop of every generation route.
+
+        ``first``, then the request's outputs rendered, one chunk per
+        dispatcher batch; an error terminal (or the engine stopping) ends
+        them with ``failure(code, message)``; then ``last``.  ``on_end`` runs
+        however the loop ends -- the client left too -- so what was generated
+        counts.  Leaving early closes the request's stream, which aborts it.
+        """
+        if first:
+            yield first
+        batches = handle.batches()
         try:
-            async for msgs in gen:
+            async for msgs in batches:
                 out = []
                 for m in msgs:
                     if isinstance(m, OrchError):
@@ -148,11 +177,15 @@ class OpenAIRoute:
         except (EngineClosed, ValueError) as exc:
             yield failure("engine_closed", str(exc))
         finally:
-            await gen.aclose()
+            if on_end is not None:
+                on_end()
+            await batches.aclose()
+        if last:
+            yield last
 
     def stream(self, body: AsyncIterator[bytes], media_type: str = SSEResponse.media_type) -> Response:
         """A streamed 200 of ``body``'s chunks; a client that leaves aborts the request under it."""
-        response = SSEResponse(body, on_disconnect=self.disconnected)
+        response = SSEResponse(body, on_disconnect=self.client_left)
         if media_type != SSEResponse.media_type:  # raw bytes (pcm): the same watch for the client leaving
             response.headers["content-type"] = media_type
         return self.ok(response)

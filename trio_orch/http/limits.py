@@ -47,12 +47,12 @@ from typing import Any
 import anyio
 
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.schemas import error_body
+from trio_orch.openai.validation import error_body
 
 __all__ = ["Guard", "HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Refusal", "Scope", "Shedder",
            "json_response"]
 
-log = logging.getLogger("trio_orch.serve.command")
+log = logging.getLogger("trio_orch.http")
 
 Scope = dict[str, Any]
 AsgiMessage = dict[str, Any]

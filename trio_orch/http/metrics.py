@@ -13,6 +13,7 @@ the tests read it).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +29,12 @@ from trio_orch.histogram import RTF_BUCKETS, Histogram, HistogramSnapshot
 from trio_orch.types import ERROR_KINDS
 
 if TYPE_CHECKING:
-    from trio_orch.engine.base import EngineStatistics
+    from trio_orch.engine.api import EngineStatistics
 
 __all__ = ["CONTENT_TYPE", "FAMILIES", "FINISH_REASONS", "EngineCollector", "ExtraCounters", "FrontMetrics",
            "render"]
+
+log = logging.getLogger("trio_orch.http")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -155,6 +158,14 @@ class FrontMetrics:
         """A request answered to its end (``stop``, ``length``) or left by its client (``abort``)."""
         with self._lock:
             self.finished[reason] = self.finished.get(reason, 0) + 1
+
+    def client_left(self, route: str) -> None:
+        """A client of ``route`` left before its answer and its request was aborted: the one place that
+        counts it (a disconnect, a request finished by ``abort``) and says so, for every route."""
+        with self._lock:
+            self.disconnects += 1
+            self.finished["abort"] = self.finished.get("abort", 0) + 1
+        log.info("%s: a client disconnected before its answer; its request was aborted", route)
 
     def count(self, route: str, status: int) -> None:
         key = (route, status)

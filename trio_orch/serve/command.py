@@ -1,7 +1,7 @@
 """``trio-orch serve``: the HTTP app (:mod:`trio_orch.http.app`) over the Trio engine, on one of two fronts.
 
 ``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
-orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.Engine`'s
+orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.ThreadEngine`'s
 Trio thread.  ``--loop trio``: an HTTP server on Trio -- the lean one
 (:mod:`trio_orch.serve.trio_http`, default) or hypercorn's Trio worker
 (``--http-server hypercorn``) -- and the
@@ -37,15 +37,15 @@ from typing import Any
 from stages.config import PIPELINES
 from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
-from trio_orch.engine import Engine, EngineStartupError
+from trio_orch.engine import EngineClient, EngineStartupError, ThreadEngine
 from trio_orch.engine.base import as_spec
-from trio_orch.http.admin import TOKEN_ENV
-from trio_orch.http.app import API_KEY_ENV, create_app
-from trio_orch.http.chat_template import ChatInput, ChatTemplate
+from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.http.media import MediaPolicy
 from trio_orch.http.metrics import FrontMetrics
+from trio_orch.openai.chat_template import ChatInput, ChatTemplate
+from trio_orch.openai.media import MediaPolicy
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
+from trio_orch.serve.credentials import API_KEY_ENV, TOKEN_ENV
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
@@ -325,17 +325,13 @@ class _Pipeline:
             out.update(prometheus_counters(self.registrar))
         return out
 
-    def token_limit(self, engine: Engine) -> int | None:
+    def token_limit(self, engine: EngineClient) -> int | None:
         """The text stage's own cap on generated tokens, from its workers' ready handshake."""
         k = text_stage(engine.final_stage_ids, self.outputs)
         if k is None:
             return None
-        for client in getattr(engine.stages[k], "replicas", ()):
-            ready = getattr(client, "ready", None)
-            limit = ready.info.get("max_new_tokens") if ready is not None else None
-            if isinstance(limit, int):
-                return limit
-        return None
+        limit = engine.stage_info(k).get("max_new_tokens")
+        return limit if isinstance(limit, int) else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -358,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"starting {pipeline.what} ...", flush=True)
     if args.loop == "trio":
         return _run_trio(args, pipeline, limits, sock)
-    engine = Engine(pipeline.factory, **_engine_options(args, pipeline))
+    engine = ThreadEngine(pipeline.factory, **_engine_options(args, pipeline))
     try:
         engine.start()
     except EngineStartupError as exc:
@@ -422,7 +418,7 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_SIGNAL if stopped_by else 0
 
 
-def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: Engine, limits: HTTPLimits,
+def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: EngineClient, limits: HTTPLimits,
          front: FrontMetrics, front_counters: Any = None) -> Any:
     """The one app both fronts serve (:func:`~trio_orch.http.app.create_app`), from the command line."""
     def extra_metrics() -> dict[str, Any]:
@@ -501,7 +497,7 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def _close(engine: Engine) -> None:
+def _close(engine: ThreadEngine) -> None:
     """Close the engine; meanwhile SIGINT/SIGTERM only cut a drain short: the bounded cleanup must finish."""
     previous = {sig: signal.signal(sig, lambda signum, frame: engine.end_drain())
                 for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -512,7 +508,7 @@ def _close(engine: Engine) -> None:
             signal.signal(sig, handler)
 
 
-def watch_engine(engine: Engine, server: Any, stopping: threading.Event, died: list[str]) -> None:
+def watch_engine(engine: ThreadEngine, server: Any, stopping: threading.Event, died: list[str]) -> None:
     """If the engine thread ends while we serve (a crash), stop the HTTP server too: exit 1.
 
     Serving only 503s would hide the failure from whoever restarts the process.

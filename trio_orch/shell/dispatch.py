@@ -103,11 +103,13 @@ class Dispatch:
         self._io: deque[_Pending] = deque()  # stage I/O to await, in decision order (``starts_held``)
         self._io_added = trio.Event()  # the performer waits on it for I/O to await
         self._parked = False  # the dispatcher waits on an empty inbox
+        self._starts_due = False  # a decision made room for queued requests: the dispatcher starts them
         #: who waits on events queued in the inbox (taken with it): callers of abort()/pause() waiting
         #: for the stages' confirmations, and callers waiting until an event's stage I/O is done
         self._confirms: list[AbortWait] = []
-        self._settles: list[trio.Event] = []
-        self.starting: dict[Ticket, trio.Event] = {}  # enqueued tickets whose add_request waits for the start
+        self._settles: list[tuple[Any, trio.Event]] = []
+        #: queued tickets someone waits to see started (their add_request, an input segment kept for them)
+        self.starting: dict[Ticket, list[trio.Event]] = {}
 
     # ------------------------------------------------------------------ events in
     def push(self, stage_id: int, outs: list[StageOutput]) -> None:
@@ -128,18 +130,19 @@ class Dispatch:
         """
         out = self.outputs
         if self.idle and not out.behind and (out.backlog is None or not out.backlog()):
-            self.decide([event], () if confirm is None else (confirm,), () if settle is None else (settle,))
+            self.decide([event], () if confirm is None else (confirm,),
+                        () if settle is None else ((event, settle),))
             return
         self.post(event)
         if confirm is not None:
             self._confirms.append(confirm)
         if settle is not None:
-            self._settles.append(settle)
+            self._settles.append((event, settle))
 
     def enqueue(self, ticket: Ticket, now: float, done: trio.Event | None) -> None:
         """An accepted ticket goes into the core's start queue; ``done`` is set once it started (or ended)."""
         if done is not None:
-            self.starting[ticket] = done
+            self.wait_start(ticket, done)
         out = self.outputs
         if self.idle and not out.behind and (out.backlog is None or not out.backlog()):
             self.decide([Enqueue(ticket, now)])
@@ -175,7 +178,7 @@ class Dispatch:
 
     # ------------------------------------------------------------------ the one decision
     def decide(self, events: list[Any], confirms: Sequence[AbortWait] = (),
-               settles: Sequence[trio.Event] = ()) -> None:
+               settles: Sequence[tuple[Any, trio.Event]] = ()) -> None:
         """Apply ``events`` through the core, then perform the result: the only writer of request state.
 
         Synchronous (atomic under Trio).  Outcomes of the I/O done here (a
@@ -187,14 +190,26 @@ class Dispatch:
         posted = self._posted
         router = self.router
         state = self.state
-        release: list[trio.Event] = list(settles) if settles else []
+        release: list[trio.Event] = []
+        # Starts: a decision made at once by a deliverer starts only what it queued itself into an empty
+        # queue; room it makes for requests already waiting is filled by the dispatcher's next decision,
+        # together with whatever else this scheduler pass brings (the abort of one of them, say).
+        start = not state.starts_held and not (was_idle and router.start_queued)
+        if not was_idle:
+            self._starts_due = False
         while True:  # the outcomes of the I/O done here are decided in turn (a submit a stage refused)
-            actions = router.route_many(events, start=not state.starts_held)
+            actions = router.route_many(events, start=start)
             if not actions:
                 break
             events = self._perform(actions, confirms)
             if not events:
                 break
+        for event, done in settles:
+            ticket = router.queued.get(event.request_id) if type(event) is InputSegment else None
+            if ticket is not None:  # kept for its start: done once the start sends it, after the prompt
+                self.wait_start(ticket, done)
+            else:
+                release.append(done)
         for w in confirms:
             w.ids.update(w.request.aborted)
             if not w.handed:
@@ -209,14 +224,23 @@ class Dispatch:
                     done.set()
         if state.room is not None or state.pause_waiter is not None or state.draining:
             state.after_decision()
-        if was_idle and posted == self._posted and not self._io:
+        if not start and was_idle and router.start_queued and not state.starts_held:
+            self._starts_due = True  # for the dispatcher's next decision
+            self.idle = False
+            self.inbox.nudge()
+        elif was_idle and posted == self._posted and not self._io:
             self.idle = True
 
     def _started(self) -> list[trio.Event]:
         """The ``add_request`` callers whose ticket is no longer queued (it started, or ended there)."""
         starting, queued = self.starting, self.router.queued
         gone = [t for t in starting if queued.get(t.request_id) is not t]
-        return [starting.pop(t) for t in gone]
+        return [done for t in gone for done in starting.pop(t)]
+
+    def wait_start(self, ticket: Ticket, done: trio.Event) -> None:
+        """Set ``done`` once ``ticket`` left the start queue (started, or ended there) and the stage I/O
+        its start decided is done."""
+        self.starting.setdefault(ticket, []).append(done)
 
     def _perform(self, actions: list[Action], confirms: Sequence[AbortWait]) -> list[Any]:
         """Emits, then the stage I/O that can be done now; what must be awaited goes to the dispatcher.
@@ -291,7 +315,7 @@ class Dispatch:
             for w in waiting:
                 w.event.set()
 
-    def close(self) -> tuple[list[AbortWait], list[trio.Event]]:
+    def close(self) -> tuple[list[AbortWait], list[tuple[Any, trio.Event]]]:
         """Shutdown: take no more events.  What was queued and never decided is dropped (the shutdown
         terminals cover it); returns who waited on it, for the shutdown decision to release.  Stage I/O
         never performed is dropped too, and its waiters released."""
@@ -303,7 +327,7 @@ class Dispatch:
         confirms, settles = self._confirms, self._settles
         self._confirms, self._settles = [], []
         while self._io:
-            settles.extend(self._io.popleft().release)
+            settles.extend((None, done) for done in self._io.popleft().release)
         return confirms, settles
 
     # ------------------------------------------------------------------ the two tasks
@@ -314,6 +338,9 @@ class Dispatch:
             if not inbox:
                 if inbox.closed:
                     return
+                if self._starts_due:
+                    self.decide([])
+                    continue
                 self._parked = True
                 self.idle = not self._io
                 try:

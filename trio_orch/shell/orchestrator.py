@@ -256,8 +256,8 @@ class Orchestrator:
     async def update_request(self, request_id: str, segment: Any, *, final: bool = False) -> None:
         """One more input segment for a live resumable request; ``final=True`` for the last one.
 
-        Returns once the segment was handed to the stages (for a request not
-        started yet: once it is kept for its start, which sends it after the
+        Returns once the segment was handed to the stages (a request not
+        started yet keeps it for its start, which sends it right after the
         prompt).  Raises ``ValueError`` (changing nothing) for an unknown or
         ended id, a request not added with ``resumable=True``, or after its
         final segment, and ``RuntimeError`` once the orchestrator stopped.
@@ -485,8 +485,9 @@ class Orchestrator:
         dispatch = self._dispatch
         confirms, settles = dispatch.close()
         dispatch.decide([Shutdown()], confirms, settles)
-        for done in dispatch.starting.values():
-            done.set()
+        for waiting in dispatch.starting.values():
+            for done in waiting:
+                done.set()
         dispatch.starting.clear()
         for w in list(self._control.waiters):
             w.event.set()

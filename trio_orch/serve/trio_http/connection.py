@@ -24,7 +24,7 @@ from typing import Any
 import trio
 
 from trio_orch.http.limits import json_response
-from trio_orch.http.schemas import error_body
+from trio_orch.openai.validation import error_body
 from trio_orch.serve.trio_http.config import ServerState
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,

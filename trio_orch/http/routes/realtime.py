@@ -1,4 +1,4 @@
-"""``/v1/realtime``: the session protocol (:mod:`trio_orch.http.realtime`) over a Starlette WebSocket.
+"""``/v1/realtime``: the session protocol (:mod:`trio_orch.openai.realtime`) over a Starlette WebSocket.
 
 The official ``openai`` SDK connects here (``client.realtime.connect(model=...)``
 with ``base_url=http://HOST:PORT/v1``: ``ws://HOST:PORT/v1/realtime?model=...``,
@@ -18,7 +18,9 @@ The session counts into the same counters as the HTTP routes
 as prompt tokens, each text output as a generated token of its stage, and
 each response that ends as a finished request (the text stage's
 ``finish_reason`` when it completed, ``abort`` when cancelled; a failed one
-is counted by the engine's errors).
+is counted by the engine's errors).  A client that closes the session with a
+response in progress left before its answer, as a client of the HTTP routes
+may: :meth:`~trio_orch.http.metrics.FrontMetrics.client_left` counts it.
 """
 
 from __future__ import annotations
@@ -36,21 +38,22 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from stages.registry import as_text
-from trio_orch.engine import AsyncRequestHandle, Engine, EngineClosed, Overloaded
+from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.realtime import Append, Cancel, RealtimeSession, Start
-from trio_orch.http.schemas import BadRequest, ServedModels, error_body
-from trio_orch.http.tokenizer import prompt_token_count
+from trio_orch.openai.protocol import ServedModels
+from trio_orch.openai.realtime import Append, Cancel, RealtimeSession, Start
+from trio_orch.openai.tokenizer import prompt_token_count
+from trio_orch.openai.validation import BadRequest, error_body
 from trio_orch.types import Message, OrchOutput
 
 __all__ = ["realtime_route", "run_session"]
 
-log = logging.getLogger("trio_orch.http.realtime")
+log = logging.getLogger("trio_orch.http")
 
 _ids = itertools.count()
 
 
-def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/v1/realtime",
+def realtime_route(engine: EngineClient, outputs: Sequence[str] | None, path: str = "/v1/realtime",
                    models: ServedModels | None = None, front: FrontMetrics | None = None,
                    **limits: int) -> WebSocketRoute:
     """The Starlette route of the realtime endpoint over ``engine`` (``limits``: RealtimeSession's).
@@ -64,7 +67,7 @@ def realtime_route(engine: Engine, outputs: Sequence[str] | None, path: str = "/
     return WebSocketRoute(path, endpoint)
 
 
-async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | None, *,
+async def run_session(ws: WebSocket, engine: EngineClient, outputs: Sequence[str] | None, *,
                       models: ServedModels | None = None, front: FrontMetrics | None = None,
                       **limits: int) -> None:
     """Serve one session on an accepted-to-be WebSocket until the client closes it."""
@@ -91,7 +94,7 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
                               model=model or (models.name if models is not None else None),
                               served=models.names if models is not None else None, **limits)
     lock = anyio.Lock()
-    counted = Counted(front, engine, outputs, session.text_stage)
+    counted = Counted(front, engine, outputs, session.text_stage, path=ws.scope.get("path", "/v1/realtime"))
 
     async def send(events: list[dict[str, Any]]) -> None:
         counted.sent(events)
@@ -99,9 +102,9 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
             for e in events:
                 await ws.send_text(json.dumps(e, separators=(",", ":")))
 
-    handle: AsyncRequestHandle | None = None
+    handle: AcceptedRequest | None = None
 
-    async def stream(h: AsyncRequestHandle) -> None:
+    async def stream(h: AcceptedRequest) -> None:
         async for m in h:
             counted.output(m)
             await send(session.output(m))
@@ -155,9 +158,10 @@ async def run_session(ws: WebSocket, engine: Engine, outputs: Sequence[str] | No
 class Counted:
     """What one session adds to the front's token and finish-reason counters (nothing without ``front``)."""
 
-    def __init__(self, front: FrontMetrics | None, engine: Engine, outputs: Sequence[str] | None,
-                 text_stage: int | None) -> None:
+    def __init__(self, front: FrontMetrics | None, engine: EngineClient, outputs: Sequence[str] | None,
+                 text_stage: int | None, path: str) -> None:
         self.front, self.engine, self.outputs, self.text_stage = front, engine, outputs, text_stage
+        self.path = path
         self.reason: str | None = None  # the text stage's finish_reason for the response in progress
 
     def prompt(self, segment: str) -> None:
@@ -192,4 +196,4 @@ class Counted:
     def left(self) -> None:
         """The client closed the session with a response in progress: that request was aborted."""
         if self.front is not None:
-            self.front.count_finished("abort")
+            self.front.client_left(self.path)

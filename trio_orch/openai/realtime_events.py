@@ -1,4 +1,4 @@
-"""The OpenAI Realtime protocol's shapes for :mod:`trio_orch.http.realtime`: client events checked,
+"""The OpenAI Realtime protocol's shapes for :mod:`trio_orch.openai.realtime`: client events checked,
 server events built.
 
 Kept apart from the session's rules so that each event's fields -- the names

@@ -1,7 +1,7 @@
 """The realtime session: OpenAI's Realtime protocol (text in; text and audio out), with no I/O here.
 
 ``trio-orch serve`` speaks it on ``/v1/realtime`` (the socket side is
-:mod:`trio_orch.http.realtime_server`), so the official ``openai`` SDK's
+:mod:`trio_orch.http.routes.realtime`), so the official ``openai`` SDK's
 ``client.realtime.connect(model=...)`` drives it.  The client adds
 conversation items (``conversation.item.create``: text messages) and asks
 for a response (``response.create``); the server answers with the events and
@@ -35,8 +35,7 @@ from typing import Any
 
 from stages.registry import as_audio, as_text, text_stage
 from stages.sampling_params import StageParams
-from trio_orch.http.openai_sampling import SamplingError, map_sampling
-from trio_orch.http.realtime_events import (
+from trio_orch.openai.realtime_events import (
     AUDIO_FORMAT,
     Refused,
     Response,
@@ -48,11 +47,12 @@ from trio_orch.http.realtime_events import (
     parse_frame,
     pcm16_base64,
 )
+from trio_orch.openai.sampling import SamplingError, map_sampling
 from trio_orch.types import Message, OrchError
 
 __all__ = ["Action", "Append", "Cancel", "RealtimeSession", "Start"]
 
-log = logging.getLogger("trio_orch.http.realtime")
+log = logging.getLogger("trio_orch.openai.realtime")
 
 MAX_ITEMS = 256  # conversation items kept for retrieve and previous_item_id
 

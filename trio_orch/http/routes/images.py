@@ -5,9 +5,10 @@ Request fields: ``prompt`` (required), ``n`` (1 only), ``size``
 model), ``response_format`` (``"b64_json"`` only: nothing is stored to serve
 a URL from), ``model`` (optional; if given, a model this server serves),
 ``user`` (accepted, unused); extensions ``negative_prompt``,
-``guidance_scale``, ``num_inference_steps`` and ``seed``.  The body is read
-against :class:`ImageGenerationRequest` as every route's is: a wrong type or
-a value out of range is a 400 whose ``param`` names the field, a model not
+``guidance_scale``, ``num_inference_steps`` and ``seed``.  The body is
+read (:func:`~trio_orch.openai.images.parse_image_request`) against
+:class:`~trio_orch.openai.protocol.ImageGenerationRequest` as every route's
+is: a wrong type or a value out of range is a 400 whose ``param`` names the field, a model not
 served a 404, an unknown field ignored and logged.  The
 answer is ``{"created", "data": [{"b64_json": <PNG>}]}`` plus a ``trio_orch``
 extension saying how the image was made (size, steps, guidance and the
@@ -28,62 +29,30 @@ from __future__ import annotations
 import base64
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.registry import image_of
-from trio_orch.engine import Engine, Overloaded
+from trio_orch.engine.api import EngineClient, Overloaded
 from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.http.schemas import UNSUPPORTED, BadRequest, Scheduled, ServedModels
-from trio_orch.http.text2image import ImageOptionError, ImageRequest, parse_size
+from trio_orch.openai.images import ImageRequest, parse_image_request
+from trio_orch.openai.protocol import ImageGenerationRequest, ServedModels
+from trio_orch.openai.validation import BadRequest
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["IMAGES", "ImageGenerationRequest", "image_route", "parse_image_request"]
+__all__ = ["IMAGES", "image_route"]
 
 IMAGES = "/v1/images/generations"
 _MADE = ("width", "height", "steps", "guidance_scale", "guided_by")  # the extension: how it was made
 
 
-class ImageGenerationRequest(Scheduled, kw_only=True):
-    """``POST /v1/images/generations`` (OpenAI's fields, then the diffusion extensions)."""
-
-    prompt: str
-    model: str | None = None
-    n: int | None = None
-    size: str = "256x256"
-    response_format: str | None = None
-    user: str | None = None
-    negative_prompt: str | None = None
-    guidance_scale: float = 4.0
-    num_inference_steps: int = 8
-    seed: int = 0
-
-    #: this route's own table: ``response_format`` means an image encoding here, not chat's text format
-    UNSUPPORTED: ClassVar[dict[str, tuple[Callable[[Any], bool], str]]] = {
-        "n": UNSUPPORTED["n"],
-        "response_format": (lambda v: v in (None, "b64_json"),
-                            "'response_format' must be 'b64_json' (no image URLs are served)"),
-    }
-
-
-def parse_image_request(req: ImageGenerationRequest) -> ImageRequest:
-    """The decoded body -> a range-checked :class:`ImageRequest` (BadRequest naming the field)."""
-    try:
-        width, height = parse_size(req.size)
-        return ImageRequest(req.prompt, req.negative_prompt, width, height, req.num_inference_steps,
-                            float(req.guidance_scale), req.seed).checked()
-    except ImageOptionError as exc:
-        raise BadRequest(str(exc), exc.field) from None
-
-
-def image_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] | None,
+def image_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[str] | None,
                 front: FrontMetrics, limits: HTTPLimits) -> Route:
     """``POST /v1/images/generations`` over ``engine``'s pipeline (``front`` counts its answers).
 
@@ -100,23 +69,26 @@ def image_route(engine: Engine, *, models: ServedModels, outputs: Sequence[str] 
                 if m.finished:
                     return m
         except Overloaded as exc:
-            return route.error(429, str(exc), "rate_limit_error", code="overloaded",
-                               retry_after=exc.retry_after)
+            return route.overloaded(exc)
         raise AssertionError("the request ended without a terminal")  # pragma: no cover (the contract)
+
+    def read(raw: bytes) -> tuple[ImageGenerationRequest, ImageRequest]:
+        """The one check of an image request."""
+        body = route.parse(raw, ImageGenerationRequest)
+        if not makes_images:
+            raise BadRequest(f"model {models.name!r} makes no images: serve an image pipeline "
+                             "(trio-orch serve --pipeline text2image)", "model")
+        models.resolve(body.model)
+        return body, parse_image_request(body)
 
     async def generations(request: Request) -> Response:
         try:
-            body = route.parse(await request.body(), ImageGenerationRequest)
-            if not makes_images:
-                raise BadRequest(f"model {models.name!r} makes no images: serve an image pipeline "
-                                 "(trio-orch serve --pipeline text2image)", "model")
-            models.resolve(body.model)
-            req = parse_image_request(body)
+            body, req = read(await request.body())
         except BadRequest as exc:
             return route.bad(exc)
-        if not engine.running:
-            why = engine.closed_reason or "it has not started"
-            return route.error(503, f"the engine is not running: {why}", "server_error", code="engine_closed")
+        refused = route.not_running()
+        if refused is not None:
+            return refused
         rid = f"img-{uuid.uuid4().hex[:16]}"
         # 499 if the client left first
         msg = await route.wait(partial(collect, req, rid, body.priority), request)

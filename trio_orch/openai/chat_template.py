@@ -29,8 +29,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from stages.registry import input_media
-from trio_orch.http.media import MediaPolicy
-from trio_orch.http.schemas import BadRequest
+from trio_orch.openai.media import MediaPolicy
+from trio_orch.openai.validation import BadRequest
 
 __all__ = ["DEFAULT_TEMPLATE", "ChatInput", "ChatTemplate"]
 

@@ -1,17 +1,19 @@
-"""The OpenAI chat-completions shape: the request (:mod:`trio_orch.http.schemas`) and the answer's chunks.
+"""The OpenAI chat-completions shape: the request (:mod:`trio_orch.openai.protocol`) and the answer's chunks.
 
-No web framework here: :func:`parse_chat_request` turns a decoded body into
-a :class:`ChatRequest` or raises :class:`BadRequest` (-> HTTP 4xx with
-OpenAI's error body naming the field).  The shape and ranges are the
-schema's (:class:`~trio_orch.http.schemas.ChatCompletionRequest`: unknown
+No web framework here: :func:`read_chat_request` is the one check of a
+request -- :func:`parse_chat_request` turns a decoded body into a
+:class:`ChatRequest`, then the pipeline's own checks (its final stage, the
+sampling fields on its stages) -- and raises :class:`BadRequest` (-> HTTP
+4xx with OpenAI's error body naming the field).  The shape and ranges are the
+schema's (:class:`~trio_orch.openai.protocol.ChatCompletionRequest`: unknown
 fields ignored and logged, known ones this server cannot honour refused);
 what the schema cannot say (the messages carry text, audio formats fit
 streaming, the prompt's length, the model is one served here: else 404) is
 checked here, so nothing a client sends can fail later on the wire.  The
 prompt is the messages rendered by the chat template
-(:class:`~trio_orch.http.chat_template.ChatTemplate`, ``serve
+(:class:`~trio_orch.openai.chat_template.ChatTemplate`, ``serve
 --chat-template``); image and audio parts are placeholders there and are
-decoded (:mod:`trio_orch.http.media`) into arrays that go beside the prompt
+decoded (:mod:`trio_orch.openai.media`) into arrays that go beside the prompt
 to the pipeline's encoder stages -- refused naming the part when the
 pipeline has no encoder for them.  A remote image URL (``serve
 --allowed-media-domains``) is checked here but fetched after, by
@@ -45,11 +47,13 @@ from typing import Any
 
 import numpy as np
 
-from stages.registry import as_audio, as_text
+from stages.registry import as_audio, as_text, text_stage
 from stages.sampling_params import StageParams
-from trio_orch.http import openai_sampling
-from trio_orch.http.chat_template import ChatInput
-from trio_orch.http.media import (
+from stages.validation import type_name
+from trio_orch.engine.api import EngineClient
+from trio_orch.openai import sampling as openai_sampling
+from trio_orch.openai.chat_template import ChatInput
+from trio_orch.openai.media import (
     AudioClip,
     MediaPolicy,
     check_remote_url,
@@ -59,19 +63,13 @@ from trio_orch.http.media import (
     image_pixels,
     is_remote,
 )
-from trio_orch.http.schemas import (
-    MAX_TOKENS,
-    BadRequest,
-    ChatCompletionRequest,
-    ContentPart,
-    ServedModels,
-    decode,
-    type_name,
-)
-from trio_orch.types import OrchError, OrchOutput
+from trio_orch.openai.protocol import MAX_TOKENS, ChatCompletionRequest, ContentPart, ServedModels
+from trio_orch.openai.tokenizer import prompt_token_count
+from trio_orch.openai.validation import BadRequest, decode
+from trio_orch.types import OrchOutput
 
-__all__ = ["ChatRequest", "ChatStream", "check_max_tokens", "map_chat_sampling", "orch_error_status",
-           "parse_chat_request", "pcm16", "wav_bytes"]
+__all__ = ["ChatRequest", "ChatStream", "check_max_tokens", "final_stage_for", "map_chat_sampling",
+           "parse_chat_request", "pcm16", "read_chat_request", "wav_bytes"]
 
 
 def check_max_tokens(value: Any, param: str = "max_tokens") -> int:
@@ -97,6 +95,8 @@ class ChatRequest:
     #: the sampling fields given (OpenAI's names; ``audio.voice`` under ``audio``), mapped to stages
     fields: dict[str, Any] = field(default_factory=dict)
     sampling: dict[int, dict[str, Any]] = field(default_factory=dict)  # stage -> its parameters
+    #: where the request stops: the text stage for a text-only answer (None: every final stage)
+    final_stage_id: int | None = None
     #: the decoded image parts (``uint8[h, w, 3]``) and audio parts, in the order the messages had them
     images: list[np.ndarray] = field(default_factory=list)
     audios: list[AudioClip] = field(default_factory=list)
@@ -228,10 +228,51 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
     return req
 
 
+def final_stage_for(req: ChatRequest, final_stage_ids: frozenset[int], outputs: Sequence[str] | None
+                    ) -> int | None:
+    """Where ``req`` stops on a pipeline with these final stages: its text stage for a text-only answer,
+    every final stage (None) for audio.  BadRequest when the pipeline cannot answer it that way."""
+    answers = sorted({outputs[k] for k in final_stage_ids}) if outputs is not None else []
+    if answers and not set(answers) & {"text", "audio", "data"}:  # e.g. text2image: neither hint fits
+        route = " (POST /v1/images/generations)" if "image" in answers else ""
+        raise BadRequest(f"this pipeline answers with {' and '.join(answers)}{route}, not chat: it has "
+                         "no text or audio output for any modalities", "model")
+    if req.audio:
+        if outputs is not None and not any(outputs[k] in ("audio", "data") for k in final_stage_ids):
+            raise BadRequest("this pipeline has no audio output: ask for modalities [\"text\"]",
+                             "modalities")
+        return None
+    text = text_stage(final_stage_ids, outputs)
+    if text is None:
+        raise BadRequest("this pipeline has no text-only output: "
+                         "ask for modalities [\"text\", \"audio\"]", "modalities")
+    return text  # text only: the request stops after the stage that gives text
+
+
+async def read_chat_request(body: Any, models: ServedModels, *, engine: EngineClient,
+                            outputs: Sequence[str] | None, chat: ChatInput,
+                            max_prompt_chars: int | None) -> ChatRequest:
+    """The one check of a chat completion request, cheapest first; BadRequest naming what does not fit.
+
+    The schema and what it cannot say (:func:`parse_chat_request`), then what
+    the pipeline can answer (:func:`final_stage_for`) and honour (each
+    sampling field on the stages it concerns: :func:`map_chat_sampling`),
+    then the remote images fetched; the prompt counted in the pipeline's
+    tokens for ``usage``.
+    """
+    req = parse_chat_request(body, models, max_prompt_chars, chat, defer_remote=True)
+    req.final_stage_id = final_stage_for(req, engine.final_stage_ids, outputs)
+    map_chat_sampling(req, engine.stage_params, final_stage_ids=engine.final_stage_ids, outputs=outputs,
+                      final_stage_id=req.final_stage_id)
+    await req.fetch_media()  # remote images (--allowed-media-domains), without blocking the loop
+    req.prompt_tokens = prompt_token_count(engine, outputs, req.prompt)
+    return req
+
+
 def map_chat_sampling(req: ChatRequest, stages: Sequence[StageParams] | None, *,
                       final_stage_ids: Sequence[int] | frozenset[int], outputs: Sequence[str] | None,
                       final_stage_id: int | None) -> None:
-    """Set ``req.sampling`` from its sampling fields (:mod:`trio_orch.http.openai_sampling`).
+    """Set ``req.sampling`` from its sampling fields (:mod:`trio_orch.openai.sampling`).
 
     BadRequest when a field cannot be honoured by the stages this request runs.
     """
@@ -391,9 +432,3 @@ class ChatStream:
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": self.finish_reason()}],
                 "usage": self.usage(), **({"timings": timings} if timings is not None else {})}
-
-
-def orch_error_status(err: OrchError) -> int:
-    """HTTP status for a request that ended in ``err`` before anything was sent."""
-    return {"timeout": 504, "shutdown": 503, "stage_unavailable": 503, "replica_died": 503,
-            "aborted": 499}.get(err.kind, 500)

@@ -3,11 +3,13 @@
 Only served when ``trio-orch serve --admin-token TOKEN`` (or the environment
 variable ``TRIO_ORCH_ADMIN_TOKEN``) gives a token; every call must then carry
 ``Authorization: Bearer TOKEN``.  The token is checked before anything else
-(:class:`AdminAuth`, applied by :class:`~trio_orch.http.limits.LimitsMiddleware`
-before the content type or the body): a missing or wrong one gets 401, does
-nothing and learns nothing.  Each route is one engine control call
-(:mod:`trio_orch.engine.control`); its body is a typed schema (msgspec: an
-unknown key, a wrong type or a value out of range is 400 naming the key).
+(:class:`~trio_orch.http.auth.AdminAuth`, applied by
+:class:`~trio_orch.http.limits.LimitsMiddleware` before the content type or
+the body): a missing or wrong one gets 401, does nothing and learns nothing.
+Each route is one engine control call (the ``*_async`` calls of
+:class:`~trio_orch.engine.api.EngineClient`); its body is a typed schema read
+by the one validator (:mod:`trio_orch.openai.validation`: an unknown key, a
+wrong type or a value out of range is 400 ``bad_argument`` naming the key).
 The answer is JSON: ``{"paused": mode or null, "results": [{"stage_id",
 "replica", "value", "error"}, ...]}``; a refusal adds ``"error"`` in the
 OpenAI shape the other routes use (``{"message", "type", "param",
@@ -31,57 +33,25 @@ The routes (``POST``; ``stats`` also ``GET``), their JSON body (``*``: required;
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Annotated, Any, Literal
 
-import msgspec
 from msgspec import Meta, Struct
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.control import UNKNOWN_METHOD
-from trio_orch.engine import ControlError, Engine, EngineClosed
-from trio_orch.http.limits import Refusal, Scope
-from trio_orch.http.schemas import error_body
+from trio_orch.engine.api import ControlError, EngineClient, EngineClosed
+from trio_orch.http.auth import ADMIN_PREFIX, AdminAuth
+from trio_orch.openai.validation import BadRequest, decode, error_body, parse_json_body
 from trio_orch.types import RpcResult
 
-__all__ = ["PREFIX", "TOKEN_ENV", "AdminAuth", "admin_routes"]
-
-#: the environment variable ``serve`` and ``ctl`` read the token from when no option gives it
-TOKEN_ENV = "TRIO_ORCH_ADMIN_TOKEN"
-#: every admin route's path starts with it; :class:`AdminAuth` guards the whole prefix
-PREFIX = "/admin/"
+__all__ = ["ROUTES", "admin_routes"]
 
 Seconds = Annotated[float, Meta(gt=0)]
 Text = Annotated[str, Meta(min_length=1)]
-
-
-class AdminAuth:
-    """The bearer-token check of every ``/admin/...`` path, known route or not.
-
-    :class:`~trio_orch.http.limits.LimitsMiddleware` asks it first, so a
-    caller without the token gets 401 before any other check (content type,
-    body size, method, route) can tell it anything.
-    """
-
-    MESSAGE = "a valid admin bearer token is required (Authorization: Bearer TOKEN)"
-
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}".encode()
-
-    def allows(self, headers: Sequence[tuple[bytes, bytes]]) -> bool:
-        given = next((v for k, v in headers if k.lower() == b"authorization"), b"")
-        return hmac.compare_digest(given, self.expected)
-
-    def __call__(self, scope: Scope) -> Refusal | None:
-        """The 401 for an ``/admin/...`` request without the token; None for any other request."""
-        if not str(scope.get("path", "")).startswith(PREFIX) or self.allows(scope.get("headers") or []):
-            return None
-        return Refusal(401, self.MESSAGE, "invalid_api_key", "authentication_error",
-                       {"www-authenticate": "Bearer"})
 
 
 class _Replicas(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -136,11 +106,11 @@ def _jsonable(obj: Any) -> Any:
     return json.loads(json.dumps(obj, default=default))
 
 
-async def _stats(e: Engine, b: _Replicas) -> Any:
+async def _stats(e: EngineClient, b: _Replicas) -> Any:
     return await e.collective_rpc_async("stats", stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _rpc(e: Engine, b: _Rpc) -> Any:
+async def _rpc(e: EngineClient, b: _Rpc) -> Any:
     results = await e.collective_rpc_async(b.method, b.args, b.kwargs, stage_ids=b.stage_ids,
                                            timeout=b.timeout)
     asked = [r for r in results if r.replica >= 0]
@@ -149,41 +119,41 @@ async def _rpc(e: Engine, b: _Rpc) -> Any:
     return results
 
 
-async def _pause(e: Engine, b: _Pause) -> Any:
+async def _pause(e: EngineClient, b: _Pause) -> Any:
     await e.pause_async(b.mode)
 
 
-async def _resume(e: Engine, b: _Resume) -> Any:
+async def _resume(e: EngineClient, b: _Resume) -> Any:
     await e.resume_async()
 
 
-async def _sleep(e: Engine, b: _Sleep) -> Any:
+async def _sleep(e: EngineClient, b: _Sleep) -> Any:
     return await e.sleep_async(b.level, stage_ids=b.stage_ids, timeout=b.timeout,
                                drain_timeout=b.drain_timeout)
 
 
-async def _wake(e: Engine, b: _Replicas) -> Any:
+async def _wake(e: EngineClient, b: _Replicas) -> Any:
     return await e.wake_up_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _reload(e: Engine, b: _Reload) -> Any:
+async def _reload(e: EngineClient, b: _Reload) -> Any:
     return await e.update_weights_async(b.path, stage_ids=b.stage_ids, timeout=b.timeout,
                                         drain_timeout=b.drain_timeout)
 
 
-async def _start_profile(e: Engine, b: _StartProfile) -> Any:
+async def _start_profile(e: EngineClient, b: _StartProfile) -> Any:
     return await e.start_profile_async(b.dir, stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _stop_profile(e: Engine, b: _Replicas) -> Any:
+async def _stop_profile(e: EngineClient, b: _Replicas) -> Any:
     return await e.stop_profile_async(stage_ids=b.stage_ids, timeout=b.timeout)
 
 
-async def _abort(e: Engine, b: _Abort) -> Any:
+async def _abort(e: EngineClient, b: _Abort) -> Any:
     return await e.abort_confirmed_async(b.request_id, b.timeout)
 
 
-Handler = Callable[[Engine, Any], Awaitable[Any]]
+Handler = Callable[[EngineClient, Any], Awaitable[Any]]
 
 #: route name -> (HTTP methods, body schema, handler)
 ROUTES: dict[str, tuple[tuple[str, ...], type[Struct], Handler]] = {
@@ -205,17 +175,12 @@ def _results(results: Sequence[RpcResult] | None) -> list[dict[str, Any]]:
             for r in results or ()]
 
 
-def _body(raw: bytes, schema: type[Struct]) -> Any:
-    """The request's arguments checked against the route's schema; ValueError naming what is wrong."""
-    try:
-        return msgspec.json.decode(raw or b"{}", type=schema)
-    except msgspec.ValidationError as exc:
-        raise ValueError(f"bad argument: {exc}") from None
-    except msgspec.DecodeError as exc:
-        raise ValueError(f"the body is not valid JSON: {exc}") from None
+def _body(raw: bytes, schema: type[Struct], name: str) -> Any:
+    """The request's arguments checked against the route's schema (an empty body: none given)."""
+    return decode(parse_json_body(raw or b"{}"), schema, what=f"an /admin/{name} request")
 
 
-def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
+def admin_routes(engine: EngineClient, auth: AdminAuth | None) -> list[Route]:
     """The ``/admin/...`` routes, or none when ``auth`` is None (the control plane stays off).
 
     The middleware refuses a request without the token first; each endpoint
@@ -224,13 +189,17 @@ def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
     if auth is None:
         return []
 
-    def endpoint(schema: type[Struct], handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def endpoint(name: str, schema: type[Struct], handler: Handler
+                 ) -> Callable[[Request], Awaitable[Response]]:
         async def call(request: Request) -> Response:
             refusal = auth(request.scope)
             if refusal is not None:
                 return JSONResponse(refusal.body(), status_code=refusal.status, headers=refusal.headers)
             try:
-                results = await handler(engine, _body(await request.body(), schema))
+                results = await handler(engine, _body(await request.body(), schema, name))
+            except BadRequest as exc:
+                return _answer(engine, None, 400, f"bad argument: {exc}", code="bad_argument",
+                               param=exc.param)
             except ControlError as exc:
                 return _answer(engine, exc.results, 502, str(exc), "server_error", "control_failed")
             except TimeoutError as exc:
@@ -244,13 +213,14 @@ def admin_routes(engine: Engine, auth: AdminAuth | None) -> list[Route]:
             return _answer(engine, results, 200)
         return call
 
-    return [Route(f"{PREFIX}{name}", endpoint(schema, handler), methods=list(methods))
+    return [Route(f"{ADMIN_PREFIX}{name}", endpoint(name, schema, handler), methods=list(methods))
             for name, (methods, schema, handler) in ROUTES.items()]
 
 
-def _answer(engine: Engine, results: Sequence[RpcResult] | None, status: int, error: str | None = None,
-            kind: str = "invalid_request_error", code: str | None = None) -> Response:
+def _answer(engine: EngineClient, results: Sequence[RpcResult] | None, status: int, error: str | None = None,
+            kind: str = "invalid_request_error", code: str | None = None, param: str | None = None
+            ) -> Response:
     body: dict[str, Any] = {"paused": engine.paused, "results": _results(results)}
     if error is not None:
-        body.update(error_body(error, kind, None, code))
+        body.update(error_body(error, kind, param, code))
     return JSONResponse(_jsonable(body), status_code=status)

@@ -24,7 +24,7 @@ bytes and seconds (a compressed file's length is checked before it is
 decoded, and it is decoded block by block, so a small file that claims
 hours is refused without decoding it).
 
-Every refusal is a :class:`~trio_orch.http.schemas.BadRequest` whose
+Every refusal is a :class:`~trio_orch.openai.validation.BadRequest` whose
 ``param`` names the part (``messages[0].content[1]``).
 """
 
@@ -44,7 +44,7 @@ from urllib.parse import unquote, urlparse
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from trio_orch.http.schemas import BadRequest
+from trio_orch.openai.validation import BadRequest
 
 __all__ = ["AUDIO_FORMATS", "IMAGE_FORMATS", "AudioClip", "MediaPolicy", "audio_clip", "check_remote_url",
            "decode_audio", "decode_image", "fetch_remote_images", "image_pixels", "is_remote",

@@ -9,9 +9,9 @@ can honour is an error, never silently dropped.  The extension field
 its kind (``"talker"``) or its index (``"1"``); it wins over the mapped fields.
 
 Used by ``trio-orch serve`` (:func:`chat_sampling`, through
-:mod:`trio_orch.http.openai_chat`) and ``trio-orch generate`` (:func:`map_sampling`).
+:mod:`trio_orch.openai.chat`) and ``trio-orch generate`` (:func:`map_sampling`).
 Over HTTP each field's type (and OpenAI's range, where it fixes one) is the
-request schema's (:mod:`trio_orch.http.schemas`); what is checked here is what
+request schema's (:mod:`trio_orch.openai.protocol`); what is checked here is what
 only the pipeline knows: which stage takes the parameter, and its own range.
 The README has the table.
 """
