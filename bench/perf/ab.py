@@ -9,11 +9,19 @@ CPU per output and p50 / p99 latency for each side and the ratio head /
 base.  Both sides run with this interpreter (the same dependencies); only
 the project's code differs.  What ``docs/performance.md`` records as a
 change's before/after comes from here.
+
+``--serving`` does the same for ``trio-orch serve`` on a three-stage echo
+pipeline (16 outputs a stage), both fronts, 64 streaming clients for
+``--seconds`` each: per side, the workers' steps per request (a worker step
+sends the orchestrator one message, so this is the worker messages per
+request: how many requests shared a step), the serving process's CPU per
+request and requests/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import statistics
@@ -39,6 +47,7 @@ print(json.dumps({"outputs_per_s": res["outputs"] / res["elapsed_s"],
 """
 
 MEASURES = ("outputs_per_s", "cpu_us_per_output", "p50_us", "p99_us")
+SERVING_MEASURES = ("worker_steps_per_request", "server_cpu_ms_per_request", "requests_per_s")
 
 
 def measure(tree: Path, workload: str, impl: str, quick: bool) -> dict[str, float]:
@@ -49,6 +58,37 @@ def measure(tree: Path, workload: str, impl: str, quick: bool) -> dict[str, floa
     if out.returncode != 0:
         raise RuntimeError(f"{workload} on {impl} ({tree}) failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_serving(tree: Path, front: str, seconds: float, concurrency: int, config: str,
+                    token: str) -> dict[str, float]:
+    """One ``serve --loop front`` run on ``tree``'s code: worker steps, server CPU ms and requests/s."""
+    from bench.perf import serving as sv
+
+    flags = ["--config", config]
+    proc, url = sv.start_server([*flags, "--loop", front, "--max-inflight", "0", "--request-queue-size",
+                                 str(4 * concurrency)], admin_token=token, code=tree)
+    try:
+        body = sv.echo_body(flags)
+        asyncio.run(sv.post(*sv.split_url(url), "/v1/chat/completions", body))  # warm-up
+        m = sv.measure_front(url, proc.pid, concurrency, seconds, 2, body, admin_token=token)
+    finally:
+        sv.stop_server(proc)
+    ok = max(1, m["ok"])
+    return {"worker_steps_per_request": m["worker_steps"] / ok,
+            "server_cpu_ms_per_request": m["server_cpu_s"] / ok * 1e3,
+            "requests_per_s": m["ok"] / m["wall_s"], "failed": m["failed"]}
+
+
+def serving_markdown(rows: list[dict[str, Any]], base: str) -> str:
+    """Medians per side of the serving runs, and head / base."""
+    lines = [f"| front | measure | base ({base}) | head | head / base |", "|---|---|---|---|---|"]
+    for r in rows:
+        for m in SERVING_MEASURES:
+            b, h = statistics.median(x[m] for x in r["base"]), statistics.median(x[m] for x in r["head"])
+            lines.append(f"| --loop {r['front']} | {m} | {b:,.2f} | {h:,.2f} | "
+                         f"{h / b if b else float('nan'):.2f} |")
+    return "\n".join(lines) + "\n"
 
 
 def markdown(rows: list[dict[str, Any]], base: str) -> str:
@@ -71,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--impls", default="trio", help="comma-separated implementations (default trio)")
     p.add_argument("--rounds", type=int, default=3, help="alternations per row (default 3)")
     p.add_argument("--full", action="store_true", help="full-size workloads (default: the --quick sizes)")
+    p.add_argument("--serving", action="store_true",
+                   help="instead of the workloads: serve on echo workers, both fronts, 64 streaming clients")
+    p.add_argument("--seconds", type=float, default=5.0,
+                   help="--serving: seconds of load per run (default 5)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table to this file")
     args = p.parse_args(argv)
     if args.rounds < 1:
@@ -84,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         tree = Path(tmp) / "base"
         subprocess.run(["git", "worktree", "add", "-q", "--detach", str(tree), base], cwd=ROOT, check=True)
         try:
-            for w in (x for x in args.workloads.split(",") if x):
+            if args.serving:
+                rows = _serving_rounds(tree, Path(tmp), args.rounds, args.seconds)
+            for w in (x for x in args.workloads.split(",") if x and not args.serving):
                 for impl in (x for x in args.impls.split(",") if x):
                     row: dict[str, Any] = {"workload": w, "impl": impl, "base": [], "head": []}
                     for r in range(args.rounds):
@@ -94,11 +140,28 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT, check=False)
-    text = markdown(rows, base)
+    text = serving_markdown(rows, base) if args.serving else markdown(rows, base)
     print(text)
     if args.markdown is not None:
         args.markdown.write_text(text)
     return 0
+
+
+def _serving_rounds(tree: Path, tmp: Path, rounds: int, seconds: float) -> list[dict[str, Any]]:
+    """Both fronts on both sides, ``rounds`` times, alternating base and head."""
+    import secrets
+
+    from bench.perf.serving import echo_pipeline_file
+
+    config, token = echo_pipeline_file(16, str(tmp)), secrets.token_urlsafe(16)
+    rows = {front: {"front": front, "base": [], "head": []} for front in ("trio", "asyncio")}
+    for r in range(rounds):
+        for side, code in (("base", tree), ("head", ROOT)):
+            for front in ("trio", "asyncio"):
+                print(f"serving --loop {front} on {side}: round {r + 1}/{rounds}", file=sys.stderr,
+                      flush=True)
+                rows[front][side].append(measure_serving(code, front, seconds, 64, config, token))
+    return list(rows.values())
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ __all__ = [
     "BODY",
     "bucket_p99_ms",
     "compare_fronts",
+    "echo_body",
     "echo_pipeline_file",
     "engine_durations",
     "http_get",
@@ -136,18 +137,26 @@ def bucket_p99_ms(before: list[tuple[float, float]], after: list[tuple[float, fl
     return next(le * 1000 for le, n in counts if n >= 0.99 * total)
 
 
-def start_server(args: list[str], cpus: set[int] | None = None,
-                 admin_token: str | None = None) -> tuple[subprocess.Popen[str], str]:
+def start_server(args: list[str], cpus: set[int] | None = None, admin_token: str | None = None,
+                 code: Path | None = None) -> tuple[subprocess.Popen[str], str]:
     """``trio-orch serve`` as a child process (on ``cpus`` only, workers included, when given).
 
     ``admin_token``: the control plane is served behind it (given through the
-    environment, so it is not in the process list).
+    environment, so it is not in the process list).  ``code``: a tree whose
+    project code the server (and its workers) run instead of this one's (an
+    A/B run, ``bench.perf.ab --serving``).
     """
     pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-    env = None if admin_token is None else {**os.environ, "TRIO_ORCH_ADMIN_TOKEN": admin_token}
+    env = None
+    if admin_token is not None or code is not None:
+        env = dict(os.environ)
+        if admin_token is not None:
+            env["TRIO_ORCH_ADMIN_TOKEN"] = admin_token
+        if code is not None:
+            env["PYTHONPATH"] = str(code)
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin,
-                            env=env)
+                            env=env, cwd=code)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"serving on (http://\S+)", line)
@@ -282,6 +291,13 @@ def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: i
     return out
 
 
+def echo_body(flags: list[str]) -> bytes:
+    """The streamed chat request of the serving runs (an echo pipeline takes no ``max_tokens``)."""
+    echo = any(f.endswith("echo.toml") for f in flags)
+    req = {k: v for k, v in BODY.items() if not (echo and k == "max_tokens")}
+    return json.dumps({**req, "stream": True}).encode()
+
+
 def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, seconds: float = 5.0,
                    rounds: int = 3, procs: int = 2, progress: Any = None) -> dict[str, Any]:
     """Both fronts over each pipeline (``name -> serve flags``), interleaved rounds; raw per-front results.
@@ -294,9 +310,7 @@ def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, secon
     token = secrets.token_urlsafe(16)  # /admin/stats: the workers' steps and pids
     out: dict[str, Any] = {}
     for name, flags in pipelines.items():
-        echo = any(f.endswith("echo.toml") for f in flags)
-        req = {k: v for k, v in BODY.items() if not (echo and k == "max_tokens")}
-        body = json.dumps({**req, "stream": True}).encode()
+        body = echo_body(flags)
         runs: dict[str, list[dict[str, Any]]] = {"trio": [], "asyncio": []}
         for r in range(rounds):
             order = ["trio", "asyncio"]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.perf.ab import MEASURES, main
+from bench.perf.ab import MEASURES, SERVING_MEASURES, main
 
 pytestmark = pytest.mark.processes  # child interpreters, a git worktree
 
@@ -31,3 +31,24 @@ def test_an_unknown_revision_is_refused(capsys: pytest.CaptureFixture[str]) -> N
     with pytest.raises(SystemExit):
         main(["--base", "no-such-revision-anywhere"])
     assert "unknown revision 'no-such-revision-anywhere'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_serving_on_both_sides_counts_the_workers_steps_per_request(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--serving``: both fronts on base and head, the worker steps per request among the measures."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    out = tmp_path / "ab.md"
+    args = ["--base", "HEAD", "--serving", "--rounds", "1", "--seconds", "0.5", "--markdown", str(out)]
+    assert main(args) == 0
+    rows = [line.strip("| ").split(" | ") for line in out.read_text().splitlines()[2:]]
+    assert {(r[0], r[1]) for r in rows} == {(f"--loop {f}", m) for f in ("trio", "asyncio")
+                                             for m in SERVING_MEASURES}
+    for r in rows:
+        base, head = float(r[2].replace(",", "")), float(r[3].replace(",", ""))
+        assert base > 0 and head > 0
+    steps = {r[0]: float(r[3]) for r in rows if r[1] == "worker_steps_per_request"}
+    assert all(s <= 3 * 16 for s in steps.values())  # a request takes 16 steps at most on each of 3 stages
+    assert not list(scratch.glob("trio-orch-ab-*"))
