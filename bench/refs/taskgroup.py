@@ -87,6 +87,9 @@ __all__ = ["TaskGroupOrchestrator"]
 
 log = logging.getLogger("bench.refs.taskgroup")
 
+#: posted when a decision made at once left starts for the dispatcher's next decision
+_STARTS = object()
+
 
 class TaskGroupOrchestrator(AsyncioOrchestrator):
     """Event-driven asyncio orchestrator with structured task supervision and the Trio shell's design."""
@@ -182,7 +185,9 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         here; the stage I/O is returned, for the caller to await in order (or hand on)."""
         was_idle, self._idle = self._idle, False
         posted = self._posted
-        actions = self.router.route_many(events, start=not self._io_pending)
+        # as the Trio shell: a decision made at once starts only what it queued into an empty queue
+        start = not self._io_pending and not (was_idle and self.router.start_queued)
+        actions = self.router.route_many(events, start=start)
         msgs = [a.message for a in actions if type(a) is Emit]
         if msgs:
             self._deliver(msgs)
@@ -199,7 +204,9 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             started, self._started = self._started, []
             for done in started:
                 done.set()
-        if was_idle and posted == self._posted and not io:
+        if not start and was_idle and self.router.start_queued and not self._io_pending:
+            self._post(_STARTS)  # room for requests already waiting: the dispatcher starts them
+        elif was_idle and posted == self._posted and not io:
             self._idle = True
         return io
 
@@ -310,13 +317,17 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             events: list[Any] = []
             for item in ready.take():
                 if type(item) is list:  # stage I/O a callback decided: in order, after what came before
-                    await self._perform(self._decide(events))
+                    io = self._decide(events)
+                    if io:
+                        await self._perform(io)
                     events = []
                     self._io_pending -= 1
                     await self._perform(item)
-                else:
+                elif item is not _STARTS:
                     events.append(item)
-            await self._perform(self._decide(events))
+            io = self._decide(events)
+            if io or self._started:
+                await self._perform(io)
 
     async def reader(self, stage_id: int, stage: StageClient) -> None:
         """Move a stage's outputs in; report the stage's death.
