@@ -80,6 +80,7 @@ from trio_orch.core import (
     Update,
     stage_call,
     stage_call_failed,
+    stage_call_nowait,
 )
 from trio_orch.types import StageAbilities, StageClient, StageDied, StageOutput
 
@@ -111,6 +112,7 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         self._idle = False
         self._posted = 0
         self._io_pending = 0  # decisions whose stage I/O is not performed yet (no start meanwhile)
+        self._parked = False  # the dispatcher waits on an empty inbox
         self._starting: dict[Ticket, Any] = {}  # queued tickets whose add waits for the start
         self._started: list[Any] = []  # ... whose ticket started: released once the I/O decided is done
         self._abilities = [StageAbilities.of(s) for s in self.stages]  # what each stage declared
@@ -187,13 +189,17 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         posted = self._posted
         # as the Trio shell: a decision made at once starts only what it queued into an empty queue
         start = not self._io_pending and not (was_idle and self.router.start_queued)
-        actions = self.router.route_many(events, start=start)
-        msgs = [a.message for a in actions if type(a) is Emit]
-        if msgs:
-            self._deliver(msgs)
-            io = [a for a in actions if type(a) is not Emit] if len(msgs) < len(actions) else []
-        else:
-            io = actions
+        io: list[Action] = []
+        while True:  # the outcomes of the sends done here are decided in turn (a submit a stage refused)
+            actions = self.router.route_many(events, start=start)
+            msgs = [a.message for a in actions if type(a) is Emit]
+            if msgs:
+                self._deliver(msgs)
+                if len(msgs) == len(actions):
+                    break
+            events = self._send_nowait(actions, io)
+            if not events:
+                break
         if self._starting:  # their adds return once the start's stage I/O is done (see _perform)
             queued = self.router.queued
             for t in [t for t in self._starting if queued.get(t.request_id) is not t]:
@@ -209,6 +215,30 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         elif was_idle and posted == self._posted and not io:
             self._idle = True
         return io
+
+    def _send_nowait(self, actions: list[Action], io: list[Action]) -> list[Any]:
+        """Submits to stage clients that take them synchronously go out now (the Trio shell's
+        ``submit_nowait`` path); the rest joins ``io``, in order.  Returns the refusals to decide."""
+        refused: list[Any] = []
+        deferred = bool(io) or bool(self._io_pending)
+        for a in actions:
+            t = type(a)
+            if t is Emit:
+                continue
+            if t is Submit and not deferred and self._abilities[a.stage_id].submit_nowait:
+                k = a.stage_id
+                prio = self._abilities[k].priority
+                schedule = self.router.schedule(a.request_id, self.loop.time()) if prio else None
+                try:
+                    if stage_call_nowait(self.stages[k], a, schedule, prio):
+                        continue
+                except Exception as exc:
+                    refused.append(SubmitFailed(k, a.request_id, stage_call_failed(a, exc)))
+                    continue
+            if t is not Abort:
+                deferred = True
+            io.append(a)
+        return refused
 
     async def _perform(self, io: list[Action]) -> None:
         """The stage I/O of one decision, in order; the outcomes go through :meth:`_decide`."""
@@ -241,6 +271,8 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
             self._io_pending -= 1
         if self._io_pending:
             return
+        if self._parked and not self.ready_q:
+            self._idle = True  # nothing in flight again
         started, self._started = self._started, []
         for done in started:
             done.set()
@@ -309,11 +341,12 @@ class TaskGroupOrchestrator(AsyncioOrchestrator):
         ready = self.ready_q
         while True:
             if not ready:
-                self._idle = True
+                self._parked = True
+                self._idle = not self._io_pending
                 try:
                     await ready.wait()
                 finally:
-                    self._idle = False
+                    self._parked = self._idle = False
             events: list[Any] = []
             for item in ready.take():
                 if type(item) is list:  # stage I/O a callback decided: in order, after what came before
