@@ -145,16 +145,21 @@ def read_counts(path: Path) -> dict[tuple[str, str], tuple[float, float, float]]
 
 
 def before_after(before: list[Path], after: list[Path]) -> str:
-    """The medians of each side's runs and after / before, for every row both sides have."""
-    sides = [[read_counts(p) for p in paths] for paths in (before, after)]
-    keys = [k for k in dict.fromkeys(k for runs in sides[1] for k in runs) if all(k in r for r in sides[0])
-            and all(k in r for r in sides[1])]
+    """For every row both sides have: the median of each count over that side's runs (the tables that
+    have the row), and after / before."""
+    sides: list[dict[tuple[str, str], list[tuple[float, float, float]]]] = []
+    for paths in (before, after):
+        rows: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for path in paths:
+            for k, v in read_counts(path).items():
+                rows.setdefault(k, []).append(v)
+        sides.append(rows)
     head = " | ".join(f"{c} / output: before, after (ratio)" for c in COUNTS)
     lines = [f"| workload | implementation | {head} |", "|---|---|" + "---|" * len(COUNTS)]
-    for k in keys:
+    for k in (k for k in sides[1] if k in sides[0]):
         cells = []
         for i, fmt in enumerate((".3f", ".2f", ".1f")):
-            b, a = (statistics.median(r[k][i] for r in runs) for runs in sides)
+            b, a = (statistics.median(v[i] for v in side[k]) for side in sides)
             ratio = f"{a / b:.2f}" if b else "-"
             cells.append(f"{b:{fmt}}, {a:{fmt}} ({ratio})")
         lines.append(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")

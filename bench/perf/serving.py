@@ -43,6 +43,7 @@ __all__ = [
     "split_url",
     "start_server",
     "stop_server",
+    "stream_requests",
     "worker_counts",
 ]
 
@@ -289,6 +290,23 @@ def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: i
     if admin_token:
         out.update(worker_steps=steps1 - steps0, worker_cpu_s=wcpu1 - wcpu0)
     return out
+
+
+async def stream_requests(url: str, body: bytes, requests: int, concurrency: int) -> int:
+    """``requests`` streamed requests, ``concurrency`` at a time, each on a fresh connection; how many
+    succeeded (a count-driven load, for profiled runs: the same work on both sides of a comparison)."""
+    host, port = split_url(url)
+    left, ok = [requests], [0]
+    ttfc: list[float] = []
+    gaps: list[float] = []
+
+    async def client() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            ok[0] += await _stream_one(host, port, body, ttfc, gaps)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return ok[0]
 
 
 def echo_body(flags: list[str]) -> bytes:

@@ -7,7 +7,7 @@ single-writer rule is simple to state: request state changes only inside
 core applies the events and starts what can start), then performs what it
 can at once -- the messages go out, submits to stage clients that take them
 synchronously are sent, stage aborts go to a task of the run nursery -- and
-queues the stage I/O that must be awaited for the dispatcher task, in
+queues the stage I/O that must be awaited for the performer task, in
 decision order (httpcore's ``_assign_requests_to_connections`` is the
 model: decide under the lock, then do the I/O).
 
@@ -24,14 +24,19 @@ arrives while earlier decisions are still in flight (a burst from one
 scheduler pass, a consumer that is behind) is batched by that structure
 alone, as Nagle's rule batches a socket's writes while data is unacknowledged.
 The stage clients do the same for submits: what one pass sends to a busy
-worker replica leaves together (``cluster/transport.py``).
+worker replica leaves together (``cluster/transport.py``).  And a decision
+made at once starts only a request it queued into an empty start queue: room
+it makes for requests already waiting is filled by the dispatcher's next
+decision, which sees first whatever else the pass brought (the abort of one
+of them, say).
 
 **Stage I/O.**  Emits first, then submits and updates in decision order; a
 submit the stage cannot take synchronously, every update, and everything
-after them go to the dispatcher, which awaits them in order and reports each
-outcome back through :meth:`Dispatch.decide` (``SubmitFailed``,
-``Submitted``).  While such I/O is pending no queued request starts: a stage
-that blocks in ``submit`` holds the start queue, and with it the callers of
+after them go to the performer task, which awaits them in order while
+decisions go on, and reports each outcome back through
+:meth:`Dispatch.decide` (``SubmitFailed``, ``Submitted``).  While such I/O
+is pending no queued request starts: a stage that blocks in ``submit``
+holds the start queue, and with it the callers of
 ``add_request``, as a bounded queue should.  Stage aborts are best-effort
 cleanup in a task of the run nursery (a stage hung in ``abort`` stalls
 nobody) -- except an abort followed by a submit of the same request to the
@@ -243,7 +248,7 @@ class Dispatch:
         self.starting.setdefault(ticket, []).append(done)
 
     def _perform(self, actions: list[Action], confirms: Sequence[AbortWait]) -> list[Any]:
-        """Emits, then the stage I/O that can be done now; what must be awaited goes to the dispatcher.
+        """Emits, then the stage I/O that can be done now; what must be awaited goes to the performer.
 
         Returns the outcomes to decide next (submits a stage refused).
         """
