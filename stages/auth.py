@@ -1,18 +1,26 @@
-"""Who may talk to whom: the pipeline secret on ipc, CurveZMQ keys on TCP, one ZAP handler.
+"""Who may talk to whom: launch tickets and the pipeline secret on ipc, CurveZMQ keys on TCP, one ZAP handler.
 
 Every socket that *binds* (the orchestrator's control sockets, the
 registration socket, a worker's async-chunk inbox) is a ZMQ security server;
 every socket that connects is a client:
 
-* ``ipc://`` endpoints use ZMQ's PLAIN mechanism with the *pipeline secret*
-  (random, made when the pipeline starts, handed to local workers through
-  the environment, never on a command line).  Checked once, when a peer
-  connects: a process without the secret never becomes a peer of the socket,
-  so it can neither take messages meant for the worker (a DEALER
-  round-robins to every peer) nor inject any (forged outputs, heartbeats,
-  ``Dying``).  After the handshake the messages flow as before: no per-message
-  cost on the hot path.  Unix sockets cannot be sniffed, so the password
-  travelling in clear inside the handshake is not exposed.
+* A replica's **control socket** (ipc) takes its launched worker and no one
+  else: PLAIN with the one-time ticket of that launch, from the pid the head
+  launched (:mod:`stages.credentials`: libzmq reports an ipc peer's
+  ``SO_PEERCRED`` to the ZAP handler).  A stolen ticket of an earlier worker,
+  or the pipeline secret, opens nothing there; the worker that was launched
+  always gets in, whoever tried first.
+* Other ``ipc://`` endpoints (the async-chunk inboxes) use PLAIN with the
+  *pipeline secret* (random, made when the pipeline starts).  Both reach a
+  local worker only through the hand-over of :mod:`stages.credentials`, once
+  the worker has made itself non-dumpable -- never its environment, command
+  line or a pipe another process could open in ``/proc``.  Checked once,
+  when a peer connects: a process without the right credential never becomes
+  a peer of the socket, so it can neither take messages meant for the worker
+  (a DEALER round-robins to every peer) nor inject any (forged outputs,
+  heartbeats, ``Dying``).  After the handshake the messages flow as before:
+  no per-message cost on the hot path.  Unix sockets cannot be sniffed, so a
+  password travelling in clear inside the handshake is not exposed.
 * ``tcp://`` endpoints use CurveZMQ: the server proves it holds the secret key
   matching the public key its client was given (a worker refuses any other
   head), the client's public key is checked against the server's allow-list
@@ -20,22 +28,21 @@ every socket that connects is a client:
 
 The checks run in a :class:`Authenticator`: one ZAP handler thread per ZMQ
 context, started before any server socket binds (libzmq accepts everyone on
-a socket whose ZAP handler is missing).  Refusals are counted by reason and
-logged.  Key pairs are pyzmq's certificate files (``name.key`` public,
-``name.key_secret`` both): :func:`generate_keys` writes them, :func:`load_keypair`
-reads them.  Nothing here unpickles anything.
+a socket whose ZAP handler is missing).  Refusals are counted by reason
+(:meth:`Authenticator.report`) and logged, naming the socket.  Key pairs are
+pyzmq's certificate files (``name.key`` public, ``name.key_secret`` both):
+:func:`generate_keys` writes them, :func:`load_keypair` reads them.  Nothing
+here unpickles anything.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import json
 import logging
 import os
 import re
 import secrets
-import sys
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -47,6 +54,8 @@ import zmq.auth
 import zmq.utils.monitor as zmq_monitor
 import zmq.utils.z85
 
+from stages.credentials import LAUNCH_USER, LaunchRegistry, receive_credentials
+
 __all__ = [
     "SECRET_NAME",
     "Authenticator",
@@ -56,14 +65,12 @@ __all__ = [
     "generate_keys",
     "load_keypair",
     "load_public_keys",
-    "not_dumpable",
     "scrubbed_environ",
     "worker_key_names",
 ]
 
 log = logging.getLogger("stages.auth")
 
-#: the environment variable that carries a pipeline's secret and key pair to its local workers
 #: ZAP domain of sockets whose clients prove the pipeline secret (ipc) or an allowed key (tcp)
 DOMAIN = "trio-orch"
 ZAP_ADDRESS = "inproc://zeromq.zap.01"
@@ -149,26 +156,30 @@ class Security:
 
     ``secret``: the pipeline secret (PLAIN on ipc).  ``keypair``: this
     process's CurveZMQ key pair (TCP).  ``server_key``: the public key of the
-    head this process talks to (a worker's control link).
+    head this process talks to (a worker's control link).  ``ticket``: a
+    launched worker's one-time ticket, its credential on its ipc control link.
     """
 
     def __init__(
-        self, secret: bytes, keypair: Keypair | None = None, *, server_key: bytes | None = None
+        self, secret: bytes, keypair: Keypair | None = None, *, server_key: bytes | None = None,
+        ticket: bytes | None = None,
     ) -> None:
         self.secret = secret
         self.keypair = keypair
         self.server_key = server_key
+        self.ticket = ticket
 
     @classmethod
     def new_pipeline(cls) -> Security:
         """A fresh pipeline secret and key pair (the head, at pipeline start)."""
         return cls(secrets.token_hex(32).encode(), Keypair.generate())
 
-    def to_text(self) -> str:
-        """What a local worker is handed (secret and pipeline key pair), over an inherited pipe.
+    def to_text(self, ticket: bytes | None = None) -> str:
+        """What a local worker is handed: the pipeline secret and key pair, and its launch ``ticket``.
 
-        Never an environment variable or an argument: any process of the same
-        user can read another's ``/proc/<pid>/environ`` and command line.
+        Handed over by :class:`stages.credentials.Handover`, never in an environment
+        variable or an argument: any process of the same user can read another's
+        ``/proc/<pid>/environ`` and command line.
         """
         assert self.keypair is not None
         return json.dumps(
@@ -176,6 +187,7 @@ class Security:
                 "secret": self.secret.decode(),
                 "public": self.keypair.public.decode(),
                 "secret_key": self.keypair.secret.decode(),
+                "ticket": (ticket or b"").decode(),
             }
         )
 
@@ -188,15 +200,18 @@ class Security:
                 d["secret"].encode(),
                 Keypair(d["public"].encode(), d["secret_key"].encode()),
                 server_key=d["public"].encode(),
+                ticket=d.get("ticket", "").encode() or None,
             )
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise KeysError(f"malformed pipeline credentials: {exc}") from None
 
     @classmethod
-    def from_fd(cls, fd: int) -> Security:
-        """Read :meth:`to_text` from the pipe ``fd`` the launcher left open for us, then close it."""
-        with os.fdopen(fd, "r", closefd=True) as f:
-            return cls.from_text(f.read())
+    def from_handover(cls, fd: int, timeout: float = 60.0) -> Security:
+        """Ask the launcher for :meth:`to_text` over the inherited socket ``fd`` (closed after).
+
+        Only after :func:`stages.lockdown.lock_down`: see :func:`stages.credentials.receive_credentials`.
+        """
+        return cls.from_text(receive_credentials(fd, timeout).decode())
 
     def server(self, sock: zmq.Socket, address: str, *, domain: str = DOMAIN) -> None:
         """Make ``sock`` a security server for its next ``bind(address)``.
@@ -233,6 +248,14 @@ class Security:
             sock.plain_username = b"pipeline"
             sock.plain_password = self.secret
 
+    def control_client(self, sock: zmq.Socket, address: str) -> None:
+        """Make ``sock`` the client of this process's control link: on ipc with its launch ticket."""
+        if address.startswith("tcp://") or self.ticket is None:
+            self.client(sock, address)
+        else:
+            sock.plain_username = LAUNCH_USER
+            sock.plain_password = self.ticket
+
 
 #: environment variable names that look like a secret (an API key, an admin token, a password)
 SECRET_NAME = re.compile(r"auth|secret|token|passw|key|credential", re.IGNORECASE)
@@ -253,31 +276,17 @@ def scrubbed_environ(environ: Mapping[str, str] | None = None) -> dict[str, str]
     return {k: v for k, v in env.items() if not SECRET_NAME.search(k) and not k.startswith("RAY_")}
 
 
-def not_dumpable() -> bool:
-    """Make this process non-dumpable (Linux ``PR_SET_DUMPABLE`` 0); True if it took.
-
-    Another process of the same user can then neither ptrace it nor read its
-    memory or ``/proc/<pid>/environ`` (only root can), and it leaves no core
-    file with the pipeline secret in it.  Elsewhere: a no-op, False.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(4, 0, 0, 0, 0) == 0  # PR_SET_DUMPABLE = 4
-    except (OSError, AttributeError):
-        return False
-
-
 class Authenticator:
     """The ZAP handler of one ZMQ context: a thread that answers every security handshake.
 
-    PLAIN (ipc) passes with the pipeline secret; CURVE (tcp) passes with a
-    client key allowed for the socket's ZAP domain (:meth:`allow`; the domain
+    PLAIN (ipc) passes on a launched process's slot (a domain guarded in
+    :attr:`launches`) with that launch's ticket from the launched pid, and
+    elsewhere with the pipeline secret; CURVE (tcp) passes with a client key
+    allowed for the socket's ZAP domain (:meth:`allow`; the domain
     :data:`DOMAIN` holds the keys allowed everywhere).  Anything else is
-    refused, counted in :attr:`refused` by reason and logged (the first few,
-    then every 100th).  Use as a context manager, entered before any server
-    socket binds and left after they closed.
+    refused, counted in :attr:`refused` by reason and logged (the first few of
+    each reason, then every 100th: :meth:`report`).  Use as a context manager,
+    entered before any server socket binds and left after they closed.
     """
 
     def __init__(self, ctx: zmq.Context, secret: bytes | None = None) -> None:
@@ -286,8 +295,8 @@ class Authenticator:
         self.refused: Counter[str] = Counter()
         self.accepted = 0
         self._allowed: dict[str, set[bytes]] = {}
-        #: domains that take one peer only (a replica's control socket): domain -> claimed yet?
-        self._one_peer: dict[str, bool] = {}
+        #: the slots of launched processes (a replica's control socket) and their current launches
+        self.launches = LaunchRegistry()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stop_addr = f"inproc://trio-orch-zap-stop-{id(self)}"
@@ -306,20 +315,18 @@ class Authenticator:
             self._allowed[domain] = set(keys)
 
     def forget(self, domain: str) -> None:
+        """The sockets of ``domain`` closed: drop its allowed keys and, for a slot, its launches."""
         with self._lock:
             self._allowed.pop(domain, None)
-            self._one_peer.pop(domain, None)
+        self.launches.forget(domain)
 
-    def one_peer(self, domain: str) -> None:
-        """Sockets of ``domain`` take one peer: the first that authenticates; every later one is
-        refused, whatever credentials it has (counted as ``second_peer``).
-
-        A replica's control socket is bound before its worker starts and serves that worker
-        alone: a second process with the secret must not take a share of its submits.
-        :meth:`forget` the domain when the socket closes.
-        """
+    def report(self, reason: str, message: str) -> None:
+        """Count a refusal under ``reason`` (``mechanism:kind``) and log it: the first five of each
+        reason, then every 100th (a flood must not flood the log)."""
         with self._lock:
-            self._one_peer[domain] = False
+            n = self.refused[reason] = self.refused[reason] + 1
+        if n <= 5 or n % 100 == 0:
+            log.warning("%s (%s; %d refused so far)", message, reason, n)
 
     def watch(self, sock: zmq.Socket) -> None:
         """Also count (and log) the failed handshakes on a server socket that never reach ZAP.
@@ -421,15 +428,9 @@ class Authenticator:
             return True
         if event["event"] & (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL):
             endpoint = event["endpoint"].decode(errors="replace")
-            reason = f"handshake:{endpoint.split(':', 1)[0]}"
-            n = self.refused[reason] = self.refused[reason] + 1
-            if n <= 5 or n % 100 == 0:
-                log.warning(
-                    "refused a connection on %s: its security handshake failed (code %s; %d such so far)",
-                    endpoint,
-                    event["value"],
-                    n,
-                )
+            self.report(f"handshake:{endpoint.split(':', 1)[0]}",
+                        f"refused a connection on {endpoint}: its security handshake failed "
+                        f"(code {event['value']})")
         return False
 
     def _answer(self, msg: list[bytes]) -> list[bytes]:
@@ -439,42 +440,38 @@ class Authenticator:
         version, request_id, domain_b, address, _identity, mechanism = msg[:6]
         creds = msg[6:]
         domain = domain_b.decode(errors="replace")
-        ok, user, why = False, b"", ""
-        if mechanism == b"PLAIN" and len(creds) == 2:
+        peer = _peer_name(address.decode(errors="replace") or "?")
+        kind = domain.split(":")[1] if domain.count(":") else "pipeline"
+        ok, user = False, b""
+        if mechanism == b"PLAIN" and len(creds) == 2 and domain in self.launches:
+            verdict, label = self.launches.check(domain, creds[0], creds[1], address)
+            ok, user, why, reason = verdict.ok, LAUNCH_USER, verdict.why, f"launch:{verdict.reason}"
+            where = f"{label}'s control socket"
+        elif mechanism == b"PLAIN" and len(creds) == 2:
             ok = self.secret is not None and hmac.compare_digest(creds[1], self.secret)
-            user, why = b"pipeline", "wrong pipeline secret"
-            with self._lock:
-                if ok and self._one_peer.get(domain) is True:
-                    ok, why = False, "a second peer on a socket that serves its worker alone"
-                    domain = f"{domain}:second_peer"  # counted as plain:second_peer
-                elif ok and domain in self._one_peer:
-                    self._one_peer[domain] = True
+            user, why, where = b"pipeline", "wrong pipeline secret", domain
+            reason = "plain:pipeline"  # one secret for the whole pipeline, whatever the socket
         elif mechanism == b"CURVE" and len(creds) == 1:
             key = zmq.utils.z85.encode(creds[0])
             with self._lock:
                 ok = key in self._allowed.get(domain, ()) or key in self._allowed.get(DOMAIN, ())
-            user, why = key, f"client key {key.decode()} is not allowed"
+            user, why, where = key, f"client key {key.decode()} is not allowed", domain
+            reason = f"curve:{kind}"
         else:
-            why = f"mechanism {mechanism.decode(errors='replace')} is refused"
+            mech = mechanism.decode(errors="replace")
+            why, where, reason = f"mechanism {mech} is refused", domain, f"{mech.lower()}:{kind}"
         if ok:
-            self.accepted += 1
+            with self._lock:
+                self.accepted += 1
             return [version, request_id, b"200", b"OK", user, b""]
-        parts = domain.split(":")
-        if domain.endswith(":second_peer"):
-            kind = "second_peer"
-        elif mechanism == b"PLAIN" or len(parts) < 2:
-            kind = "pipeline"  # the secret is one for the whole pipeline, whatever the socket
-        else:
-            kind = parts[1]
-        reason = f"{mechanism.decode(errors='replace').lower()}:{kind}"
-        n = self.refused[reason] = self.refused[reason] + 1
-        if n <= 5 or n % 100 == 0:
-            log.warning(
-                "refused a %s connection on %s from %s: %s (%d refused so far)",
-                mechanism.decode(errors="replace"),
-                domain,
-                address.decode(errors="replace") or "?",
-                why,
-                n,
-            )
+        self.report(reason, f"refused a {mechanism.decode(errors='replace')} connection to {where} from "
+                            f"{peer}: {why}")
         return [version, request_id, b"400", why.encode(), b"", b""]
+
+
+def _peer_name(address: str) -> str:
+    """An ipc peer as ``pid P (uid U)`` (libzmq's ``localhost:UID:GID:PID``), anything else as is."""
+    parts = address.rsplit(":", 3)
+    if len(parts) == 4 and all(p.isdigit() for p in parts[1:]):
+        return f"pid {parts[3]} (uid {parts[1]})"
+    return address

@@ -52,12 +52,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from stages.fit import check_fit
 from stages.media import FEATURE_DIM
-from stages.registry import KindError, check_stage, outputs_of
+from stages.registry import KindError, check_stage, outputs_of, stage_sizes
 from stages.schema import check_file, set_fields
 
-__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "default_config", "echo_config",
-           "from_dict", "load_config", "omni_in_config", "pd_config", "text2image_config"]
+__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "checkpoint_config",
+           "default_config", "echo_config", "from_dict", "load_config", "omni_in_config", "pd_config",
+           "text2image_config"]
 
 @dataclass
 class StageConfig:
@@ -82,9 +84,13 @@ class StageConfig:
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
     role: str = ""
-    #: what one replica needs from a Ray cluster (``--worker-backend ray``), e.g. ``{num_gpus = 1}``;
-    #: ``num_cpus`` defaults to 1
+    #: what one replica needs from a Ray cluster (``--worker-backend ray``): its placement-group
+    #: bundle, e.g. ``{num_gpus = 1}`` or a custom resource of the nodes it may run on; ``num_cpus``
+    #: defaults to 1
     resources: dict[str, float] = field(default_factory=dict)
+    #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
+    #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
+    label_selector: dict[str, str] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -97,7 +103,9 @@ class PipelineConfig:
     ``startup_timeout``: most seconds a worker may take to become ready;
     ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers;
     ``max_retries``: failovers per request when the replica holding it dies before
-    answering it (0: off; see docs/fault-tolerance.md)."""
+    answering it (0: off; see docs/fault-tolerance.md).  ``placement_strategy`` and
+    ``placement_scope``: how ``--worker-backend ray`` groups the replicas' bundles (Ray's
+    strategies; one placement group for the pipeline or one per stage; see docs/distributed.md)."""
 
     stages: list[StageConfig]
     final_stage_ids: list[int] = field(default_factory=lambda: [0])
@@ -109,6 +117,8 @@ class PipelineConfig:
     startup_timeout: float = 60.0
     stop_grace: float = 3.0
     max_retries: int = 1
+    placement_strategy: str = "PACK"
+    placement_scope: str = "pipeline"
 
     def validate(self) -> PipelineConfig:
         """Raise ValueError naming the stage (or the key's path) and the problem; return self.
@@ -134,6 +144,7 @@ class PipelineConfig:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
         self._check_roles()
         self._check_features()
+        self._check_fit()
         return self
 
     def admission_bounds(self, *, serving: bool) -> list[int | None]:
@@ -170,6 +181,16 @@ class PipelineConfig:
             elif s.role == "decode" and (k == 0 or st[k - 1].role != "prefill"):
                 raise ValueError(f"pipeline config: stage {k} has role 'decode': the stage before it must "
                                  "have role 'prefill'")
+
+    def _check_fit(self) -> None:
+        """Each stage reads what the stage before it emits (vocabulary, codebooks: :mod:`stages.fit`)."""
+        sizes = []
+        for k, st in enumerate(self.stages):
+            try:
+                sizes.append(stage_sizes(st.kind, st.model, st.role))
+            except KindError as exc:
+                raise ValueError(f"pipeline config: stage {k}: {exc}") from None
+        check_fit([st.label for st in self.stages], sizes)
 
     def _check_features(self) -> None:
         """A built-in encoder feeds a later thinker, whose ``feature_dim`` is the encoder's ``dim``."""
@@ -277,6 +298,26 @@ def builtin_config(name: str) -> PipelineConfig:
     if make is None:
         raise ValueError(f"unknown pipeline {name!r} (built-in: {', '.join(PIPELINES)})")
     return make()
+
+
+def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str = "auto",
+                      **pipeline: Any) -> PipelineConfig:
+    """The pipeline that serves the Hugging Face checkpoint in directory ``path``, chosen from its
+    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text.
+
+    ValueError (naming the path) for a directory that is not a checkpoint this project serves, or a
+    ``max_model_len`` over the model's context; nothing is started.
+    """
+    from stages.hf.checkpoint import DTYPES, load_checkpoint
+
+    ckpt = load_checkpoint(path)
+    options: dict[str, Any] = {"checkpoint": str(ckpt.path), "dtype": dtype}
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if max_model_len is not None:
+        options["max_model_len"] = ckpt.context(max_model_len)
+    stage = StageConfig("hf-causal-lm", model=options, name=ckpt.architecture)
+    return PipelineConfig([stage], final_stage_ids=[0], **pipeline).validate()
 
 
 def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None, replicas: int = 1,

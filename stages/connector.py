@@ -119,6 +119,11 @@ class ChunkInbox:
     def pending(self) -> int:
         return len(self._pending)
 
+    def describe(self) -> dict[str, Any]:
+        """Where it listens and how it checks its peers, from the socket's own options (``stats``)."""
+        return {"address": self.address, "tcp": self.tcp_address, "received": self.received,
+                "curve_server": bool(self.sock.curve_server), "plain_server": bool(self.sock.plain_server)}
+
     def close(self) -> None:
         self.sock.close(linger=0)
 
@@ -175,6 +180,18 @@ class ChunkOutbox:
         frames = self.codec.encode(Chunk(request_id, data, end, segment))
         sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         self.sent += 1
+
+    def describe(self) -> list[dict[str, Any] | None]:
+        """Each downstream slot's address and security mechanism, read from its socket (``stats``)."""
+        names = {zmq.NULL: "NULL", zmq.PLAIN: "PLAIN", zmq.CURVE: "CURVE"}
+        out: list[dict[str, Any] | None] = []
+        for sock, peer in zip(self.socks, self.peers, strict=True):
+            if sock is None or peer is None:
+                out.append(None)
+                continue
+            mech = sock.getsockopt(zmq.MECHANISM)
+            out.append({"address": peer[0], "mechanism": names.get(mech, str(mech))})
+        return out
 
     def close(self) -> None:
         for s in self.socks:

@@ -34,9 +34,15 @@ def placeholder_input(stage_id: int, prompt: Any) -> Any:
 
 
 def tokens_input(prompt: Any, outputs: list[Any]) -> Any:
-    """thinker -> next stage: every generated token, in order (None: an empty input segment)."""
-    toks = [np.asarray(o["tokens"]).reshape(-1) for o in outputs if o is not None]
-    return {"tokens": np.concatenate(toks)} if toks else None
+    """thinker -> next stage: every generated token, in order (None: an empty input segment); with the
+    hidden state each was sampled from, one row per token, when the stage emits them (``"hidden"``)."""
+    done = [o for o in outputs if o is not None]
+    if not done:
+        return None
+    out = {"tokens": np.concatenate([np.asarray(o["tokens"]).reshape(-1) for o in done])}
+    if all("hidden" in o for o in done):
+        out["hidden"] = np.concatenate([np.asarray(o["hidden"]) for o in done], axis=0)
+    return out
 
 
 def codes_input(prompt: Any, outputs: list[Any]) -> Any:

@@ -4,7 +4,8 @@ It loads its keys (its own key pair, and the head's public key: a head that
 cannot prove it holds the matching secret key is refused by the CurveZMQ
 handshake), registers for ``--stage K`` at ``--head tcp://HOST:PORT``
 (:mod:`stages.membership_wire`), and once accepted builds the stage's
-model from ``--config`` (the same pipeline TOML the head reads), connects to
+model from ``--config`` (the same pipeline TOML the head reads; the stage's
+``worker_args`` apply to it as to a local replica), connects to
 the control port the head gave it, sends ``Ready`` and serves like a local
 worker (:class:`stages.worker.Worker`), streaming async-chunk data to the
 peers the head names and taking chunks only from the keys it names.
@@ -19,11 +20,19 @@ peers the head names and taking chunks only from the keys it names.
 
 Keys: ``--keys DIR`` (made by ``trio-orch keys DIR``: ``head.key`` and
 ``workers/NAME.key_secret``), or ``--keys-fd N``: JSON ``{"public", "secret",
-"head"}`` (Z85) read from a pipe the parent left open as fd N, then closed --
-the Ray backend's way, which keeps the secret key out of the environment and
-the command line (any process of the same user can read both in ``/proc``).
-The ``TRIO_ORCH_WORKER_KEYS`` environment variable (the same JSON) is still
-read, for workers started by hand.
+"head"}`` (Z85) asked for over the Unix socket the parent left open as fd N
+(the hand-over of :mod:`stages.credentials`) -- the Ray backend's way, which
+keeps the secret key out of the environment, the command line and any pipe
+another process could open in ``/proc``.  Before it reads any key the worker
+locks itself down (:func:`stages.lockdown.lock_down`, fresh: it goes on in a
+forked child nobody could open while it was dumpable).
+
+That key pair only gets it through the registration.  For each join it makes
+a *session* key pair, in its own memory alone, and registers its public key:
+the head lets only that key onto the replica's control socket, and the peers
+stream to and accept chunks from session keys.  So whoever gets hold of the
+worker's key file (or, on Ray, a one-time key) cannot take the place of a
+worker that joined.
 """
 
 from __future__ import annotations
@@ -46,16 +55,16 @@ import zmq.utils.monitor as zmq_monitor
 
 from stages import membership_wire as mw
 from stages.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
+from stages.credentials import HandoverError, receive_credentials
+from stages.lockdown import LockdownError, lock_down
 from stages.registry import build_model, model_class
 from stages.wire import Dying, Peers, Ready
 from stages.worker import StopServing, Worker
 from stages.worker import build_parser as build_worker_parser
 
-__all__ = ["CONFIG_ENV", "KEYS_ENV", "HeadlessWorker", "build_parser", "main"]
+__all__ = ["CONFIG_ENV", "HeadlessWorker", "build_parser", "main"]
 
 
-#: where the Ray backend puts a worker's key pair and the head's public key (JSON)
-KEYS_ENV = "TRIO_ORCH_WORKER_KEYS"
 #: where the Ray backend puts the pipeline config (JSON of the TOML layout)
 CONFIG_ENV = "TRIO_ORCH_WORKER_CONFIG"
 
@@ -116,8 +125,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="which worker key pair in DIR/workers (default: the first one)",
     )
     p.add_argument("--keys-fd", type=int, default=None, metavar="N",
-                   help="read the key pair and the head's public key (JSON) from inherited fd N, then "
-                        "close it (a parent process that must not put them in the environment)")
+                   help="ask the parent for the key pair and the head's public key (JSON) over the Unix "
+                        "socket it left open as fd N, once locked down (stages/credentials.py); how the "
+                        "Ray backend hands them over")
     p.add_argument(
         "--config",
         "--model-config",
@@ -157,22 +167,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         metavar="S",
         help="connection to the head down this long: register again with a new identity",
     )
-    p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)  # tests: a chosen (stale) identity
+    # the Ray backend (which member is its actor's) and tests (a chosen, stale identity)
+    p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)
     p.add_argument("--step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow stage
 
 
 def _keys(args: argparse.Namespace) -> tuple[Keypair, bytes]:
-    raw = os.environ.get(KEYS_ENV)
-    where = KEYS_ENV
     if args.keys_fd is not None:
-        with os.fdopen(args.keys_fd, "r", closefd=True) as f:
-            raw, where = f.read(), f"--keys-fd {args.keys_fd}"
-    if raw:
         try:
-            d = json.loads(raw)
+            d = json.loads(receive_credentials(args.keys_fd))
             return Keypair(d["public"].encode(), d["secret"].encode()), d["head"].encode()
+        except HandoverError as exc:
+            raise KeysError(f"--keys-fd {args.keys_fd}: {exc}") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise KeysError(f"malformed keys from {where}: {exc}") from None
+            raise KeysError(f"malformed keys from --keys-fd {args.keys_fd}: {exc}") from None
     if args.keys is None:
         raise KeysError("give --keys DIR (made by 'trio-orch keys DIR')")
     d = Path(args.keys)
@@ -259,6 +267,11 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     args = args if args is not None else build_parser().parse_args(argv)
     from stages.config import builtin_config, from_dict, load_config
 
+    try:  # before it reads a key, and in an address space nobody opened while it was dumpable
+        lock_down(fresh=True)
+    except LockdownError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     try:
         keypair, head_key = _keys(args)
         if args.config:
@@ -299,8 +312,10 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
     try:
         while True:
             member_id = member_id or uuid.uuid4().hex
+            session = Keypair.generate()  # this join's identity on the control link and the data plane
             caps = {"host": advertise, "pid": os.getpid(), "device": device, "max_batch": st.max_batch}
-            reg = mw.Register(member_id, args.stage, st.kind, st.role, keypair.public.decode(), caps)
+            reg = mw.Register(member_id, args.stage, st.kind, st.role, keypair.public.decode(), caps,
+                              session_key=session.public.decode())
             answer = register(ctx, security, args.head, reg, args.register_timeout)
             if isinstance(answer, str):
                 print(f"error: cannot join {args.head}: {answer}", file=sys.stderr, flush=True)
@@ -326,16 +341,17 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
                 )
                 model.warmup()
                 model_seed = answer.seed
-            # the local worker's options, defaults and all, then what the head and our config say
-            ns = build_worker_parser().parse_args(["--connect", answer.control])
+            # the local worker's options, defaults and all, the stage's worker_args from the config
+            # (as a local replica of it gets them), then what the head and our config say
+            ns = build_worker_parser().parse_args(["--connect", answer.control, *st.worker_args])
             ns.stage_id, ns.replica, ns.kind, ns.role = args.stage, answer.replica, st.kind, st.role
             ns.inbox_tcp = f"tcp://{advertise}:0" if answer.inbox else None
             ns.control_only, ns.heartbeat_interval = answer.control_only, answer.heartbeat_interval
             ns.max_batch, ns.device, ns.seed = st.max_batch, device, answer.seed
             ns.threads = args.threads or st.threads
-            ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms
+            ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms or ns.step_delay_ms
             HeadlessWorker.head_timeout = args.head_timeout
-            worker = HeadlessWorker(ns, model, ctx, security, auth)
+            worker = HeadlessWorker(ns, model, ctx, Security(b"", session, server_key=head_key), auth)
             worker.set_peers(Peers(answer.downstream, answer.upstream_keys))
             reason = "exited"
             try:

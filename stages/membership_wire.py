@@ -27,6 +27,9 @@ class Register(msgspec.Struct, tag="register", array_like=True):
     ``public_key``: the worker's Z85 CurveZMQ public key (must be the key it
     authenticated with).  ``kind``/``role``: what it runs (must match the
     stage).  ``capabilities``: device, max_batch, host, pid (informative).
+    ``session_key``: the public half of a key pair the worker made for this
+    join alone: the only key its control socket lets in, and its identity on
+    the data plane (required; a worker without one is refused).
     """
 
     member_id: str
@@ -35,6 +38,7 @@ class Register(msgspec.Struct, tag="register", array_like=True):
     role: str = ""
     public_key: str = ""
     capabilities: dict[str, Any] = {}
+    session_key: str = ""
 
 
 class Accepted(msgspec.Struct, tag="accepted", array_like=True):

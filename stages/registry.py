@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from stages.base import StageModel
+from stages.fit import SizeFn, Sizes, causal_lm_sizes, code2wav_sizes, talker_sizes, thinker_sizes
 from stages.forwarding import (
     codes_input,
     encoding_input,
@@ -61,6 +62,7 @@ from stages.forwarding import (
 from stages.media import audio_features_input, image_features_input
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
+    HF_PARAMS,
     NO_PARAMS,
     TALKER_PARAMS,
     THINKER_PARAMS,
@@ -72,9 +74,10 @@ from stages.sampling_params import (
 from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
-           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "image_of", "input_media",
-           "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens", "says", "source_root",
-           "spec_for", "stage_params", "takes_companions", "text_of", "text_stage"]
+           "check_kind_name", "check_sampling", "check_stage", "forward_fn", "full_options", "image_of",
+           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens", "says",
+           "source_root", "spec_for", "stage_params", "stage_sizes", "takes_companions", "text_of",
+           "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -126,6 +129,9 @@ class StageSpec:
     ``"ids"`` (it reads the token ids such a stage makes), else empty.
     ``says``: it can be told what to say (a payload's ``say`` is forced as its
     answer: the speech route speaks its input through it).
+    ``sizes``: what the kind emits to the next stage and reads from the one
+    before (:mod:`stages.fit`), from its options with the constructor's
+    defaults filled in; None: nothing declared, nothing checked.
     """
 
     output: str = "data"
@@ -138,22 +144,27 @@ class StageSpec:
     media: str = ""
     tokens: str = ""
     says: bool = False
+    sizes: SizeFn | None = None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
 KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in {
     "echo": StageSpec("data", model="stages.base:EchoModel"),
-    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.models:Thinker",
-                         tokens="text", says=True),
-    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.models:Talker",
-                        tokens="ids"),
-    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.models:Code2Wav"),
-    "encoder": StageSpec("embedding", encoding_input, model="stages.encoder:ThinkerEncoder"),
-    "diffusion": StageSpec("image", model="stages.diffusion:Diffusion"),
-    "image-encoder": StageSpec("embedding", image_features_input, model="stages.media_encoders:ImageEncoder",
-                               media="image"),
-    "audio-encoder": StageSpec("embedding", audio_features_input, model="stages.media_encoders:AudioEncoder",
-                               media="audio"),
+    "thinker": StageSpec("text", tokens_input, sampling=THINKER_PARAMS, model="stages.toy.models:Thinker",
+                         sizes=thinker_sizes, tokens="text", says=True),
+    "talker": StageSpec("codes", codes_input, sampling=TALKER_PARAMS, model="stages.toy.models:Talker",
+                        sizes=talker_sizes, tokens="ids"),
+    "code2wav": StageSpec("audio", sampling=CODE2WAV_PARAMS, model="stages.toy.models:Code2Wav",
+                          sizes=code2wav_sizes),
+    "encoder": StageSpec("embedding", encoding_input, model="stages.toy.encoder:ThinkerEncoder"),
+    "diffusion": StageSpec("image", model="stages.toy.diffusion:Diffusion"),
+    "image-encoder": StageSpec("embedding", image_features_input,
+                               model="stages.toy.media_encoders:ImageEncoder", media="image"),
+    "audio-encoder": StageSpec("embedding", audio_features_input,
+                               model="stages.toy.media_encoders:AudioEncoder", media="audio"),
+    # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
+    "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
+                              model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes, tokens="text"),
 }.items()}
 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
@@ -163,9 +174,9 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
 ROLES: dict[tuple[str, str], StageSpec] = {(kind, role): replace(spec, kind=kind, role=role)
                                            for (kind, role), spec in {
     ("thinker", "prefill"): StageSpec("codes", kv_handoff_input, sampling=THINKER_PARAMS,
-                                      model="stages.pd:PrefillThinker"),
+                                      model="stages.toy.pd:PrefillThinker"),
     ("thinker", "decode"): StageSpec("text", tokens_input, sampling=THINKER_PARAMS,
-                                     model="stages.pd:DecodeThinker"),
+                                     model="stages.toy.pd:DecodeThinker", sizes=thinker_sizes),
 }.items()}
 
 
@@ -290,6 +301,8 @@ class _Params:
     var_kw: bool  # **kwargs: any name is taken
     #: each annotated parameter's type, or its annotation's source text (read without importing)
     annotations: tuple[tuple[str, Any], ...] = ()
+    #: the defaults that are plain values (read from source without importing: literals only)
+    defaults: tuple[tuple[str, Any], ...] = ()
 
 
 def _signature_params(cls: type) -> _Params:
@@ -306,7 +319,9 @@ def _signature_params(cls: type) -> _Params:
     return _Params(frozenset(p.name for p in ps if p.kind in kw),
                    frozenset(p.name for p in ps if p.kind in kw and p.default is inspect.Parameter.empty),
                    any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ps),
-                   tuple((p.name, hints[p.name]) for p in ps if p.kind in kw and p.name in hints))
+                   tuple((p.name, hints[p.name]) for p in ps if p.kind in kw and p.name in hints),
+                   tuple((p.name, p.default) for p in ps
+                         if p.kind in kw and p.default is not inspect.Parameter.empty))
 
 
 def _static_params(modname: str, attr: str) -> _Params | None:
@@ -333,7 +348,21 @@ def _static_params(modname: str, attr: str) -> _Params | None:
     required |= {p.arg for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is None}
     annotated = tuple((p.arg, ast.unparse(p.annotation)) for p in [*positional, *a.kwonlyargs]
                       if p.annotation is not None and p.arg in keyword)
-    return _Params(frozenset(keyword), frozenset(required), a.kwarg is not None, annotated)
+    pairs = [*zip(positional[len(positional) - len(a.defaults):], a.defaults, strict=True),
+             *((p, d) for p, d in zip(a.kwonlyargs, a.kw_defaults, strict=True) if d is not None)]
+    return _Params(frozenset(keyword), frozenset(required), a.kwarg is not None, annotated,
+                   tuple((p.arg, v) for p, d in pairs if (v := _literal(d)) is not _NOT_LITERAL))
+
+
+_NOT_LITERAL = object()
+
+
+def _literal(node: ast.expr) -> Any:
+    """A default's value when it is a literal (else :data:`_NOT_LITERAL`: only an import can tell)."""
+    try:
+        return ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return _NOT_LITERAL
 
 
 @cache
@@ -377,6 +406,29 @@ def check_options(spec: StageSpec, options: Any) -> None:
                 check_option(spec.kind, name, options[name], annotation)
             except ConfigError as exc:
                 raise KindError(str(exc)) from None
+
+
+def full_options(spec: StageSpec, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with the model constructor's plain-valued defaults filled in (what ``sizes`` reads)."""
+    return {**dict(_params(spec.model).defaults), **options}
+
+
+def stage_sizes(kind: str, options: dict[str, Any], role: str = "") -> Sizes | None:
+    """What a stage of ``kind`` emits and reads (:mod:`stages.fit`; None: not declared).
+
+    A size function that fails (a tokenizer or checkpoint its options name cannot
+    be read) is a KindError saying so.
+    """
+    spec = spec_for(kind, role)
+    if spec.sizes is None:
+        return None
+    model = spec_for(kind) if role else spec  # a role takes its kind's options
+    try:
+        return spec.sizes(full_options(model, options))
+    except KindError:
+        raise
+    except (ValueError, OSError, KeyError) as exc:
+        raise KindError(f"{kind}: cannot tell its sizes: {exc}") from None
 
 
 def check_stage(kind: str, options: Any, role: str = "") -> StageSpec:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["CODE2WAV_PARAMS", "NO_PARAMS", "TALKER_PARAMS", "THINKER_PARAMS", "VOICES", "Param",
+__all__ = ["CODE2WAV_PARAMS", "HF_PARAMS", "NO_PARAMS", "TALKER_PARAMS", "THINKER_PARAMS", "VOICES", "Param",
            "SamplingSchema", "StageParams", "check_params", "checker", "describe", "voice_index",
            "with_defaults"]
 
@@ -154,6 +154,29 @@ THINKER_PARAMS = _freeze({
                   "(it is not emitted)", hi=64, max_items=16),
     "stop_token_ids": Param("ints", [], "token ids that end the text like end-of-text (not emitted); "
                             "0-255 are bytes, 256 end-of-text", lo=0, hi=256, max_items=16),
+})
+
+#: A checkpoint's text model (``hf-causal-lm``): vLLM's parameters and defaults -- a default not
+#: given here is the checkpoint's ``generation_config.json`` value, as vLLM's ``--generation-config auto``
+HF_PARAMS = _freeze({
+    "temperature": Param("float", None, f"{_TEMPERATURE} (default: generation_config.json's, else 1.0)",
+                         lo=0.0, hi=2.0),
+    "top_p": Param("float", None, "nucleus sampling: keep the most likely tokens up to this mass "
+                   "(default: generation_config.json's, else 1.0)", lo=0.0, hi=1.0, lo_open=True),
+    "top_k": Param("int", None, "keep the k most likely tokens (0 or -1: all; default: "
+                   "generation_config.json's, else all)", lo=-1),
+    "repetition_penalty": Param("float", None, "divide the logit of every token already in the prompt or the "
+                                "output by this (multiply if negative); 1: off (default: "
+                                "generation_config.json's, else 1)", lo=0.0, hi=10.0, lo_open=True),
+    "frequency_penalty": THINKER_PARAMS["frequency_penalty"],
+    "presence_penalty": THINKER_PARAMS["presence_penalty"],
+    "seed": _SEED,
+    "max_tokens": Param("int", None, "most tokens generated (default: generation_config.json's "
+                        "max_new_tokens, else as many as the context holds after the prompt)", lo=1),
+    "min_tokens": Param("int", 0, "no end-of-text or stop token before this many tokens", lo=0),
+    "stop": THINKER_PARAMS["stop"],
+    "stop_token_ids": Param("ints", [], "token ids that end the text like end-of-text (not emitted); "
+                            "each must be in the model's vocabulary", lo=0, hi=2**31 - 1, max_items=64),
 })
 
 #: The talker (speech codes; one token of its input -> frames of codes).

@@ -60,6 +60,10 @@ class PipelineTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     startup_timeout: PositiveFloat | UnsetType = UNSET
     stop_grace: NonNegativeFloat | UnsetType = UNSET
     max_retries: NonNegativeInt | UnsetType = UNSET
+    #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
+    #: placement group holds the whole pipeline or each stage gets its own
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | UnsetType = UNSET
+    placement_scope: Literal["pipeline", "stage"] | UnsetType = UNSET
 
 
 class StageTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
@@ -76,6 +80,7 @@ class StageTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     name: str | UnsetType = UNSET
     role: str | UnsetType = UNSET  # which roles a kind has: the registry says (naming them)
     resources: dict[str, NonNegativeFloat] | UnsetType = UNSET
+    label_selector: dict[str, str] | UnsetType = UNSET  # Ray node labels (--worker-backend ray)
 
 
 class ConfigFile(Struct, forbid_unknown_fields=True, omit_defaults=True):

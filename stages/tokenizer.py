@@ -1,6 +1,8 @@
 """The text stages' tokenizer: Hugging Face's ``tokenizers`` library, a ``tokenizer.json`` or a built-in one.
 
-A thinker names its tokenizer in the pipeline config
+A checkpoint directory's tokenizer is loaded as ``transformers`` loads it
+(:mod:`stages.hf.tokenizer`), into the same :class:`TextTokenizer`.  A thinker
+names its tokenizer in the pipeline config
 (``[stages.model] tokenizer = "path/to/tokenizer.json"``, a file the
 ``tokenizers`` library reads, as a model on the Hub ships it).  Without one
 it uses :func:`byte_level`: a byte-level BPE with no merges, built with the
@@ -29,24 +31,45 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", 
 
 
 class TextTokenizer:
-    """A ``tokenizers.Tokenizer`` and its end-of-text id; ``source``: the file, or "byte-level"."""
+    """A ``tokenizers.Tokenizer`` and its end-of-text id; ``source``: the file, or "byte-level".
 
-    def __init__(self, tok: Tokenizer, source: str) -> None:
+    ``eos``: the end-of-text id (default: the first of :data:`EOS_NAMES` the
+    vocabulary has).  A checkpoint's tokenizer (:mod:`stages.hf.tokenizer`)
+    also has ``bos`` and ``checkpoint=True``: its encoding adds the special
+    tokens the checkpoint's tokenizer adds (its BOS) -- once, when the text
+    already begins with one (a chat template that writes ``bos_token``), as
+    vLLM's chat (no special tokens added) and completions (added) come out --
+    and its decoding leaves every special token out.
+    """
+
+    def __init__(self, tok: Tokenizer, source: str, *, eos: int | None = None, bos: int | None = None,
+                 checkpoint: bool = False, vocab_size: int | None = None) -> None:
         self.tok = tok
         self.source = source
         vocab = tok.get_vocab(with_added_tokens=True)
-        eos = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
+        if eos is None:
+            eos = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
         if eos is None:
             raise ValueError(f"tokenizer {source}: no end-of-text token (one of {', '.join(EOS_NAMES)})")
         self.eos = eos
-        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), eos + 1)
+        self.bos = bos
+        self.checkpoint = checkpoint
+        self.vocab_size = max(tok.get_vocab_size(with_added_tokens=True), eos + 1, vocab_size or 0)
 
     def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, with no special tokens added."""
-        return list(self.tok.encode(text, add_special_tokens=False).ids)
+        """The ids of ``text``: no special tokens added, or a checkpoint's (see the class)."""
+        if not self.checkpoint:
+            return list(self.tok.encode(text, add_special_tokens=False).ids)
+        ids = list(self.tok.encode(text, add_special_tokens=True).ids)
+        if self.bos is not None and ids[:2] == [self.bos, self.bos]:
+            del ids[0]  # the text began with BOS (a chat template's): it is not added again
+        return ids
 
     def decode(self, tokens: list[int]) -> str:
-        """The text of ``tokens``; end-of-text is not text, and a cut character shows as U+FFFD."""
+        """The text of ``tokens``; end-of-text is not text (a checkpoint's: no special token is), and a cut
+        character shows as U+FFFD."""
+        if self.checkpoint:
+            return self.tok.decode(list(tokens), skip_special_tokens=True)
         return self.tok.decode([t for t in tokens if t != self.eos], skip_special_tokens=False)
 
     def token_str(self, token: int) -> str:
@@ -80,6 +103,14 @@ class IncrementalDecoder:
         self.prefix, self.read = self.read, len(self.ids)
         return after[len(before):]
 
+    def flush(self) -> str:
+        """At the end of the text: what is still held back, less a last character the tokens left
+        unfinished (never shown: it would only be U+FFFD)."""
+        before = self.tok.decode(self.ids[self.prefix:self.read])
+        after = self.tok.decode(self.ids[self.prefix:]).rstrip("\ufffd")
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):] if len(after) > len(before) else ""
+
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, the alphabet of byte-level BPE."""
@@ -108,7 +139,9 @@ def byte_level() -> TextTokenizer:
 
 @functools.cache
 def load_tokenizer(path: str = "") -> TextTokenizer:
-    """A ``tokenizer.json``'s tokenizer, or :func:`byte_level` for "" (ValueError naming the file)."""
+    """A ``tokenizer.json``'s tokenizer, or :func:`byte_level` for "" (ValueError naming the file).
+
+    A checkpoint directory's is :func:`stages.hf.tokenizer.checkpoint_tokenizer`'s."""
     if not path:
         return byte_level()
     p = Path(path)

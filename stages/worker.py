@@ -33,10 +33,12 @@ from typing import Any
 
 import zmq
 
-from stages.auth import Authenticator, Security, not_dumpable
+from stages.auth import Authenticator, KeysError, Security
 from stages.base import ReqState, StageModel, StepResult
 from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
+from stages.credentials import HandoverError
+from stages.lockdown import LockdownError, lock_down
 from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
 from stages.sampling_params import check_params
 from stages.scheduling import WaitingQueue
@@ -88,7 +90,7 @@ class Worker:
         self.sock.linger = 200
         self.sock.sndtimeo = 1000
         if security is not None:
-            security.client(self.sock, args.connect)
+            security.control_client(self.sock, args.connect)
         self.configure_control(self.sock)
         self.sock.connect(args.connect)
         self.in_codec = WireCodec(InboundMsg)
@@ -338,6 +340,9 @@ class Worker:
                  stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
         if self.inbox is not None:
             s["inbox_pending"] = self.inbox.pending
+        s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
+                          "outbox": self.outbox.describe() if self.outbox is not None else None,
+                          "sent": self.outbox.sent if self.outbox is not None else 0}
         return s
 
     # ------------------------------------------------------------------ stepping
@@ -537,8 +542,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--connect", required=True, help="ZMQ address of the orchestrator's socket (DEALER)")
     p.add_argument("--auth-fd", type=int, default=None, metavar="FD",
-                   help="read the pipeline credentials from this inherited pipe (the launcher's), then "
-                        "close it; without it the worker's sockets are unsecured (tests only)")
+                   help="ask the launcher for this launch's credentials over this inherited socket, once "
+                        "locked down (stages/credentials.py), then close it; without it the worker's "
+                        "sockets are unsecured (tests only)")
     p.add_argument("--stage-id", type=int, default=0, help="stage index in the pipeline")
     p.add_argument("--replica", type=int, default=0, help="replica index within the stage")
     p.add_argument("--kind", default="echo", type=_kind_arg, metavar="KIND",
@@ -612,24 +618,36 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     fmt = f"%(asctime)s worker[{args.stage_id}.{args.replica}] %(levelname)s %(message)s"
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=fmt)
+    try:  # before it holds anything worth reading, and in an address space nobody opened before
+        lock_down(fresh=True)
+    except LockdownError as exc:
+        print(f"worker stage {args.stage_id}: {exc}", file=sys.stderr, flush=True)
+        return 3
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's job: it stops us
 
     def on_term(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not break the cleanup
         raise StopServing(f"signal {signal.Signals(signum).name}")
 
+    def on_parent_gone(signum: int, frame: Any) -> None:  # the stand-in's word: the launcher is gone
+        raise StopServing("parent process exited")
+
     signal.signal(signal.SIGTERM, on_term)
-    # No PR_SET_PDEATHSIG: it fires when the *thread* that forked us exits, and trio's open_process
-    # forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed healthy workers.
-    # Orphans are still caught: serve() exits when getppid() changes (checked every heartbeat).
+    signal.signal(signal.SIGHUP, on_parent_gone)
+    # No PR_SET_PDEATHSIG towards the launcher: it fires when the *thread* that forked us exits, and
+    # trio's open_process forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed
+    # healthy workers. Orphans are still caught: our stand-in (the launched process, stages/lockdown.py)
+    # sends SIGHUP when the launcher is gone, and serve() exits when getppid() changes.
     if args.fail_at_startup:
         print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
         return 3
     args.parent_pid = parent = os.getppid()
+    try:  # its credentials, handed over to this pid alone: never the environment, argv or a pipe
+        security = Security.from_handover(args.auth_fd) if args.auth_fd is not None else None
+    except (HandoverError, KeysError) as exc:
+        print(f"worker stage {args.stage_id}: {exc}", file=sys.stderr, flush=True)
+        return 3
     ctx = zmq.Context()
-    # the pipeline secret: from the pipe the launcher left open, never the environment or argv
-    security = Security.from_fd(args.auth_fd) if args.auth_fd is not None else None
-    not_dumpable()  # no other process of this user may read our memory (the secret) or ptrace us
     auth: Authenticator | None = None
     if security is not None and (args.inbox or args.inbox_tcp):  # this worker binds: it checks its peers
         auth = Authenticator(ctx, security.secret).start()

@@ -79,3 +79,22 @@ def serving() -> Iterator[Callable[..., Any]]:
     yield start
     for s in reversed(started):
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random Qwen2 checkpoint directory (:func:`trio_orch.testing.checkpoints.tiny_checkpoint`:
+    a 2-layer model, a BPE trained here, the ChatML template), built once per run; needs the hf extra."""
+    pytest.importorskip("transformers")
+    from trio_orch.testing.checkpoints import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """A tiny random Llama checkpoint (BOS added by its tokenizer and written by its template)."""
+    pytest.importorskip("transformers")
+    from trio_orch.testing.checkpoints import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from functools import partial
@@ -167,6 +168,45 @@ def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = N
     if front == "trio":
         return TrioServed(factory, engine_options=engine_options, **served_kwargs)
     return Served(ThreadEngine(factory, **(engine_options or {})).start(), **served_kwargs)
+
+
+#: how long worker processes may take to start behind a test server (a loaded machine: torch imports)
+WORKER_STARTUP = 120.0
+
+
+def worker_server(front: str, config: Any, **served_kwargs: Any) -> Iterator[Served | TrioServed]:
+    """``config``'s worker processes behind ``front`` (a generator: yields it started, stops it);
+    none of them, nor a socket or file, is left after.  ``served_kwargs``: as :func:`serve`'s
+    (default ``model_name="tiny"`` and the config's output modalities)."""
+    from contextlib import asynccontextmanager
+
+    import pytest
+
+    from trio_orch.cluster.launcher import open_pipeline
+    from trio_orch.testing import LeakProbe
+
+    probe = LeakProbe()
+
+    @asynccontextmanager
+    async def factory() -> Any:
+        async with open_pipeline(config) as pipe:
+            probe.saw(pipe.pids)
+            probe.saw_dir(pipe.tmpdir)
+            yield pipe
+
+    # worker processes take longer to start than the helper's bound for an in-process one: both fronts
+    # wait for them up to WORKER_STARTUP (the thread bridge's own timeout; the helper's wait for the run)
+    options = {"startup_timeout": WORKER_STARTUP} if front == "asyncio" else {}
+    kwargs = {"model_name": "tiny", "outputs": config.outputs(), **served_kwargs}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[__name__], "wait_until", partial(wait_until, hang=WORKER_STARTUP))
+        served = serve(front, factory, engine_options=options, **kwargs)
+    try:
+        yield served
+    finally:
+        served.stop()
+    leaks = probe.leaks()
+    assert leaks == {"processes": 0, "fds": 0, "ipc_files": 0}, leaks
 
 
 def chat(text: str, **kw: Any) -> dict[str, Any]:

@@ -69,6 +69,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", metavar="PATH", help="write the table as markdown")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (abort storm)")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--worker-backend", choices=["local", "ray"], default="local",
+                        help="local: the faults on worker processes of this host (default); ray: the "
+                             "ray_* faults, the replicas as Ray actors on a two-node Ray cluster started "
+                             "on this machine for the run (needs the ray extra)")
 
 
 def _fmt_s(v: float | None) -> str:
@@ -150,17 +154,26 @@ def render_markdown(results: list[ChaosResult], meta: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
-async def main_async(args: argparse.Namespace) -> list[ChaosResult]:
-    faults = FAULTS
+def _on_ray(fault: Any) -> bool:
+    setup = getattr(fault, "setup", None)
+    return bool(setup is not None and setup.ray)
+
+
+async def main_async(args: argparse.Namespace, ray_cluster: Any = None) -> list[ChaosResult]:
+    ray = getattr(args, "worker_backend", "local") == "ray"
+    faults = {name: f for name, f in FAULTS.items() if _on_ray(f) == ray}
     names = args.only or list(faults)
     unknown = [n for n in names if n not in faults]
     if unknown:
+        other = [n for n in unknown if n in FAULTS]
+        if other:
+            raise SystemExit(f"fault(s) {other} run {'without' if ray else 'with'} --worker-backend ray")
         raise SystemExit(f"unknown fault(s) {unknown}; known: {', '.join(faults)}")
     n_req = args.requests or (QUICK_REQUESTS if args.quick else 1000)
     opts = ChaosOptions(requests=n_req, concurrency=args.concurrency, echo=args.echo,
                         max_new_tokens=args.max_new_tokens, request_timeout=args.request_timeout,
                         probe_requests=args.probe, progress=not args.no_progress, seed=args.seed,
-                        device=args.device)
+                        device=args.device, ray=ray_cluster)
     from bench.tables import console, text
 
     err = console(stderr=True)
@@ -187,7 +200,14 @@ def run(args: argparse.Namespace) -> int:
         # progress readable.  -v shows them.
         orch_log.setLevel(logging.CRITICAL)
     try:
-        results = trio.run(main_async, args)
+        if getattr(args, "worker_backend", "local") == "ray":
+            from bench.chaos.ray import local_cluster
+
+            print("starting a two-node Ray cluster on this machine ...", file=sys.stderr, flush=True)
+            with local_cluster() as cluster:
+                results = trio.run(main_async, args, cluster)
+        else:
+            results = trio.run(main_async, args)
     finally:
         orch_log.setLevel(saved_level)
     from bench.tables import console

@@ -17,7 +17,9 @@ row).  Two kinds satisfy the protocol:
 
 The ``remote_*`` faults run with a registrar on loopback TCP
 (``RunSetup(listen=True)``) and act on headless workers that join over it
-(:mod:`bench.chaos.remote`).
+(:mod:`bench.chaos.remote`).  The ``ray_*`` faults (``RunSetup(ray=True)``)
+run only with ``--worker-backend ray``, on a two-node Ray cluster the command
+starts (:mod:`bench.chaos.ray`); the others only without it.
 
 Adding a fault is adding an entry to :data:`FAULTS` here (with its inject
 coroutine, for a pipeline fault) and a test.
@@ -27,17 +29,22 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import trio
 
+from bench.chaos.ray import placement, ray_actor_killed, ray_node_lost, ray_worker_killed
 from bench.chaos.remote import RemoteWorkers
 from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetup, run_fault
 from bench.chaos.server import HttpFault
 from stages.auth import Keypair
 from stages.config import PipelineConfig
+from trio_orch.testing.rogue import read_report
 from trio_orch.types import StageOutput
 
 __all__ = ["FAULTS", "Fault", "GatedStage", "PipelineFault"]
@@ -276,6 +283,66 @@ async def leave_rejoin(run: ChaosRun) -> None:
     run.mark_recover()  # back in the pool and placed on
 
 
+def _ray_queue_at(stage: int) -> Callable[[PipelineConfig], None]:
+    """The Ray placement (:func:`bench.chaos.ray.placement`) and small batches at ``stage``."""
+    queue = _queue_at(stage)
+
+    def hook(cfg: PipelineConfig) -> None:
+        placement(cfg)
+        queue(cfg)
+
+    return hook
+
+
+def _slow_restart_of_thinker_0(stage: int, replica: int, attempt: int) -> list[str]:
+    return ["--startup-delay", "1"] if (stage, replica) == (0, 0) else []
+
+
+async def rogue_worker(run: ChaosRun) -> None:
+    """kill -9 thinker replica 0; a rogue process takes its control socket first, with what it stole."""
+    auth = run.pipe.authenticator
+    assert auth is not None
+    victim = run.pipe.worker(0, 0)
+    address, slot = victim.client.address, victim.client.zap_domain(victim.client.address)
+    earlier = auth.launches.current(slot)
+    assert earlier is not None and run.pipe.security is not None
+    await run.submitted_at_least(0.3)
+    with tempfile.TemporaryDirectory(prefix="trio-orch-rogue-") as d:
+        stolen = os.path.join(d, "stolen")
+        with open(stolen, "w") as f:  # the killed worker's ticket and the pipeline secret
+            f.write(f"{earlier.ticket.decode()}\n{run.pipe.security.secret.decode()}\n")
+        run.mark_fault()
+        os.kill(victim.pid or 0, signal.SIGKILL)
+        rogue = await trio.lowlevel.open_process(
+            [sys.executable, "-m", "trio_orch.testing.rogue", "--connect", address, "--passwords", stolen],
+            stdout=subprocess.PIPE)
+        out = b""
+        try:
+            while auth.launches.current(slot) in (None, earlier):
+                await trio.sleep(0.005)
+            current = auth.launches.current(slot)
+            assert current is not None
+            with open(stolen, "a") as f:  # and the replacement's own ticket, as soon as there is one
+                f.write(current.ticket.decode() + "\n")
+            await run.mark_restart(0, 0)
+            with trio.move_on_after(30):
+                while auth.refused["launch:stranger"] == 0:
+                    await trio.sleep(0.01)
+        finally:
+            rogue.send_signal(signal.SIGTERM)
+            assert rogue.stdout is not None
+            async with rogue.stdout:
+                while chunk := await rogue.stdout.receive_some(65536):
+                    out += chunk
+            await rogue.wait()
+    done = read_report(out.decode())[-1]
+    run.notes.update(rogue_refused=done.get("refused", 0), rogue_connected=done.get("connected", 0),
+                     rogue_submits=done.get("submits", 0), refused_stranger=auth.refused["launch:stranger"],
+                     refused_stale=auth.refused["launch:stale_ticket"])
+    if done.get("connected") or done.get("submits") or run.pipe.worker(0, 0).pid != current.pid:
+        raise RuntimeError(f"the rogue took the slot: {done}")
+
+
 def _remote(run: ChaosRun) -> RemoteWorkers:
     assert run.remote is not None, "a remote fault needs RunSetup(listen=True)"
     return run.remote
@@ -299,12 +366,12 @@ async def remote_lost(run: ChaosRun) -> None:
         for i in others:
             pool.uncordon(i)
     run.notes.update(placed_on_it=pool.placements[idx], held_when_lost=pool.in_flight()[idx])
-    proc = remote.procs[0]
+    serving = remote.serving_pid(remote.procs[0])
     run.mark_fault()
-    proc.send_signal(signal.SIGSTOP)  # silent, connection open: only the missed heartbeats tell
+    os.kill(serving, signal.SIGSTOP)  # silent, connection open: only the missed heartbeats tell
     await remote.wait_for(lambda: member.gone is not None)
     run.mark_detect()  # its requests ended with replica_died, its slot evicted
-    proc.send_signal(signal.SIGCONT)  # back, but the head dropped it: it registers again, a new identity
+    os.kill(serving, signal.SIGCONT)  # back, but the head dropped it: it registers again, a new identity
     await remote.wait_for(lambda: any(mid != first_id for mid in remote.live_members(1)))
     run.mark_recover()
 
@@ -360,6 +427,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   connector_peer_killed, RunSetup(async_chunk=True)),
     PipelineFault("leave_rejoin", "a talker replica leaves gracefully (drained) and rejoins later",
                   leave_rejoin),
+    PipelineFault("rogue_worker", "kill -9 a thinker replica; a rogue process with the dead worker's ticket, "
+                  "the pipeline secret and the replacement's ticket takes its socket first (refused: the "
+                  "replacement serves)", rogue_worker,
+                  RunSetup(sup_kwargs={"extra_args": _slow_restart_of_thinker_0})),
     PipelineFault("remote_lost", "a talker joined over TCP stops answering mid-stream (SIGSTOP); resumed, it "
                   "joins again under a new identity", remote_lost,
                   RunSetup(listen=True, joined_before_load=(1,), config_hook=_queue_at(1), failover=True)),
@@ -368,6 +439,15 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   RunSetup(listen=True, joined_before_load=(1,))),
     PipelineFault("remote_unknown_key", "a worker whose key is not on the head's allow-list tries to join "
                   "under load", remote_unknown_key, RunSetup(listen=True)),
+    PipelineFault("ray_worker_killed", "--worker-backend ray: kill -9 a talker's worker under load (its "
+                  "actor lives on); a new actor replaces it", ray_worker_killed,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
+    PipelineFault("ray_actor_killed", "--worker-backend ray: kill -9 a talker's Ray actor under load (its "
+                  "worker exits with it); a new actor replaces it", ray_actor_killed,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
+    PipelineFault("ray_node_lost", "--worker-backend ray: the second node (one of the two talkers) crashes "
+                  "under load; its talker is replaced on the node left", ray_node_lost,
+                  RunSetup(ray=True, config_hook=_ray_queue_at(1), failover=True)),
     HttpFault("http_disconnect", "HTTP clients disconnect mid-stream (every other stream, after its first "
               "chunks)", "disconnect"),
     HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",

@@ -5,17 +5,19 @@ pipeline with the local inboxes on 127.0.0.1 and, beside it, a registrar on
 ``tcp://127.0.0.1:<ephemeral>`` (:func:`open_remote_workers`).  The keys are
 made for the run, in memory: the head's key pair and :data:`ALLOWED` worker
 key pairs on its allow-list.  A fault starts ``python -m stages.headless``
-workers (:meth:`RemoteWorkers.start`): the worker's key pair goes over an
-inherited pipe (``--keys-fd``) and the pipeline config in its environment, as
-the Ray backend hands them over, so no secret is in any environment or command
-line and nothing is written but each worker's stderr log.  Whatever the fault did to them, they
-are all stopped and reaped when the run ends, before the leak check.
+workers (:meth:`RemoteWorkers.start`): the worker's key pair goes over the
+hand-over of :mod:`stages.credentials` (``--keys-fd``) and the pipeline config
+in its environment, as the Ray backend hands them over, so no secret is in any
+environment, command line or pipe and nothing is written but each worker's
+stderr log.  The worker goes on in a fresh child of the process started
+(:mod:`stages.lockdown`): :meth:`RemoteWorkers.serving_pid` is the one to stop.
+Whatever the fault did to them, they are all stopped and reaped when the run
+ends, before the leak check.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -28,7 +30,9 @@ import trio
 
 from stages.auth import Keypair, scrubbed_environ
 from stages.config import to_dict
+from stages.credentials import Handover
 from stages.headless import CONFIG_ENV
+from trio_orch.cluster.credentials import hand_over
 from trio_orch.cluster.launcher import Pipeline
 from trio_orch.cluster.registrar import HeadKeys, Member, Registrar, open_registrar
 
@@ -49,10 +53,15 @@ class RemoteWorkers:
         self.join_timeout = join_timeout
         self.procs: list[trio.Process] = []
         self._log_of: dict[int, Path] = {}
+        self._serving: dict[int, int] = {}  # started pid -> the pid that serves
 
     @property
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def serving_pid(self, proc: trio.Process) -> int:
+        """The process that serves for ``proc`` (its fresh child), the one to stop or signal."""
+        return self._serving.get(proc.pid, proc.pid)
 
     async def start(self, stage: int, *, key: int = 0, keypair: Keypair | None = None,
                     member_id: str | None = None, head_timeout: float = 1.0) -> trio.Process:
@@ -66,24 +75,28 @@ class RemoteWorkers:
         keys = json.dumps({"public": pair.public.decode(), "secret": pair.secret.decode(),
                            "head": self.head.public.decode()})
         env = {**scrubbed_environ(), CONFIG_ENV: json.dumps(to_dict(self.pipe.config))}
-        read_end, write_end = os.pipe()
+        handover = Handover()
         argv = [sys.executable, "-m", "stages.headless", "--stage", str(stage),
-                "--head", self.registrar.address, "--advertise", LISTEN_HOST, "--keys-fd", str(read_end),
+                "--head", self.registrar.address, "--advertise", LISTEN_HOST,
+                "--keys-fd", str(handover.child_fd),
                 "--head-timeout", str(head_timeout), "--register-timeout", "30", "--leave-grace", "2"]
         if member_id is not None:
             argv += ["--member-id", member_id]
         log = self.logs / f"worker-{len(self.procs)}.stderr"
         try:
-            with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
-                w.write(keys)
             with open(log, "wb") as err:  # the child keeps its own copies of the fds
                 proc = await trio.lowlevel.open_process(argv, env=env, stdin=subprocess.DEVNULL,
                                                         stdout=subprocess.DEVNULL, stderr=err,
-                                                        pass_fds=(read_end,))
+                                                        pass_fds=(handover.child_fd,))
+            self.procs.append(proc)
+            self._log_of[proc.pid] = log
+            handover.child_started(keys.encode())
+            with trio.move_on_after(self.join_timeout):
+                serving = await hand_over(handover, proc.pid, keys.encode())
+                if serving is not None:
+                    self._serving[proc.pid] = serving
         finally:
-            os.close(read_end)
-        self.procs.append(proc)
-        self._log_of[proc.pid] = log
+            handover.close()
         return proc
 
     async def start_joined(self, stage: int, *, key: int = 0) -> tuple[trio.Process, Member]:

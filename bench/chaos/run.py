@@ -58,6 +58,8 @@ class ChaosOptions:
     progress: bool = True
     seed: int = 0
     device: str = "cpu"  # torch device of the workers: cpu or cuda
+    #: the Ray cluster the ``ray`` faults run on (``--worker-backend ray``: :mod:`bench.chaos.ray`)
+    ray: Any = None
 
 
 @dataclass
@@ -241,12 +243,15 @@ class RunSetup:
     joined_before_load: tuple[int, ...] = ()
     #: the fault kills or loses a replica that holds queued requests: its row always notes ``retried``
     failover: bool = False
+    #: every replica a Ray actor on :attr:`ChaosOptions.ray` (run only with ``--worker-backend ray``)
+    ray: bool = False
 
 
 async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOptions,
                     setup: RunSetup | None = None) -> ChaosResult:
     """Run one fault from a fresh pipeline to a clean shutdown; see the module docstring."""
     setup = setup or RunSetup()
+    ray_left = 0
     res = ChaosResult(name, description, "echo" if opts.echo else "torch (thinker/talker/code2wav)")
     res.requests = opts.requests
     t_start = time.monotonic()
@@ -260,9 +265,18 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
         print(f"  {name}: starting {n} workers ...", file=sys.stderr, flush=True)
     try:
         async with AsyncExitStack() as stack:
-            pipe = await stack.enter_async_context(
-                open_pipeline(cfg, inbox_host=LISTEN_HOST if setup.listen else None))
-            sup = await stack.enter_async_context(open_supervisor(pipe, POLICY, **setup.sup_kwargs))
+            if setup.ray:
+                from bench.chaos.ray import open_ray_pipeline
+
+                if opts.ray is None:
+                    raise RuntimeError(f"{name} runs on Ray: give --worker-backend ray")
+                pipe = await stack.enter_async_context(open_ray_pipeline(cfg, opts.ray, POLICY))
+                sup = pipe.supervisor
+                res.workers = f"Ray-actor (2 nodes) {res.workers}"
+            else:
+                pipe = await stack.enter_async_context(
+                    open_pipeline(cfg, inbox_host=LISTEN_HOST if setup.listen else None))
+                sup = await stack.enter_async_context(open_supervisor(pipe, POLICY, **setup.sup_kwargs))
             remote = await stack.enter_async_context(open_remote_workers(pipe)) if setup.listen else None
             if opts.progress:
                 print(f"  {name}: workers ready after {time.monotonic() - t_start:.1f} s", file=sys.stderr,
@@ -284,6 +298,13 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
 
             async with trio.open_nursery() as nursery:
                 await nursery.start(run_orchestrator)
+                if setup.ray:  # the actors' workers join through the orchestrator: it routes now
+                    from bench.chaos.ray import all_joined
+
+                    await all_joined(pipe, cfg.startup_timeout)
+                    if opts.progress:
+                        print(f"  {name}: every replica joined after {time.monotonic() - t_start:.1f} s",
+                              file=sys.stderr, flush=True)
                 for k in setup.joined_before_load:  # a join goes through the orchestrator: it runs now
                     assert remote is not None, "joined_before_load needs listen"
                     await remote.start_joined(k)
@@ -326,9 +347,17 @@ async def run_fault(name: str, description: str, inject: Inject, opts: ChaosOpti
     res.without_terminal = ledger.without_terminal()
     res.duplicates = ledger.duplicates
     res.after_terminal = ledger.after_terminal
+    if setup.ray and opts.ray is not None:  # trio-orch workers and actors left on the Ray nodes
+        from bench.chaos.ray import leftover_workers
+
+        probe.children |= {n.proc.pid for n in opts.ray.nodes.values()}  # a node started again: the cluster's
+        left = await leftover_workers(opts.ray)
+        ray_left = len(left)
+        if left:
+            res.notes["left_on_ray_nodes"] = "; ".join(left)
     leaks = probe.leaks()
     res.leaked_processes, res.leaked_fds, res.leaked_ipc_files = (
-        leaks["processes"], leaks["fds"], leaks["ipc_files"])
+        leaks["processes"] + ray_left, leaks["fds"], leaks["ipc_files"])
     res.wall_s = time.monotonic() - t_start
     return res
 

@@ -95,6 +95,17 @@ async def test_chaos_shutdown_under_load() -> None:
 
 
 @pytest.mark.slow
+async def test_chaos_rogue_worker_is_refused_and_the_replacement_serves() -> None:
+    res = await run("rogue_worker")
+    check(res)
+    assert res.still_serving == "yes" and res.restarts == 1
+    assert set(res.failed) <= {"replica_died"}
+    assert res.notes["rogue_connected"] == 0 and res.notes["rogue_submits"] == 0
+    assert res.notes["rogue_refused"] >= 2 and res.notes["refused_stranger"] >= 1
+    assert res.notes["refused_stale"] >= 1
+
+
+@pytest.mark.slow
 async def test_chaos_remote_worker_lost_mid_stream_then_back_under_a_new_identity() -> None:
     res = await run("remote_lost")
     check(res)

@@ -100,6 +100,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     (["--port", "-1"], "--port must be 0..65535"),
     (["--max-body-reads", "0"], "max_body_reads must be >= 1"),
     (["--api-key", " "], "--api-key: the key may not be empty"),
+    (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
+    (["--admin-token-file", "/nonexistent/token"], "cannot read the admin token from /nonexistent/token"),
     (["--served-model-name", "m1", ""], "--served-model-name: a name may not be empty"),
 ])
 def test_serve_refuses_bad_arguments_before_it_listens_or_starts_a_worker(

@@ -20,7 +20,8 @@ import pytest
 import trio
 import zmq
 
-from stages.auth import generate_keys
+from stages import membership_wire as mw
+from stages.auth import Keypair, generate_keys, load_keypair
 from stages.config import echo_config
 from stages.wire import Dying, Heartbeat, OutboundMsg, OutItem, Outputs, WireCodec
 from trio_orch import OrchError, OrchOutput, open_orchestrator
@@ -255,6 +256,61 @@ async def test_a_stale_identity_is_refused_and_a_new_one_joins(keys: Path, tmp_p
             await stop(fresh)
 
 
+async def test_the_workers_own_key_cannot_take_the_place_of_a_worker_that_joined(keys: Path,
+                                                                                  tmp_path: Path) -> None:
+    """A joined worker's control link takes the session key it made for this join, not its key file's."""
+    async with head(keys, outputs=2) as (pipe, reg, orch):
+        proc = await start_worker(reg, keys, config_file(tmp_path, 2))
+        ctx = zmq.Context()
+        try:
+            await wait_for(lambda: reg.counters["joined"] == 1)
+            [member] = reg.members.values()
+            stolen = load_keypair(keys / "workers" / "worker-1.key_secret")
+            assert member.public_key == stolen.public.decode() != member.session_key
+            intruder = ctx.socket(zmq.DEALER)
+            intruder.linger = 0
+            intruder.curve_serverkey = reg.keys.keypair.public
+            intruder.curve_publickey, intruder.curve_secretkey = stolen.public, stolen.secret
+            intruder.connect(member.client.address)
+            await wait_for(lambda: reg.auth.refused["curve:ctl"] >= 1, 20)
+            ends = await run_requests(orch, [f"s{i}" for i in range(8)])
+            assert all(isinstance(m, OrchOutput) for m in ends.values())
+            assert pipe.stages[1].placements[member.replica] >= 1 and intruder.poll(100) == 0
+        finally:
+            ctx.destroy(linger=0)
+            await stop(proc)
+
+
+async def register_raw(reg: Registrar, pair: Keypair, session: str) -> mw.RegistrationMsg | None:
+    """One ``Register`` for stage 1 on a raw DEALER with ``pair``; the head's answer (None: none)."""
+    ctx = zmq.Context()
+    try:
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.curve_serverkey = reg.keys.keypair.public
+        s.curve_publickey, s.curve_secretkey = pair.public, pair.secret
+        s.connect(reg.address)
+        s.send(mw.encode(mw.Register("m-raw", 1, "echo", "", pair.public.decode(), {}, session_key=session)))
+        with trio.move_on_after(5):
+            while not s.poll(0):
+                await trio.sleep(0.02)
+            return mw.decode(s.recv())
+        return None
+    finally:
+        ctx.destroy(linger=0)
+
+
+async def test_a_one_time_key_opens_the_registration_once_and_a_join_needs_a_session_key(keys: Path) -> None:
+    async with head(keys) as (_pipe, reg, _orch):
+        pair = reg.one_time_key()
+        answer = await register_raw(reg, pair, "")  # through the handshake once ...
+        assert isinstance(answer, mw.Refused) and answer.reason == "no_session_key"
+        assert reg.counters["one_time_keys_spent"] == 1
+        before = reg.auth.refused["curve:register"]
+        assert await register_raw(reg, pair, Keypair.generate().public.decode()) is None  # ... never again
+        assert reg.auth.refused["curve:register"] > before
+
+
 async def test_a_process_without_the_pipeline_secret_cannot_forge_or_steal(keys: Path) -> None:
     async with head(keys) as (pipe, reg, orch):
         client = pipe.stages[1].replicas[0]
@@ -263,8 +319,8 @@ async def test_a_process_without_the_pipeline_secret_cannot_forge_or_steal(keys:
         codec = WireCodec(OutboundMsg)
         try:
             plain = ctx.socket(zmq.DEALER)  # no security at all
-            wrong = ctx.socket(zmq.DEALER)  # PLAIN with a guessed secret
-            wrong.plain_username, wrong.plain_password = b"pipeline", b"guess"
+            wrong = ctx.socket(zmq.DEALER)  # PLAIN with a guessed ticket
+            wrong.plain_username, wrong.plain_password = b"launch", b"guess"
             for s in (plain, wrong):
                 s.linger = 0
                 s.connect(client.address)
@@ -273,9 +329,8 @@ async def test_a_process_without_the_pipeline_secret_cannot_forge_or_steal(keys:
                         s.send_multipart(codec.encode(msg), zmq.NOBLOCK)
                     except zmq.Again:  # the handshake failed already and its pipe is gone: refused
                         pass
-            await wait_for(
-                lambda: reg.auth.refused["handshake:ipc"] >= 1 and reg.auth.refused["plain:pipeline"] >= 1, 10
-            )
+            refused = reg.auth.refused
+            await wait_for(lambda: refused["handshake:ipc"] >= 1 and refused["launch:stale_ticket"] >= 1, 10)
             ends = await run_requests(orch, [f"f{i}" for i in range(6)])  # none of them is stolen
             assert all(isinstance(m, OrchOutput) for m in ends.values())
             assert client.alive and client.garbage_frames == 0

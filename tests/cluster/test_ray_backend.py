@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from stages.auth import SECRET_NAME
+from stages.auth import SECRET_NAME, Keypair
 from stages.config import echo_config
 from trio_orch import OrchOutput, open_orchestrator
-from trio_orch.cluster import ray_backend
 from trio_orch.cluster.distributed import HeadOptions, open_head_pipeline
+from trio_orch.cluster.registrar import Registrar
 
 pytest.importorskip("ray")
 
@@ -47,11 +47,11 @@ def parent_of(pid: int) -> int:
     return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
 
 
-def check_no_key_in_reach(pid: int, keys: ray_backend.RayKeys, *, named_like_a_secret: bool) -> None:
+def check_no_key_in_reach(pid: int, keys: list[Keypair], *, named_like_a_secret: bool) -> None:
     """No key material in ``pid``'s environment or command line; ``named_like_a_secret``: nor any
     variable named like a secret (a worker's: the actor's is Ray's to make)."""
     env = environ(pid)
-    material = (keys.worker.secret, keys.worker.public)
+    material = [k for pair in keys for k in (pair.secret, pair.public)]
     assert not any(m in e for m in material for e in env)
     assert not any(m in Path(f"/proc/{pid}/cmdline").read_bytes() for m in material)
     named = [n for n in (e.split(b"=", 1)[0].decode() for e in env) if SECRET_NAME.search(n)]
@@ -64,9 +64,9 @@ async def scenario() -> None:
     """The whole run, in a process of its own (the test below runs it)."""
     import ray
 
-    made: list[ray_backend.RayKeys] = []
-    ephemeral = ray_backend.ephemeral_keys
-    ray_backend.ephemeral_keys = lambda: made.append(ephemeral()) or made[-1]  # type: ignore[assignment]
+    made: list[Keypair] = []  # each actor's one-time key
+    one_time_key = Registrar.one_time_key
+    Registrar.one_time_key = lambda self: made.append(one_time_key(self)) or made[-1]  # type: ignore[method-assign]
     temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's unix socket paths must fit 107 bytes
     await trio.to_thread.run_sync(lambda: ray.init(
         num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
@@ -90,11 +90,14 @@ async def scenario() -> None:
                         msg = await orch.next_output()
                 assert isinstance(msg, OrchOutput) and msg.stage_id == 1
                 pids = [m.client.ready.pid for m in reg.members.values() if m.client.ready is not None]
-                assert len(pids) == 2
-                # the keys reached each worker over a pipe: not in its environment nor its actor's
+                assert len(pids) == 2 and len(made) == 2  # one one-time key per actor ...
+                assert reg.counters["one_time_keys_spent"] == 2  # ... spent by its worker's registration
+                # the keys reached each worker over the hand-over: not in its environment, its stand-in's
+                # (its parent: the process the actor started) nor its actor's
                 for pid in pids:
-                    check_no_key_in_reach(pid, made[0], named_like_a_secret=True)
-                    check_no_key_in_reach(parent_of(pid), made[0], named_like_a_secret=False)
+                    check_no_key_in_reach(pid, made, named_like_a_secret=True)
+                    check_no_key_in_reach(parent_of(pid), made, named_like_a_secret=True)
+                    check_no_key_in_reach(parent_of(parent_of(pid)), made, named_like_a_secret=False)
         assert not any(_pid_alive(p) for p in pids)  # every actor's worker is gone
     finally:
         await trio.to_thread.run_sync(ray.shutdown)

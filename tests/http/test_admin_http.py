@@ -239,3 +239,32 @@ def test_serve_with_an_admin_token_driven_by_ctl(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_takes_its_key_and_token_from_systemds_credentials_and_ctl_from_a_token_file(
+        tmp_path: Path) -> None:
+    """``LoadCredential=api-key:...`` and ``admin-token:...`` as systemd hands them over; ``--token-file``."""
+    creds = tmp_path / "credentials"
+    creds.mkdir(mode=0o700)
+    for name, value in (("api-key", "the-api-key"), ("admin-token", TOKEN)):
+        (creds / name).write_text(value + "\n")
+        (creds / name).chmod(0o400)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRIO_ORCH_")}
+    proc, url = start_serve("--in-process", env={**env, "CREDENTIALS_DIRECTORY": str(creds)})
+    try:
+        with httpx.Client(base_url=url, timeout=HANG) as c:
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": "Bearer the-api-key"}).status_code == 200
+            assert c.get("/admin/stats", headers=auth()).status_code == 200
+            assert c.get("/admin/stats", headers={"Authorization": "Bearer the-api-key"}).status_code == 401
+        token_file = tmp_path / "token"
+        token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)
+        stats = ctl(url, "--token-file", str(token_file), "stats", token=None)
+        # it got in (the toy stages take no RPC: each says so, and ctl exits 1 for that, not 401)
+        assert "paused: no" in stats.stdout and "401" not in stats.stderr, stats
+        both = ctl(url, "--token-file", str(token_file), "stats")
+        assert both.returncode == 2 and "not both" in both.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130

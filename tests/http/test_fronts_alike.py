@@ -72,7 +72,8 @@ def test_both_fronts_answer_the_same_route_table_alike(serving: Callable[..., An
     got = seen["trio"]
     assert got["health"] == (200, "ok", ["a", "b", "c"])
     assert got["metrics"] == (200, "text/plain", True)
-    assert got["models"] == (200, "list", [{"id": "toy", "object": "model", "owned_by": "trio-orch"}])
+    assert got["models"] == (200, "list", [{"id": "toy", "object": "model", "owned_by": "trio-orch",
+                                            "max_model_len": None}])  # in-process toy stages report none
     assert got["admin without token"] == (401, "Bearer") and got["admin wrong token"] == 401
     assert got["admin stats"] == (200, ["paused", "results"], None)
     assert got["chat"] == (200, "You said: same on both")

@@ -15,9 +15,7 @@ import base64
 import io
 import json
 import wave
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
-from functools import partial
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -26,20 +24,16 @@ import pytest
 
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig
-from tests import http_helpers
-from tests.http_helpers import FRONTS, HANG, Served, TrioServed, serve, sse_events
-from tests.waiting import wait_until
-from trio_orch.cluster.launcher import open_pipeline
+from tests.http_helpers import FRONTS, HANG, Served, TrioServed, sse_events, worker_server
 from trio_orch.engine import static_pipeline
 from trio_orch.openai.speech import Speed
 from trio_orch.openai.tokenizer import ByteTokenizer
-from trio_orch.testing import LeakProbe, ScriptedStage
+from trio_orch.testing import ScriptedStage
 from trio_orch.testing.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
 openai = pytest.importorskip("openai")
 
 SERVES = pytest.mark.processes  # a real server on loopback (and, for some, worker processes)
-STARTUP = 120.0
 SMALL = {"d_model": 32, "layers": 1, "heads": 2}
 SPEECH = PipelineConfig([StageConfig("thinker", model=SMALL), StageConfig("talker", model=SMALL),
                          StageConfig("code2wav", model={"dim": 16})], final_stage_ids=[0, 2]).validate()
@@ -69,30 +63,6 @@ def wav_frames(data: bytes, rate: int) -> bytes:
 @pytest.fixture(params=FRONTS)
 def toy(request: pytest.FixtureRequest, serving: Callable[..., Any]) -> Served | TrioServed:
     return serving(request.param, toy_pipeline(token_delay=0.001, audio_delay=0.001))  # type: ignore[no-any-return]
-
-
-def worker_server(front: str, config: PipelineConfig) -> Iterator[Served | TrioServed]:
-    """``config``'s worker processes behind ``front``; none of them, nor a socket or file, is left after."""
-    probe = LeakProbe()
-
-    @asynccontextmanager
-    async def factory() -> AsyncIterator[Any]:
-        async with open_pipeline(config) as pipe:
-            probe.saw(pipe.pids)
-            probe.saw_dir(pipe.tmpdir)
-            yield pipe
-
-    # worker processes take longer to start than the helper's bound for an in-process one: both fronts
-    # wait for them up to STARTUP (the thread bridge's own timeout; the helper's wait for the Trio run)
-    options = {"startup_timeout": STARTUP} if front == "asyncio" else {}
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(http_helpers, "wait_until", partial(wait_until, hang=STARTUP))
-        served = serve(front, factory, engine_options=options, model_name="tiny", outputs=config.outputs())
-    try:
-        yield served
-    finally:
-        served.stop()
-    assert probe.leaks() == {"processes": 0, "fds": 0, "ipc_files": 0}
 
 
 @pytest.fixture(scope="module", params=FRONTS)
@@ -272,7 +242,7 @@ def test_tokenize_and_detokenize_round_trip_with_the_thinker_s_tokens(speech: Se
         got = r.json()
         assert got["tokens"] == list(text.encode()) and got["count"] == len(text.encode())
         info = speech.engine.stage_info(0)
-        assert got["max_model_len"] == info["max_prompt"] + info["max_new_tokens"]
+        assert got["max_model_len"] == info["max_model_len"]
         assert len(got["token_strs"]) == got["count"]
         back = c.post("/detokenize", json={"model": "tiny", "tokens": got["tokens"]})
         assert back.status_code == 200 and back.json() == {"prompt": text}
@@ -307,11 +277,11 @@ def test_a_talker_first_pipeline_speaks_its_input_word_for_word(tts: Served) -> 
 
 # ---------------------------------------------------------------- no server
 def test_the_byte_tokenizer_is_the_thinker_s() -> None:
-    from stages.models import EOS, Thinker
+    from stages.toy.models import EOS, Thinker
 
     tok = ByteTokenizer()
     assert tok.eos == EOS
-    thinker = Thinker(d_model=16, layers=1, heads=2, max_prompt=64, max_new_tokens=4, slots=1)
+    thinker = Thinker(d_model=16, layers=1, heads=2, max_model_len=68, max_new_tokens=4, slots=1)
     for text in ("hello", "héllo wörld", "日本"):
         req = ReqState("r", text)
         thinker.admit(req)
@@ -320,9 +290,9 @@ def test_the_byte_tokenizer_is_the_thinker_s() -> None:
 
 
 def test_a_thinker_told_what_to_say_says_it_and_ends() -> None:
-    from stages.models import Thinker
+    from stages.toy.models import Thinker
 
-    thinker = Thinker(d_model=16, layers=1, heads=2, max_prompt=16, max_new_tokens=4, slots=2)
+    thinker = Thinker(d_model=16, layers=1, heads=2, max_model_len=20, max_new_tokens=4, slots=2)
     req = ReqState("r", {"text": " ", "say": "more than four"})
     thinker.admit(req)
     text, done = "", False

@@ -85,6 +85,8 @@ def test_sampling_fields_are_those_given_and_the_served_models_answer_with_the_f
         models.resolve("gpt-4o")
     assert (info.value.status, info.value.code, info.value.param) == (404, "model_not_found", "model")
     assert models.listing() == {"object": "list", "data": [
-        {"id": n, "object": "model", "created": 123, "owned_by": "trio-orch"} for n in ("m1", "m2")]}
+        {"id": n, "object": "model", "created": 123, "owned_by": "trio-orch", "max_model_len": None}
+        for n in ("m1", "m2")]}
+    assert ServedModels("m", max_model_len=4096).card("m")["max_model_len"] == 4096
     with pytest.raises(ValueError):
         ServedModels([""])

@@ -19,8 +19,8 @@ import pytest
 import trio
 import zmq
 
-from stages.auth import not_dumpable
 from stages.config import echo_config
+from stages.lockdown import not_dumpable
 from tests.http_helpers import HANG, metrics, wait_until
 from tests.serve.test_service import start_serve, stream_in_background
 from trio_orch import OrchOutput, open_orchestrator
@@ -114,7 +114,7 @@ async def test_no_worker_holds_a_secret_in_its_environment_or_command_line(
 def test_a_process_can_make_itself_non_dumpable() -> None:
     """What every worker does first (no ptrace, no /proc/<pid>/mem of it by the same user, no core)."""
     code = ("import ctypes, sys\n"
-            "from stages.auth import not_dumpable\n"
+            "from stages.lockdown import not_dumpable\n"
             "ok = not_dumpable()\n"
             "sys.exit(0 if ok and ctypes.CDLL(None).prctl(3, 0, 0, 0, 0) == 0 else 1)\n")  # PR_GET_DUMPABLE
     if not sys.platform.startswith("linux"):
@@ -126,25 +126,35 @@ def test_a_process_can_make_itself_non_dumpable() -> None:
 
 async def test_workers_run_in_a_session_of_their_own() -> None:
     async with open_pipeline(echo_config(1)) as pipe:
-        with trio.fail_after(HANG):
-            pid = pipe.pids[0]
-        assert os.getsid(pid) == pid != os.getsid(0)
+        launched = pipe.workers[0].process
+        assert launched is not None
+        # the launched process leads a session of its own; the one serving (its fresh child) is in it
+        assert os.getsid(launched.pid) == launched.pid != os.getsid(0)
+        assert os.getsid(pipe.pids[0]) == launched.pid != pipe.pids[0]
 
 
-async def test_a_second_peer_with_the_secret_is_refused_on_a_workers_control_socket() -> None:
-    """Even with the pipeline secret, a process cannot join a replica's socket and take its submits."""
+async def test_no_other_process_takes_a_share_of_a_workers_control_socket() -> None:
+    """Neither the pipeline secret nor the slot's own current ticket lets another process onto a replica's
+    control socket: only the pid launched for it.  Each attempt is refused, counted and logged."""
     async with open_pipeline(echo_config(1)) as pipe, \
             open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
         assert pipe.security is not None and pipe.authenticator is not None
-        intruder = zmq.Context.instance().socket(zmq.DEALER)
+        client = pipe.workers[0].client
+        launch = pipe.authenticator.launches.current(client.zap_domain(client.address))
+        assert launch is not None and launch.pid == pipe.pids[0]
+        intruders = []
         try:
-            intruder.linger = 0
-            intruder.plain_username = b"pipeline"
-            intruder.plain_password = pipe.security.secret
-            intruder.connect(pipe.workers[0].client.address)
-            with trio.fail_after(HANG):
-                while pipe.authenticator.refused["plain:second_peer"] < 1:
-                    await trio.sleep(0.01)
+            for password, reason in ((pipe.security.secret, "launch:stale_ticket"),
+                                     (launch.ticket, "launch:stranger")):
+                intruder = zmq.Context.instance().socket(zmq.DEALER)
+                intruders.append(intruder)
+                intruder.linger = 0
+                intruder.plain_username = b"launch"
+                intruder.plain_password = password
+                intruder.connect(client.address)
+                with trio.fail_after(HANG):
+                    while pipe.authenticator.refused[reason] < 1:
+                        await trio.sleep(0.01)
             for i in range(6):
                 await orch.add_request(f"r{i}", f"p{i}")
             ended = set()
@@ -154,6 +164,7 @@ async def test_a_second_peer_with_the_secret_is_refused_on_a_workers_control_soc
                     assert isinstance(out, OrchOutput), out
                     if out.finished:
                         ended.add(out.request_id)
-            assert intruder.poll(0) == 0  # it got none of them
+            assert all(intruder.poll(0) == 0 for intruder in intruders)  # they got none of them
         finally:
-            intruder.close()
+            for intruder in intruders:
+                intruder.close()

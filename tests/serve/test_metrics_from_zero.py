@@ -12,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stages.config import echo_config
 from stages.control import METHODS
+from trio_orch.cluster.credentials import REFUSALS
 from trio_orch.cluster.supervisor import CAUSES, supervised_pipeline
 from trio_orch.engine import ThreadEngine
 from trio_orch.http.metrics import render
@@ -39,3 +40,5 @@ async def test_the_supervisors_counters_start_at_zero_for_every_stage_and_cause(
     for name in ("deaths", "restarts", "restart_failures", "gave_up"):
         assert fams[f"trio_orch_supervisor_{name}"][1] == {
             (("stage", str(k)), ("cause", c)): 0 for k in (0, 1) for c in CAUSES}
+    # nobody tried to take a worker's place: every such refusal is there, at 0
+    assert fams["trio_orch_auth_refused"][1] == {(("reason", r),): 0 for r in REFUSALS}

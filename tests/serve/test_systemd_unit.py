@@ -30,6 +30,7 @@ import pytest
 
 from tests.http_helpers import HANG, metrics, sse_events, wait_until
 from tests.serve.test_deploy import alive, slow_echo_config
+from trio_orch.serve.credentials import CREDENTIAL_FILES
 from trio_orch.testing import child_pids
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +47,8 @@ def unit_text() -> str:
 
 
 def parse(text: str) -> configparser.ConfigParser:
-    unit = configparser.ConfigParser(interpolation=None, strict=True, comment_prefixes=("#", ";"))
+    """The unit's sections (a key systemd takes more than once, like ``LoadCredential``: its last value)."""
+    unit = configparser.ConfigParser(interpolation=None, strict=False, comment_prefixes=("#", ";"))
     unit.optionxform = str  # type: ignore[assignment,method-assign]  # keys are case-sensitive
     unit.read_string(text)
     return unit
@@ -68,6 +70,14 @@ def test_the_units_settings_let_the_drain_finish_before_systemd_kills_anything()
     assert "130" in svc["SuccessExitStatus"].split()  # serve's exit after a signal's drain
     assert svc["Restart"] == "on-failure" and "2" in svc["RestartPreventExitStatus"].split()
     assert parse(unit_text())["Install"]["WantedBy"] == "multi-user.target"
+
+
+def test_the_unit_hands_serve_its_secrets_as_systemd_credentials_by_the_names_it_reads() -> None:
+    lines = unit_text().splitlines()
+    loaded = [line.split("=", 1)[1] for line in lines if line.startswith("LoadCredential=")]
+    assert sorted(item.split(":", 1)[0] for item in loaded) == sorted(CREDENTIAL_FILES)
+    assert all(item.split(":", 1)[1].startswith("/etc/trio-orch/") for item in loaded)
+    assert "Environment" not in unit_text()  # no secret in an environment
 
 
 def test_systemd_analyze_verifies_the_unit(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from trio_orch.engine.control import sleep, update_weights, wake_up
 pytestmark = pytest.mark.processes  # real worker processes or servers
 
 THINKER = {"d_model": 128, "layers": 2, "heads": 4, "max_new_tokens": 12, "min_new_tokens": 12,
-           "max_prompt": 64}
+           "max_model_len": 64}
 
 
 def thinker_config(**model: Any) -> PipelineConfig:

@@ -11,9 +11,9 @@ import torch
 from PIL import Image
 
 from stages.base import ReqState
-from stages.diffusion import Diffusion, guided_eps
-from stages.encoder import ThinkerEncoder
 from stages.forwarding import encoding_input
+from stages.toy.diffusion import Diffusion, guided_eps
+from stages.toy.encoder import ThinkerEncoder
 
 
 @pytest.fixture(scope="module")

@@ -129,13 +129,17 @@ def test_the_thinker_s_answer_depends_on_the_image_and_on_the_sound(omni: Omni) 
     assert low and high and low != high
 
 
-def test_the_thinker_refuses_features_of_the_wrong_width_or_too_many() -> None:
-    thinker = build_model("thinker", {**SMALL, "feature_dim": 8, "max_prompt": 20})
+def test_the_thinker_refuses_features_of_the_wrong_width_or_more_than_its_context() -> None:
+    thinker = build_model("thinker", {**SMALL, "feature_dim": 8, "max_model_len": 20})
     with pytest.raises(ValueError, match="feature_dim"):
         thinker.admit(ReqState("r", {"text": "hi", "features": np.zeros((2, 4), np.float32)}))
-    with pytest.raises(ValueError, match="over half the prompt room"):
-        thinker.admit(ReqState("r", {"text": "hi", "features": np.zeros((11, 8), np.float32)}))
-    assert one(thinker, {"text": "hi", "features": np.zeros((10, 8), np.float32)}, max_tokens=3)
+    with pytest.raises(ValueError, match=r"maximum context length is 20 tokens.*you requested 20 tokens"):
+        thinker.admit(ReqState("r", {"text": "hi", "features": np.zeros((18, 8), np.float32)}))
+    feats = np.zeros((15, 8), np.float32)
+    too_long = ReqState("r", {"text": "hi", "features": feats}, sampling={"max_tokens": 4})
+    with pytest.raises(ValueError, match=r"requested 21 tokens \(17 in the messages, 4 in the completion\)"):
+        thinker.admit(too_long)
+    assert one(thinker, {"text": "hi", "features": np.zeros((15, 8), np.float32)}, max_tokens=3)
 
 
 def test_the_media_payload_crosses_the_wire_as_frames_and_encodes_the_same(omni: Omni) -> None:

@@ -44,7 +44,7 @@ def test_thinker_batched_greedy_decoding_matches_one_at_a_time() -> None:
 
 def test_decoder_batched_step_equals_separate_steps_for_different_lengths() -> None:
     """Slots of different lengths in one batch: masking keeps each request's attention its own."""
-    from stages.torch_blocks import TinyDecoder
+    from stages.toy.torch_blocks import TinyDecoder
 
     def fresh() -> TinyDecoder:
         torch.manual_seed(0)
@@ -64,6 +64,37 @@ def test_decoder_batched_step_equals_separate_steps_for_different_lengths() -> N
             d.prefill(p, 2)  # another slot, alone in its batch
             alone.append(d.step(nxt[slot:slot + 1], torch.tensor([2]), torch.tensor([len(p)]))[0])
     torch.testing.assert_close(both, torch.stack(alone), rtol=1e-4, atol=1e-5)
+
+
+def test_the_kv_cache_grows_as_sequences_need_it_up_to_the_context() -> None:
+    """A long context costs memory only once a request is that long."""
+    from stages.toy.torch_blocks import TinyDecoder
+
+    torch.manual_seed(0)
+    dec = TinyDecoder(32, 2, 2, max_len=1000, slots=2).eval()
+    assert dec.k_cache.shape[3] == TinyDecoder.FIRST_CACHE
+    x = torch.randn(300, 32)
+    with torch.inference_mode():
+        whole = dec.prefill(x, 1)
+        assert dec.k_cache.shape[3] == 2 * TinyDecoder.FIRST_CACHE
+        dec.prefill(x[:299], 0)  # the same sequence, its last position through a decode step
+        last = dec.step(x[299:], torch.tensor([0]), torch.tensor([299]))[0]
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="1001 positions do not fit a context of 1000"):
+        dec.reserve(1001)
+
+
+def test_a_longer_context_keeps_every_weight_and_answer_of_the_thinker() -> None:
+    """The position rows past the first ones come from a stream of their own: nothing else moves."""
+    opts = {**SMALL, "temperature": 0.0, "max_new_tokens": 12, "min_new_tokens": 12}
+    short = build("thinker", {**opts, "max_model_len": 204}, seed=5)  # 192 + 12: the rows first drawn
+    long = build("thinker", opts, seed=5)  # the default context, 32768
+    assert long.dec.max_len == 32768 and long.dec.pos.weight.shape[0] == 32768
+    torch.testing.assert_close(long.dec.pos.weight[:204], short.dec.pos.weight, rtol=0, atol=0)
+    torch.testing.assert_close(long.head.weight, short.head.weight, rtol=0, atol=0)
+    first, second = ("".join(o["text"] for o in run(m, [ReqState("r", "Hello there")])["r"])
+                     for m in (short, long))
+    assert len(first) == 12 and first == second
 
 
 def test_talker_turns_tokens_into_code_chunks() -> None:

@@ -16,8 +16,8 @@ import trio
 
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig, pd_config
-from stages.models import Thinker
-from stages.pd import DecodeThinker, PrefillThinker
+from stages.toy.models import Thinker
+from stages.toy.pd import DecodeThinker, PrefillThinker
 from stages.wire import Chunk, WireCodec
 from trio_orch import OrchError, OrchOutput, open_orchestrator
 from trio_orch.cluster.launcher import open_pipeline

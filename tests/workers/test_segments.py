@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from stages.base import EchoModel, ReqState, StageModel, StepResult
-from stages.models import Code2Wav, Talker, Thinker
 from stages.segments import SegmentTracker
-from stages.torch_blocks import TinyDecoder
+from stages.toy.models import Code2Wav, Talker, Thinker
+from stages.toy.torch_blocks import TinyDecoder
 
-TINY_THINKER = {"d_model": 32, "layers": 2, "heads": 2, "max_prompt": 64, "max_new_tokens": 6,
+TINY_THINKER = {"d_model": 32, "layers": 2, "heads": 2, "max_model_len": 70, "max_new_tokens": 6,
                 "min_new_tokens": 6, "temperature": 0.0, "slots": 4}
 
 
@@ -68,19 +68,21 @@ def test_thinker_continues_from_its_cache_like_a_model_that_saw_the_whole_conver
     whole = list(b"Hello there") + first + list(b" and more")
     ref = ReqState("ref", bytes(whole).decode("latin-1"))
     b.admit(ref)
-    ref.model["prompt"] = ref.model["ctx"] = whole  # bytes >= 128 would not survive str round trips
+    ref.model["prompt"] = whole  # bytes >= 128 would not survive str round trips
     assert thinker_tokens(run_segment(b, ref))[:4] == second
 
 
-def test_thinker_shifts_its_context_when_a_whole_answer_no_longer_fits() -> None:
-    m = Thinker(**{**TINY_THINKER, "max_prompt": 16})
-    req = ReqState("r", "start")
+def test_thinker_refuses_a_segment_past_its_context_and_never_drops_the_conversation() -> None:
+    m = Thinker(**{**TINY_THINKER, "max_model_len": 40})
+    req = ReqState("r", "start")  # 5 tokens, 6 answered: 11 positions
     m.admit(req)
-    for i in range(12):  # far more than 16 + 6 positions in all
-        run_segment(m, req)
-        m.extend(req, f"segment {i}")
-        assert req.model["pos"] is None or req.model["pos"] + 6 < m.dec.max_len
+    run_segment(m, req)
+    m.extend(req, "segment one")  # + 11: 22 positions, and room for an answer
     assert len(thinker_tokens(run_segment(m, req))) == 6
+    pos = req.model["pos"]
+    with pytest.raises(ValueError, match="maximum context length is 40 tokens"):
+        m.extend(req, "one segment too many")  # 28 + 1 + 20 positions: over 40
+    assert req.model["pos"] == pos  # nothing was cut to make room
     m.release(req)
     assert len(m.free) == 4  # the one slot came back
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from trio_orch.cli import main
+from trio_orch.cli import program
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())

@@ -1,7 +1,7 @@
 """``trio-orch ctl``: the command-line client of a server's ``/admin/...`` control plane.
 
 ``trio-orch serve --admin-token TOKEN`` turns the routes on; ``ctl`` calls
-them with that token (``--token``, or ``$TRIO_ORCH_ADMIN_TOKEN``) and prints
+them with that token (``--token``, ``--token-file``, or ``$TRIO_ORCH_ADMIN_TOKEN``) and prints
 one line per replica on stdout: its answer, or its error.  What went wrong
 goes to stderr.  Exit codes: 0 every replica answered; 1 a replica failed,
 the server refused the call (401: wrong token) or could not be reached; 2 a
@@ -19,7 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
-from trio_orch.serve.credentials import TOKEN_ENV
+from trio_orch.serve.credentials import TOKEN_ENV, read_secret_file
 
 __all__ = ["configure", "request", "run"]
 
@@ -31,7 +31,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "quiesce boundary, profile. Prints one line per replica.")
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server (default %(default)s)")
     parser.add_argument("--token", default=None,
-                        help=f"the server's admin token (default: ${TOKEN_ENV})")
+                        help=f"the server's admin token (default: --token-file, else ${TOKEN_ENV}; on the "
+                             "command line every user can read it in ps)")
+    parser.add_argument("--token-file", default=None, metavar="FILE",
+                        help="read the admin token from FILE (the token alone)")
     parser.add_argument("--timeout", type=float, default=None, metavar="S",
                         help="seconds each replica has to answer (default: the server's)")
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer as it is")
@@ -131,10 +134,13 @@ def _call(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
 def run(args: argparse.Namespace) -> int:
     try:
         route, body = _call(args)
-    except ValueError as exc:  # a bad --args/--kwargs: the command line
+        if args.token is not None and args.token_file is not None:
+            raise ValueError("give --token or --token-file, not both")
+        token = (args.token if args.token is not None else read_secret_file(args.token_file, "admin token")
+                 if args.token_file is not None else os.environ.get(TOKEN_ENV) or None)
+    except ValueError as exc:  # a bad --args/--kwargs or token file: the command line
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get(TOKEN_ENV) or None
     try:
         status, answer = request(args.url, route, body, token)
     except OSError as exc:

@@ -58,10 +58,17 @@ from trio_orch.cluster import distributed
 from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_head_pipeline, wait_for_replicas
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
+from trio_orch.cluster.ray_placement import PlacementError
 from trio_orch.openai.chat import check_max_tokens
 from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.openai.sampling import SamplingError, map_sampling
 from trio_orch.openai.validation import BadRequest
+from trio_orch.serve.checkpoint import (
+    add_model_arguments,
+    checkpoint_pipeline,
+    checkpoint_template,
+    model_dir,
+)
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 
@@ -74,7 +81,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(thinker -> talker -> code2wav by default; torch models with seeded dummy weights, "
         "so the text is gibberish but every stage really computes). Streams the text, "
         "writes a WAV file, prints per-stage timings. With --pipeline text2image: an image "
-        "(encoder -> diffusion with classifier-free guidance), written as a PNG.")
+        "(encoder -> diffusion with classifier-free guidance), written as a PNG. With --model "
+        "MODEL_DIR: a local Hugging Face checkpoint's answer, the text in its chat template.")
     parser.add_argument("text", nargs="?", default="Hello", help="the prompt (default: Hello)")
     parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
                         help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
@@ -124,6 +132,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "and compare the time to first audio")
     text2image.add_arguments(parser)
     parser.set_defaults(**dict.fromkeys(IMAGE_OPTIONS))  # None: not given (speech pipelines refuse them)
+    add_model_arguments(parser, positional=False)
     distributed.add_arguments(parser)
     parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
                         help="with --listen: seconds to wait until every stage has a replica (a stage "
@@ -157,7 +166,11 @@ def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
 def _config(args: argparse.Namespace) -> PipelineConfig:
     if args.config and args.pipeline:
         raise ValueError("give --config or --pipeline, not both")
-    cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+    args.model_dir = model_dir(args)
+    if args.model_dir:
+        cfg = checkpoint_pipeline(args.model_dir, args)
+    else:
+        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
     cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
                              max_retries=args.max_retries)
     if _makes_images(cfg):
@@ -251,6 +264,15 @@ def _dur(seconds: float | None) -> str:
     return f"{seconds * 1000:9.1f}" if seconds is not None else "        -"
 
 
+def prompt_of(args: argparse.Namespace) -> str:
+    """The prompt sent: a checkpoint's chat template around the text as one user message (the text as
+    it is without a checkpoint, or for a checkpoint with no template)."""
+    template = checkpoint_template(args.model_dir) if getattr(args, "model_dir", None) else None
+    if template is None:
+        return str(args.text)
+    return template.render([{"role": "user", "content": args.text}])
+
+
 def _check_args(args: argparse.Namespace) -> None:
     """What can be wrong before any worker starts; ValueError saying what."""
     if not args.text.strip():
@@ -279,7 +301,7 @@ def _check_args(args: argparse.Namespace) -> None:
 async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipeline,
                     orch: Orchestrator) -> tuple[int, float | None]:
     """Run the prompt once; return (exit code, time to first audio in ms or None)."""
-    payload: Any = args.text  # what stage 0 takes: the prompt (a token limit goes in the sampling)
+    payload: Any = prompt_of(args)  # what stage 0 takes: the prompt (a token limit goes in the sampling)
     if args.media:  # and the images and sounds beside it, for the encoder stages (stages.media)
         payload = {"text": args.text, **args.media}
     outputs = cfg.outputs()  # how each stage's outputs are shown
@@ -376,7 +398,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
             return await _generate(args, cfg, pipe, orch)
-    except (WorkerStartupError, ReplicasMissing) as exc:
+    except (WorkerStartupError, ReplicasMissing, PlacementError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1, None
 

@@ -25,9 +25,10 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from stages.lockdown import LockdownError, lock_down
 from trio_orch.serve.signals import EXIT_SIGNAL
 
-__all__ = ["COMMANDS", "Command", "build_parser", "commands", "main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "commands", "main", "program"]
 
 ENTRY_POINT_GROUP = "trio_orch.commands"
 
@@ -136,6 +137,22 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_SIGNAL
+
+
+def program() -> int:
+    """The ``trio-orch`` program (the console script, ``python -m trio_orch.cli``): :func:`main` in a
+    process locked down first.
+
+    Before the command line is parsed or any secret read, the process is closed to the other processes
+    of its user (:func:`stages.lockdown.lock_down`): ``serve`` holds the API key, the admin token and
+    the pipeline's credentials.  :func:`main` alone leaves its process as it is (tests call it in theirs).
+    """
+    try:
+        lock_down()
+    except LockdownError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return main()
 
 
 def _sigterm_as_ctrl_c(signum: int, frame: object) -> None:

@@ -48,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["local", "ray"],
         default="local",
         help="local: worker processes on this host (default); ray: every configured replica "
-        "runs as a Ray actor that joins over TCP",
+        "runs as a Ray actor that joins over TCP, in placement groups made from the config "
+        "(a stage's resources and label_selector, [pipeline] placement_strategy and "
+        "placement_scope); a lost one is restarted as a new actor (docs/distributed.md)",
     )
     g.add_argument(
         "--ray-address",
@@ -108,7 +110,14 @@ async def open_head_pipeline(
     supervised: bool = True,
     handle_sigterm: bool = True,
 ) -> AsyncIterator[Any]:
-    """The pipeline, its registrar (``pipe.registrar``, or None) and supervisor (``pipe.supervisor``)."""
+    """The pipeline, its registrar (``pipe.registrar``, or None), supervisor (``pipe.supervisor``) and
+    Ray replicas (``pipe.ray``: :class:`~trio_orch.cluster.ray_replicas.RayReplicas`, or None).
+
+    With ``--worker-backend ray`` and a supervisor, lost Ray replicas are restarted as new actors
+    under the supervisor's policy; a cluster that cannot hold the pipeline raises
+    :class:`~trio_orch.cluster.ray_placement.PlacementError` here.
+    """
+    from stages.auth import Keypair
     from trio_orch.cluster.launcher import open_pipeline
     from trio_orch.cluster.registrar import HeadKeys, open_registrar, parse_listen
     from trio_orch.cluster.supervisor import open_supervisor
@@ -122,26 +131,18 @@ async def open_head_pipeline(
             await stack.enter_async_context(open_supervisor(pipe, policy)) if supervised else None
         )
         pipe.registrar = None
+        pipe.ray = None
         if opts.listen is not None:
-            keys = None
-            ray_keys = None
-            if opts.backend == "ray":
-                from trio_orch.cluster.ray_backend import ephemeral_keys
-
-                ray_keys = ephemeral_keys()
-            if opts.keys is not None:
-                keys = HeadKeys.load(opts.keys)
-            elif ray_keys is not None:
-                keys = HeadKeys(ray_keys.head, frozenset())
-            assert keys is not None
-            if ray_keys is not None:
-                keys = keys.with_allowed({ray_keys.worker.public})
+            # with Ray and no key directory: an ephemeral head key pair; each actor gets a one-time key
+            keys = HeadKeys.load(opts.keys) if opts.keys is not None else HeadKeys(Keypair.generate(),
+                                                                                    frozenset())
             pipe.registrar = await stack.enter_async_context(open_registrar(pipe, opts.listen, keys))
-            if ray_keys is not None:
+            if opts.backend == "ray":
                 from trio_orch.cluster.ray_backend import open_ray_replicas
 
-                await stack.enter_async_context(
-                    open_ray_replicas(full_config or cfg, pipe.registrar.address, ray_keys, opts.ray_address)
+                pipe.ray = await stack.enter_async_context(
+                    open_ray_replicas(full_config or cfg, pipe.registrar, opts.ray_address,
+                                      supervisor=pipe.supervisor)
                 )
         yield pipe
 

@@ -34,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -45,6 +46,7 @@ import zmq
 from stages import registry
 from stages.auth import Authenticator, Security, scrubbed_environ
 from stages.config import PipelineConfig, StageConfig
+from trio_orch.cluster.credentials import LaunchCredentials
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied, RpcError, ZmqStageClient
 from trio_orch.types import StageUnavailable
@@ -71,10 +73,36 @@ class WorkerHandle:
     stderr_path: str
     process: trio.Process | None = None
     stopping: bool = False  # set when the pipeline stops it on purpose (no warning then)
+    #: the process that serves: the launched one's child once it went on in a fresh address space
+    #: (``stages.lockdown.lock_down(fresh=True)``), the launched one until then
+    serving_pid: int | None = None
 
     @property
     def pid(self) -> int | None:
+        """The pid that serves (what to signal to hang, stop or kill the replica); see ``serving_pid``."""
+        if self.serving_pid is not None:
+            return self.serving_pid
         return self.process.pid if self.process is not None else None
+
+    def kill(self) -> None:
+        """SIGKILL the process that serves (its stand-in, the launched one, reaps it and dies alike)."""
+        pid = self.pid
+        if pid is not None and self.process is not None and self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async def kill_and_reap(self, grace: float = 2.0) -> None:
+        """:meth:`kill`, then wait for the launched process; SIGKILL it too if it is still there after
+        ``grace`` seconds (a stand-in that was stopped)."""
+        if self.process is None:
+            return
+        self.kill()
+        with trio.move_on_after(grace):
+            await self.process.wait()
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()
 
     def stderr_tail(self, lines: int = 20) -> str:
         try:
@@ -120,8 +148,9 @@ class Pipeline:
                  tmpdir: str, security: Security | None = None, authenticator: Authenticator | None = None,
                  inbox_host: str | None = None) -> None:
         self.config = config
-        #: the pipeline secret and key pair (local workers get them in their environment) and the
-        #: ZAP handler that checks every peer of this process's sockets (refusals: ``authenticator.refused``)
+        #: the pipeline secret and key pair (each local worker is handed them with its launch ticket,
+        #: trio_orch/cluster/credentials.py) and the ZAP handler that checks every peer of this
+        #: process's sockets (refusals: ``authenticator.refused``)
         self.security = security
         self.authenticator = authenticator
         #: where local inboxes also listen on TCP (distributed mode), else None
@@ -225,18 +254,20 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
                       task_status: trio.TaskStatus[WorkerHandle] = trio.TASK_STATUS_IGNORED) -> None:
     """Start one worker, wait for Ready, watch it; always stop and reap it on the way out.
 
-    The worker gets the pipeline secret (if its client has one) over a pipe it inherits
-    (``--auth-fd``): never in its environment or on its command line, where any process of
-    the same user could read it.
+    A secured client's worker gets its credentials -- a one-time ticket for this slot, the
+    pipeline secret and key pair -- over the hand-over of :class:`LaunchCredentials` (``--auth-fd``),
+    once it has locked itself down: never in its environment, on its command line, or in anything
+    another process of the same user could open.  Only its pid may then take the slot, and its
+    ``Ready`` counts only from that pid.
     """
     label = f"stage {h.stage_id} ({h.kind}) replica {h.replica}"
-    pass_fds: tuple[int, ...] = ()
-    if h.client.security is not None:
-        read_end, write_end = os.pipe()
-        with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
-            w.write(h.client.security.to_text())
-        pass_fds = (read_end,)
-        argv = [*argv, "--auth-fd", str(read_end)]
+    client = h.client
+    creds: LaunchCredentials | None = None
+    if client.security is not None and client.authenticator is not None:
+        security = client.security
+        creds = LaunchCredentials(client.authenticator, client.zap_domain(client.address), client.name,
+                                  lambda ticket: security.to_text(ticket).encode())
+        argv = [*argv, *creds.argv()]
     try:
         with open(h.stderr_path, "wb") as errf:
             # A session of its own: a signal to serve's whole process group (`timeout`, `kill -- -PGID`,
@@ -245,11 +276,15 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
             # KillMode=control-group signals every process of the unit whatever its session: the
             # unit in docs/operating.md uses KillMode=mixed.)
             h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
-                                                         stderr=errf, pass_fds=pass_fds,
+                                                         stderr=errf,
+                                                         pass_fds=creds.pass_fds if creds else (),
                                                          env=scrubbed_environ(), start_new_session=True)
-    finally:
-        for fd in pass_fds:
-            os.close(fd)
+    except BaseException:
+        if creds is not None:
+            creds.close()
+        raise
+    if creds is not None:
+        creds.started(h.process.pid)
     proc = h.process
     try:
         async with trio.open_nursery() as nursery:
@@ -259,6 +294,13 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
                                    f"stderr tail:\n{h.stderr_tail(8)}")
 
             nursery.start_soon(watch_exit)
+            if creds is not None:
+                async def hand_over(creds: LaunchCredentials) -> None:
+                    serving = await creds.deliver()
+                    if serving is not None:  # its Ready counts from this pid alone
+                        h.serving_pid = client.expected_pid = serving
+
+                nursery.start_soon(hand_over, creds)
             try:
                 with trio.fail_after(cfg.startup_timeout):
                     await h.client.wait_ready()
@@ -276,7 +318,9 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
     finally:
         with trio.CancelScope(shield=True):
             dying = (h.client.dead_reason or "").startswith("worker is dying")
-            await _stop(proc, cfg.stop_grace, label, exiting=dying)
+            await _stop(proc, cfg.stop_grace, label, exiting=dying, kill=h.kill_and_reap)
+        if creds is not None:
+            creds.close()  # its ticket opens nothing any more
 
 
 #: Start one worker under the caller's nursery: ``await nursery.start(run_worker, handle, argv, cfg)``
@@ -285,8 +329,9 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
 run_worker = _run_worker
 
 
-async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool = False) -> None:
-    """SIGTERM, wait ``grace`` seconds, SIGKILL; always reap.
+async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool = False,
+                kill: Callable[[], Awaitable[None]] | None = None) -> None:
+    """SIGTERM, wait ``grace`` seconds, SIGKILL (``await kill()`` if given); always reap.
 
     ``exiting``: the worker already said it is dying; give it ``grace`` first.
     """
@@ -300,6 +345,8 @@ async def _stop(proc: trio.Process, grace: float, label: str, *, exiting: bool =
             await proc.wait()
     if proc.returncode is None:
         log.warning("%s did not exit %.1fs after SIGTERM: SIGKILL", label, grace)
+        if kill is not None:
+            await kill()
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
         await proc.wait()
@@ -344,6 +391,7 @@ def _cleanup_at_exit() -> None:
     for tmpdir, workers in list(_LIVE.items()):
         for h in list(workers):
             if h.process is not None and h.process.returncode is None:
+                h.kill()
                 with contextlib.suppress(OSError):
                     os.kill(h.process.pid, signal.SIGKILL)
         shutil.rmtree(tmpdir, ignore_errors=True)
@@ -376,9 +424,10 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
     cleanup.  Workers also exit, and remove the ipc directory, if this
     process dies without cleaning up (e.g. SIGKILL).
 
-    Every socket checks its peers (:mod:`stages.auth`): a fresh pipeline
-    secret, given to the workers in their environment, is required to
-    connect to any of them.  ``inbox_host``: async-chunk inboxes also listen
+    Every socket checks its peers (:mod:`stages.auth`): each replica's control
+    socket takes only the worker launched for it (a one-time ticket, its pid),
+    and a fresh pipeline secret, handed to each worker with its ticket, is
+    required to connect to any worker's inbox.  ``inbox_host``: async-chunk inboxes also listen
     on TCP there, for replicas on other hosts (see :mod:`trio_orch.cluster.registrar`).
     """
     config.validate()
@@ -429,8 +478,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
                     async with trio.open_nursery() as stoppers:
                         for h in workers:
                             if h.process is not None:
-                                stoppers.start_soon(_stop, h.process, config.stop_grace,
-                                                    f"stage {h.stage_id} replica {h.replica}")
+                                stoppers.start_soon(partial(_stop, h.process, config.stop_grace,
+                                                            f"stage {h.stage_id} replica {h.replica}",
+                                                            kill=h.kill_and_reap))
                 shutil.rmtree(tmpdir, ignore_errors=True)  # at once: nothing below can leave it behind
                 nursery.cancel_scope.cancel()
     finally:

@@ -128,6 +128,8 @@ class ReplicaPool:
         self.join_gate: Any = None
         #: slots a supervisor gave up (no restart will come) -> why, for ``/health``
         self.given_up: dict[int, str] = {}
+        #: dead slots whose replacement is on its way -> what it waits for (``/health``: ``restart``)
+        self.restart_notes: dict[int, str] = {}
 
     def __repr__(self) -> str:
         return f"<ReplicaPool {self.name}: {len(self.live_replicas())}/{len(self.replicas)} live>"
@@ -219,13 +221,21 @@ class ReplicaPool:
         """A supervisor will not restart slot ``idx`` again; ``why`` is reported with its state."""
         self.given_up[idx] = why
 
+    def note_restart(self, idx: int, note: str | None) -> None:
+        """What the replacement of dead slot ``idx`` waits for (e.g. a node to place it on); None: clear."""
+        if note is None:
+            self.restart_notes.pop(idx, None)
+        else:
+            self.restart_notes[idx] = note
+
     def replica_states(self) -> list[dict[str, Any]]:
         """Each slot's state for ``/health`` (run in the pool's Trio run: silence is read now).
 
         ``state``: ``ready``; ``suspect`` (alive but silent past its heartbeats: hung or stopped,
         not yet declared dead); ``starting`` (no handshake yet); ``cordoned`` (leaving: takes no
-        new request); ``restarting`` (dead, a supervisor brings it back); ``given_up`` (dead, the
-        supervisor stopped restarting it: ``reason`` says why); ``dead``; ``closed``.
+        new request); ``restarting`` (dead, a supervisor brings it back; ``restart``, when given,
+        says what the replacement waits for); ``given_up`` (dead, the supervisor stopped
+        restarting it: ``reason`` says why); ``dead``; ``closed``.
         """
         out: list[dict[str, Any]] = []
         for idx, c in enumerate(self.replicas):
@@ -239,6 +249,8 @@ class ReplicaPool:
                 last = self.deaths[-1] if self.deaths else "closed"
                 st.update(state="restarting" if self.supervised else "dead",
                           reason=getattr(c, "dead_reason", None) or last)
+                if idx in self.restart_notes and self.supervised:
+                    st["restart"] = self.restart_notes[idx]
             elif getattr(c, "ready", True) is None:
                 st["state"] = "starting"
             elif getattr(c, "suspect", False):

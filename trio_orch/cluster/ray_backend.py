@@ -1,21 +1,30 @@
 """``--worker-backend ray``: every configured replica as a Ray actor that joins over TCP.
 
-Each actor (:class:`ReplicaActor`, placed with the stage's ``resources``
-from the config, e.g. ``num_gpus``; ``num_cpus`` defaults to 1) runs one
-``python -m stages.headless`` process that registers with the head like any
-remote worker.  The head makes an ephemeral key pair for itself and one for
-its Ray workers (the workers' public key is allowed; the key pair travels to
-each actor as a constructor argument and from the actor to its worker over a
-pipe the worker inherits, ``--keys-fd``: never written to disk, never in an
-environment or on a command line, where any process of the same user could
-read it in ``/proc``); the pipeline config travels to the actor the same way
-and to the worker in its environment (it holds no secret).  The worker gets
+Each actor (:class:`ReplicaActor`, in its replica's placement-group bundle:
+the stage's ``resources`` from the config, e.g. ``num_gpus``, ``num_cpus``
+defaulting to 1, and its ``label_selector``; see
+:mod:`trio_orch.cluster.ray_placement`) runs one ``python -m stages.headless``
+process that registers with the head like any remote worker, under a member
+id the backend chose (how it knows which member is which actor's).  Each
+actor -- a replacement too -- gets a key pair of its own that opens the head's
+registration once (:meth:`~trio_orch.cluster.registrar.Registrar.one_time_key`:
+spent by its worker's ``Register``, so a copy read later opens nothing).  It
+travels to the actor as a constructor argument (Ray's trust boundary: any
+driver of the cluster can read actor arguments) and from the actor to its
+worker over the hand-over of :mod:`stages.credentials` (``--keys-fd``: a
+socket, answered only once the worker locked itself down, and only to it):
+never written to disk, never in an environment, on a command line or in a
+pipe, where any process of the same user could read it in ``/proc``.  Once
+joined, the worker's control link takes only the session key it made
+itself.  The pipeline config travels to the actor the same way and to the
+worker in its environment (it holds no secret).  The worker gets
 the actor's environment without the variables named like a secret and
 without Ray's own settings (:func:`stages.auth.scrubbed_environ`).  Leaving
-the block stops every actor's worker (SIGTERM, then SIGKILL) and kills the
-actors.  An actor that dies (killed,
-its node lost) takes its worker with it: the worker exits when its parent
-goes, and the head sees a lost replica (``replica_died`` for its requests).
+the block stops every actor's worker (SIGTERM, then SIGKILL), kills the
+actors and removes the placement groups.  An actor that dies (killed, its
+node lost) takes its worker with it: the worker exits when its parent goes,
+and the head sees a lost replica; under a supervisor it is restarted as a new
+actor in the same bundle (:mod:`trio_orch.cluster.ray_replicas`).
 
 Ray is an optional dependency: ``pip install -e '.[ray]'``.  The cluster is
 an existing one (``ray start --head`` locally; ``--ray-address`` or
@@ -31,15 +40,21 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
 from stages.auth import Keypair, scrubbed_environ
 from stages.config import PipelineConfig, to_dict
+from stages.credentials import Handover, HandoverError
 
-__all__ = ["CONFIG_ENV", "RayKeys", "ReplicaActor", "ephemeral_keys", "keys_text", "open_ray_replicas"]
+if TYPE_CHECKING:  # an actor imports this module on its node: only what ReplicaActor needs
+    from trio_orch.cluster.ray_placement import Bundle
+    from trio_orch.cluster.ray_replicas import RayReplicas
+    from trio_orch.cluster.registrar import Registrar
+    from trio_orch.cluster.supervisor import Supervisor
+
+__all__ = ["CONFIG_ENV", "ReplicaActor", "keys_text", "open_ray_replicas"]
 
 log = logging.getLogger("trio_orch.cluster.ray_backend")
 
@@ -47,43 +62,41 @@ log = logging.getLogger("trio_orch.cluster.ray_backend")
 CONFIG_ENV = "TRIO_ORCH_WORKER_CONFIG"
 
 
-@dataclass(frozen=True)
-class RayKeys:
-    """The head's ephemeral key pair and the one its Ray workers share."""
-
-    head: Keypair
-    worker: Keypair
-
-
-def ephemeral_keys() -> RayKeys:
-    return RayKeys(Keypair.generate(), Keypair.generate())
-
-
-def keys_text(keys: RayKeys) -> str:
-    """What a Ray worker reads from ``--keys-fd``: its key pair and the head's public key (JSON, Z85)."""
-    return json.dumps({"public": keys.worker.public.decode(), "secret": keys.worker.secret.decode(),
-                       "head": keys.head.public.decode()})
+def keys_text(worker: Keypair, head: bytes) -> str:
+    """What a Ray worker asks for over ``--keys-fd``: its key pair and the head's public key (JSON, Z85)."""
+    return json.dumps({"public": worker.public.decode(), "secret": worker.secret.decode(),
+                       "head": head.decode()})
 
 
 class ReplicaActor:
     """A Ray actor that runs one worker process (wrapped with ``ray.remote`` when used).
 
-    ``keys``: :func:`keys_text`, handed on to the worker over an inherited pipe (``--keys-fd``);
-    ``env``: more (non-secret) variables for the worker's environment.
+    ``keys``: :func:`keys_text`, handed to the worker once it asks for them over the socket it
+    inherits (``--keys-fd``); ``env``: more (non-secret) variables for the worker's environment.
     """
 
-    def __init__(self, argv: list[str], keys: str, env: dict[str, str]) -> None:
-        read_end, write_end = os.pipe()
+    def __init__(self, argv: list[str], keys: str, env: dict[str, str],
+                 handover_timeout: float = 120.0) -> None:
+        handover = Handover()
         try:
-            with os.fdopen(write_end, "w") as w:  # a few hundred bytes: fits the pipe, never blocks
-                w.write(keys)
-            self.proc = subprocess.Popen([*argv, "--keys-fd", str(read_end)], pass_fds=(read_end,),
-                                         env={**scrubbed_environ(), **env}, stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen([*argv, "--keys-fd", str(handover.child_fd)],
+                                         stdin=subprocess.DEVNULL, pass_fds=(handover.child_fd,),
+                                         env={**scrubbed_environ(), **env})
+            handover.child_started(keys.encode())
+            try:  # the process that serves: the worker's fresh child (stages/lockdown.py)
+                self.serving_pid = handover.serve(self.proc.pid, keys.encode(), handover_timeout,
+                                                  on_stranger=lambda pid: log.warning(
+                                                      "refused the worker's keys to pid %d: not the worker "
+                                                      "(pid %d)", pid, self.proc.pid))
+            except HandoverError as exc:  # it exited first: its exit code tells
+                log.warning("the worker did not get its keys: %s", exc)
+                self.serving_pid = self.proc.pid
         finally:
-            os.close(read_end)
+            handover.close()
 
     def pid(self) -> int:
-        return self.proc.pid
+        """The worker process that serves (what its ``Ready`` names)."""
+        return self.serving_pid
 
     def returncode(self) -> int | None:
         return self.proc.poll()
@@ -109,9 +122,17 @@ def _import_ray() -> Any:
 
 
 @asynccontextmanager
-async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, address: str | None,
-                            *, stop_grace: float = 5.0) -> AsyncIterator[list[Any]]:
-    """Place ``cfg``'s replicas as Ray actors that join ``head``; yield the actor handles."""
+async def open_ray_replicas(cfg: PipelineConfig, registrar: Registrar, address: str | None,
+                            *, supervisor: Supervisor | None = None,
+                            stop_grace: float = 5.0) -> AsyncIterator[RayReplicas]:
+    """Place ``cfg``'s replicas as Ray actors that join ``registrar``, each with a one-time key
+    (see :mod:`trio_orch.cluster.ray_replicas`).
+
+    Raises :class:`~trio_orch.cluster.ray_placement.PlacementError` when the
+    cluster cannot hold them.  With a ``supervisor`` a lost replica is restarted.
+    """
+    from trio_orch.cluster.ray_replicas import RayReplicas, open_ray_slots
+
     ray = _import_ray()
     started_ray = False
     if not ray.is_initialized():
@@ -120,33 +141,21 @@ async def open_ray_replicas(cfg: PipelineConfig, head: str, keys: RayKeys, addre
                                                        include_dashboard=False))
         started_ray = True
     actor_cls = ray.remote(ReplicaActor)
-    secret = keys_text(keys)
+    head, head_key = registrar.address, registrar.keys.keypair.public
     env = {CONFIG_ENV: json.dumps(to_dict(cfg))}
-    actors: list[Any] = []
-    try:
-        for k, st in enumerate(cfg.stages):
-            res = dict(st.resources)
-            opts: dict[str, Any] = {"num_cpus": res.pop("num_cpus", 1), "num_gpus": res.pop("num_gpus", 0)}
-            if res:
-                opts["resources"] = res
-            for r in range(st.replicas):
-                argv = [sys.executable, "-m", "stages.headless", "--stage", str(k), "--head", head,
-                        "--device", cfg.device]
-                actors.append(actor_cls.options(name=None, **opts).remote(argv, secret, env))
-                log.info("stage %d replica %d: placed as a Ray actor (%s)", k, r, opts)
-        pids = await trio.to_thread.run_sync(lambda: ray.get([a.pid.remote() for a in actors], timeout=120))
-        log.info("Ray actors started %d workers (pids %s)", len(pids), pids)
-        yield actors
-    finally:
-        with trio.CancelScope(shield=True):
-            def stop_all() -> None:
-                try:
-                    ray.get([a.stop.remote(stop_grace) for a in actors], timeout=stop_grace + 10)
-                except Exception as exc:  # an actor already dead: killing it below is enough
-                    log.warning("stopping Ray workers: %r", exc)
-                for a in actors:
-                    ray.kill(a)
-                if started_ray:
-                    ray.shutdown()
 
-            await trio.to_thread.run_sync(stop_all)
+    def launch(bundle: Bundle, scheduling: Any, member_id: str) -> Any:
+        argv = [sys.executable, "-m", "stages.headless", "--stage", str(bundle.stage_id), "--head", head,
+                "--device", cfg.device, "--member-id", member_id]
+        keys = keys_text(registrar.one_time_key(), head_key)
+        return actor_cls.options(scheduling_strategy=scheduling, **bundle.actor_options()).remote(
+            argv, keys, env)
+
+    try:
+        reps = RayReplicas(ray, cfg, registrar, launch, supervisor, stop_grace=stop_grace)
+        async with open_ray_slots(reps):
+            yield reps
+    finally:
+        if started_ray:
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(ray.shutdown)

@@ -8,14 +8,20 @@ Ray actor) sends ``Register`` (:mod:`stages.membership_wire`); the join
 runs through the orchestrator's core (:class:`~trio_orch.shell.join_gate.JoinGate`):
 
 1. checks: the stage exists, the worker runs its kind and role, the key it
-   registers is the key it authenticated with; else ``Refused``;
+   registers is the key it authenticated with, it brings a session key (a
+   key pair it made for this join); else ``Refused``;
 2. a control socket of its own on an ephemeral TCP port of the listen host
-   (only that worker's key passes), a slot in the stage's pool, *cordoned*
+   (only that session key passes: whoever holds the worker's own key cannot
+   take a joined worker's place), a slot in the stage's pool, *cordoned*
    (no request is placed on it yet), and ``Accepted`` with the slot, the
    control address and the async-chunk peers;
 3. the worker connects, loads its model and sends ``Ready``: the previous
    stage's replicas learn its inbox (``Peers``) and the slot is uncordoned:
    it takes new requests.
+
+A key made by :meth:`Registrar.one_time_key` (the Ray backend's, one per
+actor) opens the registration once: it is spent by the first ``Register``
+that comes with it, so a copy of it read later opens nothing.
 
 Shutdown cancels joins in progress (the core's rule) and each one gets
 ``Refused``.  A member that sends ``Leaving`` is cordoned at once and told
@@ -40,6 +46,7 @@ from typing import Any
 import msgspec
 import trio
 import zmq
+import zmq.utils.z85
 
 from stages import membership_wire as mw
 from stages.auth import DOMAIN, Keypair, KeysError, Security, load_keypair, load_public_keys
@@ -87,9 +94,6 @@ class HeadKeys:
         allowed = load_public_keys(d / "workers") if (d / "workers").is_dir() else set()
         return cls(load_keypair(d / "head.key_secret"), frozenset(allowed))
 
-    def with_allowed(self, keys: set[bytes]) -> HeadKeys:
-        return HeadKeys(self.keypair, self.allowed | frozenset(keys))
-
 
 @dataclass
 class Member:
@@ -102,6 +106,8 @@ class Member:
     client: ZmqStageClient
     capabilities: dict[str, Any] = field(default_factory=dict)
     gone: str | None = None
+    #: the key pair it made for this join: its control link's only key, its key on the data plane
+    session_key: str = ""
 
 
 class Registrar:
@@ -129,6 +135,22 @@ class Registrar:
         self._sock: zmq.Socket | None = None
         self._nursery: trio.Nursery | None = None
         self._sent_peers: dict[int, Peers] = {}
+        self._joining: dict[str, tuple[int, str]] = {}  # member id -> (stage, session key) while it joins
+        #: registration keys that open it once (:meth:`one_time_key`), not spent yet
+        self._one_time: set[bytes] = set()
+
+    def one_time_key(self) -> Keypair:
+        """A key pair whose key opens the registration once: spent by the first ``Register`` with it."""
+        pair = Keypair.generate()
+        self._one_time.add(pair.public)
+        self.auth.set_allowed(self.keys.allowed | self._one_time, REGISTER_DOMAIN)
+        return pair
+
+    def _spend(self, key: bytes) -> None:
+        if key in self._one_time:
+            self._one_time.discard(key)
+            self.auth.set_allowed(self.keys.allowed | self._one_time, REGISTER_DOMAIN)
+            self.counters["one_time_keys_spent"] += 1
 
     # ------------------------------------------------------------------ running
     async def run(self, *, task_status: trio.TaskStatus[Registrar] = trio.TASK_STATUS_IGNORED) -> None:
@@ -136,7 +158,7 @@ class Registrar:
         assert ctx is not None
         sock = ctx.socket(zmq.ROUTER)
         sock.linger = 0
-        self.auth.set_allowed(self.keys.allowed, REGISTER_DOMAIN)
+        self.auth.set_allowed(self.keys.allowed | self._one_time, REGISTER_DOMAIN)
         self.security.server(sock, f"tcp://{self.host}:{self.port}", domain=REGISTER_DOMAIN)
         try:
             sock.bind(f"tcp://{self.host}:{self.port}")
@@ -184,6 +206,7 @@ class Registrar:
                 continue
             self.counters["registrations"] += 1
             key = head.get("User-Id") or ""  # the key the ZAP handler let in
+            self._spend(key.encode())  # a one-time key is spent now, whatever comes of this join
             assert self._nursery is not None
             self._nursery.start_soon(self._admit, ident.bytes, msg, key, name=f"join[{msg.member_id[:8]}]")
 
@@ -208,6 +231,11 @@ class Registrar:
         if reg.public_key != key:
             return self._refuse(
                 ident, reg, "key_mismatch", "registered a key other than the one it authenticated with"
+            )
+        if not _is_key(reg.session_key) or reg.session_key == reg.public_key:
+            return self._refuse(
+                ident, reg, "no_session_key", "register with a session key of its own (a worker older than "
+                "this head does not: update it)"
             )
         st = cfg.stages[k]
         if (reg.kind, reg.role) != (st.kind, st.role):
@@ -237,7 +265,7 @@ class Registrar:
             authenticator=self.auth,
         )
         domain = client.zap_domain(client.address)
-        self.auth.set_allowed([key.encode()], domain)
+        self.auth.set_allowed([reg.session_key.encode()], domain)  # this join's key alone
         client.farewell = "the orchestrator shut down"
         client.close_linger_ms = 500
         assert self._nursery is not None
@@ -247,6 +275,7 @@ class Registrar:
                 k, reg.member_id, partial(self._handshake, ident, reg, client, pool)
             )
         except JoinRefused as exc:
+            self._joining.pop(reg.member_id, None)
             self._refuse(ident, reg, exc.reason, str(exc))
             await self._discard(client, domain, "join refused")
             return
@@ -259,8 +288,9 @@ class Registrar:
             self._refuse(ident, reg, "not_ready", why)
             await self._discard(client, domain, why)
             return
-        m = Member(reg.member_id, k, idx, key, client, dict(reg.capabilities))
+        m = Member(reg.member_id, k, idx, key, client, dict(reg.capabilities), session_key=reg.session_key)
         self.members[reg.member_id] = m
+        self._joining.pop(reg.member_id, None)  # a member now: its key stays allowed as one
         client.on_leaving = partial(self._on_leaving, m)
         self.refresh_peers()  # upstream replicas learn its inbox before anything is placed on it
         pool.uncordon(idx)
@@ -282,6 +312,12 @@ class Registrar:
         k = reg.stage_id
         idx = self._claim_slot(pool, client)
         down, up = self._peers(k, local=False)
+        # The next stage's workers take chunks from its key before it can send any: it connects to
+        # their inboxes as soon as its model is loaded, before its Ready (a refused CurveZMQ
+        # handshake is not retried), and the key of a join that fails is dropped again.
+        self._joining[reg.member_id] = (k, reg.session_key)
+        self.refresh_peers()
+        self._sent_peers[id(client)] = Peers(down, up)  # what it is told with Accepted (below)
         try:
             self._reply(
                 ident,
@@ -301,8 +337,10 @@ class Registrar:
                 await client.wait_ready()
         except BaseException:
             client.mark_dead("its join did not complete")  # its slot is evicted (nothing was placed on it)
+            self._joining.pop(reg.member_id, None)
+            self.refresh_peers()
             raise
-        return idx
+        return idx  # its key stays in _joining until _admit made it a member
 
     def _claim_slot(self, pool: ReplicaPool, client: ZmqStageClient) -> int:
         """A cordoned slot for a joining replica: a dead member's, else a new one."""
@@ -320,6 +358,7 @@ class Registrar:
         client.farewell = None
         client.mark_dead(why)
         await client.aclose()
+        self._sent_peers.pop(id(client), None)
         self.auth.forget(domain)
 
     def _on_leaving(self, m: Member, client: ZmqStageClient) -> None:
@@ -351,6 +390,7 @@ class Registrar:
         )
         m.client.farewell = None
         await m.client.aclose()
+        self._sent_peers.pop(id(m.client), None)  # (a later client may get its id)
         self.auth.forget(domain)
         self.refresh_peers()
 
@@ -381,7 +421,8 @@ class Registrar:
                     down.append(None)
         up: list[str] = []
         if k > 0 and cfg.hands_off(k - 1):
-            up = sorted(m.public_key for m in self.members.values() if m.stage_id == k - 1 and m.gone is None)
+            live = {m.session_key for m in self.members.values() if m.stage_id == k - 1 and m.gone is None}
+            up = sorted(live | {key for stage, key in self._joining.values() if stage == k - 1})
         return down, up
 
     def refresh_peers(self) -> None:
@@ -405,18 +446,22 @@ class Registrar:
         return out
 
 
+def _is_key(text: str) -> bool:
+    """A Z85 CurveZMQ public key (40 characters, 32 bytes)?"""
+    try:
+        return len(text) == 40 and len(zmq.utils.z85.decode(text.encode())) == 32
+    except (ValueError, KeyError):
+        return False
+
+
 def prometheus_counters(reg: Registrar) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
-    """Membership and authentication counters in the ``/metrics`` extra-counters shape."""
+    """Membership counters in the ``/metrics`` extra-counters shape (the pipeline's supervisor reports
+    the authentication refusals, these included)."""
     counts = dict(reg.counters)
-    refused = dict(reg.auth.refused)
     return {
         "trio_orch_membership_events": (
             "replicas that registered, joined, left, were lost, or were refused (by reason)",
             {(("event", name),): n for name, n in sorted(counts.items())},
-        ),
-        "trio_orch_auth_refused": (
-            "connections refused by the security handshake, by mechanism and socket",
-            {(("reason", name),): n for name, n in sorted(refused.items())},
         ),
     }
 

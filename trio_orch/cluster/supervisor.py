@@ -21,6 +21,12 @@ slot (same index, same ipc addresses, so async-chunk peers reconnect) and new
 requests are placed on it.  Only when every slot of a stage was given up does
 the stage become dead for good.
 
+Replicas that another owner starts -- the Ray backend's actors
+(:mod:`trio_orch.cluster.ray_replicas`) -- are *adopted* (:meth:`Supervisor.adopt`):
+their owner reports a death (:meth:`Supervisor.record_death`) and restarts
+them through :meth:`Supervisor.restart` with a starter of its own, under the
+same policy, backoff, counters and give-up rule as a local worker's slot.
+
 Restarts, their causes and give-ups are logged (``trio_orch.cluster.supervisor``) and
 counted: :meth:`Supervisor.counters` / :meth:`Supervisor.prometheus_counters`
 (in the :data:`trio_orch.http.metrics.ExtraCounters` shape, for ``/metrics``).
@@ -34,12 +40,10 @@ Usage, nested inside the pipeline and around the orchestrator::
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +52,7 @@ import trio
 from trio_util import AsyncValue
 
 from stages.config import PipelineConfig
+from trio_orch.cluster.credentials import prometheus_counters as auth_counters
 from trio_orch.cluster.launcher import (
     Pipeline,
     WorkerHandle,
@@ -58,8 +63,8 @@ from trio_orch.cluster.launcher import (
 )
 from trio_orch.cluster.transport import ZmqStageClient
 
-__all__ = ["CAUSES", "RestartEvent", "RestartPolicy", "Supervisor", "classify_death", "open_supervisor",
-           "supervised_pipeline"]
+__all__ = ["CAUSES", "RestartEvent", "RestartPolicy", "Slot", "Supervisor", "classify_death",
+           "open_supervisor", "supervised_pipeline"]
 
 log = logging.getLogger("trio_orch.cluster.supervisor")
 
@@ -68,6 +73,8 @@ CAUSES = ("exited", "dying", "heartbeat_timeout", "other")
 
 #: extra worker flags for a restart attempt: (stage, replica, attempt number) -> argv tail
 ExtraArgs = Callable[[int, int, int], list[str]]
+#: starts a slot's replacement: (slot, attempt number) -> its pid once ready; raises WorkerStartupError
+StartReplacement = Callable[["Slot", int], Awaitable[int | None]]
 
 
 @dataclass(frozen=True)
@@ -125,7 +132,13 @@ class RestartEvent:
 
 
 @dataclass
-class _Slot:
+class Slot:
+    """One supervised replica slot: its restart attempts in the window, and whether it was given up.
+
+    ``replica`` is its index in the stage's pool (a Ray replica's changes when a replacement joins
+    another free slot: its owner updates it).
+    """
+
     stage_id: int
     replica: int
     attempts: deque[float] = field(default_factory=deque)  # times of attempts in the window
@@ -158,7 +171,8 @@ class Supervisor:
         self.extra_args = extra_args
         self.events: list[RestartEvent] = []
         self._counts: Counter[tuple[str, int, str]] = Counter()
-        self._slots = {(w.stage_id, w.replica): _Slot(w.stage_id, w.replica) for w in pipeline.workers}
+        self._slots = {(w.stage_id, w.replica): Slot(w.stage_id, w.replica) for w in pipeline.workers}
+        self._adopted: list[Slot] = []  # replicas someone else starts (Ray actors), restarted by its rules
         self._version = AsyncValue(0)  # bumped on every supervisor event; waiters re-check
         self._closing = False
         self._nursery: trio.Nursery | None = None
@@ -194,6 +208,8 @@ class Supervisor:
             "messages from workers refused or dropped: garbage, oversized, output for an unknown "
             "request id, second finish of a request",
             {(("stage", str(k)), ("kind", kind)): n for (k, kind), n in sorted(self.bad_input().items())})
+        if self.pipeline.authenticator is not None:  # who tried to take a slot's place, and was refused
+            fams.update(auth_counters(self.pipeline.authenticator))
         return fams
 
     def bad_input(self) -> dict[tuple[int, str], int]:
@@ -236,6 +252,7 @@ class Supervisor:
                 for slot in self._slots.values():
                     nursery.start_soon(self._watch, slot, name=f"supervisor[{slot.stage_id}.{slot.replica}]")
                 task_status.started(self)
+                await trio.sleep_forever()  # live for the block, with no local slot too (Ray's are adopted)
         finally:
             self._closing = True
             self._nursery = None
@@ -266,7 +283,7 @@ class Supervisor:
         slot.rejoin.set()
         await self.wait_for(lambda: self._counts[("rejoined", stage_id, "left")] > start_count)
 
-    async def _watch(self, slot: _Slot) -> None:
+    async def _watch(self, slot: Slot) -> None:
         k, r = slot.stage_id, slot.replica
         pool = self.pipeline.stages[k]
         while True:
@@ -297,10 +314,37 @@ class Supervisor:
             if not await self._restart(slot, ev, counted=True):
                 return
 
-    async def _restart(self, slot: _Slot, ev: RestartEvent, *, counted: bool, rejoin: bool = False) -> bool:
+    # ------------------------------------------------------------------ replicas started elsewhere
+    def adopt(self, stage_id: int, replica: int) -> Slot:
+        """A slot whose replicas another owner starts (a Ray actor): it restarts them through
+        :meth:`restart`, under this supervisor's policy, counters and give-up rule."""
+        slot = Slot(stage_id, replica)
+        self._adopted.append(slot)
+        return slot
+
+    def record_death(self, slot: Slot, reason: str, old_pid: int | None) -> RestartEvent:
+        """Count and log the death of an adopted slot's replica; the event :meth:`restart` completes."""
+        cause = classify_death(reason)
+        cause = "exited" if cause == "left" else cause  # a leave nobody asked for is a loss here
+        ev = RestartEvent(slot.stage_id, slot.replica, cause, reason, old_pid, trio.current_time())
+        self.events.append(ev)
+        self._count("deaths", slot.stage_id, cause)
+        log.warning("stage %d replica %d died (%s): %s", slot.stage_id, slot.replica, cause,
+                    reason.splitlines()[0] if reason else "unknown")
+        self._notify()
+        return ev
+
+    async def restart(self, slot: Slot, ev: RestartEvent, start: StartReplacement) -> bool:
+        """Restart an adopted slot with ``start(attempt) -> new pid`` (raises WorkerStartupError when
+        the replacement does not come up), under the policy; True once one is ready."""
+        return await self._restart(slot, ev, counted=True, start=start)
+
+    async def _restart(self, slot: Slot, ev: RestartEvent, *, counted: bool, rejoin: bool = False,
+                       start: StartReplacement | None = None) -> bool:
         """Attempt restarts under the policy; True once a replacement is ready.
 
         ``rejoin``: a replica that left starts again on request; that is no restart.
+        ``start``: how a replacement starts (default: a local worker process in the slot).
         """
         k, r = slot.stage_id, slot.replica
         pool = self.pipeline.stages[k]
@@ -322,7 +366,7 @@ class Supervisor:
             ev.attempts += 1
             await trio.sleep(delay)
             try:
-                h = await self._start_replacement(slot, ev.attempts)
+                new_pid = await (start or self._start_local)(slot, ev.attempts)
             except (WorkerStartupError, BaseExceptionGroup) as raised:
                 exc = _startup_error(raised)
                 if exc is None:
@@ -335,16 +379,16 @@ class Supervisor:
                 counted = True  # a crash loop at startup always counts towards the intensity
                 continue
             ev.t_ready = trio.current_time()
-            ev.new_pid = h.pid
+            ev.new_pid = new_pid
             ev.outcome = "restarted"
             if not rejoin:
                 self._count("restarts", k, ev.cause)
-            log.warning("stage %d replica %d restarted as pid %s after %.2fs (%s)", k, r, h.pid,
+            log.warning("stage %d replica %d restarted as pid %s after %.2fs (%s)", k, r, new_pid,
                         ev.t_ready - ev.t_dead, ev.cause)
             self._notify()
             return True
 
-    def _give_up(self, slot: _Slot, ev: RestartEvent, last_failure: str | None = None) -> None:
+    def _give_up(self, slot: Slot, ev: RestartEvent, last_failure: str | None = None) -> None:
         """No more restarts for ``slot``: counted, logged, and told to its pool with why (``/health``)."""
         k, r = slot.stage_id, slot.replica
         slot.given_up = True
@@ -357,12 +401,15 @@ class Supervisor:
             why += f"; last restart failed: {last_failure}"
         self.pipeline.stages[k].give_up(r, why)
         log.error("stage %d replica %d: giving the slot up: %s", k, r, why)
-        if all(s.given_up for s in self._slots.values() if s.stage_id == k):
+        if all(s.given_up for s in [*self._slots.values(), *self._adopted] if s.stage_id == k):
             log.error("stage %d: every replica slot was given up; the stage is dead", k)
             self.pipeline.stages[k].stop_supervision()
         self._notify()
 
-    async def _start_replacement(self, slot: _Slot, attempt: int) -> WorkerHandle:
+    async def _start_local(self, slot: Slot, attempt: int) -> int | None:
+        return (await self._start_replacement(slot, attempt)).pid
+
+    async def _start_replacement(self, slot: Slot, attempt: int) -> WorkerHandle:
         """Bind a fresh client on the slot's address, start the worker, wait for Ready, swap it in."""
         pipe = self.pipeline
         assert self._nursery is not None
@@ -376,8 +423,7 @@ class Supervisor:
             # the address is bound again, or its socket could reconnect and take some of our sends.
             hung = classify_death(old.client.dead_reason) == "heartbeat_timeout"
             if old.process.returncode is None and hung:
-                with contextlib.suppress(ProcessLookupError):
-                    old.process.send_signal(signal.SIGKILL)
+                await old.kill_and_reap()
             await old.process.wait()
         await old.client.aclose()  # closes the socket and removes its ipc file
         slot.generation += 1

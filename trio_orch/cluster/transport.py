@@ -47,6 +47,7 @@ import trio
 import zmq
 
 from stages.auth import DOMAIN, Authenticator, Security
+from stages.credentials import peer_pid
 from stages.wire import (
     Abort,
     Cordoned,
@@ -128,7 +129,7 @@ class ZmqStageClient:
         if security is not None:
             security.server(self.sock, address, domain=self.zap_domain(address))
             if authenticator is not None and address.startswith("ipc://"):
-                authenticator.one_peer(self.zap_domain(address))  # its worker alone, nobody else
+                authenticator.launches.guard(self.zap_domain(address))  # its launched worker alone
         self.sock.bind(address)
         if address.startswith("tcp://"):
             self.address = self.sock.last_endpoint.decode()  # the port a ":0" bind got
@@ -144,6 +145,8 @@ class ZmqStageClient:
         self.in_codec = WireCodec(OutboundMsg)
         self.out_codec = WireCodec(InboundMsg)
         self.ready: Ready | None = None
+        #: the pid its worker was launched as: a ``Ready`` from any other process is refused (None: any)
+        self.expected_pid: int | None = None
         self.ready_event = trio.Event()
         self.dead_reason: str | None = None
         self.dead_event = trio.Event()
@@ -177,7 +180,7 @@ class ZmqStageClient:
 
     def zap_domain(self, address: str) -> str:
         """The ZAP domain of this replica's control socket: on TCP, only its own worker's key passes;
-        on ipc, only the first peer with the pipeline secret (its worker)."""
+        on ipc, only the worker launched for it (its launch's ticket, from its pid)."""
         return f"{DOMAIN}:ctl:{self.name}"
 
     @property
@@ -533,8 +536,9 @@ class ZmqStageClient:
                 self._working.discard(msg.request_id)
                 batch.append(StageOutput(msg.request_id, None, True, msg.message))
             elif t is Ready:
-                self.ready = msg
-                self.ready_event.set()
+                if self._ready_from(msg, frames[0]):
+                    self.ready = msg
+                    self.ready_event.set()
             elif t is RpcReply:
                 call = self._calls.get(msg.call_id)
                 if call is not None:
@@ -551,6 +555,25 @@ class ZmqStageClient:
                 self.mark_dead(f"worker is dying: {msg.reason}")
         if batch:
             self._sink(self, batch)
+
+    def _ready_from(self, msg: Ready, frame: Any) -> bool:
+        """Is this ``Ready`` from the launched worker?  Its pid, and on ipc the peer's (``SO_PEERCRED``)."""
+        if self.expected_pid is None:
+            return True
+        try:
+            peer = peer_pid(frame.get("Peer-Address"))
+        except (zmq.ZMQError, AttributeError):  # no metadata (a plain bytes frame)
+            peer = None
+        if msg.pid == self.expected_pid and peer in (None, self.expected_pid):
+            return True
+        sender = "?" if peer is None else peer
+        why = (f"refused a Ready on {self.name}'s control socket from pid {sender} (it says pid "
+               f"{msg.pid}): the worker launched for it is pid {self.expected_pid}")
+        if self.authenticator is not None:
+            self.authenticator.report("ready:stranger", why)
+        else:
+            log.warning("%s", why)
+        return False
 
     def _oversized(self, msg: Any, size: int, batch: list[StageOutput]) -> None:
         """Refuse a too-large message; fail the requests whose outputs it carried."""

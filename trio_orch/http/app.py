@@ -53,6 +53,7 @@ from trio_orch.http.routes.status import status_routes
 from trio_orch.http.routes.tokenize import tokenizer_routes
 from trio_orch.openai.chat_template import ChatInput
 from trio_orch.openai.protocol import ServedModels
+from trio_orch.openai.tokenizer import context_length
 from trio_orch.openai.validation import error_body
 
 __all__ = ["GENERATION_PATHS", "create_app"]
@@ -90,7 +91,7 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
-    models = ServedModels(model_name)  # created: now, when the server starts
+    models = ServedModels(model_name, max_model_len=context_length(engine, outputs))  # created: now
     auth = AdminAuth(admin_token) if admin_token else None
     guards: tuple[Guard, ...] = tuple(g for g in (ApiKeyAuth(api_key) if api_key else None, auth)
                                       if g is not None)

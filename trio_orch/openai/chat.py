@@ -64,7 +64,7 @@ from trio_orch.openai.media import (
     is_remote,
 )
 from trio_orch.openai.protocol import MAX_TOKENS, ChatCompletionRequest, ContentPart, ServedModels
-from trio_orch.openai.tokenizer import prompt_token_count
+from trio_orch.openai.tokenizer import check_context, prompt_token_count
 from trio_orch.openai.validation import BadRequest, decode
 from trio_orch.types import OrchOutput
 
@@ -258,7 +258,7 @@ async def read_chat_request(body: Any, models: ServedModels, *, engine: EngineCl
     the pipeline can answer (:func:`final_stage_for`) and honour (each
     sampling field on the stages it concerns: :func:`map_chat_sampling`),
     then the remote images fetched; the prompt counted in the pipeline's
-    tokens for ``usage``.
+    tokens for ``usage`` and checked against the model's context (400 in vLLM's words).
     """
     req = parse_chat_request(body, models, max_prompt_chars, chat, defer_remote=True)
     req.final_stage_id = final_stage_for(req, engine.final_stage_ids, outputs)
@@ -266,6 +266,7 @@ async def read_chat_request(body: Any, models: ServedModels, *, engine: EngineCl
                       final_stage_id=req.final_stage_id)
     await req.fetch_media()  # remote images (--allowed-media-domains), without blocking the loop
     req.prompt_tokens = prompt_token_count(engine, outputs, req.prompt)
+    check_context(engine, outputs, req.prompt_tokens, req.max_tokens, "messages")
     return req
 
 

@@ -262,11 +262,13 @@ class ServedModels:
     Answers carry the first name, whichever the request named (as vLLM's do).
     """
 
-    def __init__(self, names: str | Sequence[str], created: int | None = None) -> None:
+    def __init__(self, names: str | Sequence[str], created: int | None = None,
+                 max_model_len: int | None = None) -> None:
         self.names = (names,) if isinstance(names, str) else tuple(names)
         if not self.names or not all(self.names):
             raise ValueError("at least one served model name is needed, none empty")
         self.created = int(time.time()) if created is None else created
+        self.max_model_len = max_model_len  #: the model's context, as vLLM's model card shows it
 
     @property
     def name(self) -> str:
@@ -280,7 +282,8 @@ class ServedModels:
         return self.name
 
     def card(self, name: str) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "trio-orch"}
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "trio-orch",
+                "max_model_len": self.max_model_len}
 
     def listing(self) -> dict[str, Any]:
         """``GET /v1/models``."""

@@ -25,13 +25,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from stages.hf.tokenizer import checkpoint_tokenizer
+from stages.limits import context_error
 from stages.registry import reads_tokens, text_stage
 from stages.tokenizer import TextTokenizer, byte_level, load_tokenizer
 from trio_orch.engine.api import EngineClient
+from trio_orch.openai.validation import BadRequest
 
-__all__ = ["ByteTokenizer", "Tokenizer", "max_model_len", "pipeline_tokenizer", "prompt_token_count",
-           "stage_tokenizer"]
+__all__ = ["ByteTokenizer", "Tokenizer", "check_context", "context_length", "max_model_len",
+           "pipeline_tokenizer", "prompt_token_count", "stage_tokenizer"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +73,10 @@ def _of_stage(engine: EngineClient, kinds: Sequence[str], stage: int) -> Tokeniz
     """``stage``'s tokenizer, :data:`_UNREADABLE`, or None when the stage reads no tokens."""
     path = engine.stage_info(stage).get("tokenizer")
     if isinstance(path, str):
-        try:
-            return load_tokenizer(path)
-        except ValueError:
+        try:  # a checkpoint stage reports its directory: its tokenizer is transformers'
+            checkpoint = bool(path) and Path(path).is_dir()
+            return checkpoint_tokenizer(path) if checkpoint else load_tokenizer(path)
+        except (ValueError, ImportError):
             return _UNREADABLE  # the worker loaded it; this process cannot: say the tokenizer is unknown
     return byte_level() if reads_tokens(kinds[stage]) else None
 
@@ -110,11 +115,31 @@ def prompt_token_count(engine: EngineClient, outputs: Sequence[str] | None, prom
     return len(found[1].encode(prompt)) if found is not None else None
 
 
+def check_context(engine: EngineClient, outputs: Sequence[str] | None, prompt_tokens: int | None,
+                  max_tokens: int | None, param: str) -> None:
+    """BadRequest (400, vLLM's words, naming both numbers) when the prompt and ``max_tokens`` do not fit
+    the text stage's context: the rule of :func:`stages.limits.context_error`, asked before admission
+    (the stage asks it again).  Nothing to check without a known tokenizer or context length."""
+    limit = context_length(engine, outputs)
+    if limit is None or prompt_tokens is None:
+        return
+    error = context_error(limit, prompt_tokens, max_tokens)
+    if error is not None:
+        raise BadRequest(error, param, code="context_length_exceeded")
+
+
+def context_length(engine: EngineClient, outputs: Sequence[str] | None) -> int | None:
+    """The context of the stage a prompt is counted for (its text stage, else stage 0), when its workers
+    report one (``max_model_len``); what ``/v1/models`` shows."""
+    kinds = engine.stage_kinds
+    if kinds is None:
+        return None
+    k = text_stage(engine.final_stage_ids, outputs)
+    return next((n for s in dict.fromkeys(x for x in (k, 0) if x is not None)
+                 if (n := max_model_len(engine, s)) is not None), None)
+
+
 def max_model_len(engine: EngineClient, stage: int) -> int | None:
     """The stage's context length (prompt and generated tokens), when its workers report it."""
-    info = engine.stage_info(stage)
-    total = info.get("max_model_len")
-    if isinstance(total, int):
-        return total
-    parts = (info.get("max_prompt"), info.get("max_new_tokens"))
-    return sum(parts) if all(isinstance(p, int) for p in parts) else None  # type: ignore[arg-type]
+    total = engine.stage_info(stage).get("max_model_len")
+    return total if isinstance(total, int) else None

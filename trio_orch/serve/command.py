@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import socket
 import sys
@@ -44,8 +43,15 @@ from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 from trio_orch.openai.media import MediaPolicy
+from trio_orch.serve import credentials
+from trio_orch.serve.checkpoint import (
+    add_model_arguments,
+    checkpoint_pipeline,
+    checkpoint_template,
+    describe,
+    resolve_model,
+)
 from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
-from trio_orch.serve.credentials import API_KEY_ENV, TOKEN_ENV
 from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
 from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
 
@@ -72,9 +78,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(Starlette on the lean Trio server, or hypercorn) runs in the orchestrator's own Trio run; "
         "--loop asyncio (default): "
         "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
-        "Default pipeline: the stage-worker processes thinker -> talker -> code2wav. SIGTERM or Ctrl-C "
+        "Default pipeline: the stage-worker processes thinker -> talker -> code2wav (random-weight toys); "
+        "'serve MODEL_DIR' serves a local Hugging Face checkpoint instead, as 'vllm serve' does "
+        "(docs/models.md). SIGTERM or Ctrl-C "
         "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
         "a signal.")
+    parser.allow_abbrev = False  # --model is never a prefix of --model-name, nor any flag of another
+    add_model_arguments(parser, positional=True)
     parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
                         help="trio: the HTTP server (see --http-server) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
@@ -104,18 +114,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--served-model-name", "--model-name", dest="served_model_name", nargs="+",
-                        default=["trio-orch"], metavar="NAME",
+                        default=None, metavar="NAME",
                         help="the model name(s) clients may ask for, as vLLM's flag: /v1/models lists them, "
                              "a request naming another model gets 404 model_not_found, answers carry the "
-                             "first (default trio-orch; --model-name is the same flag)")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, "
-                             "/version and /ping, else 401 (/admin keeps its own token; default: "
-                             f"${API_KEY_ENV}; unset: open). Prefer the variable: a flag shows in ps")
-    parser.add_argument("--admin-token", default=os.environ.get(TOKEN_ENV) or None, metavar="TOKEN",
-                        help="serve the control plane under /admin/... (stats, pause, sleep, weight "
-                             "reload, profiling; 'trio-orch ctl' is its client), each call needing "
-                             f"'Authorization: Bearer TOKEN' (default: ${TOKEN_ENV}; unset: no /admin)")
+                             "first (default: the checkpoint's MODEL_DIR as given, as vLLM's; without one "
+                             "trio-orch; --model-name is the same flag)")
+    api_key, admin_token = credentials.SECRETS
+    credentials.add_arguments(parser, api_key, "require 'Authorization: Bearer KEY' on every route but "
+                              "/health, /metrics, /version and /ping, else 401 (/admin keeps its own token)",
+                              "open")
+    credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
+                              "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
+                              "needing 'Authorization: Bearer TOKEN'", "no /admin")
     parser.add_argument("--request-timeout", type=float, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
@@ -184,8 +194,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template that makes the messages one prompt, as vLLM's flag: a file, "
-                        "or the template itself (for chat and /tokenize; default: the built-in "
-                        "'role: content' lines ending 'assistant:')")
+                        "or the template itself (for chat and /tokenize; default: a checkpoint's own, "
+                        "else the built-in 'role: content' lines ending 'assistant:')")
     c.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
                    help="let image_url parts name file:// images inside DIR (default: none)")
     c.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
@@ -221,10 +231,10 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
-    if not all(args.served_model_name):
+    if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key: the key may not be empty (leave it out to serve without one)")
+    resolve_model(args)
+    credentials.resolve(args)  # the API key and admin token: flag, file, systemd credential, environment
     if args.http_server is not None and args.loop != "trio":
         raise ValueError(f"--http-server {args.http_server} applies to --loop trio only (--loop "
                          f"{args.loop} serves with uvicorn)")
@@ -240,7 +250,7 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
 
 def _chat_input(args: argparse.Namespace) -> ChatInput:
     """The chat template and media policy from the command line; ValueError naming a bad file or folder."""
-    template = ChatTemplate.from_arg(args.chat_template) if args.chat_template else ChatTemplate()
+    template = ChatTemplate.from_arg(args.chat_template) if args.chat_template else _model_template(args)
     root = Path(args.allowed_local_media_path) if args.allowed_local_media_path else None
     try:
         media = MediaPolicy(allowed_local_media_path=root,
@@ -249,6 +259,15 @@ def _chat_input(args: argparse.Namespace) -> ChatInput:
         flag = "--allowed-media-domains" if "media domain" in str(exc) else "--allowed-local-media-path"
         raise ValueError(f"{flag}: {exc}") from None
     return ChatInput(template, media)
+
+
+def _model_template(args: argparse.Namespace) -> ChatTemplate:
+    """The checkpoint's chat template (the built-in one without a checkpoint, or for one that has none)."""
+    found = checkpoint_template(args.model_dir) if args.model_dir else None
+    if args.model_dir and found is None:
+        log.warning("%s has no chat template: chat uses the built-in 'role: content' one (give "
+                    "--chat-template)", args.model_dir)
+    return found or ChatTemplate()
 
 
 def _with_options(factory: Any, **options: Any) -> Any:
@@ -289,12 +308,17 @@ class _Pipeline:
 
         if args.config and args.pipeline:
             raise ValueError("give --config or --pipeline, not both")
-        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+        if args.model_dir:
+            cfg = checkpoint_pipeline(args.model_dir, args)
+        else:
+            cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
         cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
                                  max_retries=args.max_retries)
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         opts, local_cfg = head_options(args, cfg)
-        self.what = f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device} (supervised)"
+        what = describe(cfg) if args.model_dir else (
+            f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device}")
+        self.what = f"{what} (supervised)"
         self.outputs = outputs_of(s.kind for s in cfg.stages)
         self.names = [s.label for s in cfg.stages]
         self.max_inflight = (cfg.admission_bounds(serving=True) if args.max_inflight is None

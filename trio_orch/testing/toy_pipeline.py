@@ -1,6 +1,6 @@
 """An in-process thinker -> talker -> vocoder pipeline: no worker processes, no torch.
 
-Same data shapes as the real stage workers (``stages/models.py``), so the
+Same data shapes as the real stage workers (``stages/toy/models.py``), so the
 serving front cannot tell them apart: stage 0 emits ``{"text": str}`` pieces,
 stage 2 emits ``{"pcm": float32 array, "sample_rate": 24000}`` chunks.  The
 thinker "answers" by echoing the prompt's last line one word at a time, the

@@ -40,7 +40,7 @@ from trio_orch.http.streaming import sse
 from trio_orch.openai import sampling as openai_sampling
 from trio_orch.openai.completions import TextCompletion
 from trio_orch.openai.protocol import CompletionRequest, ServedModels
-from trio_orch.openai.tokenizer import prompt_token_count
+from trio_orch.openai.tokenizer import check_context, prompt_token_count
 from trio_orch.openai.validation import BadRequest, error_body
 from trio_orch.types import OrchOutput
 
@@ -85,8 +85,9 @@ def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Se
         front.count_finished(tc.finish_reason())
         return JSONResponse(tc.completion(req.echo))
 
-    def read(raw: bytes) -> tuple[CompletionRequest, str, str, int, dict[int, dict[str, Any]]]:
-        """The one check of a completion request: (request, model, prompt, text stage, sampling)."""
+    def read(raw: bytes) -> tuple[CompletionRequest, str, str, int, dict[int, dict[str, Any]], int | None]:
+        """The one check of a completion request: (request, model, prompt, text stage, sampling, prompt
+        tokens); the prompt and ``max_tokens`` checked against the model's context."""
         req = route.parse(raw, CompletionRequest)
         model = models.resolve(req.model)
         prompt = req.text(limits.max_prompt_chars)
@@ -98,18 +99,20 @@ def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Se
                                                     text_stage=k, last_stage=k)
         except openai_sampling.SamplingError as exc:
             raise BadRequest(str(exc), exc.param) from None
-        return req, model, prompt, k, sampling
+        prompt_tokens = prompt_token_count(engine, outputs, prompt)
+        check_context(engine, outputs, prompt_tokens, req.max_tokens, "prompt")
+        return req, model, prompt, k, sampling, prompt_tokens
 
     async def handle(request: Request) -> Response:
         try:
-            req, model, prompt, k, sampling = read(await request.body())
+            req, model, prompt, k, sampling, prompt_tokens = read(await request.body())
         except BadRequest as exc:
             return route.bad(exc)
         admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling, priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
         tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs,
-                            prompt_tokens=prompt_token_count(engine, outputs, prompt))
+                            prompt_tokens=prompt_tokens)
         if req.stream:
             return route.stream(stream(req, tc, admitted))
         answer = await route.wait(partial(collect, req, tc, admitted), request)

@@ -31,7 +31,7 @@ runnable request.  Every model takes more input for a resumable request
 (:meth:`extend`, one input segment at a time): the thinker appends the new
 text to the KV cache it has and keeps generating from there; the talker keeps
 its speech context; the vocoder its phase.  Arrays handed back are numpy (CPU), so the wire never
-sees a torch tensor.  The building blocks live in :mod:`stages.torch_blocks`;
+sees a torch tensor.  The building blocks live in :mod:`stages.toy.torch_blocks`;
 what each kind means to the orchestrator (its output modality, how its outputs
 become the next stage's input) is its row in :mod:`stages.registry`, which also
 builds these classes (``build_model``).
@@ -48,8 +48,9 @@ import torch
 from torch import nn
 
 from stages.base import ReqState, StepResult
+from stages.limits import check_context
 from stages.media import FEATURE_DIM
-from stages.sampling import RequestSampler, StopText, sample
+from stages.sampling import RequestSampler, sample
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
     TALKER_PARAMS,
@@ -59,8 +60,9 @@ from stages.sampling_params import (
     with_defaults,
 )
 from stages.schema import NonNegativeFloat, NonNegativeInt, PositiveInt
+from stages.text_stream import TextStream
 from stages.tokenizer import TextTokenizer, load_tokenizer
-from stages.torch_blocks import SlotModel, TinyDecoder, Upsampler
+from stages.toy.torch_blocks import SlotModel, TinyDecoder, Upsampler
 
 __all__ = ["Code2Wav", "Talker", "Thinker"]
 
@@ -105,24 +107,36 @@ class Thinker(SlotModel):
     string or stop token) or ``"length"``.  Downstream chunk: the released tokens.
     The model options ``temperature``, ``max_new_tokens`` and ``min_new_tokens``
     are the defaults of the request parameters ``temperature``, ``max_tokens``
-    (also its cap) and ``min_tokens``.
+    (also its cap) and ``min_tokens``.  ``max_model_len`` is the context: the
+    prompt (feature rows and tokens) and the answer share it, and a request
+    that does not fit is refused in vLLM's words (:mod:`stages.limits`) --
+    nothing is cut to fit.  Without ``max_tokens`` an answer ends ("length")
+    when the context is full.
     """
+
+    #: the prompt room the thinker's weights were first drawn for: a longer context draws its other
+    #: positions from a stream of their own, so every weight, and every answer, stays what it was
+    DRAWN_PROMPT = 192
 
     kind = "thinker"
 
     def __init__(self, d_model: PositiveInt = 128, layers: PositiveInt = 2, heads: PositiveInt = 4,
-                 max_prompt: PositiveInt = 192, max_new_tokens: PositiveInt = 48,
+                 max_model_len: PositiveInt = 32768, max_new_tokens: PositiveInt = 48,
                  min_new_tokens: NonNegativeInt = 8, temperature: NonNegativeFloat = 0.9,
                  slots: PositiveInt = 32, device: str = "cpu", seed: int = 0,
                  feature_dim: PositiveInt = FEATURE_DIM, tokenizer: str = "") -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed)
-        self.max_prompt, self.max_new, self.min_new = max_prompt, max_new_tokens, min_new_tokens
+        if max_model_len < 2:
+            raise ValueError(f"thinker: max_model_len must be >= 2 (a prompt and an answer), got "
+                             f"{max_model_len}")
+        self.max_model_len, self.max_new, self.min_new = max_model_len, max_new_tokens, min_new_tokens
         self.temperature = temperature
         self.tok = load_tokenizer(tokenizer)  # default: byte-level, ids = bytes, EOS = 256
         self.eos, self.vocab = self.tok.eos, self.tok.vocab_size
         self.emb = nn.Embedding(self.vocab, d_model).to(self.device)
-        self.dec = TinyDecoder(d_model, layers, heads, max_prompt + max_new_tokens, slots)
+        self.dec = TinyDecoder(d_model, layers, heads, max_model_len, slots,
+                               drawn_positions=self.DRAWN_PROMPT + max_new_tokens)
         self.dec = self.dec.to(self.device).eval()
         self.head = nn.Linear(d_model, self.vocab).to(self.device)
         self.bias = _text_bias(self.tok).to(self.device)  # mostly letters and spaces, in English proportions
@@ -143,12 +157,11 @@ class Thinker(SlotModel):
         if say is not None and (not isinstance(say, str) or not say):
             raise ValueError("thinker: 'say' must be a non-empty string")
         feats = self._features(p)
-        room = self.max_prompt - (len(feats) if feats is not None else 0)
-        self._start(req, self.tok.encode(text)[-room:], max_new)
+        self._start(req, self.tok.encode(text), max_new, features=len(feats) if feats is not None else 0)
         req.model["features"] = feats
         if say is not None:  # forced: the tokens of ``say``, then EOS; no token budget cuts it short
             m = req.model
-            fits = self.dec.max_len - 2 - len(m["prompt"])  # the cache holds the prompt, then the answer
+            fits = self.max_model_len - 1 - m["context"]  # the context holds the prompt, then the answer
             said = self.tok.encode(say)
             if len(said) > fits:
                 raise ValueError(f"thinker: 'say' is {len(said)} tokens, over the {fits} that fit "
@@ -165,26 +178,31 @@ class Thinker(SlotModel):
         if a.ndim != 2 or a.shape[1] != self.feature_dim:
             raise ValueError(f"thinker: features must be float32[rows, {self.feature_dim}], got "
                              f"{list(a.shape)} (the encoders' dim must be the thinker's feature_dim)")
-        if len(a) > self.max_prompt // 2:
-            raise ValueError(f"thinker: {len(a)} feature rows, over half the prompt room "
-                             f"({self.max_prompt})")
         return torch.from_numpy(a.copy()).to(self.device) if len(a) else None
 
-    def _start(self, req: ReqState, ids: list[int], max_new: int) -> None:
+    def _start(self, req: ReqState, ids: list[int], max_new: int, features: int = 0) -> None:
         """Set up a request for its prompt token ``ids``: limits, stop conditions, its sampler.
 
-        The decode role of a split thinker (:mod:`stages.pd`) calls it when the
-        prompt's KV cache arrives, with the prompt the prefill role encoded.
+        ``features``: the feature rows before the prompt (they take context too).
+        Refused (ValueError, vLLM's words) when the prompt and the answer asked
+        for do not fit the context.  The decode role of a split thinker
+        (:mod:`stages.toy.pd`) calls it when the prompt's KV cache arrives, with the
+        prompt the prefill role encoded.
         """
         sp = with_defaults(THINKER_PARAMS, req.sampling, temperature=self.temperature,
                            max_tokens=self.max_new, min_tokens=self.min_new)
-        req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0, "last": None,
-                     "max_new": max(1, min(max_new, sp["max_tokens"], self.max_new)),
+        context = features + len(ids)
+        check_context(self.max_model_len, context, req.sampling.get("max_tokens"))
+        req.model = {"slot": None, "prompt": ids, "pos": None, "n": 0, "last": None, "context": context,
+                     "max_new": self._budget(context, max_new, sp["max_tokens"]),
                      "min_new": sp["min_tokens"], "stop_ids": frozenset(sp["stop_token_ids"]),
-                     "stop": StopText(sp["stop"]) if sp["stop"] else None, "held": [],
+                     "text": TextStream(self.tok.decoder(), sp["stop"]),
                      "sampler": RequestSampler(sp, self.vocab, seed_source=self.gen, prompt=ids),
-                     "cap": min(sp["max_tokens"], self.max_new), "params": sp, "ctx": ids, "out": [],
-                     "detok": self.tok.decoder()}
+                     "cap": min(sp["max_tokens"], self.max_new), "params": sp}
+
+    def _budget(self, context: int, *limits: int) -> int:
+        """Tokens an answer may have after ``context`` positions: the smallest limit, the cap, the room."""
+        return max(1, min(*limits, self.max_new, self.max_model_len - context))
 
     def extend(self, req: ReqState, payload: Any) -> None:
         """The next input segment: its text joins the context in the KV cache; generation goes on.
@@ -192,9 +210,9 @@ class Thinker(SlotModel):
         The cache keeps the conversation so far (prompt, answers, earlier
         segments); only the new tokens are run through the decoder.  The last
         sampled token (EOS after a full answer) goes in first, as the turn's
-        separator.  When the conversation no longer leaves room for a whole
-        answer, its most recent ``max_prompt`` tokens are re-encoded from
-        position 0 instead (a context shift).
+        separator.  A segment that leaves the conversation no room for an
+        answer is refused in vLLM's words (the request fails): nothing of the
+        conversation is dropped to make room.
         """
         p = payload
         text, max_new = (p, self.max_new) if isinstance(p, str) else (None, self.max_new)
@@ -204,24 +222,20 @@ class Thinker(SlotModel):
             raise ValueError("thinker segment must be a non-empty string or {'text': str}")
         m = req.model
         new = self.tok.encode(text)
-        m["n"], m["max_new"] = 0, max(1, min(max_new, m["cap"]))
-        sp = m["params"]
-        m["stop"] = StopText(sp["stop"]) if sp["stop"] else None  # stop strings apply per segment
+        # the context so far: the prompt (not prefilled yet), or every cached position and the last token
+        context = m["context"] + len(new) if m["pos"] is None else m["pos"] + 1 + len(new)
+        asked = req.sampling.get("max_tokens")  # what the request asked for, as vLLM counts it
+        check_context(self.max_model_len, context, asked)
+        m["n"], m["max_new"], m["context"] = 0, self._budget(context, max_new, m["cap"]), context
+        m["text"].restart(m["params"]["stop"])  # stop strings apply per segment
         if m["pos"] is None:  # not prefilled yet: the segment joins the prompt
-            m["prompt"] = m["ctx"] = (m["prompt"] + new)[-self.max_prompt:]
+            m["prompt"] = m["prompt"] + new
             return
-        talk = m["ctx"] + m["out"] + new  # the whole conversation; its last token is not cached yet
-        m["out"] = []
-        if m["pos"] + len(new) + m["max_new"] > self.dec.max_len - 1:
-            m["prompt"] = m["ctx"] = talk[-self.max_prompt:]
-            m["pos"] = None  # the next step prefills it into the slot
-            return
-        seq = talk[-len(new) - 1:]  # the last sampled token, then the new text
+        seq = [m["last"], *new]  # the last sampled token (not cached yet), then the new text
         with torch.inference_mode():
             self.dec.extend(self.emb(torch.tensor(seq[:-1], device=self.device)), self._slot(req), m["pos"])
         m["pos"] += len(new)
         m["last"] = seq[-1]
-        m["ctx"] = talk
 
     @torch.inference_mode()
     def step(self, reqs: list[ReqState]) -> list[StepResult]:
@@ -255,7 +269,6 @@ class Thinker(SlotModel):
                 tok = forced[min(m["n"], len(forced) - 1)]
             m["n"] += 1
             m["last"] = tok
-            m["out"].append(tok)
             s.observe(toks.new_tensor([tok]))
             results.append(self._emit(m, tok))
         return results
@@ -263,7 +276,7 @@ class Thinker(SlotModel):
     def _prefill(self, req: ReqState) -> torch.Tensor:
         """Fill the request's cache slot with its prompt and set its position; the last hidden state.
 
-        The decode role of a split thinker (:mod:`stages.pd`) takes both from
+        The decode role of a split thinker (:mod:`stages.toy.pd`) takes both from
         the prefill role's KV cache instead.
         """
         m = req.model
@@ -272,7 +285,7 @@ class Thinker(SlotModel):
         if feats is not None:  # the encoders' features come first, then the prompt's tokens
             f = self.feat(feats)
             f = f / f.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6)  # unit RMS, as token embeddings
-            x = torch.cat([f, x[-(self.max_prompt - len(feats)):]])
+            x = torch.cat([f, x])
         hidden = self.dec.prefill(x, self._slot(req))
         m["pos"] = len(x)
         return hidden
@@ -280,36 +293,23 @@ class Thinker(SlotModel):
     def _emit(self, m: dict[str, Any], tok: int) -> StepResult:
         """The step's output for one request: its released text and tokens, and whether it ended."""
         ended = tok == self.eos or tok in m["stop_ids"]
-        length = m["n"] >= m["max_new"] or m["pos"] >= self.dec.max_len - 1
-        held: list[tuple[int, int]] = m["held"]  # (token, characters its decoding completed)
-        piece = m["detok"].push(tok) if not ended else ""  # whole characters only
-        if not ended:
-            held.append((tok, len(piece)))
-        text, stopped = piece, False
-        if m["stop"] is not None:
-            text, stopped = m["stop"].push(text)
-            if (ended or length) and not stopped:
-                text += m["stop"].flush()
-        n = chars = 0  # release the held tokens whose characters the text covers
-        while n < len(held) and chars + held[n][1] <= len(text):
-            chars += held[n][1]
-            n += 1
-        toks = np.array([t for t, _ in held[:n]], dtype=np.int32)
-        del held[:n]
-        done = ended or stopped or length
-        if not done and not len(toks):
+        length = m["n"] >= m["max_new"]
+        out = m["text"].push(tok, ended=ended, length=length)
+        if out is None:
             return StepResult(None, False, None)  # held back: it may begin a stop string
-        data: dict[str, Any] = {"text": text, "tokens": toks}
-        if done:
-            data["finish_reason"] = "length" if length and not (ended or stopped) else "stop"
-        return StepResult(data, done, toks if len(toks) else None)
+        toks = np.array(out.tokens, dtype=np.int32)
+        data: dict[str, Any] = {"text": out.text, "tokens": toks}
+        if out.done:
+            data["finish_reason"] = out.finish_reason
+        return StepResult(data, out.done, toks if len(toks) else None)
 
     def warmup(self) -> None:
         self._warm("warm up")
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "max_new_tokens": self.max_new, "max_prompt": self.max_prompt,
-                "max_say": self.dec.max_len - 3, "device": str(self.device), "feature_dim": self.feature_dim,
+        return {"kind": self.kind, "max_new_tokens": self.max_new, "max_model_len": self.max_model_len,
+                "max_say": self.max_model_len - 2, "device": str(self.device),
+                "feature_dim": self.feature_dim,
                 "tokenizer": "" if self.tok.source == "byte-level" else self.tok.source,
                 "vocab_size": self.vocab, "eos": self.eos}
 
@@ -317,10 +317,14 @@ class Thinker(SlotModel):
 class Talker(SlotModel):
     """Speech-token LM: thinker tokens -> ``frames_per_token`` x ``codebooks`` codes per token.
 
-    Input: ``{"tokens": int[...]}`` (normal mode) or streamed token chunks.
-    Output: ``{"codes": int32[frames, codebooks]}`` every ``chunk_frames`` frames.
-    Each frame's codes are sampled per codebook with the request's parameters
-    (default greedy); the request's ``voice`` picks the speaker embedding.
+    Input: ``{"tokens": int[...]}`` (normal mode) or streamed token chunks, ids
+    below ``vocab_size`` (the thinker's vocabulary: a pipeline whose thinker has
+    a larger one is refused at start, :mod:`stages.fit`; a token past it fails
+    its request).  Output: ``{"codes": int32[frames, codebooks]}`` every
+    ``chunk_frames`` frames.  Each frame's codes are sampled per codebook with
+    the request's parameters (default greedy); the request's ``voice`` picks the
+    speaker embedding.  ``max_tokens`` is its context: a longer input is spoken
+    whole, the context starting afresh when it is full (never cut short).
     """
 
     kind = "talker"
@@ -328,12 +332,13 @@ class Talker(SlotModel):
     def __init__(self, d_model: PositiveInt = 96, layers: PositiveInt = 2, heads: PositiveInt = 4,
                  codebooks: PositiveInt = 4, codebook_size: PositiveInt = 256,
                  frames_per_token: PositiveInt = 2, chunk_frames: PositiveInt = 8,
-                 max_tokens: PositiveInt = 256,
+                 max_tokens: PositiveInt = 256, vocab_size: PositiveInt = 257,  # the byte-level thinker's
                  slots: PositiveInt = 32, device: str = "cpu", seed: int = 0) -> None:
         super().__init__(slots, device, seed)
         torch.manual_seed(seed + 1)
         self.cb, self.cbs, self.fpt, self.chunk = codebooks, codebook_size, frames_per_token, chunk_frames
-        self.emb = nn.Embedding(EOS + 1, d_model).to(self.device)
+        self.vocab = vocab_size
+        self.emb = nn.Embedding(vocab_size, d_model).to(self.device)
         self.dec = TinyDecoder(d_model, layers, heads, max_tokens, slots).to(self.device).eval()
         self.head = nn.Linear(d_model, frames_per_token * codebooks * codebook_size).to(self.device)
         self.spk = nn.Embedding(len(VOICES), d_model).to(self.device)  # one speaker per voice
@@ -344,7 +349,7 @@ class Talker(SlotModel):
             toks = p.get("tokens") if isinstance(p, dict) else None
             if toks is None:
                 raise ValueError("talker payload must be {'tokens': int array}")
-            req.inputs.append(np.asarray(toks).reshape(-1))
+            req.inputs.append(self._tokens(toks))
         sp = with_defaults(TALKER_PARAMS, req.sampling)
         req.model = {"slot": None, "queue": [], "pos": 0, "codes": [], "frames": 0, "limit": sp["max_tokens"],
                      "voice": voice_index(sp["voice"]),
@@ -361,7 +366,24 @@ class Talker(SlotModel):
         toks = payload.get("tokens") if isinstance(payload, dict) else None
         if toks is None:
             raise ValueError("talker segment must be {'tokens': int array}")
-        req.inputs.append(np.asarray(toks).reshape(-1))
+        req.inputs.append(self._tokens(toks))
+
+    def feed(self, req: ReqState, data: Any, end: bool) -> None:
+        """A chunk of the thinker's tokens (checked: ids of this talker's vocabulary)."""
+        super().feed(req, None if data is None else self._tokens(data), end)
+
+    def _tokens(self, toks: Any) -> np.ndarray:
+        """Input token ids as a flat array, each below ``vocab_size`` (else ValueError naming the first)."""
+        a = np.asarray(toks).reshape(-1)
+        if not a.size:
+            return a.astype(np.int64)
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"talker: tokens must be integers, got {a.dtype}")
+        bad = np.flatnonzero((a < 0) | (a >= self.vocab))
+        if len(bad):
+            raise ValueError(f"talker: token {int(a[bad[0]])} is not in its vocabulary of {self.vocab} "
+                             "(the thinker's vocabulary must fit: set the talker's vocab_size)")
+        return a
 
     def runnable(self, req: ReqState) -> bool:
         return bool(req.inputs) or bool(req.model["queue"]) or req.input_done
@@ -375,7 +397,9 @@ class Talker(SlotModel):
                 m["queue"].extend(int(t) for t in np.asarray(r.inputs.pop(0)).reshape(-1))
             if m["limit"] is not None and m["frames"] >= m["limit"]:
                 m["queue"].clear()  # max_tokens frames made: the rest of the input is skipped
-            if m["queue"] and m["pos"] < self.dec.max_len:
+            if m["queue"]:
+                if m["pos"] >= self.dec.max_len:
+                    m["pos"] = 0  # the context is full: it starts afresh, the input is spoken whole
                 active.append(r)
         if active:
             toks = torch.tensor([r.model["queue"].pop(0) for r in active], device=self.device)
@@ -397,10 +421,7 @@ class Talker(SlotModel):
         results = []
         for r in reqs:
             m = r.model
-            exhausted = not m["queue"] or m["pos"] >= self.dec.max_len
-            done = r.input_done and not r.inputs and exhausted
-            if m["pos"] >= self.dec.max_len:
-                m["queue"].clear()
+            done = r.input_done and not r.inputs and not m["queue"]
             have = sum(len(c) for c in m["codes"])
             if m["codes"] and (have >= self.chunk or done):
                 arr = np.concatenate(m["codes"], axis=0)
@@ -417,7 +438,7 @@ class Talker(SlotModel):
 
     def info(self) -> dict[str, Any]:
         return {"kind": self.kind, "codebooks": self.cb, "frames_per_token": self.fpt,
-                "device": str(self.device)}
+                "vocab_size": self.vocab, "device": str(self.device)}
 
 
 class Code2Wav(SlotModel):

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from stages.base import ReqState, StepResult
-from stages.models import Thinker
+from stages.toy.models import Thinker
 
 __all__ = ["DecodeThinker", "PrefillThinker"]
 
@@ -111,6 +111,7 @@ class DecodeThinker(Thinker):
             return super()._prefill(req)
         req.model["kv"] = None
         slot, n = self._slot(req), len(kv["prompt_ids"])
+        self.dec.reserve(n)
         with warnings.catch_warnings():  # the arrays view read-only ZMQ frames; copied into the cache
             warnings.simplefilter("ignore", UserWarning)
             self.dec.k_cache[:, slot, :, :n] = torch.as_tensor(kv["k"]).to(self.device)

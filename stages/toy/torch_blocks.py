@@ -23,17 +23,24 @@ __all__ = ["SlotModel", "TinyDecoder", "Upsampler"]
 class TinyDecoder(nn.Module):
     """Pre-norm causal transformer with a slot-based KV cache.
 
-    The cache holds ``slots`` sequences of up to ``max_len`` positions; a
-    request owns one slot for its life.  :meth:`step` advances a batch of
-    slots by one position each (different lengths are masked).
+    The cache holds ``slots`` sequences of up to ``max_len`` positions (the
+    context); a request owns one slot for its life.  The cache starts short and
+    grows as longer sequences come (:meth:`reserve`), so a long context costs
+    memory only when it is used.  :meth:`step` advances a batch of slots by one
+    position each (different lengths are masked).  ``drawn_positions``: how many
+    rows of the position table come from the global seeded stream, the rest
+    from one of their own -- a model that grows its context keeps every weight
+    it had (and so its answers).
     """
 
-    def __init__(self, d_model: int, layers: int, heads: int, max_len: int, slots: int) -> None:
+    def __init__(self, d_model: int, layers: int, heads: int, max_len: int, slots: int,
+                 drawn_positions: int | None = None) -> None:
         super().__init__()
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         self.h, self.dh, self.max_len = heads, d_model // heads, max_len
-        self.pos = nn.Embedding(max_len, d_model)
+        drawn = max_len if drawn_positions is None else min(drawn_positions, max_len)
+        self.pos = nn.Embedding(drawn, d_model)
         self.ln1 = nn.ModuleList(nn.LayerNorm(d_model) for _ in range(layers))
         self.qkv = nn.ModuleList(nn.Linear(d_model, 3 * d_model) for _ in range(layers))
         self.proj = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(layers))
@@ -41,15 +48,40 @@ class TinyDecoder(nn.Module):
         self.mlp = nn.ModuleList(nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(),
                                                nn.Linear(4 * d_model, d_model)) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
-        shape = (layers, slots, heads, max_len, self.dh)
-        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+        if drawn < max_len:  # the other positions from a stream of their own: the weights above stay
+            rest = torch.randn(max_len - drawn, d_model,
+                               generator=torch.Generator().manual_seed(int(torch.initial_seed()) + drawn))
+            self.pos = nn.Embedding.from_pretrained(torch.cat([self.pos.weight.detach(), rest]), freeze=False)
+        self.cache_shape = (layers, slots, heads, self.dh)
+        cap = min(max_len, self.FIRST_CACHE)
+        self.register_buffer("k_cache", torch.zeros(*self.cache_shape[:3], cap, self.dh), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(*self.cache_shape[:3], cap, self.dh), persistent=False)
+
+    #: positions the KV cache holds at first; it doubles (up to ``max_len``) when a longer sequence comes
+    FIRST_CACHE = 256
+
+    def reserve(self, n: int) -> None:
+        """Make the cache hold ``n`` positions per slot (grown by doubling; a long context costs
+        memory only once a request is that long)."""
+        if n > self.max_len:
+            raise ValueError(f"{n} positions do not fit a context of {self.max_len}")
+        cap = self.k_cache.shape[3]
+        if n <= cap:
+            return
+        while cap < n:
+            cap = min(self.max_len, cap * 2)
+        for name in ("k_cache", "v_cache"):
+            old = getattr(self, name)
+            grown = old.new_zeros(*old.shape[:3], cap, old.shape[4])
+            grown[:, :, :, :old.shape[3]] = old
+            setattr(self, name, grown)
 
     def step(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``x`` [B, d] at positions ``pos`` [B] of ``slots`` [B] -> hidden [B, d]."""
         B = x.shape[0]
         x = x + self.pos(pos)
         L = int(pos.max()) + 1
+        self.reserve(L)
         mask = (torch.arange(L, device=x.device)[None, :] <= pos[:, None])[:, None, None, :]
         for i in range(len(self.qkv)):
             q, k, v = self.qkv[i](self.ln1[i](x)).view(B, 3, self.h, self.dh).unbind(1)
@@ -73,6 +105,8 @@ class TinyDecoder(nn.Module):
     def _causal(self, x: torch.Tensor, slot: int | None) -> torch.Tensor:
         T = x.shape[0]
         x = x + self.pos(torch.arange(T, device=x.device))
+        if slot is not None:
+            self.reserve(T)
         for i in range(len(self.qkv)):
             q, k, v = self.qkv[i](self.ln1[i](x)).view(T, 3, self.h, self.dh).permute(1, 2, 0, 3)
             if slot is not None:
@@ -91,8 +125,7 @@ class TinyDecoder(nn.Module):
         context is reused, not recomputed.
         """
         T = x.shape[0]
-        if start + T > self.max_len:
-            raise ValueError(f"{start + T} positions do not fit a cache of {self.max_len}")
+        self.reserve(start + T)
         pos = torch.arange(start, start + T, device=x.device)
         x = x + self.pos(pos)
         mask = torch.arange(start + T, device=x.device)[None, :] <= pos[:, None]  # [T, start+T]

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from stages.base import ReqState, StepResult
-from stages.models import EOS, Thinker
+from stages.limits import check_context
 from stages.schema import PositiveInt
+from stages.toy.models import EOS, Thinker
 
 __all__ = ["ThinkerEncoder"]
 
@@ -25,15 +26,16 @@ __all__ = ["ThinkerEncoder"]
 class ThinkerEncoder(Thinker):
     """Prompt -> ``{"embedding": float32[1 + prompt bytes, d_model]}`` in one step.
 
-    Payload: a string (may be empty) or ``{"text": str, ...}``.
+    Payload: a string (may be empty) or ``{"text": str, ...}``.  A prompt longer
+    than the context (``max_model_len``, with the leading EOS) is refused, never cut.
     """
 
     kind = "encoder"
 
     def __init__(self, d_model: PositiveInt = 128, layers: PositiveInt = 2, heads: PositiveInt = 4,
-                 max_prompt: PositiveInt = 192, device: str = "cpu", seed: int = 0) -> None:
+                 max_model_len: PositiveInt = 32768, device: str = "cpu", seed: int = 0) -> None:
         # The thinker's constructor draws the weights; its KV cache is left unused (one slot).
-        super().__init__(d_model, layers, heads, max_prompt, max_new_tokens=1, min_new_tokens=0,
+        super().__init__(d_model, layers, heads, max_model_len, max_new_tokens=1, min_new_tokens=0,
                          slots=1, device=device, seed=seed)
         self.d_model = d_model
 
@@ -42,7 +44,9 @@ class ThinkerEncoder(Thinker):
         text = p.get("text") if isinstance(p, dict) else p
         if not isinstance(text, str):
             raise ValueError("encoder payload must be a string (may be empty) or {'text': str}")
-        req.model = {"ids": [EOS, *text.encode()[-(self.max_prompt - 1):]]}
+        ids = [EOS, *text.encode()]
+        check_context(self.max_model_len, len(ids), 0)  # refused, never cut: the whole prompt is encoded
+        req.model = {"ids": ids}
 
     def runnable(self, req: ReqState) -> bool:
         return True
@@ -65,4 +69,5 @@ class ThinkerEncoder(Thinker):
         self.step([req])
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "d_model": self.d_model, "device": str(self.device)}
+        return {"kind": self.kind, "d_model": self.d_model, "device": str(self.device),
+                "max_model_len": self.max_model_len}

@@ -1,0 +1,180 @@
+"""No secret is readable by another process of the same user, from any process of the pipeline.
+
+The attacker (:mod:`tests.serve.same_user_attacker`) is a process of the same
+user without capabilities: it tries ``/proc/<pid>/environ``, ``mem`` and every
+``fd/N``.  Where the tests run with capabilities (root), the pipeline *and*
+the attacker are started with every capability dropped (``setpriv``): root's
+capabilities would otherwise stop the attacker whatever the pipeline does, and
+the test would prove nothing.  A dumpable process started the same way is the
+control: the attacker reads its environment, so every refusal below is the
+pipeline's own doing.
+
+* ``trio-orch serve`` given the API key in its environment and the admin token
+  in a file: nothing of serve or its workers can be read.
+* A head that tells the test its workers' secrets as it makes them (the
+  pipeline secret, the key pair, each launch's ticket): three workers are
+  killed and restarted while the attacker reads every new worker from the
+  moment it appears -- before it locks itself down -- and none of those
+  secrets turns up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.http_helpers import HANG, wait_until
+from trio_orch.testing import child_pids, worker_alive
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET_KINDS = ("environ", "mem", "fd")
+
+
+def unprivileged() -> list[str]:
+    """The prefix that runs a command as this user without any capability ([] where it has none)."""
+    status = Path("/proc/self/status").read_text()
+    cap_eff = int(re.search(r"^CapEff:\s*([0-9a-f]+)", status, re.M).group(1), 16)  # type: ignore[union-attr]
+    if cap_eff == 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("the tests run with capabilities and setpriv (util-linux) is missing to drop them")
+    return [setpriv, "--inh-caps=-all", "--ambient-caps=-all", "--bounding-set=-all", "--no-new-privs", "--"]
+
+
+def attack(tmp_path: Path, needles: dict[str, str], *args: str) -> dict[str, Any]:
+    """Run the attacker to its end, looking for ``needles``; its report."""
+    path = tmp_path / "needles.json"
+    path.write_text(json.dumps(needles))
+    out = tmp_path / f"attack-{time.monotonic_ns()}.json"
+    subprocess.run([*unprivileged(), sys.executable, "-m", "tests.serve.same_user_attacker", "--needles",
+                    str(path), "--out", str(out), *args], cwd=ROOT, check=True, timeout=HANG)
+    report: dict[str, Any] = json.loads(out.read_text())
+    assert report["cap_eff"] == "0000000000000000" and report["uid"] == os.getuid()  # same user, no caps
+    return report
+
+
+def start_control(marker: str) -> subprocess.Popen[bytes]:
+    """A dumpable process of the same user (without capabilities) with ``marker`` in its environment."""
+    return subprocess.Popen([*unprivileged(), sys.executable, "-c", "import time; time.sleep(120)"],
+                            env={**os.environ, "CONTROL_SECRET": marker})
+
+
+def statuses(report: dict[str, Any], pid: int) -> dict[str, set[str]]:
+    return {ch: set(n) for ch, n in report["results"].get(str(pid), {}).items()}
+
+
+@pytest.mark.slow
+def test_nothing_of_serve_or_its_workers_can_be_read_by_a_same_user_process(tmp_path: Path) -> None:
+    api_key, admin_token, marker = (secrets.token_hex(16) for _ in range(3))
+    token_file = tmp_path / "admin-token"
+    token_file.write_text(admin_token + "\n")
+    token_file.chmod(0o600)
+    config = tmp_path / "echo.toml"
+    config.write_text('[pipeline]\nfinal_stages = [1]\n' + '[[stages]]\nkind = "echo"\n' * 2)
+    serve = subprocess.Popen([*unprivileged(), sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0",
+                              "--served-model-name", "toy", "--config", str(config), "--admin-token-file",
+                              str(token_file)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env={**os.environ, "TRIO_ORCH_API_KEY": api_key})
+    control = start_control(marker)
+    try:
+        assert serve.stdout is not None
+        url = None
+        for line in serve.stdout:
+            m = re.search(r"serving on (http://\S+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url is not None, "serve did not start"
+        with httpx.Client(base_url=url, timeout=HANG) as c:  # it holds both, and uses them
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
+            stats = c.get("/admin/stats", headers={"Authorization": f"Bearer {admin_token}"})
+            assert stats.status_code == 200, stats.text
+        workers = child_pids(serve.pid)
+        assert len(workers) == 2
+        report = attack(tmp_path, {"api_key": api_key, "admin_token": admin_token, "control": marker},
+                        "--control", str(control.pid), "--pids", str(serve.pid), *map(str, workers))
+        # the control: an unlocked process of the same user gives its environment away
+        assert set(report["found"]) == {"control"}
+        assert {f"{control.pid}/environ", f"{control.pid}/mem"} <= set(report["found"]["control"])
+        for pid in (serve.pid, *workers):  # serve and every worker: nothing opens
+            assert statuses(report, pid) == {ch: {"denied"} for ch in SECRET_KINDS}, (pid, report)
+    finally:
+        control.kill()
+        control.wait()
+        serve.send_signal(signal.SIGTERM)
+        try:
+            serve.communicate(timeout=HANG)
+        except subprocess.TimeoutExpired:
+            serve.kill()
+            serve.communicate()
+    assert not any(worker_alive(w) for w in workers)
+
+
+@pytest.mark.slow
+def test_a_restarting_worker_never_holds_a_secret_another_process_could_read(tmp_path: Path) -> None:
+    needles, status = tmp_path / "needles.json", tmp_path / "status.json"
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    head = subprocess.Popen([*unprivileged(), sys.executable, "-m", "tests.serve.secret_head", "--needles",
+                             str(needles), "--status", str(status)], cwd=ROOT)
+    seen: set[int] = set()
+    try:
+        def state() -> dict[str, Any]:
+            try:
+                return dict(json.loads(status.read_text()))
+            except (OSError, ValueError):
+                return {"pids": [], "restarts": -1}
+
+        wait_until(lambda: len(state()["pids"]) == 2, "the head's two workers", hang=HANG)
+        attacker = subprocess.Popen([*unprivileged(), sys.executable, "-m", "tests.serve.same_user_attacker",
+                                     "--needles", str(needles), "--out", str(tmp_path / "report.json"),
+                                     "--children-of", str(head.pid), "--duration", "300", "--stop-file",
+                                     str(stop), "--ready-file", str(ready)], cwd=ROOT)
+        def passes() -> int:
+            try:
+                return int(ready.read_text())
+            except (OSError, ValueError):
+                return 0
+
+        try:
+            wait_until(lambda: passes() > 0, "the attacker watches the head's children", hang=HANG)
+            for i in range(3):  # kill -9 a worker: the attacker goes for its replacement from the start
+                victim = state()["pids"][i % 2]
+                seen.add(victim)
+                os.kill(victim, signal.SIGKILL)
+                wait_until(lambda n=i + 1: state()["restarts"] == n and len(state()["pids"]) == 2,
+                           f"restart {i + 1}", hang=HANG)
+            seen.update(state()["pids"])
+            after = passes()
+            wait_until(lambda: passes() > after + 1, "a full pass over the last workers", hang=HANG)
+        finally:
+            stop.touch()
+            attacker.wait(HANG)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert report["cap_eff"] == "0000000000000000" and report["uid"] == os.getuid()
+        assert report["found"] == {}, report["found"]  # no ticket, no pipeline secret, no key, ever
+        attacked = {int(pid) for pid in report["results"]}
+        assert seen <= attacked  # it went for every worker, the killed ones and their replacements
+        print("attacks per worker channel:", {pid: {ch: dict(n) for ch, n in r.items()}
+                                              for pid, r in report["results"].items()})
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(HANG)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+    assert not any(worker_alive(w) for w in seen)
