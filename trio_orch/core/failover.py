@@ -22,9 +22,21 @@ from __future__ import annotations
 
 from trio_orch.core.actions import Abort, Action, Submit, Update
 from trio_orch.core.state import NOTHING, CoreState, RequestState, Waiting
-from trio_orch.types import StageOutput
+from trio_orch.types import OrchError, StageOutput
 
-__all__ = ["failover", "held_for_replica", "resend", "restart", "resume_failovers", "waiting_message"]
+__all__ = ["failover", "held_for_replica", "resend", "restart", "resume_failovers", "stage_error",
+           "waiting_message"]
+
+
+def stage_error(state: CoreState, req: RequestState, stage_id: int, out: StageOutput) -> list[Action]:
+    """A stage reported ``req`` failed (its own error, or its replica's death): failed over where
+    :func:`failover` allows, else the terminal (``out.error_kind``, ``stage_failed`` by default) --
+    not aborted on that stage, which already dropped it."""
+    retry = failover(state, req, stage_id, out)
+    if retry is not None:
+        return retry
+    kind = out.error_kind or "stage_failed"
+    return state.end(req, OrchError(req.request_id, stage_id, kind, out.error), skip=stage_id)
 
 
 def failover(state: CoreState, req: RequestState, stage_id: int, out: StageOutput) -> list[Action] | None:

@@ -35,11 +35,7 @@ def route(state: CoreState, stage_id: int, out: StageOutput) -> list[Action]:
     if req.resumable:
         return streaming.route_segment(state, req, stage_id, out)
     if out.error is not None:
-        retry = failover.failover(state, req, stage_id, out)
-        if retry is not None:
-            return retry
-        kind = out.error_kind or "stage_failed"
-        return state.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
+        return failover.stage_error(state, req, stage_id, out)
     req.replay.pop(stage_id, None)  # it answered: a death there is no longer retried
     finished = out.finished
     forwards = finished and not state.async_chunk and stage_id < req.final_stage_id

@@ -93,11 +93,7 @@ def route_segment(state: CoreState, req: RequestState, stage_id: int, out: Stage
         state.dropped_outputs += 1
         return NOTHING
     if out.error is not None:
-        retry = failover.failover(state, req, stage_id, out)
-        if retry is not None:
-            return retry
-        kind = out.error_kind or "stage_failed"
-        return state.end(req, OrchError(rid, stage_id, kind, out.error), skip=stage_id)
+        return failover.stage_error(state, req, stage_id, out)
     req.replay.pop(stage_id, None)  # it answered: a death there is no longer retried
     forwards = not state.async_chunk and stage_id < req.final_stage_id
     if forwards:
