@@ -38,8 +38,10 @@ __all__ = [
     "engine_durations",
     "http_get",
     "measure_front",
+    "open_stream",
     "pct",
     "post",
+    "proc_cpu",
     "split_url",
     "start_server",
     "stop_server",
@@ -68,6 +70,17 @@ async def post(host: str, port: int, path: str, body: bytes | None,
         return 0, time.perf_counter() - t
     m = re.match(rb"HTTP/1\.1 (\d+)", data)
     return (int(m.group(1)) if m else 0), time.perf_counter() - t
+
+
+async def open_stream(host: str, port: int, path: str, body: bytes, timeout: float
+                      ) -> tuple[int, asyncio.StreamReader, asyncio.StreamWriter]:
+    """POST ``body`` (JSON) to ``path`` on a fresh connection (closed by the server at the end); its
+    status (0 if unreadable), the reader positioned after the status line, and the writer."""
+    reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    writer.write(f"POST {path} HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n"
+                 f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    parts = (await asyncio.wait_for(reader.readline(), timeout)).split()
+    return (int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0), reader, writer
 
 
 def split_url(url: str) -> tuple[str, int]:
@@ -112,7 +125,7 @@ def worker_counts(url: str, token: str) -> tuple[int, float]:
         steps += int(value.get("steps", 0))
         pid = value.get("pid")
         if pid is not None and Path(f"/proc/{pid}/stat").exists():
-            cpu += _proc_cpu(int(pid))
+            cpu += proc_cpu(int(pid))
     return steps, cpu
 
 
@@ -138,9 +151,11 @@ def bucket_p99_ms(before: list[tuple[float, float]], after: list[tuple[float, fl
     return next(le * 1000 for le, n in counts if n >= 0.99 * total)
 
 
-def start_server(args: list[str], cpus: set[int] | None = None, admin_token: str | None = None,
-                 code: Path | None = None) -> tuple[subprocess.Popen[str], str]:
-    """``trio-orch serve`` as a child process (on ``cpus`` only, workers included, when given).
+def start_server(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | None = None, *,
+                 admin_token: str | None = None, code: Path | None = None
+                 ) -> tuple[subprocess.Popen[str], str]:
+    """``trio-orch serve`` as a child process (on ``cpus`` only, workers included, when given; ``env``:
+    variables added to this process's environment).
 
     ``admin_token``: the control plane is served behind it (given through the
     environment, so it is not in the process list).  ``code``: a tree whose
@@ -148,16 +163,14 @@ def start_server(args: list[str], cpus: set[int] | None = None, admin_token: str
     A/B run, ``bench.perf.ab --serving``).
     """
     pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
-    env = None
-    if admin_token is not None or code is not None:
-        env = dict(os.environ)
-        if admin_token is not None:
-            env["TRIO_ORCH_ADMIN_TOKEN"] = admin_token
-        if code is not None:
-            env["PYTHONPATH"] = str(code)
+    extra = dict(env or {})
+    if admin_token is not None:
+        extra["TRIO_ORCH_ADMIN_TOKEN"] = admin_token
+    if code is not None:
+        extra["PYTHONPATH"] = str(code)
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin,
-                            env=env, cwd=code)
+                            env={**os.environ, **extra} if extra else None, cwd=code)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"serving on (http://\S+)", line)
@@ -251,15 +264,15 @@ def _front_client(url: str, conns: int, seconds: float, body: bytes, out: Any) -
     out.put(asyncio.run(run()))
 
 
-def _proc_cpu(pid: int) -> float:
-    """utime + stime of one process, in seconds."""
+def proc_cpu(pid: int) -> float:
+    """utime + stime of one process, in seconds (readable for a non-dumpable process too)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def front_cpu(pid: int) -> float:
     """CPU seconds of the serving process, the workers apart: what serving HTTP costs."""
-    return _proc_cpu(pid)
+    return proc_cpu(pid)
 
 
 def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,
