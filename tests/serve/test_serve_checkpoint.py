@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.waiting import HANG
 from trio_orch.testing import child_pids, worker_alive
 
@@ -56,7 +57,7 @@ class Server:
         else:
             self.proc.wait(HANG)
             raise AssertionError(f"serve exited {self.proc.returncode} before serving: {''.join(self.lines)}")
-        self.workers = {p for p in child_pids(self.proc.pid) if worker_alive(p)}
+        self.workers = {p for p in child_pids(serving_pid(self.proc.pid)) if worker_alive(p)}
 
     def sdk(self) -> Any:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=HANG * 2)
