@@ -44,6 +44,7 @@ from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetu
 from bench.chaos.server import HttpFault
 from stages.auth import Keypair
 from stages.config import PipelineConfig
+from trio_orch.cluster.launcher import inbox_address
 from trio_orch.testing.rogue import read_report
 from trio_orch.types import StageOutput
 
@@ -343,6 +344,40 @@ async def rogue_worker(run: ChaosRun) -> None:
         raise RuntimeError(f"the rogue took the slot: {done}")
 
 
+def _slow_restart_of_code2wav_0(stage: int, replica: int, attempt: int) -> list[str]:
+    return ["--startup-delay", "1"] if (stage, replica) == (2, 0) else []
+
+
+async def rogue_inbox(run: ChaosRun) -> None:
+    """async-chunk: kill -9 code2wav replica 0; a rogue binds its inbox's path the moment it is gone."""
+    victim = run.worker_pid(2, 0)
+    inbox = inbox_address(run.pipe.tmpdir, 2, 0)
+    await run.submitted_at_least(0.3)
+    rogue = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_orch.testing.rogue_inbox", "--bind", inbox, "--after-death",
+         str(victim)], stdout=subprocess.PIPE)
+    assert rogue.stdout is not None
+    out = b""
+    try:
+        with trio.fail_after(60):
+            while b'"started"' not in out:
+                out += await rogue.stdout.receive_some(65536)
+        run.mark_fault()
+        os.kill(victim, signal.SIGKILL)
+        await run.mark_restart(2, 0)
+    finally:
+        rogue.send_signal(signal.SIGTERM)
+        async with rogue.stdout:
+            while chunk := await rogue.stdout.receive_some(65536):
+                out += chunk
+        await rogue.wait()
+    done = read_report(out.decode())[-1]
+    run.notes.update(rogue_accepted=done.get("accepted", 0), rogue_credentials=done.get("credentials", 0),
+                     rogue_chunks=done.get("chunks", 0))
+    if done.get("credentials") or done.get("chunks") or done.get("handshake_succeeded"):
+        raise RuntimeError(f"the rogue inbox was handed something: {done}")
+
+
 def _remote(run: ChaosRun) -> RemoteWorkers:
     assert run.remote is not None, "a remote fault needs RunSetup(listen=True)"
     return run.remote
@@ -431,6 +466,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   "the pipeline secret and the replacement's ticket takes its socket first (refused: the "
                   "replacement serves)", rogue_worker,
                   RunSetup(sup_kwargs={"extra_args": _slow_restart_of_thinker_0})),
+    PipelineFault("rogue_inbox", "async-chunk: kill -9 a code2wav replica; a rogue process binds its inbox's "
+                  "path first (the talkers hand it nothing; the replacement gets the chunks)",
+                  rogue_inbox, RunSetup(async_chunk=True,
+                                        sup_kwargs={"extra_args": _slow_restart_of_code2wav_0})),
     PipelineFault("remote_lost", "a talker joined over TCP stops answering mid-stream (SIGSTOP); resumed, it "
                   "joins again under a new identity", remote_lost,
                   RunSetup(listen=True, joined_before_load=(1,), config_hook=_queue_at(1), failover=True)),
