@@ -5,7 +5,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     [pipeline]
     final_stages = [0, 2]     # stages whose outputs reach the user
     async_chunk = false       # stream chunks worker-to-worker
-    device = "cpu"            # or "cuda"
+    device = "cpu"            # or "cuda", "cuda:N": every stage's, unless it says its own
     seed = 0
 
     [[stages]]
@@ -13,6 +13,7 @@ A pipeline is a TOML file (``trio-orch generate --config FILE``)::
     replicas = 1
     max_batch = 32            # most requests in one batched step of a worker
     max_inflight = 32         # admission bound per replica (0: none; default max_batch when serving)
+    device = "cuda:1"         # this stage's device, or one per replica: ["cuda:0", "cuda:1"]
     [stages.model]            # model options: the model constructor's keyword arguments
     max_new_tokens = 48
 
@@ -40,7 +41,9 @@ rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate` checks each
 stage's kind and model options there (names, and types against the model
 constructor's annotations), so a typo is a ``ValueError`` before any worker
 starts.  A plug-in kind (an import path) is imported to be
-checked; built-in kinds are checked without importing torch.
+checked; built-in kinds are checked without importing torch.  Where each
+replica runs -- its device, the one GPU its process sees -- is
+:mod:`stages.placement`'s.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from typing import Any
 
 from stages.fit import check_fit
 from stages.media import FEATURE_DIM
+from stages.placement import Placement, place
 from stages.registry import KindError, check_stage, outputs_of, stage_sizes
 from stages.schema import check_file, set_fields
 
@@ -71,7 +75,9 @@ class StageConfig:
     per live replica, the admitted requests that still have to pass this
     stage (0: no bound; None: ``max_batch`` when serving, none otherwise):
     more would only queue inside the worker.  ``role``: ``"prefill"`` or
-    ``"decode"`` for the two stages of a split kind, else empty.
+    ``"decode"`` for the two stages of a split kind, else empty.  ``device``:
+    this stage's device, or a list with one per replica (None: the pipeline's;
+    see :mod:`stages.placement`).
     """
 
     kind: str
@@ -91,6 +97,7 @@ class StageConfig:
     #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
     #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
     label_selector: dict[str, str] = field(default_factory=dict)
+    device: str | list[str] | None = None
 
     @property
     def label(self) -> str:
@@ -142,6 +149,7 @@ class PipelineConfig:
             raise ValueError(f"pipeline config: final_stages {bad} out of range for {n} stages")
         if self.heartbeat_interval > 0 and self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError("pipeline config: heartbeat_timeout must exceed heartbeat_interval")
+        self._check_devices()
         self._check_roles()
         self._check_features()
         self._check_fit()
@@ -162,6 +170,43 @@ class PipelineConfig:
             else:
                 out.append(n or None)
         return out
+
+    def replica_device(self, k: int, r: int) -> str:
+        """The device replica ``r`` of stage ``k`` asks for: its own, its stage's, or the pipeline's."""
+        dev = self.stages[k].device
+        if dev is None:
+            return self.device
+        return dev[r] if isinstance(dev, list) else dev
+
+    def placement(self, k: int, r: int) -> Placement:
+        """Where replica ``r`` of stage ``k`` runs: the device it is told, the environment it gets."""
+        return place(self.replica_device(k, r))
+
+    def stage_device(self, k: int) -> str:
+        """Stage ``k``'s device where it names one for every replica, else the pipeline's (a worker
+        joining from another host has no place in a per-replica list)."""
+        dev = self.stages[k].device
+        return dev if isinstance(dev, str) else self.device
+
+    def devices(self) -> list[tuple[str, str]]:
+        """``(who, device)`` of every replica started here, in order (``who`` names the stage)."""
+        return [(f"stage {k} ({st.label}) replica {r}", self.replica_device(k, r))
+                for k, st in enumerate(self.stages) for r in range(st.replicas)]
+
+    def where(self) -> str:
+        """Where the replicas run, for a person: ``cpu``, or each stage's devices when they differ."""
+        per_stage = [sorted({self.replica_device(k, r) for r in range(st.replicas)} or {self.stage_device(k)})
+                     for k, st in enumerate(self.stages)]
+        if len({d for ds in per_stage for d in ds}) == 1:
+            return per_stage[0][0]
+        return ", ".join(f"stage {k} on {'/'.join(ds)}" for k, ds in enumerate(per_stage))
+
+    def _check_devices(self) -> None:
+        """A per-replica device list has one entry per replica."""
+        for k, st in enumerate(self.stages):
+            if isinstance(st.device, list) and len(st.device) != st.replicas:
+                raise ValueError(f"pipeline config: stage {k} ({st.label}): device lists {len(st.device)} "
+                                 f"devices, one per replica, but it has {st.replicas} replica(s)")
 
     def _check_roles(self) -> None:
         """A prefill stage is followed by its decode stage: same kind, same options; never a final stage."""
@@ -245,7 +290,8 @@ class PipelineConfig:
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
                        device: str | None = None, max_retries: int | None = None) -> PipelineConfig:
-        """A copy with command-line overrides applied (``replicas`` applies to every stage)."""
+        """A copy with command-line overrides applied: ``replicas`` and ``device`` apply to every stage
+        (the command line wins over the file's per-stage devices)."""
         cfg = replace(self, stages=[replace(s) for s in self.stages])
         if async_chunk is not None:
             cfg.async_chunk = async_chunk
@@ -254,6 +300,8 @@ class PipelineConfig:
                 s.replicas = replicas
         if device is not None:
             cfg.device = device
+            for s in cfg.stages:
+                s.device = None
         if max_retries is not None:
             cfg.max_retries = max_retries
         return cfg.validate()
@@ -303,7 +351,9 @@ def builtin_config(name: str) -> PipelineConfig:
 def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str = "auto",
                       **pipeline: Any) -> PipelineConfig:
     """The pipeline that serves the Hugging Face checkpoint in directory ``path``, chosen from its
-    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text.
+    ``config.json`` architectures: a causal LM is one ``hf-causal-lm`` stage giving text; a
+    Qwen2.5-Omni model is its thinker (text, stage 0), talker and token2wav (audio, stage 2), each
+    stage loading only its part (``omni-thinker``, ``omni-talker``, ``omni-token2wav``).
 
     ValueError (naming the path) for a directory that is not a checkpoint this project serves, or a
     ``max_model_len`` over the model's context; nothing is started.
@@ -316,6 +366,18 @@ def checkpoint_config(path: str, *, max_model_len: int | None = None, dtype: str
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if max_model_len is not None:
         options["max_model_len"] = ckpt.context(max_model_len)
+    if ckpt.is_pipeline:
+        from stages.hf.omni.checkpoint import read_omni_config
+
+        read_omni_config(ckpt.path)  # its three parts' ids and its speakers, checked before any worker
+        part = {"checkpoint": str(ckpt.path)}
+        stages = [StageConfig("omni-thinker", model=options, name="thinker"),
+                  StageConfig("omni-talker", model={**part, "dtype": dtype}, name="talker"),
+                  StageConfig("omni-token2wav", model=part, name="token2wav")]
+        # a real model's step (a long prefill, a long solve) can take seconds on a CPU: a worker is
+        # declared hung after 30 s of silence, not the toys' 5
+        pipeline = {"heartbeat_timeout": 30.0, **pipeline}
+        return PipelineConfig(stages, final_stage_ids=[0, 2], **pipeline).validate()
     stage = StageConfig("hf-causal-lm", model=options, name=ckpt.architecture)
     return PipelineConfig([stage], final_stage_ids=[0], **pipeline).validate()
 

@@ -57,6 +57,7 @@ from stages import membership_wire as mw
 from stages.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
 from stages.credentials import HandoverError, receive_credentials
 from stages.lockdown import LockdownError, lock_down
+from stages.placement import check_devices, device_arg
 from stages.registry import build_model, model_class
 from stages.wire import Dying, Peers, Ready
 from stages.worker import StopServing, Worker
@@ -137,7 +138,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="pipeline config TOML (the head's): stage K's kind, model options, batch size "
         "(default: the built-in speech pipeline)",
     )
-    p.add_argument("--device", default=None, help="torch device: cpu or cuda[:N] (default: the config's)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="torch device: cpu or cuda[:N] (default: the stage's in the config, else the "
+                        "pipeline's)")
     p.add_argument(
         "--advertise",
         default=None,
@@ -282,11 +285,13 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             cfg = builtin_config("speech")
         if not 0 <= args.stage < len(cfg.stages):
             raise ValueError(f"--stage {args.stage}: the pipeline has stages 0..{len(cfg.stages) - 1}")
+        # --device, else the stage's own (one for all its replicas), else the pipeline's; this host has it
+        device = args.device or cfg.stage_device(args.stage)
+        check_devices([(f"stage {args.stage} ({cfg.stages[args.stage].label})", device)])
     except (KeysError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     st = cfg.stages[args.stage]
-    device = args.device or cfg.device
     advertise = args.advertise or _advertise(args.head)
     security = Security(b"", keypair, server_key=head_key)
     ctx = zmq.Context()

@@ -59,6 +59,8 @@ from stages.forwarding import (
     placeholder_input,
     tokens_input,
 )
+from stages.hf.omni.forwarding import talker_input
+from stages.hf.omni.params import schema_for, talker_params, thinker_params, token2wav_params
 from stages.media import audio_features_input, image_features_input
 from stages.sampling_params import (
     CODE2WAV_PARAMS,
@@ -75,9 +77,9 @@ from stages.schema import ConfigError, check_option
 
 __all__ = ["KINDS", "MODALITIES", "ROLES", "KindError", "StageSpec", "as_audio", "as_text", "build_model",
            "check_kind_name", "check_sampling", "check_stage", "forward_fn", "full_options", "image_of",
-           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens", "says",
-           "source_root", "spec_for", "stage_params", "stage_sizes", "takes_companions", "text_of",
-           "text_stage"]
+           "input_media", "model_class", "outputs_of", "pcm_of", "prewarm_fn", "reads_tokens",
+           "sampling_schema", "says", "source_root", "spec_for", "stage_params", "stage_sizes",
+           "takes_companions", "text_of", "text_stage"]
 
 #: What a stage's output ``data`` is, and so how ``generate`` and ``serve`` show it.
 MODALITIES: dict[str, str] = {
@@ -121,8 +123,9 @@ class StageSpec:
     default: none, so any parameter sent to it is refused).  ``model`` is the
     ``"module:Class"`` path, imported only when needed; ``kind`` the name;
     ``role`` the role of a split kind (:data:`ROLES`), else empty.  ``media``:
-    the medium a chat part may carry that this kind encodes ("image", "audio";
-    :mod:`stages.media`), else empty: a pipeline takes the media its stages encode.
+    the medium a chat part may carry that this kind encodes ("image", "audio",
+    or a tuple of both; :mod:`stages.media`), else empty: a pipeline takes the
+    media its stages encode.
     ``tokens``: how the kind reads text, for a front that counts or feeds its
     tokens -- ``"text"`` (it tokenizes text itself: with the tokenizer its
     workers report, else the byte-level one of :mod:`stages.tokenizer`),
@@ -132,6 +135,9 @@ class StageSpec:
     ``sizes``: what the kind emits to the next stage and reads from the one
     before (:mod:`stages.fit`), from its options with the constructor's
     defaults filled in; None: nothing declared, nothing checked.
+    ``sampling_for``: the kind's sampling parameters for a stage's options,
+    where they depend on the model it loads (a checkpoint's speakers are its
+    ``voice`` choices); None: ``sampling`` whatever the options.
     """
 
     output: str = "data"
@@ -141,10 +147,11 @@ class StageSpec:
     model: str = ""
     kind: str = ""
     role: str = ""
-    media: str = ""
+    media: str | tuple[str, ...] = ""
     tokens: str = ""
     says: bool = False
     sizes: SizeFn | None = None
+    sampling_for: Callable[[Mapping[str, Any]], SamplingSchema] | None = None
 
 
 #: The built-in kinds.  Adding one: a row here, the model class, a test.
@@ -165,6 +172,15 @@ KINDS: dict[str, StageSpec] = {kind: replace(spec, kind=kind) for kind, spec in 
     # a Hugging Face causal LM from a local checkpoint directory (the hf extra): real weights
     "hf-causal-lm": StageSpec("text", tokens_input, sampling=HF_PARAMS,
                               model="stages.hf.causal_lm:HFCausalLM", sizes=causal_lm_sizes, tokens="text"),
+    # Qwen2.5-Omni from a local checkpoint, one part per stage (stages.hf.omni; the hf extra)
+    "omni-thinker": StageSpec("text", talker_input, sampling=thinker_params(()), media=("image", "audio"),
+                              model="stages.hf.omni.thinker:OmniThinker", tokens="text", says=True,
+                              sampling_for=schema_for("thinker")),
+    "omni-talker": StageSpec("codes", codes_input, sampling=talker_params(()),
+                             model="stages.hf.omni.talker:OmniTalker", sampling_for=schema_for("talker")),
+    "omni-token2wav": StageSpec("audio", sampling=token2wav_params(()),
+                                model="stages.hf.omni.token2wav:OmniToken2Wav",
+                                sampling_for=schema_for("token2wav")),
 }.items()}
 
 #: Kinds split over two stages, (kind, role) -> row.  Prefill/decode disaggregation: the
@@ -500,7 +516,11 @@ def input_media(kinds: Iterable[str]) -> frozenset[str]:
 
     A name that is no kind (an in-process stage's label) encodes none.
     """
-    return frozenset(spec.media for spec in map(_spec_or_none, kinds) if spec is not None) - {""}
+    found: set[str] = set()
+    for spec in map(_spec_or_none, kinds):
+        if spec is not None:
+            found.update((spec.media,) if isinstance(spec.media, str) else spec.media)
+    return frozenset(found - {""})
 
 
 def _spec_or_none(kind: str) -> StageSpec | None:
@@ -522,14 +542,29 @@ def says(kind: str) -> bool:
     return spec is not None and spec.says
 
 
-def stage_params(kinds: Iterable[str]) -> list[StageParams]:
-    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto)."""
-    return [StageParams(spec.kind, spec.sampling) for spec in map(spec_for, kinds)]
+def sampling_schema(kind: str, options: Mapping[str, Any] | None = None) -> SamplingSchema:
+    """The sampling parameters a stage of ``kind`` takes with these model ``options``
+    (``StageSpec.sampling_for`` when the kind's depend on them, and options are given)."""
+    spec = spec_for(kind)
+    if spec.sampling_for is not None and options:
+        return spec.sampling_for(options)
+    return spec.sampling
 
 
-def check_sampling(kinds: Iterable[str]) -> Callable[[int, Any], dict[str, Any]]:
+def stage_params(kinds: Iterable[str], options: Sequence[Mapping[str, Any]] | None = None
+                 ) -> list[StageParams]:
+    """Each stage's name and sampling parameters (what ``serve`` and ``generate`` map requests onto);
+    ``options``: each stage's model options, for the kinds whose parameters depend on them."""
+    kinds = list(kinds)
+    opts = list(options) if options is not None else [{}] * len(kinds)
+    return [StageParams(spec_for(kind).kind, sampling_schema(kind, o))
+            for kind, o in zip(kinds, opts, strict=True)]
+
+
+def check_sampling(kinds: Iterable[str], options: Sequence[Mapping[str, Any]] | None = None
+                   ) -> Callable[[int, Any], dict[str, Any]]:
     """The pipeline's ``check_sampling(stage_id, params)``: stage k's parameters against its kind's."""
-    return checker(stage_params(kinds))
+    return checker(stage_params(kinds, options))
 
 
 def outputs_of(kinds: Iterable[str], roles: Sequence[str] | None = None) -> list[str]:

@@ -265,7 +265,7 @@ def describe(schema: SamplingSchema) -> list[tuple[str, str, str, str]]:
     """``(name, allowed values, default, meaning)`` rows, for help texts and documentation."""
     rows = []
     for name, p in schema.items():
-        allowed = {"choice": ", ".join(p.choices),
+        allowed = {"choice": ", ".join(p.choices) or "set by the model it loads",
                    "strings": f"string or list of <= {p.max_items} strings",
                    "ints": f"list of <= {p.max_items} ints {p.range_text()}"}.get(p.type, p.range_text())
         rows.append((name, allowed, "-" if p.default is None else repr(p.default), p.doc))

@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from stages.placement import DEVICE_PATTERN
 from stages.validation import Invalid, convert
 
 __all__ = ["ANNOTATION_NAMES", "ConfigError", "ConfigFile", "NonNegativeFloat", "NonNegativeInt",
@@ -40,6 +41,8 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 PositiveFloat = Annotated[float, Meta(gt=0)]
 #: a quantity that may be 0
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
+#: a torch device: cpu, cuda or cuda:N (stages/placement.py)
+Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
 
 
 class ConfigError(ValueError):
@@ -53,7 +56,7 @@ class PipelineTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     #: the same, by the name of the config's field (older files use it)
     final_stage_ids: Annotated[list[NonNegativeInt], Meta(min_length=1)] | UnsetType = UNSET
     async_chunk: bool | UnsetType = UNSET
-    device: Annotated[str, Meta(pattern=r"^(cpu|cuda(:\d+)?)$")] | UnsetType = UNSET
+    device: Device | UnsetType = UNSET
     seed: int | UnsetType = UNSET
     heartbeat_interval: NonNegativeFloat | UnsetType = UNSET
     heartbeat_timeout: PositiveFloat | UnsetType = UNSET
@@ -81,6 +84,8 @@ class StageTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
     role: str | UnsetType = UNSET  # which roles a kind has: the registry says (naming them)
     resources: dict[str, NonNegativeFloat] | UnsetType = UNSET
     label_selector: dict[str, str] | UnsetType = UNSET  # Ray node labels (--worker-backend ray)
+    #: this stage's device, or one per replica (None, or left out: the pipeline's)
+    device: Device | Annotated[list[Device], Meta(min_length=1)] | UnsetType | None = UNSET
 
 
 class ConfigFile(Struct, forbid_unknown_fields=True, omit_defaults=True):

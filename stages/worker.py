@@ -39,7 +39,15 @@ from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
 from stages.credentials import HandoverError
 from stages.lockdown import LockdownError, lock_down
-from stages.registry import KINDS, KindError, build_model, check_kind_name, model_class, spec_for
+from stages.registry import (
+    KINDS,
+    KindError,
+    build_model,
+    check_kind_name,
+    model_class,
+    sampling_schema,
+    spec_for,
+)
 from stages.sampling_params import check_params
 from stages.scheduling import WaitingQueue
 from stages.segments import SegmentTracker
@@ -60,6 +68,7 @@ from stages.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Submits,
     Update,
     WireCodec,
     WireError,
@@ -101,7 +110,9 @@ class Worker:
         #: graceful leave: when the grace period ends (monotonic), once ``begin_leave`` was called
         self.leave_deadline: float | None = None
         self.cordoned = False  # the orchestrator confirmed it places nothing more here
-        self.spec = spec_for(args.kind)  # its sampling parameters: checked again here, whoever sent them
+        self.spec = spec_for(args.kind)
+        #: its sampling parameters (for its options): checked again here, whoever sent them
+        self.schema = sampling_schema(args.kind, json.loads(args.model_json))
         self.active: dict[str, ReqState] = {}
         #: submitted, not in the batch yet: they join it by priority, deadline, arrival (stages/scheduling.py)
         self.waiting: WaitingQueue[ReqState] = WaitingQueue()
@@ -186,6 +197,10 @@ class Worker:
         if type(msg) is Submit:
             self.stats["submits"] += 1
             self.submit(msg)
+        elif type(msg) is Submits:
+            self.stats["submits"] += len(msg.items)
+            for item in msg.items:
+                self.submit(item)
         elif type(msg) is Update:
             self.stats["updates"] += 1
             self.update(msg)
@@ -248,7 +263,7 @@ class Worker:
             if req.downstream >= 0 and self.outbox is None:
                 raise ValueError("submit names a downstream replica but this worker has no --downstream")
             if msg.sampling:
-                req.sampling = check_params(self.spec.kind, self.spec.sampling, msg.sampling)
+                req.sampling = check_params(self.spec.kind, self.schema, msg.sampling)
             self.model.admit(req)
         except Exception as exc:
             self.stats["errors"] += 1
@@ -332,7 +347,9 @@ class Worker:
         s: dict[str, Any] = dict(self.stats)
         s.update(active=len(self.active), waiting=len(self.waiting), pid=os.getpid(),
                  sessions=len(self.segments.sessions), late_chunks=self.segments.late_chunks,
-                 stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info())
+                 stage_id=self.args.stage_id, replica=self.args.replica, model=self.model.info(),
+                 # where it runs: its device, and the GPUs its placement let it see (stages/placement.py)
+                 device=self.args.device, cuda_visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
         if self.inbox is not None:
             s["inbox_pending"] = self.inbox.pending
         s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,

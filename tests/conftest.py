@@ -98,3 +98,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from trio_orch.testing.checkpoints import tiny_checkpoint
 
     return tiny_checkpoint(tmp_path_factory.mktemp("llama"), arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_omni(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2.5-Omni checkpoint directory (a thinker with vision and audio towers, a talker,
+    a DiT and BigVGAN, two speakers: :func:`trio_orch.testing.omni_checkpoint.tiny_qwen_omni`), built once
+    per run."""
+    pytest.importorskip("transformers")
+    from trio_orch.testing.omni_checkpoint import tiny_qwen_omni
+
+    return tiny_qwen_omni(tmp_path_factory.mktemp("omni"))

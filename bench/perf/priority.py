@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.perf.report import publish
-from bench.perf.serving import pct, split_url, start_server, stop_server
+from bench.perf.serving import open_stream, pct, split_url, start_server, stop_server
 
 __all__ = ["PHASES", "main", "markdown", "phase", "stream_chat"]
 
@@ -69,12 +69,7 @@ async def stream_chat(host: str, port: int, priority: int, timeout: float = 120.
     t = time.perf_counter()
     ttft: float | None = None
     try:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
-        writer.write(f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n"
-                     f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
-        status_line = await asyncio.wait_for(reader.readline(), timeout)
-        parts = status_line.split()
-        status = int(parts[1]) if len(parts) > 1 and parts[1].isdigit() else 0
+        status, reader, writer = await open_stream(host, port, "/v1/chat/completions", body, timeout)
         while True:
             line = await asyncio.wait_for(reader.readline(), timeout)
             if not line:

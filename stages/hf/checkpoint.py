@@ -3,8 +3,9 @@
 :func:`load_checkpoint` is what ``serve MODEL_DIR`` and ``generate --model``
 ask before any worker starts: the directory exists and holds a checkpoint
 (``config.json``, weights, a tokenizer), its ``architectures`` name a kind of
-model this project serves (:data:`CAUSAL_LM_SUFFIXES`; an architecture it
-does not serve is refused by name), and what the head needs to know of it:
+model this project serves (:data:`CAUSAL_LM_SUFFIXES`, :data:`PIPELINES`; an
+architecture it does not serve is refused by name), and what the head needs
+to know of it (of the text model, a multi-stage model's thinker):
 the context length (``max_model_len``, derived as vLLM derives it), the
 vocabulary and hidden size, the dtype, the chat template and special tokens
 (``tokenizer_config.json``, or ``chat_template.jinja`` beside it), and the
@@ -19,14 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CAUSAL_LM_SUFFIXES", "DTYPES", "LENGTH_KEYS", "NOT_YET", "Checkpoint", "CheckpointError",
-           "load_checkpoint"]
+__all__ = ["CAUSAL_LM_SUFFIXES", "DTYPES", "LENGTH_KEYS", "NOT_YET", "PIPELINES", "Checkpoint",
+           "CheckpointError", "load_checkpoint"]
 
 #: an architecture whose name ends so is a causal LM that ``AutoModelForCausalLM`` loads
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+#: architectures served as a pipeline of several stages -> the config key of their text model
+PIPELINES: dict[str, str] = {
+    "Qwen2_5OmniForConditionalGeneration": "thinker_config",  # thinker -> talker -> token2wav
+}
 #: architectures this project knows but does not serve yet, with what to say
 NOT_YET: dict[str, str] = {
-    "Qwen2_5OmniForConditionalGeneration": "a thinker -> talker -> token2wav pipeline, not served yet",
+    "Qwen3OmniMoeForConditionalGeneration": "a thinker -> talker -> code predictor -> code2wav pipeline, "
+                                            "not served yet (docs/models.md says what it needs)",
 }
 #: the config keys a context length is read from (the smallest one present wins), as vLLM reads them
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
@@ -96,6 +102,11 @@ class Checkpoint:
     def is_causal_lm(self) -> bool:
         return self.architecture.endswith(CAUSAL_LM_SUFFIXES)
 
+    @property
+    def is_pipeline(self) -> bool:
+        """Served as several stages (:data:`PIPELINES`), not as one causal LM."""
+        return self.architecture in PIPELINES
+
     def eos_token_ids(self) -> list[int]:
         """The ids that end an answer, as ``generation_config.json`` (else ``config.json``) gives them."""
         found = self.generation.get("eos_token_id")
@@ -128,21 +139,25 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     arch = archs[0]
     if arch in NOT_YET:
         raise CheckpointError(f"{given}: {arch} is {NOT_YET[arch]}")
-    if not arch.endswith(CAUSAL_LM_SUFFIXES):
+    if not arch.endswith(CAUSAL_LM_SUFFIXES) and arch not in PIPELINES:
         raise CheckpointError(f"{given}: architecture {arch} is not served: a causal language model "
-                              f"(an architecture ending in {' or '.join(CAUSAL_LM_SUFFIXES)}) is")
+                              f"(an architecture ending in {' or '.join(CAUSAL_LM_SUFFIXES)}) is, and "
+                              f"{', '.join(PIPELINES)}")
     if not any(next(folder.glob(pattern), None) for pattern in _WEIGHTS):
         raise CheckpointError(f"{given}: no weights (*.safetensors or pytorch_model*.bin)")
     if not (folder / "tokenizer.json").is_file() and not (folder / "tokenizer_config.json").is_file():
         raise CheckpointError(f"{given}: no tokenizer (tokenizer.json or tokenizer_config.json)")
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    outer = config.get(PIPELINES[arch], {}) if arch in PIPELINES else config
+    if not isinstance(outer, dict):
+        raise CheckpointError(f"{given}: config.json has no {PIPELINES[arch]}")
+    text = outer.get("text_config") if isinstance(outer.get("text_config"), dict) else outer
     vocab = text.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         raise CheckpointError(f"{given}: config.json has no vocab_size")
     lengths = [v for k in LENGTH_KEYS if isinstance(v := text.get(k), int) and v > 0]
     if not lengths:
         raise CheckpointError(f"{given}: config.json says no context length ({', '.join(LENGTH_KEYS)})")
-    dtype = text.get("dtype") or text.get("torch_dtype") or "float32"
+    dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32"
     tok_config = _json(folder / "tokenizer_config.json", False)
     hidden = text.get("hidden_size")
     return Checkpoint(path=folder, architecture=arch, model_type=str(config.get("model_type", "")),
@@ -152,4 +167,4 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
                       bos_token=_token(tok_config.get("bos_token")),
                       eos_token=_token(tok_config.get("eos_token")),
                       generation=_json(folder / "generation_config.json", False)
-                      or {"eos_token_id": config.get("eos_token_id")})
+                      or {"eos_token_id": text.get("eos_token_id", config.get("eos_token_id"))})

@@ -126,7 +126,17 @@ class DecoderStage(StageModel):
     def admit(self, req: ReqState) -> None:
         if req.upstream:
             raise ValueError(f"{self.kind} takes a whole prompt, not streamed chunks: make it stage 0")
-        ids = self.tok.encode(self._text(req.payload, "prompt"))
+        self.begin(req, self.tok.encode(self._text(req.payload, "prompt")))
+
+    def begin(self, req: ReqState, ids: list[int]) -> None:
+        """Set ``req`` up to answer the prompt of token ``ids``: the context rule, its sampling, its
+        decoding state (a kind whose prompt is more than its text -- images, audio -- makes the ids
+        its own way and calls this).  A payload ``{"say": text}`` forces the answer: its tokens,
+        then end-of-text (the speech route has the rest of the pipeline speak them)."""
+        say = req.payload.get("say") if isinstance(req.payload, dict) else None
+        if say is not None:
+            forced = self._forced(say, len(ids))
+            req.sampling = {**req.sampling, "max_tokens": len(forced), "min_tokens": 0}
         sp = with_defaults(HF_PARAMS, req.sampling, **self.defaults)
         asked = req.sampling.get("max_tokens")
         check_context(self.max_model_len, len(ids), asked)
@@ -144,6 +154,17 @@ class DecoderStage(StageModel):
                                                     self.adapter.vocab_size, seed_source=self.gen,
                                                     prompt=ids),
                              params=sp)
+        if say is not None:
+            req.model.extra["say"] = forced
+
+    def _forced(self, say: Any, prompt: int) -> list[int]:
+        if not isinstance(say, str) or not say:
+            raise ValueError(f"{self.kind}: 'say' must be a non-empty string")
+        forced = [*self.tok.encode(say), self.tok.eos]
+        if prompt + len(forced) > self.max_model_len:
+            raise ValueError(f"{self.kind}: 'say' is {len(forced) - 1} tokens, over the "
+                             f"{self.max_model_len - prompt - 1} that fit after this prompt")
+        return forced
 
     def _budget(self, context: int, limit: int | None) -> int:
         """Tokens an answer may have after ``context`` positions: ``limit``, and what the context holds."""
@@ -178,6 +199,10 @@ class DecoderStage(StageModel):
                 logits[i, list(r.model.stops)] = -math.inf
         samplers = [r.model.sampler for r in reqs]
         toks = sample(samplers, logits).tolist()
+        for i, r in enumerate(reqs):  # a forced answer: the next of its tokens, whatever was drawn
+            forced = r.model.extra.get("say")
+            if forced is not None:
+                toks[i] = forced[r.model.n]
         return [self._emit(r.model, s, tok, run)
                 for r, s, tok, run in zip(reqs, samplers, toks, runs, strict=True)]
 
@@ -192,16 +217,25 @@ class DecoderStage(StageModel):
         length = m.n >= m.max_new
         hidden = run.hidden.float().numpy() if run.hidden is not None else None
         out = m.text.push(tok, ended=ended, length=length, extra=hidden)
-        if out is None:
-            return StepResult(None, False, None)  # held back: it may begin a stop string
+        fields = self.step_fields(m, run)
+        if out is None:  # held back: it may begin a stop string
+            if not fields:
+                return StepResult(None, False, None)
+            data = {"text": "", "tokens": np.zeros(0, np.int32), **fields}
+            return StepResult(data, False, data)
         toks = np.array(out.tokens, dtype=np.int32)
-        data: dict[str, Any] = {"text": out.text, "tokens": toks}
+        data: dict[str, Any] = {"text": out.text, "tokens": toks, **fields}
         if self.hidden_states:
             data["hidden"] = (np.stack(out.extras) if out.extras
                               else np.zeros((0, self.adapter.hidden_size), np.float32))
         if out.done:
             data["finish_reason"] = out.finish_reason
-        return StepResult(data, out.done, data if len(toks) else None)
+        return StepResult(data, out.done, data if len(toks) or fields else None)
+
+    def step_fields(self, m: Decoding, run: Forward) -> dict[str, Any]:
+        """What a kind adds to this step's output besides the text (sent even while text is held
+        back); none by default."""
+        return {}
 
     def release(self, req: ReqState) -> None:
         m = req.model
@@ -218,5 +252,6 @@ class DecoderStage(StageModel):
         self.release(req)
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "max_model_len": self.max_model_len, "vocab_size": self.adapter.vocab_size,
+        return {"kind": self.kind, "max_model_len": self.max_model_len, "max_say": self.max_model_len - 2,
+                "vocab_size": self.adapter.vocab_size,
                 "eos": sorted(self.eos_ids), "hidden_states": self.hidden_states}

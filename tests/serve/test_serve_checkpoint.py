@@ -13,8 +13,6 @@ naming it before any worker starts.  Every worker is gone after each server.
 from __future__ import annotations
 
 import os
-import re
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -25,52 +23,17 @@ from typing import Any
 import httpx
 import pytest
 
-from stages.lockdown import serving_pid
+from tests.serve_process import ROOT, Server
 from tests.waiting import HANG
-from trio_orch.testing import child_pids, worker_alive
 
 transformers = pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 
-ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = 128
 MODEL = "tiny"  # --served-model-name of the module's server
 QUESTIONS = ["hi", "hello world, how are you today?", "café 東京 " * 4,
              "one two three four five six seven eight"]
-
-
-class Server:
-    """``trio-orch serve ARGS`` started and read until it says where it serves; stopped with SIGINT."""
-
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *args],
-                                     cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert self.proc.stdout is not None
-        self.lines: list[str] = []
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                self.url = m.group(1)
-                break
-        else:
-            self.proc.wait(HANG)
-            raise AssertionError(f"serve exited {self.proc.returncode} before serving: {''.join(self.lines)}")
-        self.workers = {p for p in child_pids(serving_pid(self.proc.pid)) if worker_alive(p)}
-
-    def sdk(self) -> Any:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=HANG * 2)
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(HANG * 3)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-                self.proc.wait()
-        assert not [p for p in self.workers if worker_alive(p)]
 
 
 @pytest.fixture(scope="module")

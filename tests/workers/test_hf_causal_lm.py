@@ -113,7 +113,7 @@ def test_what_is_not_a_servable_checkpoint_is_refused_by_path(tmp_path: Path, ti
     copy = tmp_path / "ck"
     shutil.copytree(tiny_qwen2.path, copy)
     config = json.loads((copy / "config.json").read_text())
-    omni = ["Qwen2_5OmniForConditionalGeneration"]
+    omni = ["Qwen3OmniMoeForConditionalGeneration"]
     bert = ["BertModel"]
     for archs, says in ((bert, "architecture BertModel is not served"), ([], "names no architectures"),
                         (omni, "not served yet")):

@@ -24,13 +24,13 @@ from trio_orch.testing.toy_pipeline import toy_pipeline
 
 def test_every_built_in_kind_names_an_importable_path_and_a_known_modality() -> None:
     assert list(KINDS) == ["echo", "thinker", "talker", "code2wav", "encoder", "diffusion", "image-encoder",
-                           "audio-encoder", "hf-causal-lm"]
+                           "audio-encoder", "hf-causal-lm", "omni-thinker", "omni-talker", "omni-token2wav"]
     for kind, spec in KINDS.items():
         assert spec.kind == kind and spec.output in registry.MODALITIES
         module, _, cls = spec.model.partition(":")
         assert module.startswith("stages.") and cls
     assert registry.outputs_of(KINDS) == ["data", "text", "codes", "audio", "embedding", "image", "embedding",
-                                          "embedding", "text"]
+                                          "embedding", "text", "text", "codes", "audio"]
     for (kind, role), spec in registry.ROLES.items():
         assert (spec.kind, spec.role) == (kind, role) and kind in KINDS and spec.output in registry.MODALITIES
     assert registry.outputs_of(["thinker", "thinker"], ["prefill", "decode"]) == ["codes", "text"]

@@ -42,6 +42,7 @@ import numpy as np
 import trio
 
 from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from stages.placement import check_devices, device_arg
 from stages.registry import (
     as_audio,
     as_text,
@@ -92,8 +93,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="torch device of the workers (default: cpu, or the config's)")
+    parser.add_argument("--device", type=device_arg, default=None, metavar="cpu|cuda|cuda:N",
+                        help="torch device of every worker, over the config's own placement (default: "
+                             "the config's; cpu). A worker on cuda:N sees only that GPU (docs/models.md)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
     parser.add_argument("--image", dest="image_files", action="append", default=[], metavar="FILE",
@@ -379,7 +381,7 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
 async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int, float | None]:
     head, local = head_options(args, cfg)  # checked in _job: no error here
     kinds = ", ".join(f"{s.label} x{s.replicas}" for s in local.stages)
-    print(f"starting workers ({kinds}) on {cfg.device} ...", file=sys.stderr, flush=True)
+    print(f"starting workers ({kinds}) on {cfg.where()} ...", file=sys.stderr, flush=True)
     t = time.perf_counter()
     try:
         # _main handles SIGTERM; a one-shot job restarts no worker
@@ -431,7 +433,8 @@ async def _job(args: argparse.Namespace) -> int:
             args.image, args.sampling = text2image.request_from_args(args), None
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
-        head_options(args, cfg)  # --listen, --keys, stages without a local replica
+        _, local = head_options(args, cfg)  # --listen, --keys, stages without a local replica
+        check_devices(local.devices())  # every local replica's device exists here
         args.media = read_media(args, cfg)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -11,7 +11,10 @@ private temporary directory, and yields a :class:`Pipeline` whose ``stages``
         async with open_orchestrator(pipe.stages, **pipe.orchestrator_kwargs()) as orch:
             ...
 
-A replica is usable only after its ``Ready`` handshake; a worker that does
+Each worker runs where its placement says (:mod:`stages.placement`): one on
+``cuda:N`` is started with ``CUDA_VISIBLE_DEVICES`` naming the head's N-th GPU
+and told ``--device cuda:0``; a device this host lacks is refused before any
+worker starts.  A replica is usable only after its ``Ready`` handshake; a worker that does
 not get there within ``startup_timeout`` (or exits first) raises
 :class:`WorkerStartupError` naming the stage with its stderr tail.  A worker
 that exits, says it is dying or misses heartbeats is a dead replica (its pool
@@ -46,6 +49,7 @@ import zmq
 from stages import registry
 from stages.auth import Authenticator, Security, scrubbed_environ
 from stages.config import PipelineConfig, StageConfig
+from stages.placement import check_devices
 from trio_orch.cluster.credentials import LaunchCredentials
 from trio_orch.cluster.pool import ReplicaPool
 from trio_orch.cluster.transport import ReplicaDied, RpcError, ZmqStageClient
@@ -53,7 +57,7 @@ from trio_orch.types import StageUnavailable
 
 __all__ = ["Pipeline", "WorkerHandle", "WorkerStartupError", "forward_fn", "forward_fn_for", "inbox_address",
            "open_pipeline",
-           "prewarm_fn", "run_worker", "worker_argv"]
+           "prewarm_fn", "run_worker", "worker_argv", "worker_env"]
 
 log = logging.getLogger("trio_orch.cluster.launcher")
 
@@ -162,8 +166,9 @@ class Pipeline:
         self.forward_fn = registry.forward_fn(config.kinds(), config.roles())
         self.prewarm_fn = registry.prewarm_fn(config.kinds(), config.roles())
         #: each stage's name and sampling parameters (what requests are checked and mapped against)
-        self.stage_params = registry.stage_params(config.kinds())
-        self.check_sampling = registry.check_sampling(config.kinds())
+        options = [st.model for st in config.stages]
+        self.stage_params = registry.stage_params(config.kinds(), options)
+        self.check_sampling = registry.check_sampling(config.kinds(), options)
 
     @property
     def final_stage_ids(self) -> list[int]:
@@ -214,7 +219,8 @@ def _worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str
                  inbox_host: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "stages.worker", "--connect", addr, "--stage-id", str(k),
             "--replica", str(r), "--kind", st.kind, "--model-json", json.dumps(st.model),
-            "--device", cfg.device, "--seed", str(cfg.model_seed(k)), "--threads", str(st.threads),
+            "--device", cfg.placement(k, r).device, "--seed", str(cfg.model_seed(k)),
+            "--threads", str(st.threads),
             "--max-batch", str(st.max_batch), "--heartbeat-interval", str(cfg.heartbeat_interval),
             "--cleanup-dir", tmpdir]
     if st.role:
@@ -239,6 +245,13 @@ def worker_argv(cfg: PipelineConfig, k: int, r: int, st: StageConfig, addr: str,
     """The ``python -m stages.worker`` command line of replica ``r`` of stage ``k`` (public for
     supervisors and fault harnesses that start replicas themselves)."""
     return _worker_argv(cfg, k, r, st, addr, tmpdir, inbox_host)
+
+
+def worker_env(cfg: PipelineConfig, k: int, r: int) -> dict[str, str]:
+    """The environment replica ``r`` of stage ``k`` is started with: this process's, without its
+    secrets (:func:`stages.auth.scrubbed_environ`), with the one GPU its placement gives it
+    (``CUDA_VISIBLE_DEVICES``: :mod:`stages.placement`)."""
+    return {**scrubbed_environ(), **cfg.placement(k, r).env}
 
 
 def _inbox(tmpdir: str, k: int, r: int) -> str:
@@ -278,7 +291,8 @@ async def _run_worker(h: WorkerHandle, argv: list[str], cfg: PipelineConfig, *,
             h.process = await trio.lowlevel.open_process(argv, stdin=subprocess.DEVNULL, stdout=errf,
                                                          stderr=errf,
                                                          pass_fds=creds.pass_fds if creds else (),
-                                                         env=scrubbed_environ(), start_new_session=True)
+                                                         env=worker_env(cfg, h.stage_id, h.replica),
+                                                         start_new_session=True)
     except BaseException:
         if creds is not None:
             creds.close()
@@ -416,7 +430,9 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
                         inbox_host: str | None = None) -> AsyncIterator[Pipeline]:
     """Start every worker of ``config`` (in parallel), yield the :class:`Pipeline`, stop them all.
 
-    Raises :class:`WorkerStartupError` if a worker does not become ready.  A
+    Raises ValueError, before any worker starts, if a replica is placed on a
+    CUDA device this host does not have (:mod:`stages.placement`), and
+    :class:`WorkerStartupError` if a worker does not become ready.  A
     lone exception from inside the block is re-raised as itself, not wrapped
     in an exception group.  With ``handle_sigterm`` (and only in the main
     thread), SIGTERM while the pipeline is open raises ``SystemExit(143)``
@@ -431,6 +447,7 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
     on TCP there, for replicas on other hosts (see :mod:`trio_orch.cluster.registrar`).
     """
     config.validate()
+    check_devices(config.devices())  # ValueError naming the replica and the device: nothing started yet
     tmpdir = tempfile.mkdtemp(prefix="trio-orch-")
     ctx = zmq.Context()
     security = Security.new_pipeline()

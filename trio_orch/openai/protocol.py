@@ -58,8 +58,8 @@ TokenBudget = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1, description="an integer that fits in a signed 64-bit "
                                                                   "integer")]
 Role = Literal["system", "developer", "user", "assistant"]
-Voice = Literal["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
-                "verse"]
+#: a speaker's name: which names a pipeline takes is its stages' (``voice``), checked against them
+Voice = Annotated[str, Meta(min_length=1, max_length=64)]
 
 
 class StreamOptions(Struct, kw_only=True):

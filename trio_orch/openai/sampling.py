@@ -53,12 +53,14 @@ class SamplingError(ValueError):
 
 
 def map_sampling(fields: Mapping[str, Any], stages: Sequence[StageParams] | None, *,
-                 text_stage: int | None, last_stage: int) -> dict[int, dict[str, Any]]:
+                 text_stage: int | None, last_stage: int,
+                 voice_field: str = "audio.voice") -> dict[int, dict[str, Any]]:
     """``{stage: parameters}`` for the fields given (OpenAI names, ``voice``, ``stage_sampling``).
 
     ``stages``: what each stage takes (None: the pipeline declares nothing, so
     any field is refused); ``text_stage``: the stage that gives the text;
-    ``last_stage``: the last stage the request runs (later stages get nothing).
+    ``last_stage``: the last stage the request runs (later stages get nothing);
+    ``voice_field``: what the request calls ``voice`` (chat: ``audio.voice``).
     Raises :class:`SamplingError`.
     """
     given = {k: v for k, v in fields.items() if v is not None}
@@ -71,7 +73,7 @@ def map_sampling(fields: Mapping[str, Any], stages: Sequence[StageParams] | None
         param = TEXT_FIELDS.get(field) or EVERY_STAGE_FIELDS.get(field)
         if param is None:
             raise SamplingError(f"{field!r} is not a sampling field", field)
-        shown = "audio.voice" if field == "voice" else field
+        shown = voice_field if field == "voice" else field
         if stages is None:
             raise SamplingError(f"{shown!r} cannot be honoured: this pipeline declares no sampling "
                                 "parameters", shown)

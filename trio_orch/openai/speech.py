@@ -1,8 +1,9 @@
 """OpenAI's text-to-speech request over the pipeline's audio stage: how it enters, what comes back.
 
 The request (:class:`~trio_orch.openai.protocol.SpeechRequest`): ``input``
-(the text, 1..4096 characters), ``voice`` (a speaker:
-``stages.sampling_params.VOICES``), ``response_format`` (``"wav"``, the
+(the text, 1..4096 characters), ``voice`` (a speaker of the pipeline's:
+``stages.sampling_params.VOICES`` for the built-in vocoder, a checkpoint's own
+for Qwen2.5-Omni), ``response_format`` (``"wav"``, the
 default here, or ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
 24 kHz for the built-in vocoder, as OpenAI's), ``speed`` (0.25..4: the audio
 is resampled, so its pitch moves with it), ``stream_format`` (``"audio"``:
@@ -20,7 +21,7 @@ describes them):
   input, as if a thinker had just said them: the input is spoken word for
   word, and nothing generates text;
 - a pipeline whose first stage can be told what to say (the built-in
-  thinker: the speech pipeline) has it *say* the input (its ``say`` payload:
+  thinker of the speech pipeline, the Qwen2.5-Omni thinker) has it *say* the input (its ``say`` payload:
   forced decoding, the input's tokens as its answer), so the talker and
   vocoder speak the input word for word, through every stage of the
   pipeline; an input longer than the thinker's cache holds (``max_say`` in
@@ -183,5 +184,5 @@ class SpeechPlan:
             if k is not None and stages is not None and "max_tokens" in stages[k].schema:
                 fields["max_tokens"] = len(req.input.encode())  # about as long as the input
         sampling = openai_sampling.map_sampling(fields, engine.stage_params, text_stage=self.text_stage,
-                                                last_stage=self.audio_finals[-1])
+                                                last_stage=self.audio_finals[-1], voice_field="voice")
         return payload, sampling

@@ -101,4 +101,4 @@ def describe(cfg: PipelineConfig) -> str:
     """What ``serve`` and ``generate`` print when they start."""
     st = cfg.stages[0]
     options: dict[str, Any] = st.model
-    return f"checkpoint {options['checkpoint']} ({st.name}, {st.kind}) on {cfg.device}"
+    return f"checkpoint {options['checkpoint']} ({st.name}, {st.kind}) on {cfg.where()}"

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from stages.config import PIPELINES
+from stages.placement import check_devices, device_arg
 from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import EngineClient, EngineStartupError, ThreadEngine
@@ -108,8 +109,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "one pipeline per server process")
     parser.add_argument("--in-process", action="store_true",
                         help="serve a toy in-process pipeline instead (no worker processes, no torch)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=None,
-                        help="torch device of the workers (default: cpu, or the config's)")
+    parser.add_argument("--device", type=device_arg, default=None, metavar="cpu|cuda|cuda:N",
+                        help="torch device of every worker, over the config's own placement (default: "
+                             "the config's; cpu). A worker on cuda:N sees only that GPU (docs/models.md)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
@@ -316,8 +318,9 @@ class _Pipeline:
                                  max_retries=args.max_retries)
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         opts, local_cfg = head_options(args, cfg)
+        check_devices(local_cfg.devices())  # every local replica's device exists here: exit 2 if not
         what = describe(cfg) if args.model_dir else (
-            f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.device}")
+            f"worker pipeline {' -> '.join(s.label for s in cfg.stages)} on {cfg.where()}")
         self.what = f"{what} (supervised)"
         self.outputs = outputs_of(s.kind for s in cfg.stages)
         self.names = [s.label for s in cfg.stages]
