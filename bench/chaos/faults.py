@@ -299,6 +299,18 @@ def _slow_restart_of_thinker_0(stage: int, replica: int, attempt: int) -> list[s
     return ["--startup-delay", "1"] if (stage, replica) == (0, 0) else []
 
 
+async def _stop_rogue(rogue: trio.Process) -> bytes:
+    """SIGTERM a rogue process (:mod:`trio_orch.testing.rogue`, ``rogue_inbox``); the rest of its report."""
+    rogue.send_signal(signal.SIGTERM)
+    assert rogue.stdout is not None
+    out = b""
+    async with rogue.stdout:
+        while chunk := await rogue.stdout.receive_some(65536):
+            out += chunk
+    await rogue.wait()
+    return out
+
+
 async def rogue_worker(run: ChaosRun) -> None:
     """kill -9 thinker replica 0; a rogue process takes its control socket first, with what it stole."""
     auth = run.pipe.authenticator
@@ -330,12 +342,7 @@ async def rogue_worker(run: ChaosRun) -> None:
                 while auth.refused["launch:stranger"] == 0:
                     await trio.sleep(0.01)
         finally:
-            rogue.send_signal(signal.SIGTERM)
-            assert rogue.stdout is not None
-            async with rogue.stdout:
-                while chunk := await rogue.stdout.receive_some(65536):
-                    out += chunk
-            await rogue.wait()
+            out += await _stop_rogue(rogue)
     done = read_report(out.decode())[-1]
     run.notes.update(rogue_refused=done.get("refused", 0), rogue_connected=done.get("connected", 0),
                      rogue_submits=done.get("submits", 0), refused_stranger=auth.refused["launch:stranger"],
@@ -366,11 +373,7 @@ async def rogue_inbox(run: ChaosRun) -> None:
         os.kill(victim, signal.SIGKILL)
         await run.mark_restart(2, 0)
     finally:
-        rogue.send_signal(signal.SIGTERM)
-        async with rogue.stdout:
-            while chunk := await rogue.stdout.receive_some(65536):
-                out += chunk
-        await rogue.wait()
+        out += await _stop_rogue(rogue)
     done = read_report(out.decode())[-1]
     run.notes.update(rogue_accepted=done.get("accepted", 0), rogue_credentials=done.get("credentials", 0),
                      rogue_chunks=done.get("chunks", 0))

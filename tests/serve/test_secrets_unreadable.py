@@ -80,6 +80,26 @@ def start_control(marker: str) -> subprocess.Popen[bytes]:
                             env={**os.environ, "CONTROL_SECRET": marker})
 
 
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM (it stops its workers), SIGKILL if it does not exit in time."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(HANG)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serving_url(serve: subprocess.Popen[str]) -> str:
+    """Where ``trio-orch serve`` says it serves, read from its output."""
+    assert serve.stdout is not None
+    for line in serve.stdout:
+        m = re.search(r"serving on (http://\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("serve did not start")
+
+
 def statuses(report: dict[str, Any], pid: int) -> dict[str, set[str]]:
     return {ch: set(n) for ch, n in report["results"].get(str(pid), {}).items()}
 
@@ -98,14 +118,7 @@ def test_nothing_of_serve_or_its_workers_can_be_read_by_a_same_user_process(tmp_
                              text=True, env={**os.environ, "TRIO_ORCH_API_KEY": api_key})
     control = start_control(marker)
     try:
-        assert serve.stdout is not None
-        url = None
-        for line in serve.stdout:
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url is not None, "serve did not start"
+        url = serving_url(serve)
         with httpx.Client(base_url=url, timeout=HANG) as c:  # it holds both, and uses them
             assert c.get("/v1/models").status_code == 401
             assert c.get("/v1/models", headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
@@ -194,13 +207,7 @@ def test_serve_attacked_from_its_first_instant_gives_nothing_away(tmp_path: Path
         for p in (serve, control):  # go on: both lock down with the attacker's handles open
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.close()  # type: ignore[union-attr]
-        url = None
-        for line in serve.stdout:
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url is not None, "serve did not start"
+        url = serving_url(serve)
         assert control.stdout.readline().strip() == "locked"
         with httpx.Client(base_url=url, timeout=HANG) as c:  # it holds both, and uses them
             assert c.get("/v1/models").status_code == 401
@@ -218,12 +225,7 @@ def test_serve_attacked_from_its_first_instant_gives_nothing_away(tmp_path: Path
             attacker.wait(HANG)
         control.kill()
         control.wait()
-        serve.send_signal(signal.SIGTERM)
-        try:
-            serve.wait(HANG)
-        except subprocess.TimeoutExpired:
-            serve.kill()
-            serve.wait()
+        terminate(serve)
     report = json.loads(out.read_text())
     assert report["cap_eff"] == "0000000000000000" and report["uid"] == os.getuid()
     # the control: a handle opened in the window reads what the process got after its lock-down
@@ -286,10 +288,5 @@ def test_a_restarting_worker_never_holds_a_secret_another_process_could_read(tmp
         print("attacks per worker channel:", {pid: {ch: dict(n) for ch, n in r.items()}
                                               for pid, r in report["results"].items()})
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(HANG)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        terminate(head)
     assert not any(worker_alive(w) for w in seen)

@@ -22,25 +22,20 @@ trio, no torch).
 from __future__ import annotations
 
 import argparse
-import json
-import signal
 import sys
 import time
-from typing import Any
 
 import zmq
 import zmq.utils.monitor as zmq_monitor
 import zmq.utils.z85
+
+from trio_orch.testing.rogue import Stopped, run_until_stopped, say, stop_on_signals
 
 __all__ = ["main"]
 
 ZAP_ADDRESS = "inproc://zeromq.zap.01"
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
-
-
-def _say(event: str, **fields: Any) -> None:
-    print(json.dumps({"event": event, **fields}), flush=True)
 
 
 class RogueInbox:
@@ -59,7 +54,7 @@ class RogueInbox:
         self.sock.bind(address)
         self.counts = {"accepted": 0, "handshake_failed": 0, "handshake_succeeded": 0, "credentials": 0,
                        "chunks": 0}
-        _say("bound", address=address)
+        say("bound", address=address)
 
     def answer_zap(self) -> None:
         msg = self.zap.recv_multipart()
@@ -67,7 +62,7 @@ class RogueInbox:
         self.counts["credentials"] += 1
         shown = [zmq.utils.z85.encode(c).decode() if mechanism == b"CURVE" else c.decode(errors="replace")
                  for c in creds]
-        _say("credentials", mechanism=mechanism.decode(errors="replace"), offered=shown)
+        say("credentials", mechanism=mechanism.decode(errors="replace"), offered=shown)
         self.zap.send_multipart([version, request_id, b"200", b"OK", b"rogue", b""])
 
     def take_chunks(self) -> None:
@@ -77,21 +72,21 @@ class RogueInbox:
             except zmq.Again:
                 return
             self.counts["chunks"] += 1
-            _say("chunk", frames=len(frames), bytes=sum(len(f) for f in frames))
+            say("chunk", frames=len(frames), bytes=sum(len(f) for f in frames))
 
     def note_event(self) -> None:
         ev = zmq_monitor.recv_monitor_message(self.mon)
         if ev["event"] == zmq.EVENT_ACCEPTED:
             self.counts["accepted"] += 1
             if self.counts["accepted"] <= 20:
-                _say("accepted")
+                say("accepted")
         elif ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.counts["handshake_succeeded"] += 1
-            _say("handshake_succeeded")
+            say("handshake_succeeded")
         else:
             self.counts["handshake_failed"] += 1
             if self.counts["handshake_failed"] <= 20:
-                _say("handshake_failed", code=ev["value"])
+                say("handshake_failed", code=ev["value"])
 
     def run(self, duration: float) -> None:
         poller = zmq.Poller()
@@ -121,14 +116,6 @@ def _dead(pid: int) -> bool:
         return True
 
 
-class _Stop(Exception):
-    pass
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise _Stop
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trio_orch.testing.rogue_inbox",
                                 description=__doc__.split("\n\n")[0])
@@ -137,25 +124,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="bind the moment this process (the inbox's worker) is gone")
     p.add_argument("--duration", type=float, default=120.0, help="give up after this many seconds")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    _say("started")
+    stop_on_signals()
+    say("started")
     try:
         while args.after_death is not None and not _dead(args.after_death):
             time.sleep(0.001)
-    except _Stop:
-        _say("done")
+        rogue = RogueInbox(args.bind)
+    except Stopped:
+        say("done")
         return 0
-    rogue = RogueInbox(args.bind)
-    try:
-        rogue.run(args.duration)
-    except _Stop:
-        pass
-    finally:
-        rogue.close()
-    _say("done", **rogue.counts)
-    return 0
-
+    return run_until_stopped(lambda: rogue.run(args.duration), rogue.close, rogue.counts)
 
 if __name__ == "__main__":
     sys.exit(main())
