@@ -17,9 +17,9 @@ Every link is CurveZMQ, on ipc too: the upstream sends a chunk only to an
 inbox that proved it holds the key it was told of (:meth:`stages.auth.Security.server`,
 ``curve``), never to a process that bound a dead inbox's path in its place.
 libzmq gives up on an endpoint whose listener failed the handshake that way
-(no reconnection): the outbox notices it when a send finds no peer, says so
-(a WARNING, ``refused`` in the stats) and connects afresh, so the replacement
-that binds the path next gets its chunks.
+(no reconnection): the outbox notices it at its next chunk for that slot
+(each socket's monitor), says so (a WARNING, ``refused`` in the stats) and
+connects afresh, so the replacement that binds the path next gets its chunks.
 """
 
 from __future__ import annotations
