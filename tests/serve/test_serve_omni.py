@@ -5,8 +5,9 @@ built here, the official ``openai`` SDK (or plain HTTP where the SDK has no
 field for it) as the client.  Greedy text is
 ``Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=False,
 thinker_do_sample=False)`` decoded without special tokens; with a greedy
-talker the waveform is ``generate()``'s (so are its codes: the waveform is a
-function of them); the same for one image and one audio input.  Each worker
+talker the waveform is ``generate()``'s (its codes, which no client sees, are
+compared in tests/serve/test_serve_omni_codes.py); the same for one image and
+one audio input.  Each worker
 holds only its part (asked over the admin RPC), ``modalities: ["text"]``
 never reaches the talker or token2wav, an unknown voice is a 400 listing the
 checkpoint's, ``/v1/audio/speech`` speaks its input.  The server places each
@@ -53,7 +54,7 @@ openai = pytest.importorskip("openai")
 from PIL import Image  # noqa: E402
 
 from stages.hf.omni.checkpoint import read_omni_config  # noqa: E402
-from stages.hf.omni.parts import load_processor, quiet_transformers  # noqa: E402
+from stages.hf.omni.parts import load_processor  # noqa: E402
 from trio_orch.openai.media import MediaPolicy, decode_audio  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -89,17 +90,6 @@ def served(tiny_omni: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield s
     finally:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def full(tiny_omni: Path) -> Iterator[Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with quiet_transformers():
-            yield transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(str(tiny_omni)).eval()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def media_part(medium: str) -> tuple[dict[str, Any], dict[str, Any]]:
