@@ -34,9 +34,13 @@ have different replica counts.
 ``omni-in`` (:func:`omni_in_config`, image-encoder -> audio-encoder -> thinker:
 images and sounds in, text out);
 :func:`echo_config` builds torch-free echo pipelines (benchmarks, fault tests).
-The file's tables, keys, types and ranges are a typed schema
-(:mod:`stages.schema`): a wrong type, a value out of range, an unknown key or
-a misspelt table is a ``ValueError`` naming the key's path.  Kinds are the
+Each setting is declared once, with its type, its range and its default, as
+a field of :class:`StageConfig` or :class:`PipelineConfig` (``msgspec``
+Structs); the file's layout is made of them -- ``[[stages]]`` tables are
+:class:`StageConfig`, the ``[pipeline]`` table (:data:`PipelineTable`) is
+generated from :class:`PipelineConfig`'s fields -- so a wrong type, a value
+out of range, an unknown key or a misspelt table is a ``ValueError`` naming
+the key's path, and a key left out takes the field's default.  Kinds are the
 rows of :mod:`stages.registry`; :meth:`PipelineConfig.validate` checks each
 stage's kind and model options there (names, and types against the model
 constructor's annotations), so a typo is a ``ValueError`` before any worker
@@ -51,23 +55,34 @@ from __future__ import annotations
 import hashlib
 import json
 import tomllib
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType, field
+from msgspec.structs import replace
 
 from stages.fit import check_fit
 from stages.media import FEATURE_DIM
 from stages.placement import Placement, place
 from stages.registry import KindError, check_stage, outputs_of, stage_sizes
-from stages.schema import check_file, set_fields
+from stages.schema import (
+    ConfigError,
+    Device,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    explain,
+)
+from stages.validation import Invalid, convert
 
-__all__ = ["PIPELINES", "PipelineConfig", "StageConfig", "builtin_config", "checkpoint_config",
-           "default_config", "echo_config", "from_dict", "load_config", "omni_in_config", "pd_config",
-           "text2image_config"]
+__all__ = ["PIPELINES", "ConfigFile", "PipelineConfig", "PipelineTable", "StageConfig", "builtin_config",
+           "check_file", "checkpoint_config", "default_config", "echo_config", "from_dict", "load_config",
+           "omni_in_config", "pd_config", "text2image_config", "to_dict"]
 
-@dataclass
-class StageConfig:
-    """One stage: ``kind``, ``replicas`` worker processes, model options.
+class StageConfig(Struct, forbid_unknown_fields=True):
+    """One stage (one ``[[stages]]`` table): ``kind``, ``replicas`` worker processes, model options.
 
     ``worker_args`` are extra ``python -m stages.worker`` flags (fault
     injection: ``["--crash-after-steps", "3"]``); ``replica_args`` maps a
@@ -80,32 +95,32 @@ class StageConfig:
     see :mod:`stages.placement`).
     """
 
-    kind: str
-    replicas: int = 1
+    kind: Annotated[str, Meta(min_length=1)]
+    replicas: NonNegativeInt = 1
     model: dict[str, Any] = field(default_factory=dict)
-    max_batch: int = 32
-    max_inflight: int | None = None
-    threads: int = 1
+    max_batch: PositiveInt = 32
+    max_inflight: NonNegativeInt | None = None
+    threads: PositiveInt = 1
     worker_args: list[str] = field(default_factory=list)
     replica_args: dict[int, list[str]] = field(default_factory=dict)
     name: str = ""
-    role: str = ""
+    role: str = ""  # which roles a kind has: the registry says (naming them)
     #: what one replica needs from a Ray cluster (``--worker-backend ray``): its placement-group
     #: bundle, e.g. ``{num_gpus = 1}`` or a custom resource of the nodes it may run on; ``num_cpus``
     #: defaults to 1
-    resources: dict[str, float] = field(default_factory=dict)
+    resources: dict[str, NonNegativeFloat] = field(default_factory=dict)
     #: Ray node labels a replica's node must have (``--worker-backend ray``; Ray's label selector:
     #: ``{zone = "gpu"}``, ``"!spot"``, ``"in(a,b)"``)
     label_selector: dict[str, str] = field(default_factory=dict)
-    device: str | list[str] | None = None
+    #: this stage's device, or one per replica (None, or left out: the pipeline's)
+    device: Device | Annotated[list[Device], Meta(min_length=1)] | None = None
 
     @property
     def label(self) -> str:
         return self.name or (f"{self.kind} {self.role}" if self.role else self.kind)
 
 
-@dataclass
-class PipelineConfig:
+class PipelineConfig(Struct):
     """A whole pipeline.  ``heartbeat_timeout``: silence after which a replica is dead;
     ``startup_timeout``: most seconds a worker may take to become ready;
     ``stop_grace``: seconds between SIGTERM and SIGKILL when stopping workers;
@@ -114,18 +129,21 @@ class PipelineConfig:
     ``placement_scope``: how ``--worker-backend ray`` groups the replicas' bundles (Ray's
     strategies; one placement group for the pipeline or one per stage; see docs/distributed.md)."""
 
-    stages: list[StageConfig]
-    final_stage_ids: list[int] = field(default_factory=lambda: [0])
+    stages: Annotated[list[StageConfig], Meta(min_length=1)]
+    #: the stages whose outputs reach the user (the file's ``final_stages``)
+    final_stage_ids: Annotated[list[NonNegativeInt], Meta(min_length=1)] = field(default_factory=lambda: [0])
     async_chunk: bool = False
-    device: str = "cpu"
+    device: Device = "cpu"
     seed: int = 0
-    heartbeat_interval: float = 0.5
-    heartbeat_timeout: float = 5.0
-    startup_timeout: float = 60.0
-    stop_grace: float = 3.0
-    max_retries: int = 1
-    placement_strategy: str = "PACK"
-    placement_scope: str = "pipeline"
+    heartbeat_interval: NonNegativeFloat = 0.5
+    heartbeat_timeout: PositiveFloat = 5.0
+    startup_timeout: PositiveFloat = 60.0
+    stop_grace: NonNegativeFloat = 3.0
+    max_retries: NonNegativeInt = 1
+    #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
+    #: placement group holds the whole pipeline or each stage gets its own
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_scope: Literal["pipeline", "stage"] = "pipeline"
 
     def validate(self) -> PipelineConfig:
         """Raise ValueError naming the stage (or the key's path) and the problem; return self.
@@ -391,35 +409,69 @@ def echo_config(num_stages: int = 3, *, final_stage_ids: list[int] | None = None
     return PipelineConfig(stages, final_stage_ids=list(finals), **pipeline).validate()
 
 
+# ---------------------------------------------------------------------------- the file's layout
+#: the ``[pipeline]`` table: :class:`PipelineConfig`'s fields (their types, ranges and defaults), less
+#: ``stages``; its final stages are ``final_stages`` (or, in older files, ``final_stage_ids``), and a file
+#: that names neither has its last stage as the final one
+_SETTINGS = {f.name: f for f in msgspec.structs.fields(PipelineConfig) if f.name != "stages"}
+_FINALS = ("final_stages", "final_stage_ids")  # one setting, two spellings: neither given is UNSET
+
+
+def _default(f: msgspec.structs.FieldInfo) -> Any:
+    return f.default if f.default is not msgspec.NODEFAULT else field(default_factory=f.default_factory)
+
+
+PipelineTable: type[Struct] = msgspec.defstruct(
+    "PipelineTable",
+    [(f.name, f.type, _default(f)) for f in _SETTINGS.values() if f.name not in _FINALS]
+    + [(name, _SETTINGS["final_stage_ids"].type | UnsetType, UNSET) for name in _FINALS],
+    forbid_unknown_fields=True, omit_defaults=True, module=__name__)
+
+
+class ConfigFile(Struct, forbid_unknown_fields=True):
+    """A whole config file: a ``[pipeline]`` table (optional) and at least one ``[[stages]]``."""
+
+    stages: Annotated[list[StageConfig], Meta(min_length=1)]
+    pipeline: PipelineTable = field(default_factory=PipelineTable)  # type: ignore[valid-type]
+
+
+def check_file(data: Any) -> ConfigFile:
+    """The parsed TOML layout, checked (ConfigError naming the key's path)."""
+    if not isinstance(data, dict) or "stages" not in data:
+        raise ConfigError("pipeline config: a [[stages]] table array with at least one stage is needed")
+    try:
+        checked = convert(data, ConfigFile, str_keys=True)  # TOML's keys are strings: replica_args' too
+    except Invalid as exc:
+        where = explain(exc, {"pipeline": PipelineTable, "stages": StageConfig}, ConfigFile)
+        raise ConfigError(f"pipeline config: {where}") from None
+    pipe = checked.pipeline
+    if pipe.final_stages is not UNSET and pipe.final_stage_ids is not UNSET:
+        raise ConfigError("pipeline config: pipeline: final_stages and final_stage_ids are one setting; "
+                          "give one")
+    return checked
+
+
 def to_dict(cfg: PipelineConfig) -> dict[str, Any]:
     """The TOML layout of ``cfg`` (what :func:`from_dict` reads), e.g. to hand it to a remote worker."""
-    skip = ("stages", "final_stage_ids")
-    pipe = {f: getattr(cfg, f) for f in PipelineConfig.__dataclass_fields__ if f not in skip}
-    pipe["final_stages"] = list(cfg.final_stage_ids)
-    stages = [{f: getattr(st, f) for f in StageConfig.__dataclass_fields__} for st in cfg.stages]
-    for st in stages:
-        st["replica_args"] = {str(k): v for k, v in st["replica_args"].items()}
+    pipe = msgspec.to_builtins(cfg, str_keys=True)
+    stages = pipe.pop("stages")
+    pipe["final_stages"] = pipe.pop("final_stage_ids")
     return {"pipeline": pipe, "stages": stages}
 
 
 def from_dict(data: dict[str, Any]) -> PipelineConfig:
     """Build a config from the parsed TOML layout (see the module docstring).
 
-    Checked against the schema first (:func:`stages.schema.check_file`): a
-    wrong type, a value out of range, an unknown key or table is a
-    ``ValueError`` naming the key's path; keys left out take the defaults of
-    :class:`StageConfig` and :class:`PipelineConfig`.
+    Checked against the layout first (:func:`check_file`): a wrong type, a
+    value out of range, an unknown key or table is a ``ValueError`` naming
+    the key's path; keys left out take the fields' defaults.
     """
     checked = check_file(data)
-    stages = []
-    for table in checked.stages:
-        raw = set_fields(table)
-        if "replica_args" in raw:
-            raw["replica_args"] = {int(i): list(v) for i, v in raw["replica_args"].items()}
-        stages.append(StageConfig(**raw))
-    pipe = set_fields(checked.pipeline)
-    pipe["final_stage_ids"] = list(pipe.pop("final_stages", pipe.get("final_stage_ids", [len(stages) - 1])))
-    return PipelineConfig(stages, **pipe).validate()
+    pipe = checked.pipeline
+    settings = {f: getattr(pipe, f) for f in pipe.__struct_fields__ if f not in _FINALS}
+    finals = pipe.final_stages if pipe.final_stages is not UNSET else pipe.final_stage_ids
+    final_stage_ids = list(finals) if finals is not UNSET else [len(checked.stages) - 1]
+    return PipelineConfig(list(checked.stages), final_stage_ids=final_stage_ids, **settings).validate()
 
 
 def load_config(path: str | Path) -> PipelineConfig:

@@ -56,6 +56,7 @@ import zmq.utils.monitor as zmq_monitor
 from stages import membership_wire as mw
 from stages.auth import Authenticator, Keypair, KeysError, Security, load_keypair, worker_key_names
 from stages.credentials import HandoverError, receive_credentials
+from stages.faults import FaultInjection, injected
 from stages.lockdown import LockdownError, lock_down
 from stages.placement import check_devices, device_arg
 from stages.registry import build_model, model_class
@@ -102,6 +103,10 @@ class HeadlessWorker(Worker):
         self.sock.disable_monitor()
         self.monitor.close(linger=0)
         super().close()
+
+
+class FaultyHeadlessWorker(FaultInjection, HeadlessWorker):
+    """A headless worker given a fault flag (``--step-delay-ms``): :mod:`stages.faults` over its seams."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -356,7 +361,8 @@ def main(argv: list[str] | None = None, args: argparse.Namespace | None = None) 
             ns.threads = args.threads or st.threads
             ns.parent_pid, ns.step_delay_ms = os.getppid(), args.step_delay_ms or ns.step_delay_ms
             HeadlessWorker.head_timeout = args.head_timeout
-            worker = HeadlessWorker(ns, model, ctx, Security(b"", session, server_key=head_key), auth)
+            cls = FaultyHeadlessWorker if injected(ns) else HeadlessWorker
+            worker = cls(ns, model, ctx, Security(b"", session, server_key=head_key), auth)
             worker.set_peers(Peers(answer.downstream, answer.upstream_keys))
             reason = "exited"
             try:

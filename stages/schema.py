@@ -1,14 +1,14 @@
-"""The pipeline config as a typed schema: every table, key, type and range, checked by msgspec.
+"""The pipeline config's checks: the ranges a setting may declare, and its errors in words.
 
-A config file is checked against :class:`ConfigFile` before anything is built:
-a wrong type (``max_new_tokens = "48"``), a value out of range
-(``max_batch = 0``), an unknown key or a misspelt table (``[pipline]``) is a
-:class:`ConfigError` whose message names the key's path
-(``stages[0].max_batch``) -- instead of a worker's traceback seconds later.
-
-The schema holds no defaults: a key left out is :data:`msgspec.UNSET` here
-and takes its default from the config's dataclasses (:mod:`stages.config`),
-so every default is written once.
+A config file is checked against its layout (:mod:`stages.config`, whose
+``StageConfig`` and ``PipelineConfig`` declare each setting once, with its
+type, range and default) before anything is built: a wrong type
+(``max_new_tokens = "48"``), a value out of range (``max_batch = 0``), an
+unknown key or a misspelt table (``[pipline]``) is a :class:`ConfigError`
+whose message names the key's path (``stages[0].max_batch``) -- instead of a
+worker's traceback seconds later.  msgspec's own error is taken apart by
+:mod:`stages.validation` (the one translator the OpenAI request handling
+uses too); :func:`explain` says it the config's way.
 
 A model's own options (``[stages.model]``) are checked against its
 constructor's annotations (:func:`check_option`); the aliases below
@@ -20,18 +20,16 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-import msgspec
-from msgspec import UNSET, Meta, Struct, UnsetType
+from msgspec import Meta, Struct
 
 from stages.placement import DEVICE_PATTERN
 from stages.validation import Invalid, convert
 
-__all__ = ["ANNOTATION_NAMES", "ConfigError", "ConfigFile", "NonNegativeFloat", "NonNegativeInt",
-           "PipelineTable", "PositiveFloat", "PositiveInt", "StageTable", "check_file", "check_option",
-           "set_fields"]
+__all__ = ["ANNOTATION_NAMES", "ConfigError", "Device", "NonNegativeFloat", "NonNegativeInt",
+           "PositiveFloat", "PositiveInt", "check_option", "explain"]
 
 #: a count that must be at least 1 (tokens, frames, layers)
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -43,98 +41,39 @@ PositiveFloat = Annotated[float, Meta(gt=0)]
 NonNegativeFloat = Annotated[float, Meta(ge=0)]
 #: a torch device: cpu, cuda or cuda:N (stages/placement.py)
 Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
+#: a torch device: cpu, cuda or cuda:N (stages/placement.py)
+Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
 
 
 class ConfigError(ValueError):
     """A config that does not fit the schema; the message names the key's path."""
 
 
-class PipelineTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """``[pipeline]``: settings of the whole pipeline."""
+def explain(exc: Invalid, tables: Mapping[str, type[Struct]] | None = None,
+            root: type[Struct] | None = None) -> str:
+    """An error of a config's schema, its path first, in the config's own spelling.
 
-    final_stages: Annotated[list[NonNegativeInt], Meta(min_length=1)] | UnsetType = UNSET
-    #: the same, by the name of the config's field (older files use it)
-    final_stage_ids: Annotated[list[NonNegativeInt], Meta(min_length=1)] | UnsetType = UNSET
-    async_chunk: bool | UnsetType = UNSET
-    device: Device | UnsetType = UNSET
-    seed: int | UnsetType = UNSET
-    heartbeat_interval: NonNegativeFloat | UnsetType = UNSET
-    heartbeat_timeout: PositiveFloat | UnsetType = UNSET
-    startup_timeout: PositiveFloat | UnsetType = UNSET
-    stop_grace: NonNegativeFloat | UnsetType = UNSET
-    max_retries: NonNegativeInt | UnsetType = UNSET
-    #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
-    #: placement group holds the whole pipeline or each stage gets its own
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | UnsetType = UNSET
-    placement_scope: Literal["pipeline", "stage"] | UnsetType = UNSET
-
-
-class StageTable(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """One ``[[stages]]`` entry."""
-
-    kind: Annotated[str, Meta(min_length=1)]
-    replicas: NonNegativeInt | UnsetType = UNSET
-    model: dict[str, Any] | UnsetType = UNSET
-    max_batch: PositiveInt | UnsetType = UNSET
-    max_inflight: NonNegativeInt | UnsetType | None = UNSET
-    threads: PositiveInt | UnsetType = UNSET
-    worker_args: list[str] | UnsetType = UNSET
-    replica_args: dict[Annotated[str, Meta(pattern=r"^\d+$")], list[str]] | UnsetType = UNSET
-    name: str | UnsetType = UNSET
-    role: str | UnsetType = UNSET  # which roles a kind has: the registry says (naming them)
-    resources: dict[str, NonNegativeFloat] | UnsetType = UNSET
-    label_selector: dict[str, str] | UnsetType = UNSET  # Ray node labels (--worker-backend ray)
-    #: this stage's device, or one per replica (None, or left out: the pipeline's)
-    device: Device | Annotated[list[Device], Meta(min_length=1)] | UnsetType | None = UNSET
-
-
-class ConfigFile(Struct, forbid_unknown_fields=True, omit_defaults=True):
-    """A whole config file: a ``[pipeline]`` table (optional) and at least one ``[[stages]]``."""
-
-    stages: Annotated[list[StageTable], Meta(min_length=1)]
-    pipeline: PipelineTable = msgspec.field(default_factory=PipelineTable)
-
-
-def _fields_at(path: str) -> list[str]:
-    """The keys the schema allows at ``path`` (for a did-you-mean hint)."""
-    target: type[Struct] = ConfigFile
-    for part in re.sub(r"\[\d+\]", "", path).split("."):
-        if not part:
-            continue
-        target = {"pipeline": PipelineTable, "stages": StageTable}.get(part, target)
-    return list(target.__struct_fields__)
-
-
-def _explain(exc: Invalid) -> str:
-    """An error of the config's schema, its path first, in the config's own spelling."""
+    ``tables``: the table types by the key they sit under, and ``root`` the
+    file's own, for the keys an unknown key is said next to (did you mean...).
+    """
     where = exc.param or ""
     if exc.unknown is not None:
         what = "table" if not where else "key"
-        close = difflib.get_close_matches(exc.unknown, _fields_at(where), n=1)
+        allowed = _fields_at(where, tables or {}, root)
+        close = difflib.get_close_matches(exc.unknown, allowed, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
         at = f" in {where}" if where else ""
-        return f"unknown {what} {exc.unknown!r}{at} (allowed: {', '.join(_fields_at(where))}){hint}"
+        return f"unknown {what} {exc.unknown!r}{at} (allowed: {', '.join(allowed)}){hint}"
     return f"{where}: {exc.detail}" if where else exc.detail
 
 
-def check_file(data: Any) -> ConfigFile:
-    """The parsed TOML layout, checked (ConfigError naming the key's path)."""
-    if not isinstance(data, dict) or "stages" not in data:
-        raise ConfigError("pipeline config: a [[stages]] table array with at least one stage is needed")
-    try:
-        checked = convert(data, ConfigFile)
-    except Invalid as exc:
-        raise ConfigError(f"pipeline config: {_explain(exc)}") from None
-    pipe = checked.pipeline
-    if pipe.final_stages is not UNSET and pipe.final_stage_ids is not UNSET:
-        raise ConfigError("pipeline config: pipeline: final_stages and final_stage_ids are one setting; "
-                          "give one")
-    return checked
-
-
-def set_fields(table: Struct) -> dict[str, Any]:
-    """The keys a table sets (UNSET ones left out: they take the dataclass's default)."""
-    return {f: v for f in table.__struct_fields__ if (v := getattr(table, f)) is not UNSET}
+def _fields_at(path: str, tables: Mapping[str, type[Struct]], root: type[Struct] | None) -> list[str]:
+    """The keys the schema allows at ``path``."""
+    target = root
+    for part in re.sub(r"\[\d+\]", "", path).split("."):
+        if part:
+            target = tables.get(part, target)
+    return list(target.__struct_fields__) if target is not None else []
 
 
 #: names a model constructor's annotations may use and still be checked without importing the model
@@ -163,6 +102,6 @@ def check_option(kind: str, name: str, value: Any, annotation: Any) -> None:
     try:
         convert(value, annotation)
     except Invalid as exc:
-        raise ConfigError(f"model option {name!r} of {kind}: {_explain(exc)}") from None
+        raise ConfigError(f"model option {name!r} of {kind}: {explain(exc)}") from None
     except TypeError:  # an annotation msgspec cannot check (a class of the model's own)
         return

@@ -58,10 +58,11 @@ def type_name(v: Any) -> str:
         type(v), "number" if isinstance(v, (int, float)) else type(v).__name__)
 
 
-def convert(data: Any, schema: type[T] | Any, *, strict: bool = True) -> T:
-    """``data`` as ``schema`` (``msgspec.convert``); :class:`Invalid` when it does not fit."""
+def convert(data: Any, schema: type[T] | Any, *, strict: bool = True, str_keys: bool = False) -> T:
+    """``data`` as ``schema`` (``msgspec.convert``; ``str_keys``: its dict keys are strings, as TOML's
+    are, converted to the declared key type); :class:`Invalid` when it does not fit."""
     try:
-        return msgspec.convert(data, schema, strict=strict)
+        return msgspec.convert(data, schema, strict=strict, str_keys=str_keys)
     except msgspec.ValidationError as exc:
         raise _explain(str(exc), data, _info(schema)) from None
 

@@ -14,8 +14,11 @@ its final one (``Update`` messages bring the others; see
 ``Shutdown`` message or a fatal error it sends the ``Dying`` sentinel and
 exits; it also exits when its parent process disappears (no orphans).
 
-Fault flags (``--fail-at-startup``, ``--crash-after-steps``, ``--garbage-after-steps``,
-...) exist for fault-injection tests; see ``--help``.
+The fault-injection flags of tests and chaos runs (``--help`` lists them) and
+what they do are :mod:`stages.faults`, over the worker's seams (``submit``,
+``take_chunk``, ``run_step``, ``finish``, ``stepped``, ``before_start``,
+``before_load``); a
+worker given none of them runs no fault code.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from stages.base import ReqState, StageModel, StepResult
 from stages.connector import INBOX_DOMAIN, ChunkInbox, ChunkOutbox
 from stages.control import WorkerControl
 from stages.credentials import HandoverError
+from stages.faults import FaultInjection, injected
+from stages.faults import add_arguments as add_fault_arguments
 from stages.lockdown import LockdownError, lock_down
 from stages.registry import (
     KINDS,
@@ -131,6 +136,15 @@ class Worker:
             slots=args.max_batch, role=args.role), scratch_dir=args.cleanup_dir,
             label=f"stage{args.stage_id}-replica{args.replica}")
 
+    @classmethod
+    def before_start(cls, args: argparse.Namespace) -> int | None:
+        """Before anything (a seam: :mod:`stages.faults`); an exit code to stop with, or None."""
+        return None
+
+    @classmethod
+    def before_load(cls, args: argparse.Namespace) -> None:
+        """Once the credentials are in, before the model loads (a seam: :mod:`stages.faults`)."""
+
     def configure_control(self, sock: zmq.Socket) -> None:
         """Hook: socket options of the control link, set before it connects."""
 
@@ -144,8 +158,12 @@ class Worker:
                 self.sock.send_multipart(frames, copy=False)
                 return
             except zmq.Again:  # SNDTIMEO expired: the orchestrator is not reading
-                if os.getppid() != self.parent:
-                    raise StopServing("parent process exited") from None
+                self.check_parent()
+
+    def check_parent(self) -> None:
+        """Stop serving once the parent process (the orchestrator, or the headless command) is gone."""
+        if os.getppid() != self.parent:
+            raise StopServing("parent process exited")
 
     # ------------------------------------------------------------------ inbound
     def drain(self) -> None:
@@ -164,15 +182,18 @@ class Worker:
             self.handle(msg)
         if self.inbox is not None:
             for chunk in self.inbox.drain():
-                self.stats["chunks_in"] += 1
-                if self.args.crash_on_chunk:
-                    os._exit(17)  # like kill -9 while the upstream's data arrives
-                req = self.find(chunk.request_id)
-                if req is None:
-                    self.inbox.hold(chunk)
-                elif not self.segments.resumable(req.request_id) or self.segments.route_chunk(
-                        req, chunk.data, chunk.end, chunk.segment):
-                    self.feed(req, chunk.data, chunk.end)
+                self.take_chunk(chunk)
+
+    def take_chunk(self, chunk: Any) -> None:
+        """One upstream chunk: fed to its request, or held until the request's submit comes."""
+        assert self.inbox is not None
+        self.stats["chunks_in"] += 1
+        req = self.find(chunk.request_id)
+        if req is None:
+            self.inbox.hold(chunk)
+        elif not self.segments.resumable(req.request_id) or self.segments.route_chunk(
+                req, chunk.data, chunk.end, chunk.segment):
+            self.feed(req, chunk.data, chunk.end)
 
     def find(self, rid: str) -> ReqState | None:
         """The active or waiting request ``rid`` (None: not on this worker)."""
@@ -256,10 +277,7 @@ class Worker:
         if self.inbox is not None:
             req.upstream = True
             req.input_done = False
-        fail = self.args.fail_requests_containing
         try:
-            if fail and fail in repr(msg.payload):
-                raise ValueError(f"injected failure (payload contains {fail!r})")
             if req.downstream >= 0 and self.outbox is None:
                 raise ValueError("submit names a downstream replica but this worker has no --downstream")
             if msg.sampling:
@@ -354,7 +372,8 @@ class Worker:
             s["inbox_pending"] = self.inbox.pending
         s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
                           "outbox": self.outbox.describe() if self.outbox is not None else None,
-                          "sent": self.outbox.sent if self.outbox is not None else 0}
+                          "sent": self.outbox.sent if self.outbox is not None else 0,
+                          "bytes_sent": self.outbox.bytes_sent if self.outbox is not None else 0}
         return s
 
     # ------------------------------------------------------------------ stepping
@@ -381,12 +400,10 @@ class Worker:
             return False
         results: list[Any] = []
         if batch:
-            if self.args.step_delay_ms:
-                time.sleep(self.args.step_delay_ms / 1000)
             self.stats["steps"] += 1
             self.stats["max_batch_seen"] = max(self.stats["max_batch_seen"], len(batch))
             try:
-                results = self.model.step(batch)
+                results = self.run_step(batch)
             except Exception as exc:  # the step failed: fail its requests, keep serving
                 log.exception("stage %d: model step failed", self.args.stage_id)
                 results = [exc] * len(batch)
@@ -394,7 +411,6 @@ class Worker:
         results += [StepResult(None, True, None)] * len(empty)
         now = time.perf_counter()
         items: list[OutItem] = []
-        faulty: list[tuple[ReqState, OutItem]] = []  # finishes a per-request fault flag applies to
         control_only = self.args.control_only
         for req, res in zip(batch, results, strict=True):
             if isinstance(res, Exception):
@@ -419,21 +435,26 @@ class Worker:
                 if self.segments.resumable(req.request_id) and not self._last_segment(req, item, items):
                     continue
                 item.timing = self.timing(req.request_id, now)  # the request leaves: its timing
-                if self._request_faults(req):
-                    faulty.append((req, item))
-                else:
-                    items.append(item)
+                self.finish(req, item, items)
                 self.retire(req.request_id)
             elif res.data is not None and not control_only:
                 items.append(OutItem(req.request_id, res.data, False, None, now))
         if items:
             self.stats["outputs"] += len(items)
             self.send(Outputs(items))
-        for req, item in faulty:
-            self.stats["outputs"] += 1
-            self._finish_with_faults(req, item)
-        self._faults_after_step()
+        self.stepped()
         return True
+
+    def run_step(self, batch: list[ReqState]) -> list[Any]:
+        """One batched model step (a seam: :mod:`stages.faults` slows it down)."""
+        return self.model.step(batch)
+
+    def finish(self, req: ReqState, item: OutItem, items: list[OutItem]) -> None:
+        """``req`` finished here: its terminal output goes out with this step's (a seam)."""
+        items.append(item)
+
+    def stepped(self) -> None:
+        """A step that did work sent its outputs (a seam: :mod:`stages.faults` misbehaves here)."""
 
     def timing(self, rid: str, now: float) -> tuple[float, float] | None:
         """(seconds queued before the batch took ``rid``, seconds in the batch) for its last output."""
@@ -459,44 +480,6 @@ class Worker:
         items.append(item)
         return False
 
-    def _request_faults(self, req: ReqState) -> bool:
-        """Does a per-request fault flag (``--fault-*``) apply to this request?"""
-        a = self.args
-        return any(_applies(flag, req.payload) for flag in (
-            a.fault_unknown_rid, a.fault_duplicate_finish, a.fault_oversized, a.fault_garbage))
-
-    def _finish_with_faults(self, state: ReqState, item: OutItem) -> None:
-        """Send a finished request's terminal output, misbehaving as its ``--fault-*`` flags say.
-
-        Each fault is a message of its own, so the orchestrator sees exactly one
-        per faulty request.
-        """
-        a, req, payload = self.args, item.request_id, state.payload
-        if _applies(a.fault_unknown_rid, payload):
-            self.send(Outputs([OutItem(f"never-given-{req}", "stray", True, None, item.t_produced)]))
-        if _applies(a.fault_garbage, payload):
-            self.sock.send_multipart([b"\xc1 this is not msgpack", b"junk"])
-        if _applies(a.fault_oversized, payload):
-            item = OutItem(req, {"blob": bytes(a.fault_oversized_bytes)}, True, None, item.t_produced)
-        self.send(Outputs([item]))
-        if _applies(a.fault_duplicate_finish, payload):
-            self.send(Outputs([OutItem(req, "again", True, None, item.t_produced)]))
-
-    def _faults_after_step(self) -> None:
-        a, n = self.args, self.stats["steps"]
-        if a.garbage_after_steps and n == a.garbage_after_steps:
-            self.sock.send_multipart([b"\xc1 this is not msgpack", b"junk"])
-        if a.unknown_rid_after_steps and n == a.unknown_rid_after_steps:
-            self.send(Outputs([OutItem("no-such-request", "stray", False, None, time.perf_counter())]))
-        if a.crash_after_steps and n >= a.crash_after_steps:
-            os._exit(17)  # like kill -9: no Dying sentinel
-        if a.die_after_steps and n >= a.die_after_steps:
-            raise RuntimeError(f"injected fatal error after {n} steps")
-        if a.hang_after_steps and n >= a.hang_after_steps:
-            while os.getppid() == self.parent:  # silent: no heartbeats; the launcher must kill us
-                time.sleep(0.2)
-            raise StopServing("parent process exited")
-
     # ------------------------------------------------------------------ main loop
     def serve(self) -> str:
         a = self.args
@@ -518,8 +501,7 @@ class Worker:
                 next_hb = now + hb_every
                 if a.heartbeat_interval > 0:
                     self.send(Heartbeat(time.perf_counter(), len(self.active) + len(self.waiting)))
-                if os.getppid() != self.parent:
-                    raise StopServing("parent process exited")
+                self.check_parent()
             self.tick(now)
             if self.inbox is not None and now >= next_purge:
                 next_purge = now + 5.0
@@ -534,16 +516,15 @@ class Worker:
         self.sock.close(linger=200)
 
 
+class FaultyWorker(FaultInjection, Worker):
+    """A worker started with fault flags: :mod:`stages.faults` over its seams."""
+
+
 def _kind_arg(value: str) -> str:
     try:
         return check_kind_name(value)
     except KindError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _applies(flag: str | None, payload: Any) -> bool:
-    """A ``--fault-*`` flag given as STR applies to a payload whose repr contains STR (given bare: all)."""
-    return flag is not None and flag in repr(payload)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -590,39 +571,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--control-only", action="store_true",
                    help="async-chunk, non-final stage: send the orchestrator only the finishing "
                         "control output")
-    f = p.add_argument_group("fault injection (for tests and chaos runs)")
-    f.add_argument("--fail-at-startup", metavar="MSG", default=None,
-                   help="print MSG to stderr and exit with code 3 before the ready handshake")
-    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S",
-                   help="sleep S seconds before the ready handshake")
-    f.add_argument("--step-delay-ms", type=float, default=0.0, metavar="MS",
-                   help="sleep MS milliseconds in every step (a slow stage)")
-    f.add_argument("--garbage-after-steps", type=int, default=0, metavar="N",
-                   help="after step N, send one undecodable message to the orchestrator")
-    f.add_argument("--unknown-rid-after-steps", type=int, default=0, metavar="N",
-                   help="after step N, send an output for a request id nobody submitted")
-    f.add_argument("--crash-after-steps", type=int, default=0, metavar="N",
-                   help="after step N, exit at once (code 17) without the Dying sentinel, like kill -9")
-    f.add_argument("--die-after-steps", type=int, default=0, metavar="N",
-                   help="after step N, fail with a fatal error (sends Dying, exits 1)")
-    f.add_argument("--crash-on-chunk", action="store_true",
-                   help="exit at once (code 17, like kill -9) when the first upstream chunk arrives "
-                        "(a replica dying mid-transfer)")
-    f.add_argument("--hang-after-steps", type=int, default=0, metavar="N",
-                   help="after step N, stop responding (no heartbeats) until killed")
-    f.add_argument("--fail-requests-containing", default=None, metavar="STR",
-                   help="refuse (per-request error) every request whose payload repr contains STR")
-    f.add_argument("--fault-unknown-rid", nargs="?", const="", default=None, metavar="STR",
-                   help="when a request finishes, also send an output for a request id nobody submitted "
-                        "(only requests whose payload repr contains STR, if given; else every request)")
-    f.add_argument("--fault-duplicate-finish", nargs="?", const="", default=None, metavar="STR",
-                   help="report a finished request finished a second time (STR: as above)")
-    f.add_argument("--fault-oversized", nargs="?", const="", default=None, metavar="STR",
-                   help="send a request's finishing output padded to --fault-oversized-bytes (STR: as above)")
-    f.add_argument("--fault-oversized-bytes", type=int, default=2 << 20, metavar="N",
-                   help="padding of --fault-oversized (default 2 MiB)")
-    f.add_argument("--fault-garbage", nargs="?", const="", default=None, metavar="STR",
-                   help="when a request finishes, also send one undecodable message (STR: as above)")
+    add_fault_arguments(p)
     return p
 
 
@@ -650,10 +599,11 @@ def main(argv: list[str] | None = None) -> int:
     # trio's open_process forks from a thread-cache thread that exits after 10 s idle -- it SIGTERMed
     # healthy workers. Orphans are still caught: our stand-in (the launched process, stages/lockdown.py)
     # sends SIGHUP when the launcher is gone, and serve() exits when getppid() changes.
-    if args.fail_at_startup:
-        print(f"worker stage {args.stage_id}: {args.fail_at_startup}", file=sys.stderr, flush=True)
-        return 3
-    args.parent_pid = parent = os.getppid()
+    args.parent_pid = os.getppid()
+    cls = FaultyWorker if injected(args) else Worker
+    refused = cls.before_start(args)
+    if refused is not None:
+        return refused
     try:  # its credentials, handed over to this pid alone: never the environment, argv or a pipe
         security = Security.from_handover(args.auth_fd) if args.auth_fd is not None else None
     except (HandoverError, KeysError) as exc:
@@ -669,9 +619,7 @@ def main(argv: list[str] | None = None) -> int:
     reason = "exited"
     code = 0
     try:
-        deadline = time.monotonic() + args.startup_delay
-        while time.monotonic() < deadline and os.getppid() == parent:
-            time.sleep(min(0.1, deadline - time.monotonic()))
+        cls.before_load(args)
         options = json.loads(args.model_json)
         for d in reversed(args.python_path):
             if d not in sys.path:
@@ -689,7 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(args.kind, options, device=args.device, seed=args.seed, slots=args.max_batch,
                             role=args.role)
         model.warmup()
-        worker = Worker(args, model, ctx, security, auth)
+        worker = cls(args, model, ctx, security, auth)
         worker.send(Ready(args.stage_id, args.replica, os.getpid(), args.kind, worker.ready_info()))
         reason = worker.serve()
     except StopServing as stop:

@@ -1,11 +1,11 @@
 """What the HTTP tests share: the app under a real server on loopback (both fronts), SSE/metrics parsing.
 
 ``serve(front, factory)`` starts the one app (:func:`~trio_orch.http.app.create_app`)
-the way ``trio-orch serve --loop FRONT`` does: ``"asyncio"`` -- the
-thread-bridge :class:`ThreadEngine` and uvicorn with the serve command's settings
-(:class:`Served`); ``"trio"`` -- the :class:`TrioEngine` and the lean Trio
-server (or, ``http_server="hypercorn"``, hypercorn's Trio worker) in one Trio
-run (:class:`TrioServed`, in a thread of its own so the test can be a plain
+the way ``trio-orch serve --loop FRONT`` does, with each front's own
+``HTTPServer``: ``"asyncio"`` -- the thread adapter :class:`ThreadEngine` and
+uvicorn with the serve command's settings (:class:`Served`); ``"trio"`` -- the
+:class:`TrioEngine` and the lean Trio server in one Trio run
+(:class:`TrioServed`, in a thread of its own so the test can be a plain
 client).  The ``serving`` fixture (tests/conftest.py)
 stops whatever a test started with it.
 """
@@ -17,6 +17,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -29,10 +30,7 @@ from trio_orch.engine import ThreadEngine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
-from trio_orch.serve.connection_limits import HeadDeadline
-from trio_orch.serve.trio_front import serve_http, server_config
-from trio_orch.serve.trio_http import LeanConfig, ServerState
-from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
+from trio_orch.serve import asyncio_front, trio_front
 
 
 def listening_socket(backlog: int) -> socket.socket:
@@ -54,16 +52,15 @@ class Served:
         self.engine = engine
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
-        self.deadline = HeadDeadline(self.limits.header_timeout)
+        self.sock = listening_socket(self.limits.backlog)
+        connections = replace(self.limits, max_connections=max_connections)
+        self.server = asyncio_front.HTTPServer(self.sock, connections)
+        self.deadline = self.server.deadline  # uvicorn's head deadline (the tests watch its closes)
         more = app_kwargs.pop("extra_metrics", None)
         app = create_app(engine, model_name=model_name, limits=self.limits, front=self.front,
-                         extra_metrics=lambda: {**(more() if more else {}), **self.deadline.counters()},
+                         extra_metrics=lambda: {**(more() if more else {}), **self.server.counters()},
                          **app_kwargs)
-        config = uvicorn_config(app, self.limits, self.deadline, max_connections=max_connections,
-                                log_level="warning")
-        self.sock = listening_socket(self.limits.backlog)
-        self.server = DrainingServer(config, lambda signum: None)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve, args=(app,), daemon=True)
         self.thread.start()
         wait_until(lambda: self.server.started, "uvicorn started")
         self.port = self.sock.getsockname()[1]
@@ -71,10 +68,10 @@ class Served:
 
     def open_connections(self) -> int:
         """HTTP connections uvicorn holds open now (a WebSocket session counts once upgraded)."""
-        return len(self.server.server_state.connections)
+        return self.server.open_connections()
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.stop()
         self.thread.join(HANG)
         self.engine.close()
         assert not self.thread.is_alive()
@@ -82,30 +79,27 @@ class Served:
 
 
 class TrioServed:
-    """A TrioEngine + the app under a Trio HTTP server, in one Trio run (``serve --loop trio``).
-
-    ``http_server``: ``"lean"`` (the default, :mod:`trio_orch.serve.trio_http`; ``state`` is its
-    shared state) or ``"hypercorn"``.
-    """
+    """A TrioEngine + the app under the lean Trio server, in one Trio run (``serve --loop trio``)."""
 
     front_name = "trio"
 
     def __init__(self, factory: Any, *, engine_options: dict[str, Any] | None = None,
-                 limits: HTTPLimits | None = None, model_name: str = "toy", http_server: str = "lean",
-                 **app_kwargs: Any) -> None:
+                 limits: HTTPLimits | None = None, model_name: str = "toy", **app_kwargs: Any) -> None:
         self.engine = TrioEngine(factory, **(engine_options or {}))
         self.limits = limits or HTTPLimits()
         self.front = FrontMetrics()
         app_kwargs.pop("max_connections", None)  # the threaded front's limit
-        self.config = server_config(self.limits, http_server, graceful_timeout=2.0)
-        self.state = ServerState(self.config) if isinstance(self.config, LeanConfig) else None
-        self.app_kwargs = {"model_name": model_name, "limits": self.limits, "front": self.front, **app_kwargs}
         self.sock = listening_socket(self.limits.backlog)
+        self.server = trio_front.HTTPServer(self.sock, self.limits, graceful_timeout=2.0)
+        self.state = self.server.state
+        more = app_kwargs.pop("extra_metrics", None)
+        self.app_kwargs = {"model_name": model_name, "limits": self.limits, "front": self.front,
+                           "extra_metrics": lambda: {**(more() if more else {}), **self.server.counters()},
+                           **app_kwargs}
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._thread, daemon=True)
         self.thread.start()
@@ -123,25 +117,25 @@ class TrioServed:
 
     async def _main(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
-        self._stop = trio.Event()
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             app = create_app(self.engine, **self.app_kwargs)
-            await nursery.start(partial(serve_http, app, self.sock, self.config, state=self.state,
-                                        shutdown_trigger=self._stop.wait))
+            await nursery.start(self.server.serve, app)
             self._ready.set()
-            await self._stop.wait()
-            self.engine.request_stop()
+
+    def _stop_both(self) -> None:
+        """In the run: the server stops (its drain), and the engine with it."""
+        self.server.stop()
+        self.engine.request_stop()
 
     def open_connections(self) -> int:
         """HTTP connections the lean server holds open now (a WebSocket session counts)."""
-        assert self.state is not None, "hypercorn does not say"
-        return len(self.state.connections)
+        return self.server.open_connections()
 
     def stop(self) -> None:
-        if self._token is not None and self._stop is not None:
+        if self._token is not None:
             try:
-                self._token.run_sync_soon(self._stop.set)
+                self._token.run_sync_soon(self._stop_both)
             except trio.RunFinishedError:
                 pass
         self.thread.join(HANG)
@@ -152,19 +146,15 @@ class TrioServed:
 
 
 FRONTS = ("asyncio", "trio")
-#: every server a front can run: the fronts, and ``serve --loop trio --http-server hypercorn``
-SERVERS = (*FRONTS, "trio-hypercorn")
 
 
 def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = None,
           **served_kwargs: Any) -> Served | TrioServed:
-    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`SERVERS`), started.
+    """The app over ``factory``'s pipeline behind ``front`` (one of :data:`FRONTS`), started.
 
     ``served_kwargs``: :func:`~trio_orch.http.app.create_app`'s arguments, ``limits`` and (asyncio
     only) ``max_connections``.
     """
-    if front == "trio-hypercorn":
-        return TrioServed(factory, engine_options=engine_options, http_server="hypercorn", **served_kwargs)
     if front == "trio":
         return TrioServed(factory, engine_options=engine_options, **served_kwargs)
     return Served(ThreadEngine(factory, **(engine_options or {})).start(), **served_kwargs)

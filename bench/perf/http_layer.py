@@ -6,7 +6,9 @@ itself: one ASGI app that streams ``--chunks`` server-sent events per
 request (a checkpoint before each, as a request task woken per output
 would), served in turn by
 
-* ``hypercorn``: hypercorn's Trio worker, as ``serve --loop trio`` runs it;
+* ``hypercorn``: hypercorn's Trio worker, as ``serve --loop trio`` ran it
+  before the lean server (the comparison: hypercorn is the ``bench`` extra's,
+  not the product's);
 * ``uvicorn``: uvicorn with its h11 protocol, as ``serve --loop asyncio``;
 * ``h11-trio``: a minimal keep-alive HTTP/1.1 loop on Trio over h11 (no
   timeouts, no limits, no WebSocket): what a lean Trio server would cost,
@@ -221,9 +223,8 @@ def serve(server: str, app_kind: str, fd: int, chunks: int) -> None:
         return
 
     if server == "trio-http":
-        from trio_orch.serve.trio_http import LeanConfig
         from trio_orch.serve.trio_http import serve as lean_serve
-        trio.run(lean_serve, app, socket.socket(fileno=fd), LeanConfig())
+        trio.run(lean_serve, app, socket.socket(fileno=fd))
         return
 
     async def main() -> None:

@@ -35,7 +35,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     from tests.http.test_omni_serving import worker_server
 
     path = str(word_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json", WORDS))
-    config = PipelineConfig([StageConfig("thinker", model={**SMALL, "tokenizer": path}),
+    # a context small enough that the speech route's own 4,096-character bound never comes first
+    config = PipelineConfig([StageConfig("thinker", model={**SMALL, "tokenizer": path, "max_model_len": 256}),
                              StageConfig("talker", model=SMALL), StageConfig("code2wav", model={"dim": 16})],
                             final_stage_ids=[0, 2]).validate()
     yield from worker_server(request.param, config)

@@ -247,8 +247,9 @@ def omni_remote(request: pytest.FixtureRequest) -> Iterator[Any]:
 
 
 @pytest.mark.processes
-def test_served_an_image_fetched_from_its_url_answers_as_its_data_url(omni_remote: Any,
-                                                                      media_server: MediaServer) -> None:
+def test_served_an_image_fetched_from_its_url_answers_as_its_data_url(media_server: MediaServer,
+                                                                      omni_remote: Any) -> None:
+    # the media server first: its listening socket is then no growth the served fixture's leak probe sees
     from tests.http.test_omni_serving import answer, ask, png_url
 
     with httpx.Client(base_url=omni_remote.url, timeout=HANG * 6) as c:

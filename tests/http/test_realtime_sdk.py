@@ -3,7 +3,7 @@
 The SDK's synchronous client (``OpenAI(...).realtime.connect(model=...)``,
 over the ``websockets`` library) runs in the test's thread against a real
 server on loopback (``tests.http_helpers.serve``: the serve command's app on
-uvicorn, or on hypercorn in the engine's Trio run), over the toy pipeline.
+uvicorn, or on the lean server in the engine's Trio run), over the toy pipeline.
 Each event is taken as the SDK parses it, so a wrong name or field shows as
 the wrong type here.  A watchdog closes a connection that hangs, which fails
 the test naming the wait instead of blocking the suite.

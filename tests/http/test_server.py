@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.http_helpers import (
     FRONTS,
     HANG,
@@ -34,12 +35,14 @@ from tests.http_helpers import (
     TrioServed,
     chat,
     deltas,
+    listening_socket,
     metrics,
     serve,
     sse_events,
     wait_until,
 )
-from trio_orch.engine import ThreadEngine
+from trio_orch.http.app import create_app
+from trio_orch.http.limits import HTTPLimits
 from trio_orch.testing.toy_pipeline import SAMPLE_RATE, toy_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -339,7 +342,7 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
             m = re.search(r"serving on (http://\S+)", line)
             url = m.group(1) if m else None
         assert url, "serve did not report its address"
-        workers = _children(proc.pid)
+        workers = _children(serving_pid(proc.pid))
         assert len(workers) >= 3
         assert any(tmp_path.iterdir())
         body = chat("Hello!", stream=True, modalities=["text", "audio"], audio={"format": "pcm16"})
@@ -431,30 +434,49 @@ def test_health_is_degraded_when_a_stage_dies(front: str) -> None:
         s.stop()
 
 
-def test_serve_stops_serving_when_the_engine_dies_on_its_own() -> None:
-    import types
+@pytest.mark.parametrize("front", ["asyncio", "trio"])
+@pytest.mark.parametrize("ending", ["the engine dies", "SIGTERM"])
+def test_a_front_s_whole_run_ends_as_the_command_reports_it(front: str, ending: str) -> None:
+    """Each front's ``serve(options)`` -- the twins' one entry point -- on a real socket and engine: an
+    engine that stops on its own stops the server (``died``), a SIGTERM drains and stops it (not a death)."""
+    import importlib
 
-    from trio_orch.serve.command import watch_engine
+    from trio_orch.serve.options import ServeOptions
 
-    engine = ThreadEngine(toy_pipeline()).start()
-    server = types.SimpleNamespace(should_exit=False)
-    died: list[str] = []
-    watcher = threading.Thread(target=watch_engine, args=(engine, server, threading.Event(), died))
-    watcher.start()
-    engine.call_soon(engine.orchestrator.request_shutdown)
-    watcher.join(HANG)
-    assert server.should_exit and died == ["its orchestrator stopped"]
-    # a deliberate stop (close while serving) is not reported as a death
-    engine = ThreadEngine(toy_pipeline()).start()
-    stopping = threading.Event()
-    server = types.SimpleNamespace(should_exit=False)
-    died = []
-    watcher = threading.Thread(target=watch_engine, args=(engine, server, stopping, died))
-    watcher.start()
-    stopping.set()
-    engine.close()
-    watcher.join(HANG)
-    assert not server.should_exit and died == []
+    module = importlib.import_module(f"trio_orch.serve.{front}_front")
+    sock = listening_socket(16)
+    announced: list[tuple[str, int, str]] = []
+    answered: list[int] = []
+
+    def end(engine: Any) -> None:  # in a thread, once it serves
+        wait_until(lambda: bool(announced), "the front serving")
+        with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=HANG) as c:
+            answered.append(c.post("/v1/chat/completions", json=chat("hi")).status_code)
+        if ending == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+        else:
+            engine.call_soon(lambda: engine.orchestrator.request_shutdown())
+
+    def make_app(engine: Any, front_metrics: Any, counters: Any) -> Any:
+        threading.Thread(target=end, args=(engine,), daemon=True).start()
+        return create_app(engine, model_name="toy", front=front_metrics, extra_metrics=counters)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        out = module.serve(ServeOptions(
+            pipeline=toy_pipeline(token_delay=0.001, audio_delay=0.001), make_app=make_app, sock=sock,
+            limits=HTTPLimits(max_connections=100), startup_timeout=HANG, shutdown_timeout=5.0,
+            announce=lambda host, port, name: announced.append((host, port, name))))
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        sock.close()
+    assert out.served and out.startup_error is None and answered == [200]
+    assert announced[0][2] == module.FRONT
+    if ending == "SIGTERM":
+        assert out.stopped_by == ["SIGTERM"] and out.died is None
+    else:
+        assert out.stopped_by == [] and out.died == "its orchestrator stopped"
 
 
 def test_a_model_not_served_is_404_and_answers_name_the_first_served_name(serving: Any) -> None:

@@ -31,7 +31,8 @@ from wsproto.events import (
 )
 
 from tests.conftest import live_task_names
-from trio_orch.serve.trio_http import LeanConfig, ServerState, serve
+from trio_orch.http.limits import HTTPLimits
+from trio_orch.serve.trio_http import ServerState, serve
 
 HANG = 10.0
 
@@ -157,19 +158,18 @@ def open_sockets() -> set[str]:
 
 
 @asynccontextmanager
-async def serving(app: App, config: LeanConfig | None = None) -> AsyncIterator[tuple[int, ServerState]]:
+async def serving(app: App, limits: HTTPLimits | None = None) -> AsyncIterator[tuple[int, ServerState]]:
     """The server on a loopback port: ``(port, state)``; on exit, shut down and checked clean."""
     before = open_sockets()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     port = sock.getsockname()[1]
-    state = ServerState(config or LeanConfig())
+    state = ServerState(limits or HTTPLimits())
     stop = trio.Event()
     with trio.fail_after(HANG):
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve, app, sock, state.config, state=state,
-                                        shutdown_trigger=stop.wait))
+            await nursery.start(partial(serve, app, sock, state, shutdown_trigger=stop.wait))
             try:
                 yield port, state
             finally:
@@ -276,7 +276,7 @@ async def test_a_chunked_upload_reaches_the_app_whole() -> None:
     (b"GET / HTTP/1.1\r\nhost: t\r\nx-big: " + b"x" * 2000 + b"\r\n\r\n", b"431")])
 async def test_a_malformed_request_is_400_a_head_too_large_431_then_closed(request_bytes: bytes,
                                                                           status: bytes) -> None:
-    async with serving(App(), LeanConfig(max_head_bytes=1024)) as (port, state), await connect(port) as s:
+    async with serving(App(), HTTPLimits(max_head_bytes=1024)) as (port, state), await connect(port) as s:
         await s.send_all(request_bytes)
         data = await read_to_eof(s)
         assert data.startswith(b"HTTP/1.1 " + status) and b"connection: close" in data
@@ -284,7 +284,7 @@ async def test_a_malformed_request_is_400_a_head_too_large_431_then_closed(reque
 
 
 async def test_a_head_not_complete_within_the_header_timeout_is_closed(autojump_clock: Any) -> None:
-    config = LeanConfig(header_timeout=3.0, keep_alive_timeout=100.0)
+    config = HTTPLimits(header_timeout=3.0, keep_alive_timeout=100.0)
     async with serving(App(), config) as (port, state), await connect(port) as s:
         start = trio.current_time()
         await s.send_all(b"GET / HTTP/1.1\r\nhost: t\r\n")  # the head never ends
@@ -294,7 +294,7 @@ async def test_a_head_not_complete_within_the_header_timeout_is_closed(autojump_
 
 async def test_an_idle_kept_alive_connection_is_closed_after_the_keep_alive_timeout(
         autojump_clock: Any) -> None:
-    config = LeanConfig(header_timeout=100.0, keep_alive_timeout=2.0)
+    config = HTTPLimits(header_timeout=100.0, keep_alive_timeout=2.0)
     async with serving(App(), config) as (port, state), await connect(port) as s:
         await s.send_all(post("/echo", b"x"))
         await read_until(s, b"\r\n\r\nx")
@@ -355,12 +355,11 @@ async def test_the_drain_closes_idle_connections_lets_a_stream_finish_and_refuse
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     port = sock.getsockname()[1]
-    state = ServerState(LeanConfig(graceful_timeout=HANG))
+    state = ServerState(HTTPLimits(), graceful_timeout=HANG)
     before = open_sockets()
     with trio.fail_after(HANG):
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve, app, sock, state.config, state=state,
-                                        shutdown_trigger=stop.wait))
+            await nursery.start(partial(serve, app, sock, state, shutdown_trigger=stop.wait))
             idle, streaming = await connect(port), await connect(port)
             await idle.send_all(post("/echo", b"x"))
             await read_until(idle, b"\r\n\r\nx")
@@ -386,7 +385,7 @@ async def test_the_drain_cancels_what_outlives_the_graceful_timeout(autojump_clo
     stop = trio.Event()
     with trio.fail_after(HANG):
         async with trio.open_nursery() as nursery:
-            await nursery.start(partial(serve, App(), sock, LeanConfig(graceful_timeout=5.0),
+            await nursery.start(partial(serve, App(), sock, ServerState(graceful_timeout=5.0),
                                         shutdown_trigger=stop.wait))
             async with await connect(sock.getsockname()[1]) as s:
                 await s.send_all(post("/stream"))
@@ -398,7 +397,7 @@ async def test_the_drain_cancels_what_outlives_the_graceful_timeout(autojump_clo
 
 
 async def test_past_the_connection_limit_a_new_connection_is_answered_503() -> None:
-    async with serving(App(), LeanConfig(max_connections=1)) as (port, state), await connect(port) as held:
+    async with serving(App(), HTTPLimits(max_connections=1)) as (port, state), await connect(port) as held:
         await held.send_all(post("/echo", b"x"))
         await read_until(held, b"\r\n\r\nx")
         async with await connect(port) as extra:
@@ -457,7 +456,7 @@ async def test_a_websocket_denial_is_the_apps_http_answer() -> None:
 
 async def test_a_websocket_message_over_the_limit_closes_with_1009() -> None:
     app = App()
-    async with serving(app, LeanConfig(max_message_bytes=1000)) as (port, _):
+    async with serving(app, HTTPLimits(max_body_bytes=1000)) as (port, _):
         stream, ws, _ = await ws_client(port, "/echo")
         await stream.send_all(ws.send(BytesMessage(data=b"x" * 2000)))
         close = await ws_next(stream, ws)

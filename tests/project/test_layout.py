@@ -9,6 +9,7 @@ works after some other module happened to be imported first fails here.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -384,6 +385,78 @@ def test_no_private_hook_is_overridden_across_packages() -> None:
     assert hooks_overridden_across_packages() == []
 
 
+def test_every_layout_rule_in_the_design_doc_names_a_test_that_exists() -> None:
+    """docs/design.md's table of the tree's rules names, for each rule, the test that checks it."""
+    doc = (ROOT / "docs" / "design.md").read_text()
+    block = doc.split("<!-- layout-rules:begin -->")[1].split("<!-- layout-rules:end -->")[0]
+    rows = re.findall(r"^\| (.+?) \| `([\w/.]+\.py)::(\w+)` \|$", block, re.M)
+    assert len(rows) >= 8
+    missing = []
+    for rule, file, name in rows:
+        path = ROOT / (file if file.startswith("tests/") else f"tests/project/{file}")
+        names = {n.name for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+        if name not in names:
+            missing.append(f"{rule}: {file}::{name}")
+    assert missing == []
+
+
+# ---------------------------------------------------------------------- probes and long classes
+#: what a probed object is called when it is a stage client (a stage, a replica, a pool, a client)
+STAGE_CLIENT = re.compile(r"stage|client|replica|pool", re.I)
+
+
+def stage_client_probes(source: str, name: str = "<source>") -> list[str]:
+    """``getattr``/``hasattr`` calls on something named like a stage client: an ability probed, not
+    declared (the stage-client Protocols declare them; cluster/, which makes the clients, may look)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id in ("getattr", "hasattr") and node.args
+                and STAGE_CLIENT.search(ast.unparse(node.args[0]))):
+            found.append(f"{name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_probes_of_stage_clients_are_found() -> None:
+    source = ("def f(stage, args, obj):\n"
+              "    a = getattr(stage, 'pump', None)\n"
+              "    b = hasattr(self.stages[k], 'rpc')\n"
+              "    c = getattr(args, 'stage_ids', None)\n"  # a namespace, not a stage client
+              "    return getattr(obj, 'x')\n")
+    assert stage_client_probes(source, "m.py") == ["m.py:2 getattr(stage, 'pump', None)",
+                                                   "m.py:3 hasattr(self.stages[k], 'rpc')"]
+
+
+#: a class longer than this needs a reason in docs/design.md's list of long classes
+LONG_CLASS = 500
+
+
+def class_lengths(source: str, module: str) -> dict[str, int]:
+    """``module.Class`` -> its length in lines, for every class ``source`` defines at any depth."""
+    return {f"{module}.{n.name}": n.end_lineno - n.lineno + 1  # type: ignore[operator]
+            for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)}
+
+
+def unlisted_long_classes(lengths: dict[str, int], listed: set[str]) -> list[str]:
+    """The classes over :data:`LONG_CLASS` lines the list does not name, and what it names that is
+    no such class, or one in the shell or the core (where none may be that long)."""
+    long = {c for c, n in lengths.items() if n > LONG_CLASS}
+    bad = [f"{c} ({lengths[c]} lines) is not in docs/design.md's list of long classes"
+           for c in sorted(long - listed)]
+    bad += [f"{c} is listed but is no class over {LONG_CLASS} lines" for c in sorted(listed - long)]
+    bad += [f"{c} is in the shell or the core" for c in sorted(listed)
+            if c.startswith(("trio_orch.shell.", "trio_orch.core."))]
+    return bad
+
+
+def test_long_classes_and_the_list_are_compared() -> None:
+    lengths = {"trio_orch.engine.a.A": 600, "trio_orch.shell.b.B": 501, "trio_orch.core.c.C": 20}
+    assert unlisted_long_classes(lengths, {"trio_orch.engine.a.A"}) == [
+        "trio_orch.shell.b.B (501 lines) is not in docs/design.md's list of long classes"]
+    assert unlisted_long_classes(lengths, {"trio_orch.engine.a.A", "trio_orch.shell.b.B", "x.Y"}) == [
+        "x.Y is listed but is no class over 500 lines", "trio_orch.shell.b.B is in the shell or the core"]
+
+
 # ---------------------------------------------------------------------- the shell and the core
 SHELL, CORE = ROOT / "trio_orch" / "shell", ROOT / "trio_orch" / "core"
 #: a class longer than this in shell/ or core/ is one concern too many (docs/design.md gives the reasons
@@ -449,3 +522,28 @@ def test_no_decision_in_the_shell_reads_the_wall_clock() -> None:
     text = "\n".join(p.read_text() for p in SHELL.glob("*.py"))
     assert "perf_counter" not in text and "BURST_GAP" not in text
     assert "time.monotonic" not in text and "import time" not in text
+
+
+def test_no_stage_client_is_probed_outside_the_cluster_package() -> None:
+    """The shell, the core, the engine and the fronts ask a stage client only what its declared
+    abilities say; ``cluster/`` makes the clients and may look at them."""
+    files = [p for pkg in ("trio_orch",) for m, p in module_files(pkg).items()
+             if not m.startswith("trio_orch.cluster")]
+    assert any(p.name == "orchestrator.py" for p in files)
+    found = [hit for p in files for hit in stage_client_probes(p.read_text(), str(p.relative_to(ROOT)))]
+    assert found == []
+
+
+def listed_long_classes() -> set[str]:
+    doc = (ROOT / "docs" / "design.md").read_text()
+    block = doc.split("<!-- long-classes:begin -->")[1].split("<!-- long-classes:end -->")[0]
+    return set(re.findall(r"^\| `([\w.]+)` \|", block, re.M))
+
+
+def test_every_class_over_500_lines_is_in_the_design_docs_list() -> None:
+    lengths: dict[str, int] = {}
+    for pkg in PACKAGES:
+        for module, path in module_files(pkg).items():
+            lengths.update(class_lengths(path.read_text(), module))
+    assert lengths["trio_orch.engine.bridge.ThreadEngine"] > 50  # the scan reads every class
+    assert listed_long_classes() and unlisted_long_classes(lengths, listed_long_classes()) == []

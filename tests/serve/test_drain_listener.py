@@ -1,7 +1,6 @@
 """At the end of a drain the listener closes: every connection is answered 503 or refused, none reset or hung.
 
-A real ``trio-orch serve --in-process`` on either front (and on hypercorn
-with ``--loop trio --http-server hypercorn``), one stream in
+A real ``trio-orch serve --in-process`` on either front, one stream in
 flight when SIGTERM comes, and clients on raw sockets connecting over and
 over, from several threads at once, until the process has exited: while it
 drains each gets the 503 ``draining`` answer; once the drain ended the
@@ -62,7 +61,7 @@ def test_the_drain_answer_is_the_middlewares() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["asyncio", "trio", "trio --http-server hypercorn"])
+@pytest.mark.parametrize("loop", ["asyncio", "trio"])
 def test_after_the_drain_a_connection_is_refused_never_reset_or_left_hanging(loop: str) -> None:
     proc, url = start_serve("--in-process", "--loop", *loop.split())
     port = int(url.rsplit(":", 1)[1])
@@ -105,7 +104,7 @@ def test_after_the_drain_a_connection_is_refused_never_reset_or_left_hanging(loo
         assert set(outcomes) <= {"answered 503", "refused", "closed unanswered", "reset"}, outcomes
         assert outcomes["answered 503"] > 0
         # each server's shutdown closes the connections it accepted but has not read a request from yet
-        # (uvicorn's and hypercorn's alike): only at the instant it stops, so at most one per prober
+        # (uvicorn's and the lean server's alike): only at the instant it stops, so at most one per prober
         # (docs/operating.md, the drain).  Such a connection reads as closed if its request had not
         # arrived yet, as reset if it had (a close with unread input is a reset).
         edge = outcomes["closed unanswered"] + outcomes["reset"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import trio
 
-from tests.http_helpers import FRONTS, HANG, SERVERS, Served, TrioServed, chat, deltas, serve, sse_events
+from tests.http_helpers import FRONTS, HANG, Served, TrioServed, chat, deltas, serve, sse_events
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
@@ -50,7 +50,7 @@ def read_stream(sock: socket.socket) -> bytes:
     return data
 
 
-@pytest.fixture(scope="module", params=SERVERS)
+@pytest.fixture(scope="module", params=FRONTS)
 def served(request: pytest.FixtureRequest) -> Iterator[Served | TrioServed]:
     s = serve(request.param, toy_pipeline(token_delay=0.001, audio_delay=0.001),
               limits=HTTPLimits(keep_alive_timeout=0.5, header_timeout=0.5))

@@ -92,7 +92,7 @@ def head_options(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[HeadOpt
 
             HeadKeys.load(opts.keys)  # a missing or broken key directory is a usage error
     if opts.backend == "ray":
-        local = replace(cfg, stages=[replace(s, replicas=0) for s in cfg.stages])
+        local = cfg.with_overrides(replicas=0)
         return opts, local
     empty = [k for k, s in enumerate(cfg.stages) if s.replicas == 0]
     if empty and opts.listen is None:

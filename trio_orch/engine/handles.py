@@ -5,7 +5,7 @@ the terminal, an exception) and hands them out one message at a time or a
 batch at a time; leaving it before the terminal aborts the request.  The
 engine (:class:`~trio_orch.engine.trio_engine.TrioEngine`) opens the
 streams; handles and :func:`stream_batches` only read them, so the engine
-and its thread adapter (:class:`~trio_orch.engine.bridge.Engine`) share one
+and its thread adapter (:class:`~trio_orch.engine.bridge.ThreadEngine`) share one
 ``generate`` loop and one ``add_request_async``, each with its own kind of
 stream (a Trio one in the run, an asyncio one through the adapter).  A
 handle knows its engine only by the :class:`Host` protocol.
@@ -155,7 +155,7 @@ class RequestHandle(HandleBase):
             self.close()
 
     def update(self, segment: Any, *, final: bool = False, timeout: float | None = None) -> None:
-        """More input for this resumable request: :meth:`Engine.update_request`."""
+        """More input for this resumable request: :meth:`ThreadEngine.update_request`."""
         self._engine.update_request(self.request_id, segment, final=final, timeout=timeout)
 
     def __enter__(self) -> RequestHandle:
@@ -224,7 +224,7 @@ class AsyncRequestHandle(HandleBase):
         return self._next_message()
 
     async def update(self, segment: Any, *, final: bool = False) -> None:
-        """More input for this resumable request: :meth:`Engine.update_request_async`."""
+        """More input for this resumable request: :meth:`EngineClient.update_request_async`."""
         await self._engine.update_request_async(self.request_id, segment, final=final)
 
     async def __aenter__(self) -> AsyncRequestHandle:

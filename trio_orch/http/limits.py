@@ -27,9 +27,9 @@ with its input unread is reset, and the client would lose the answer.
 Timeouts use anyio, so the middleware runs unchanged on an asyncio or a
 Trio ASGI server.  Limits on connections (how many, how long an idle one
 or a slow header may hold a socket, the listen backlog, the size of a
-request head) belong to the server: each front maps them to its server's
-own settings (:mod:`trio_orch.serve.uvicorn_front`,
-:mod:`trio_orch.serve.trio_front`).  :class:`RateLimitFilter` keeps
+request head) belong to the server: the asyncio front maps them to uvicorn's
+settings (:mod:`trio_orch.serve.asyncio_front`), the Trio front's lean
+server reads them as they are (:mod:`trio_orch.serve.trio_front`).  :class:`RateLimitFilter` keeps
 floods of identical log lines (accept errors when out of file descriptors)
 to one line per interval.
 """
@@ -86,8 +86,7 @@ class HTTPLimits:
     ``backlog`` and ``max_head_bytes`` are applied by the server (each front
     maps them to its server's settings); the others by :class:`LimitsMiddleware`
     and the request parser.  ``max_connections`` None: the serve command derives
-    it from the process's file-descriptor limit (uvicorn, the lean Trio server);
-    hypercorn has none.
+    it from the process's file-descriptor limit, the same for either server.
     """
 
     max_body_bytes: int = 4 << 20

@@ -61,12 +61,12 @@ class SSEResponse(StreamingResponse):
     first, the watcher cancels the wait for the next chunk, which closes the
     request's message iterator under the body (and so aborts the request in
     the orchestrator).  The watcher never cancels a ``send`` (it cancels the
-    body's scope only while the loop waits for a chunk): the server
-    runs its own connection bookkeeping inside it (hypercorn answers the
-    final body chunk with ``http.disconnect`` and then, still in that call,
-    closes a ``Connection: close`` connection or re-arms its keep-alive
-    timer), so cancelling there would leave the connection open with the
-    response complete.  An ``http.disconnect`` once the last chunk is on its
+    body's scope only while the loop waits for a chunk): a server may run
+    its own connection bookkeeping inside it (answer the final body chunk
+    with ``http.disconnect`` and then, still in that call, close a
+    ``Connection: close`` connection or re-arm its keep-alive timer), so
+    cancelling there would leave the connection open with the response
+    complete.  An ``http.disconnect`` once the last chunk is on its
     way is the end of the response, not the client leaving.  AnyIO: the same
     code on an asyncio or a Trio server.
     """

@@ -1,3 +1,4 @@
-"""``trio-orch serve``: the command, its two fronts (uvicorn on asyncio; on Trio the lean server of
-:mod:`trio_orch.serve.trio_http`, or hypercorn), signals and drain.
+"""``trio-orch serve``: the command (flags into options), its twin fronts -- uvicorn on asyncio
+(:mod:`.asyncio_front`), the lean server of :mod:`.trio_http` on Trio (:mod:`.trio_front`) --,
+signals and drain.
 """

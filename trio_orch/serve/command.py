@@ -1,12 +1,16 @@
-"""``trio-orch serve``: the HTTP app (:mod:`trio_orch.http.app`) over the Trio engine, on one of two fronts.
+"""``trio-orch serve``: the flags, turned into the options of one of two fronts serving the HTTP app.
 
-``--loop asyncio``: uvicorn on an asyncio loop in the main thread; the
-orchestrator and its pipeline run in the :class:`~trio_orch.engine.bridge.ThreadEngine`'s
-Trio thread.  ``--loop trio``: an HTTP server on Trio -- the lean one
-(:mod:`trio_orch.serve.trio_http`, default) or hypercorn's Trio worker
-(``--http-server hypercorn``) -- and the
-:class:`~trio_orch.engine.trio_engine.TrioEngine` in one Trio run
-(:mod:`trio_orch.serve.trio_front`), no thread between them.
+``--loop asyncio`` (:mod:`trio_orch.serve.asyncio_front`): uvicorn on an
+asyncio loop in the main thread; the orchestrator and its pipeline run in the
+:class:`~trio_orch.engine.ThreadEngine`'s Trio thread.  ``--loop trio``
+(:mod:`trio_orch.serve.trio_front`): the project's lean HTTP server and the
+:class:`~trio_orch.engine.TrioEngine` in one Trio run, no thread between
+them.  This module only reads and checks the command line and makes a
+:class:`~trio_orch.serve.options.ServeOptions` of it (the pipeline, the
+engine's options, the HTTP limits -- ``max_connections`` resolved once, for
+either server --, the listening socket, the app); each front's ``serve``
+does the rest, and the :class:`~trio_orch.serve.options.ServeOutcome` it
+returns becomes the exit code here, the same way for both.
 
 Drain (both fronts): the first SIGTERM or SIGINT stops accepting work (``/health`` and new
 requests answer 503 ``draining``; the listening socket stays open so a load
@@ -22,14 +26,15 @@ as ``trio-orch generate``).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import signal
 import socket
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +42,11 @@ from stages.config import PIPELINES
 from stages.placement import check_devices, device_arg
 from stages.registry import outputs_of, text_stage
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
-from trio_orch.engine import EngineClient, EngineStartupError, ThreadEngine
+from trio_orch.engine import EngineClient
 from trio_orch.engine.base import as_spec
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.http.metrics import FrontMetrics
+from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 from trio_orch.openai.media import MediaPolicy
 from trio_orch.serve import credentials
@@ -53,18 +58,16 @@ from trio_orch.serve.checkpoint import (
     pipeline_config,
     resolve_model,
 )
-from trio_orch.serve.connection_limits import HeadDeadline, default_max_connections, quiet_floods
-from trio_orch.serve.signals import EXIT_SIGNAL, signal_name
-from trio_orch.serve.uvicorn_front import DrainingServer, uvicorn_config
+from trio_orch.serve.connection_limits import default_max_connections
+from trio_orch.serve.options import ServeOptions, ServeOutcome
+from trio_orch.serve.signals import EXIT_SIGNAL
 
-__all__ = ["DEFAULT_LOOP", "HTTP_SERVERS", "configure", "run", "watch_engine"]
+__all__ = ["DEFAULT_LOOP", "configure", "run"]
 
 #: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
 DEFAULT_LOOP = "asyncio"
-#: the HTTP servers of ``--loop trio`` (``--http-server``), the default first
-HTTP_SERVERS = ("lean", "hypercorn")
 
-log = logging.getLogger("trio_orch.serve.command")
+log = logging.getLogger("trio_orch.serve")
 
 
 
@@ -77,7 +80,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
         "(vLLM's and OpenAI's dialect, --served-model-name and --api-key as vLLM's: "
         "docs/openai-compat.md). --loop trio: the HTTP server "
-        "(Starlette on the lean Trio server, or hypercorn) runs in the orchestrator's own Trio run; "
+        "(Starlette on the project's lean Trio server) runs in the orchestrator's own Trio run; "
         "--loop asyncio (default): "
         "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav (random-weight toys); "
@@ -88,18 +91,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.allow_abbrev = False  # --model is never a prefix of --model-name, nor any flag of another
     add_model_arguments(parser, positional=True)
     parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
-                        help="trio: the HTTP server (see --http-server) runs inside the "
+                        help="trio: the project's lean HTTP/1.1 + WebSocket server (h11, wsproto; each "
+                             "streamed chunk written straight to the socket) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
-    parser.add_argument("--http-server", choices=list(HTTP_SERVERS), default=None,
-                        help="--loop trio only: the HTTP server in the Trio run. lean (default): the "
-                             "project's own HTTP/1.1 + WebSocket server on h11 and wsproto, which writes "
-                             "each streamed chunk straight to the socket, with no scheduling point when "
-                             "the kernel takes the bytes (hypercorn's send lock and checkpoint per chunk "
-                             "made it about 4x uvicorn's CPU per streamed request); hypercorn: "
-                             "hypercorn's Trio worker (no --max-connections). docs/operating.md has "
-                             "each one's limits")
+    parser.add_argument("--http-server", action=_Removed, help=argparse.SUPPRESS,
+                        removed="--loop trio serves with the project's lean HTTP server, the only one "
+                                "it has now (docs/operating.md)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -180,8 +179,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--header-timeout", type=float, default=d.header_timeout,
                    help="seconds a connection may take to send a complete request head, from connecting "
                         "or from its previous answer, before it is closed (default "
-                        f"{d.header_timeout:g}; --http-server hypercorn: hypercorn's idle timer, so the "
-                        "smaller of this and --keep-alive-timeout)")
+                        f"{d.header_timeout:g})")
     h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
     h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
@@ -192,9 +190,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--max-connections", type=int, default=None,
                    help="open connections; past it a new request gets 503 (--loop asyncio: uvicorn's "
                         "limit_concurrency, which counts requests in progress too; --loop trio: the "
-                        "lean server's own count; default: the file-descriptor limit minus 1024; "
-                        "hypercorn has no such limit: --http-server hypercorn refuses it)")
-    h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS)
+                        "lean server's own count; default: the file-descriptor limit minus 1024)")
+    h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS,
+                   removed="it went with the acceptor process that applied it; the shedder still "
+                           "answers 429 before a request body is read (docs/operating.md)")
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template that makes the messages one prompt, as vLLM's flag: a file, "
@@ -210,16 +209,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 class _Removed(argparse.Action):
-    """A flag that no longer exists: an error that says so, never silently ignored."""
+    """A flag that no longer exists: a usage error (exit 2) that says why, never silently ignored."""
+
+    def __init__(self, option_strings: list[str], dest: str, *, removed: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", **kwargs)
+        self.removed = removed
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was removed with the acceptor process that applied it; the "
-                     "shedder still answers 429 before a request body is read (docs/operating.md)")
+        parser.error(f"{option_string} was removed: {self.removed}")
 
 
 def _check_args(args: argparse.Namespace) -> HTTPLimits:
-    """The HTTP limits from the command line; ValueError for any bad value."""
+    """The HTTP limits from the command line (``max_connections`` resolved); ValueError for a bad value."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535 (0: a free one), got {args.port}")
     if args.request_queue_size < 0:
@@ -239,16 +241,12 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
     credentials.resolve(args)  # the API key and admin token: flag, file, systemd credential, environment
-    if args.http_server is not None and args.loop != "trio":
-        raise ValueError(f"--http-server {args.http_server} applies to --loop trio only (--loop "
-                         f"{args.loop} serves with uvicorn)")
-    if args.http_server == "hypercorn" and args.max_connections is not None:  # must hold or be refused
-        raise ValueError("--max-connections does not apply to --http-server hypercorn: hypercorn's Trio "
-                         "worker has no connection limit (the lean server and --loop asyncio have one)")
+    # one limit on connections for either server: the flag's, else what the fd limit leaves room for
+    max_connections = args.max_connections or default_max_connections()
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
                       max_prompt_chars=args.max_prompt_chars,
                       body_timeout=args.body_timeout, header_timeout=args.header_timeout,
-                      keep_alive_timeout=args.keep_alive_timeout, max_connections=args.max_connections,
+                      keep_alive_timeout=args.keep_alive_timeout, max_connections=max_connections,
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes)
 
 
@@ -372,80 +370,49 @@ def run(args: argparse.Namespace) -> int:
         sock.bind((args.host, args.port))
         sock.listen(limits.backlog)  # connections queue from now on, before the server starts accepting
     except OSError as exc:
+        sock.close()
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    print(f"starting {pipeline.what} ...", flush=True)
-    if args.loop == "trio":
-        return _run_trio(args, pipeline, limits, sock)
-    engine = ThreadEngine(pipeline.factory, **_engine_options(args, pipeline))
-    try:
-        engine.start()
-    except EngineStartupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sock.close()
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted while starting: stopping the engine ...", file=sys.stderr, flush=True)
-        _close(engine)
-        sock.close()
-        return EXIT_SIGNAL
-    host, port = sock.getsockname()[:2]
-    front = FrontMetrics()
-    deadline = HeadDeadline(limits.header_timeout)
-    app = _app(args, pipeline, engine, limits, front, deadline.counters)
     level = logging.getLogger().getEffectiveLevel()
-    quiet_floods()
-    stopping = threading.Event()
-    stopped_by: list[str] = []
-    died: list[str] = []
-
-    def drain() -> None:
-        engine.close(drain=args.shutdown_timeout)
-        server.should_exit = True
-
-    def on_signal(signum: int, frame: Any = None) -> None:
-        # Runs in a signal handler: set flags, start a thread, return.
-        stopped_by.append(signal_name(signum))
-        if len(stopped_by) == 1:
-            stopping.set()
-            front.draining = True
-            print(f"{signal_name(signum)}: draining (up to {args.shutdown_timeout:g}s; again to stop "
-                  "at once) ...", flush=True)
-            threading.Thread(target=drain, name="trio-orch-drain", daemon=True).start()
-        elif len(stopped_by) == 2:
-            engine.end_drain()
-        else:  # the operator insists: uvicorn's own forced exit
-            server.should_exit = server.force_exit = True
-
-    config = uvicorn_config(app, limits, deadline,
-                            max_connections=limits.max_connections or default_max_connections(),
-                            log_level="info" if level <= logging.INFO else "warning")
-    server = DrainingServer(config, on_signal)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
-        signal.signal(sig, on_signal)
-    threading.Thread(target=watch_engine, args=(engine, server, stopping, died), daemon=True,
-                     name="trio-orch-engine-watch").start()
-    _announce(pipeline, host, port, "asyncio front")
+    options = ServeOptions(
+        pipeline=pipeline.factory, make_app=partial(_app, args, pipeline, limits), sock=sock, limits=limits,
+        startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
+        announce=partial(_announce, pipeline), engine=_engine_options(args, pipeline),
+        log_level="info" if level <= logging.INFO else "warning")
+    print(f"starting {pipeline.what} ...", flush=True)
+    # each front imports its own server only when it runs
+    front = importlib.import_module(f"trio_orch.serve.{args.loop}_front")
     try:
-        server.run(sockets=[sock])
+        out = front.serve(options)
+    except KeyboardInterrupt:
+        print("interrupted: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
     finally:
-        stopping.set()
-        print("stopping the engine ...", flush=True)
-        _close(engine)
         sock.close()
-    if died:
-        print(f"error: the engine stopped on its own ({died[0]}); the server stopped with it",
+    return _exit_code(out)
+
+
+def _exit_code(out: ServeOutcome) -> int:
+    """What the command says, and its exit code, for how a front's run ended (the same for both)."""
+    if out.startup_error is not None:
+        print(f"error: {out.startup_error}", file=sys.stderr)
+        return 1
+    if not out.served:
+        print("interrupted while starting: stopped", file=sys.stderr, flush=True)
+        return EXIT_SIGNAL
+    if out.died is not None:
+        print(f"error: the engine stopped on its own ({out.died}); the server stopped with it",
               file=sys.stderr)
         return 1
     print("stopped", flush=True)
-    return EXIT_SIGNAL if stopped_by else 0
+    return EXIT_SIGNAL if out.stopped_by else 0
 
 
-def _app(args: argparse.Namespace, pipeline: _Pipeline, engine: EngineClient, limits: HTTPLimits,
-         front: FrontMetrics, front_counters: Any = None) -> Any:
+def _app(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, engine: EngineClient,
+         front: FrontMetrics, server_counters: Callable[[], ExtraCounters]) -> Any:
     """The one app both fronts serve (:func:`~trio_orch.http.app.create_app`), from the command line."""
-    def extra_metrics() -> dict[str, Any]:
-        return {**pipeline.extra_metrics(), **(front_counters() if front_counters is not None else {})}
+    def extra_metrics() -> ExtraCounters:
+        return {**pipeline.extra_metrics(), **server_counters()}
 
     return create_app(engine, model_name=args.served_model_name, extra_metrics=extra_metrics,
                       outputs=pipeline.outputs, limits=limits, front=front,
@@ -461,82 +428,10 @@ def _announce(pipeline: _Pipeline, host: str, port: int, front: str) -> None:
 
 
 def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:
-    return {"startup_timeout": args.startup_timeout, "request_queue_size": args.request_queue_size,
-            "request_timeout": args.request_timeout or None, "admission_timeout": args.admission_timeout,
-            "max_waiting": args.request_queue_size, "max_inflight": pipeline.max_inflight}
-
-
-def _run_trio(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, sock: socket.socket) -> int:
-    """``--loop trio``: one Trio run owns the server, the orchestrator and the workers."""
-    import trio
-
-    from trio_orch.engine import TrioEngine
-    from trio_orch.serve.trio_front import serve_trio, server_config
-    from trio_orch.serve.trio_http import LeanConfig, ServerState
-
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # until Trio takes the signals over
-    options = _engine_options(args, pipeline)
-    del options["startup_timeout"]  # serve_trio bounds the start itself
-    engine = TrioEngine(pipeline.factory, **options)
-    front = FrontMetrics()
-    level = logging.getLogger().getEffectiveLevel()
-    http_server = args.http_server or HTTP_SERVERS[0]
-    if http_server == "lean":
-        limits = replace(limits, max_connections=limits.max_connections or default_max_connections())
-    config = server_config(limits, http_server, log_level="info" if level <= logging.INFO else "warning")
-    state = ServerState(config) if isinstance(config, LeanConfig) else None
-
-    def make_app(eng: TrioEngine) -> Any:
-        return _app(args, pipeline, eng, limits, front, state.counters if state is not None else None)
-
-    def announce(host: str, port: int) -> None:
-        _announce(pipeline, host, port, f"Trio front, {http_server} server")
-
-    try:
-        out = trio.run(lambda: serve_trio(engine, make_app, sock, config, front,
-                                          startup_timeout=args.startup_timeout,
-                                          shutdown_timeout=args.shutdown_timeout, announce=announce,
-                                          state=state))
-    except KeyboardInterrupt:
-        print("interrupted: stopped", file=sys.stderr, flush=True)
-        return EXIT_SIGNAL
-    finally:
-        sock.close()
-    if out.startup_error is not None:
-        print(f"error: {out.startup_error}", file=sys.stderr)
-        return 1
-    if not out.served:
-        print("interrupted while starting: stopped", file=sys.stderr, flush=True)
-        return EXIT_SIGNAL
-    if out.died is not None:
-        print(f"error: the engine stopped on its own ({out.died}); the server stopped with it",
-              file=sys.stderr)
-        return 1
-    print("stopped", flush=True)
-    return EXIT_SIGNAL if out.stopped_by else 0
+    return {"request_queue_size": args.request_queue_size, "request_timeout": args.request_timeout or None,
+            "admission_timeout": args.admission_timeout, "max_waiting": args.request_queue_size,
+            "max_inflight": pipeline.max_inflight}
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _close(engine: ThreadEngine) -> None:
-    """Close the engine; meanwhile SIGINT/SIGTERM only cut a drain short: the bounded cleanup must finish."""
-    previous = {sig: signal.signal(sig, lambda signum, frame: engine.end_drain())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        engine.close()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def watch_engine(engine: ThreadEngine, server: Any, stopping: threading.Event, died: list[str]) -> None:
-    """If the engine thread ends while we serve (a crash), stop the HTTP server too: exit 1.
-
-    Serving only 503s would hide the failure from whoever restarts the process.
-    """
-    engine.join()
-    if not stopping.is_set():
-        died.append(engine.closed_reason or "its thread exited")
-        server.should_exit = True

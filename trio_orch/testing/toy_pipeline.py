@@ -203,5 +203,5 @@ async def open_toy_pipeline(token_delay: float = 0.02,
 
 
 def toy_pipeline(token_delay: float = 0.02, audio_delay: float = 0.01) -> Callable[[], Any]:
-    """A pipeline factory for :class:`~trio_orch.engine.bridge.Engine`."""
+    """A pipeline factory for :class:`~trio_orch.engine.bridge.ThreadEngine`."""
     return lambda: open_toy_pipeline(token_delay, audio_delay)

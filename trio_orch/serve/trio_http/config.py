@@ -1,4 +1,14 @@
-"""The lean server's settings (the serve command's HTTP limits) and the state its connections share."""
+"""What the lean server's connections share: the serve command's HTTP limits, the drain, the counters.
+
+The server applies the connection limits of :class:`~trio_orch.http.limits.HTTPLimits`
+itself, read as they are -- ``max_head_bytes`` (431 past it),
+``header_timeout`` (a complete head within that long of connecting or of the
+last answer), ``keep_alive_timeout`` (an idle kept-alive connection is
+closed), ``max_connections`` (past it a new connection is answered 503),
+``max_body_bytes`` as the WebSocket message limit (1009) -- so no second
+table of settings stands between a ``serve`` flag and what it limits.  The
+body limits and timeouts stay with the app's middleware.
+"""
 
 from __future__ import annotations
 
@@ -10,34 +20,20 @@ from trio_orch.http.limits import HTTPLimits
 if TYPE_CHECKING:
     from trio_orch.serve.trio_http.connection import HTTPConnection
 
-__all__ = ["LeanConfig", "ServerState"]
+__all__ = ["MAX_DRAIN_BYTES", "ServerState"]
 
-
-@dataclass(frozen=True)
-class LeanConfig:
-    """What the server enforces itself; the body limits and timeouts stay with the app's middleware."""
-
-    max_head_bytes: int = 64 << 10  #: request line and headers, else 431
-    header_timeout: float = 10.0  #: a complete head within this long of connecting or of the last answer
-    keep_alive_timeout: float = 5.0  #: an idle kept-alive connection (no byte of a next request) is closed
-    max_message_bytes: int = 4 << 20  #: a WebSocket message, else close 1009
-    max_connections: int | None = None  #: past it a new connection is answered 503 and closed
-    graceful_timeout: float = 5.0  #: on shutdown, how long in-flight responses may still take
-    #: a body the app did not read, read and dropped after its answer to keep the connection (else closed)
-    max_drain_bytes: int = 1 << 20
-
-    @classmethod
-    def from_limits(cls, limits: HTTPLimits, *, graceful_timeout: float = 5.0) -> LeanConfig:
-        return cls(max_head_bytes=limits.max_head_bytes, header_timeout=limits.header_timeout,
-                   keep_alive_timeout=limits.keep_alive_timeout, max_message_bytes=limits.max_body_bytes,
-                   max_connections=limits.max_connections, graceful_timeout=graceful_timeout)
+#: a body the app did not read is read and dropped after its answer, up to this much, to keep the
+#: connection (a longer one closes it)
+MAX_DRAIN_BYTES = 1 << 20
 
 
 @dataclass
 class ServerState:
-    """One server's shared state: its settings, whether it drains, its connections and counters."""
+    """One server's shared state: its limits, how long a drain lets answers finish, whether it drains,
+    its connections and counters."""
 
-    config: LeanConfig
+    limits: HTTPLimits = field(default_factory=HTTPLimits)
+    graceful_timeout: float = 5.0  #: on shutdown, how long in-flight responses may still take
     draining: bool = False
     connections: set[HTTPConnection] = field(default_factory=set)
     header_timeouts: int = 0  #: connections closed because their request head did not arrive in time

@@ -25,7 +25,7 @@ import trio
 
 from trio_orch.http.limits import json_response
 from trio_orch.openai.validation import error_body
-from trio_orch.serve.trio_http.config import ServerState
+from trio_orch.serve.trio_http.config import MAX_DRAIN_BYTES, ServerState
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,
     END,
@@ -93,8 +93,8 @@ class HTTPConnection:
         self.app = app
         self.transport = transport
         self.state = state
-        self.config = state.config
-        self.reader = RequestReader(self.config.max_head_bytes)
+        self.limits = state.limits
+        self.reader = RequestReader(self.limits.max_head_bytes)
         self.refuse = refuse  #: past the connection limit: its request is answered 503
         self.idle_scope: trio.CancelScope | None = None  #: set while awaiting a request, none of it in
         self.eof = False  #: the client closed its side
@@ -141,7 +141,7 @@ class HTTPConnection:
                 try:
                     scope = asgi_scope("websocket", head, self.server, self.client)
                     await serve_websocket(self.app, self.transport, self.reader.leftover(), head, scope,
-                                          self.config)
+                                          self.limits)
                 finally:
                     self.state.websockets -= 1
                 return
@@ -153,8 +153,8 @@ class HTTPConnection:
 
     async def _next_head(self, since: float, first: bool) -> RequestHead | None:
         """The next request head, or None once the connection is to close (after any answer it needs)."""
-        head_deadline = since + self.config.header_timeout
-        idle_deadline = head_deadline if first else since + self.config.keep_alive_timeout
+        head_deadline = since + self.limits.header_timeout
+        idle_deadline = head_deadline if first else since + self.limits.keep_alive_timeout
         while True:
             try:
                 event = self.reader.next_event()
@@ -276,7 +276,7 @@ class HTTPConnection:
         try:
             with trio.CancelScope() as cycle.watching:
                 while not cycle.gone.is_set():
-                    if ahead >= self.config.max_head_bytes:  # enough of a next request: read no further
+                    if ahead >= self.limits.max_head_bytes:  # enough of a next request: read no further
                         await cycle.gone.wait()
                         break
                     chunk = await self.transport.recv()
@@ -326,8 +326,8 @@ class HTTPConnection:
     async def _drop_body(self, cycle: _Cycle) -> bool:
         """Read and drop the body the app left unread (bounded); whether the connection may go on."""
         dropped = 0
-        with trio.move_on_after(self.config.header_timeout):
-            while dropped <= self.config.max_drain_bytes:
+        with trio.move_on_after(self.limits.header_timeout):
+            while dropped <= MAX_DRAIN_BYTES:
                 try:
                     dropped += len(self._take_body(cycle))
                 except BadRequest:

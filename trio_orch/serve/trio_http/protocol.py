@@ -1,6 +1,6 @@
 """The sans-I/O half of the lean server: request heads in (through h11), response framing out (by hand).
 
-Parsing stays with h11 -- the same parser uvicorn and hypercorn use, with its
+Parsing stays with h11 -- the same parser uvicorn uses, with its
 head-size bound and its error hints (400, 431) -- but h11 is asked only
 about the client's side.  A response is framed here: one status line and the
 headers, then each body chunk as the app hands it over (``content-length``

@@ -7,7 +7,7 @@ nursery of its own.  Past ``max_connections`` open connections, a new one
 is still accepted, but its request is answered 503 and it is closed: a
 refusal the client can read, not a stall in the kernel's queue.
 
-Shutdown the hypercorn way: when ``shutdown_trigger()`` returns, the accept
+Shutdown, as uvicorn do it: when ``shutdown_trigger()`` returns, the accept
 loop stops and the listening socket is closed (``on_listener_closed`` runs
 then: the serve command answers what is still queued on a duplicate of it,
 :mod:`trio_orch.serve.listener`), connections waiting idle for a next
@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from trio_orch.http.limits import RateLimitFilter
-from trio_orch.serve.trio_http.config import LeanConfig, ServerState
+from trio_orch.serve.trio_http.config import ServerState
 from trio_orch.serve.trio_http.connection import ASGIApp, HTTPConnection
 from trio_orch.serve.trio_http.transport import Transport
 
@@ -43,18 +43,18 @@ _RESOURCE_ERRORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.E
 _RESOURCE_PAUSE = 0.1
 
 
-async def serve(app: ASGIApp, sock: socket.socket, config: LeanConfig, *,
-                state: ServerState | None = None,
+async def serve(app: ASGIApp, sock: socket.socket, state: ServerState | None = None, *,
                 shutdown_trigger: Callable[[], Awaitable[Any]] | None = None,
                 on_listener_closed: Callable[[], Awaitable[Any]] | None = None,
                 task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve ``app`` on the listening ``sock`` until ``shutdown_trigger()`` returns, then drain.
 
     ``task_status`` gets the URL served once accepting.  ``state`` (made
-    here if not given) holds the draining flag, the open connections and
-    the counters.  ``sock`` is closed on return.
+    here with the default limits if not given) holds the limits, the
+    draining flag, the open connections and the counters.  ``sock`` is
+    closed on return.
     """
-    state = state if state is not None else ServerState(config)
+    state = state if state is not None else ServerState()
     listener = trio.socket.from_stdlib_socket(sock)
     try:
         async with trio.open_nursery() as connections:
@@ -77,14 +77,14 @@ async def serve(app: ASGIApp, sock: socket.socket, config: LeanConfig, *,
                 connections.start_soon(on_listener_closed)
             for conn in list(state.connections):
                 conn.close_if_idle()
-            connections.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+            connections.cancel_scope.deadline = trio.current_time() + state.graceful_timeout
     finally:
         listener.close()
 
 
 async def _accept(app: ASGIApp, listener: trio.socket.SocketType, state: ServerState,
                   nursery: trio.Nursery) -> None:
-    limit = state.config.max_connections
+    limit = state.limits.max_connections
     while True:
         try:
             sock, _ = await listener.accept()

@@ -8,7 +8,7 @@ draining, the realtime route's 400/404).  Once accepted, one reader task
 turns frames into ``websocket.receive`` messages on a small channel (a
 client outpacing the app waits on it), answers pings and the client's
 close, and ends the session with ``websocket.disconnect``.  A message over
-``max_message_bytes`` closes the session with 1009.  A ``send`` after the
+the limits' ``max_body_bytes`` closes the session with 1009.  A ``send`` after the
 session ended raises :class:`OSError` (the app's ``WebSocketDisconnect``).
 On a cancel (the server's shutdown deadline) the client gets a 1001 close
 frame if the socket takes it at once.
@@ -34,7 +34,7 @@ from wsproto.events import (
 )
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
-from trio_orch.serve.trio_http.config import LeanConfig
+from trio_orch.http.limits import HTTPLimits
 from trio_orch.serve.trio_http.protocol import RequestHead, simple_response
 from trio_orch.serve.trio_http.transport import Transport
 
@@ -50,7 +50,7 @@ class SessionGone(OSError):
 
 
 async def serve_websocket(app: Any, transport: Transport, leftover: bytes, head: RequestHead,
-                          scope: dict[str, Any], config: LeanConfig) -> None:
+                          scope: dict[str, Any], limits: HTTPLimits) -> None:
     """Serve the upgrade request ``head`` as a WebSocket session, then close the connection."""
     ws = WSConnection(ConnectionType.SERVER)
     try:
@@ -64,18 +64,18 @@ async def serve_websocket(app: Any, transport: Transport, leftover: bytes, head:
         return
     scope["subprotocols"] = list(request.subprotocols)
     scope["extensions"] = {"websocket.http.response": {}}
-    await WebSocketSession(app, transport, ws, config, leftover).run(scope)
+    await WebSocketSession(app, transport, ws, limits, leftover).run(scope)
 
 
 class WebSocketSession:
     """One session: the app's ``receive``/``send`` over wsproto and the socket."""
 
-    def __init__(self, app: Any, transport: Transport, ws: WSConnection, config: LeanConfig,
+    def __init__(self, app: Any, transport: Transport, ws: WSConnection, limits: HTTPLimits,
                  leftover: bytes) -> None:
         self.app = app
         self.transport = transport
         self.ws = ws
-        self.config = config
+        self.limits = limits
         self.leftover = leftover
         self.connected = False  #: websocket.connect was given to the app
         self.accepted = False
@@ -190,7 +190,7 @@ class WebSocketSession:
                 for event in self.ws.events():
                     if isinstance(event, TextMessage | BytesMessage):
                         size += len(event.data)
-                        if size > self.config.max_message_bytes:
+                        if size > self.limits.max_body_bytes:
                             self.disconnect = {"type": "websocket.disconnect", "code": MESSAGE_TOO_BIG}
                             await self._close(MESSAGE_TOO_BIG, "message too big")
                             return
