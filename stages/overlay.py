@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from stages.config import PipelineConfig, from_dict, to_dict
+from stages.config import PipelineConfig, PipelineTable, StageConfig, from_dict, to_dict
 
 __all__ = ["FIXED_PIPELINE", "FIXED_STAGE", "apply_overlay", "load_overlay", "stage_index"]
 
@@ -84,7 +84,8 @@ def stage_index(cfg: PipelineConfig, key: str) -> int:
                      f"one by its index, name or kind){hint}")
 
 
-def _check_key(where: str, key: str, allowed: Mapping[str, Any], fixed: tuple[str, ...], why: str) -> None:
+def _check_key(where: str, key: str, allowed: tuple[str, ...], fixed: tuple[str, ...], why: str) -> None:
+    """``key`` is one of the ``allowed`` keys (the declared fields of its table) and not a ``fixed`` one."""
     if key in fixed:
         raise ValueError(f"{where}: {key!r} is not set by a stage config: {why}")
     if key not in allowed:
@@ -111,7 +112,7 @@ def apply_overlay(cfg: PipelineConfig, data: Mapping[str, Any]) -> PipelineConfi
                          "[stages.NAME] tables")
     layout = to_dict(cfg)
     for key, value in _table("[pipeline]", data.get("pipeline", {})).items():
-        _check_key("[pipeline]", key, layout["pipeline"], FIXED_PIPELINE,
+        _check_key("[pipeline]", key, PipelineTable.__struct_fields__, FIXED_PIPELINE,
                    "which stages answer is the pipeline's own")
         layout["pipeline"][key] = value
     stages = data.get("stages", {})
@@ -127,10 +128,10 @@ def apply_overlay(cfg: PipelineConfig, data: Mapping[str, Any]) -> PipelineConfi
         named[k] = key
         where, target = f"[stages.{key}]", layout["stages"][k]
         for name, value in _table(where, table).items():
-            _check_key(where, name, target, FIXED_STAGE, "it says which stages the pipeline is made of (a "
-                       "pipeline config, --config, chooses them)")
+            _check_key(where, name, StageConfig.__struct_fields__, FIXED_STAGE, "it says which stages the "
+                       "pipeline is made of (a pipeline config, --config, chooses them)")
             if name == "model":
-                target["model"] = {**target["model"], **_table(f"{where} model", value)}
+                target["model"] = {**target.get("model", {}), **_table(f"{where} model", value)}
             else:
                 target[name] = value
     try:
