@@ -46,6 +46,7 @@ from typing import Any
 
 import anyio
 
+from stages.schema import PositiveInt, PositiveSeconds, check_fields
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.validation import error_body
 
@@ -87,29 +88,23 @@ class HTTPLimits:
     maps them to its server's settings); the others by :class:`LimitsMiddleware`
     and the request parser.  ``max_connections`` None: the serve command derives
     it from the process's file-descriptor limit, the same for either server.
+    Each field's range is its annotation (:mod:`stages.schema`'s: a time is a
+    finite number of seconds), checked when the limits are made.
     """
 
-    max_body_bytes: int = 4 << 20
-    max_body_reads: int = 32
-    max_prompt_chars: int = 32_000
-    max_json_depth: int = 32
-    body_timeout: float = 30.0
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
-    max_connections: int | None = None
-    backlog: int = 2048
-    max_head_bytes: int = 64 << 10
+    max_body_bytes: PositiveInt = 4 << 20
+    max_body_reads: PositiveInt = 32
+    max_prompt_chars: PositiveInt = 32_000
+    max_json_depth: PositiveInt = 32
+    body_timeout: PositiveSeconds = 30.0
+    header_timeout: PositiveSeconds = 10.0
+    keep_alive_timeout: PositiveSeconds = 5.0
+    max_connections: PositiveInt | None = None
+    backlog: PositiveInt = 2048
+    max_head_bytes: PositiveInt = 64 << 10
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_body_reads", "max_prompt_chars", "max_json_depth", "backlog",
-                     "max_head_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+        check_fields(self)
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> tuple[list[Any], bytes]:
