@@ -205,7 +205,7 @@ def test_at_the_connection_limit_a_new_request_gets_503() -> None:
 
 
 def test_a_log_flood_becomes_one_line_per_interval_with_a_count() -> None:
-    from trio_orch.http.limits import RateLimitFilter
+    from trio_orch.http.logs import RateLimitFilter
 
     flt = RateLimitFilter(("out of system resource",), interval=3600)
     records = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system "

@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +46,12 @@ from typing import Any
 import anyio
 
 from stages.schema import PositiveInt, PositiveSeconds, check_fields
+from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.validation import error_body
 
-__all__ = ["Guard", "HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Refusal", "Scope", "Shedder",
-           "json_response"]
+__all__ = ["UNMATCHED", "Guard", "HTTPLimits", "LimitsMiddleware", "Refusal", "RouteLabel", "Scope",
+           "Shedder", "json_response"]
 
 log = logging.getLogger("trio_orch.http")
 
@@ -77,6 +77,11 @@ class Refusal:
 
 #: asked first for every HTTP request: a :class:`Refusal` answers it before any other check
 Guard = Callable[[Scope], Refusal | None]
+#: a request's ``route`` label (metrics, log lines): its matched route's path template, else
+#: :data:`UNMATCHED` -- never the raw path, which a client could make new for every request
+RouteLabel = Callable[[Scope], str]
+#: the route label of a request that matches no route
+UNMATCHED = "unmatched"
 
 
 @dataclass(frozen=True)
@@ -164,15 +169,18 @@ class _ClientLeft(Exception):
 
 
 class LimitsMiddleware:
-    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
+    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route, the label
+    ``route_of(scope)`` gives (the app's route table; without one, :data:`UNMATCHED`)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
-                 shedder: Shedder | None = None, guards: tuple[Guard, ...] = ()) -> None:
+                 shedder: Shedder | None = None, guards: tuple[Guard, ...] = (),
+                 route_of: RouteLabel = lambda scope: UNMATCHED) -> None:
         self.app = app
         self.limits = limits
         self.front = front
         self.shedder = shedder
         self.guards = guards
+        self.route_of = route_of
         #: bodies being read at once: bounds their memory, apart from admission (the Shedder's count)
         self.reading = anyio.Semaphore(limits.max_body_reads)
 
@@ -186,21 +194,21 @@ class LimitsMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and self.front.draining:
-            await self._refuse_websocket(scope.get("path", ""), receive, send)
+            await self._refuse_websocket(self.route_of(scope), receive, send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope.get("path", "")
+        route = scope.get("path", "")  # what is decided on; counts and lines use its label (route_of)
         for guard in self.guards:  # authentication before anything that could tell the caller more
             refusal = guard(scope)
             if refusal is not None:
                 await self._discard_body(scope, receive)
-                await self._refuse(send, route, refusal)
+                await self._refuse(send, scope, refusal)
                 return
         if self.front.draining and scope.get("method") == "POST" and route in self.generation_paths:
             await self._discard_body(scope, receive)  # before the shedder: not a 429, nothing parsed
-            await self._refuse(send, route, self.DRAINING)
+            await self._refuse(send, scope, self.DRAINING)
             return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
@@ -212,11 +220,11 @@ class LimitsMiddleware:
             except _Refused as exc:
                 if exc.status != 408:  # a slow client is not waited for twice
                     await self._discard_body(scope, receive)
-                await self._refuse(send, route, Refusal(exc.status, str(exc), exc.code))
+                await self._refuse(send, scope, Refusal(exc.status, str(exc), exc.code))
                 return
             except _ClientLeft:
                 self.front.disconnects += 1
-                log.info("a client disconnected during its upload to %s", route)
+                log.info("a client disconnected during its upload to %s", self.route_of(scope))
                 return
             receive = self._replay(body, receive)
         # On its way to the engine only once its body is in: an upload (valid or not) holds no
@@ -227,7 +235,7 @@ class LimitsMiddleware:
                 return
             self.front.pending += 1
         try:
-            await self._serve(scope, receive, send, route)
+            await self._serve(scope, receive, send)
         finally:
             if counted:
                 self.front.pending -= 1
@@ -245,7 +253,7 @@ class LimitsMiddleware:
         await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
         return True
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking_send(message: AsgiMessage) -> None:
@@ -257,10 +265,10 @@ class LimitsMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"), route,
-                      type(exc).__name__, exc, exc_info=exc)
+            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"),
+                      self.route_of(scope), type(exc).__name__, exc, exc_info=exc)
             if not started:
-                await self._refuse(send, route, Refusal(500, "internal server error: the error was logged",
+                await self._refuse(send, scope, Refusal(500, "internal server error: the error was logged",
                                                         "internal_error", "server_error"))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -349,43 +357,13 @@ class LimitsMiddleware:
         await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": data, "more_body": False})
 
-    async def _refuse(self, send: Send, route: str, refusal: Refusal) -> None:
+    async def _refuse(self, send: Send, scope: Scope, refusal: Refusal) -> None:
         status = refusal.status
+        route = self.route_of(scope)
         self.front.count(route, status)
         if status < 500 and status != 429:  # shedding is counted, not logged line by line
-            log.warning("refused a request to %s (%d): %s", route, status, refusal.message)
+            log_refusal(route, status, refusal.message)
         headers, data = json_response(status, refusal.body(),
                                       {"connection": "close"} if status in (408, 413) else refusal.headers)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-class RateLimitFilter(logging.Filter):
-    """Let through at most one record per ``interval`` seconds for each message in ``floods``.
-
-    The next one that passes says how many were suppressed.  Other records
-    pass untouched.
-    """
-
-    def __init__(self, floods: tuple[str, ...], interval: float = 10.0) -> None:
-        super().__init__()
-        self.floods = floods
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        key = next((f for f in self.floods if f in text), None)
-        if key is None:
-            return True
-        now = time.monotonic()
-        if now - self._last.get(key, -self.interval) < self.interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return False
-        self._last[key] = now
-        n = self._suppressed.pop(key, 0)
-        if n:
-            record.msg = f"{text} ({n} more like this in the last {self.interval:g}s were not logged)"
-            record.args = ()
-        return True

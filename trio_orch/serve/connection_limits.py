@@ -25,7 +25,7 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from trio_orch.http.limits import RateLimitFilter
+from trio_orch.http.logs import RateLimitFilter
 
 __all__ = ["HeadDeadline", "default_max_connections", "quiet_floods"]
 
