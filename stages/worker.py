@@ -74,6 +74,7 @@ from stages.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Submits,
     Update,
     WireCodec,
     WireError,
@@ -218,6 +219,10 @@ class Worker:
         if type(msg) is Submit:
             self.stats["submits"] += 1
             self.submit(msg)
+        elif type(msg) is Submits:
+            self.stats["submits"] += len(msg.items)
+            for item in msg.items:
+                self.submit(item)
         elif type(msg) is Update:
             self.stats["updates"] += 1
             self.update(msg)
@@ -368,7 +373,8 @@ class Worker:
             s["inbox_pending"] = self.inbox.pending
         s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
                           "outbox": self.outbox.describe() if self.outbox is not None else None,
-                          "sent": self.outbox.sent if self.outbox is not None else 0}
+                          "sent": self.outbox.sent if self.outbox is not None else 0,
+                          "bytes_sent": self.outbox.bytes_sent if self.outbox is not None else 0}
         return s
 
     # ------------------------------------------------------------------ stepping

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from stages.config import from_dict
+from stages.lockdown import serving_pid
 from stages.placement import VISIBLE
 from tests.waiting import HANG
 from trio_orch.cluster.launcher import open_pipeline
@@ -130,7 +131,7 @@ def test_the_same_config_serves_with_cpu_everywhere(tmp_path: Path) -> None:
         else:
             raise AssertionError(f"serve exited {server.wait(HANG)} before serving: {''.join(lines)}")
         assert "worker pipeline echo -> echo on cpu" in lines[0]
-        workers = {p for p in child_pids(server.pid) if worker_alive(p)}
+        workers = {p for p in child_pids(serving_pid(server.pid)) if worker_alive(p)}
         assert len(workers) == 2
         r = httpx.post(f"{url}/v1/chat/completions", timeout=HANG * 3,
                        json={"messages": [{"role": "user", "content": "placed"}], "modalities": ["text"]})

@@ -33,6 +33,7 @@ import httpx
 import numpy as np
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.http_helpers import deltas, sse_events
 from tests.serve_process import Server
 from tests.waiting import HANG, wait_until
@@ -305,5 +306,6 @@ def test_a_killed_talker_ends_its_request_with_partial_text_then_comes_back(chun
             "voice": "Chelsie", "format": "wav"}, **GREEDY_TALKER})
     assert again.status_code == 200, again.text
     assert len(wav_samples(again.json()["choices"][0]["message"]["audio"]["data"])) > 0
-    server.workers = {p for p in child_pids(server.proc.pid) if worker_alive(p)}  # the new talker too
+    # the new talker too
+    server.workers = {p for p in child_pids(serving_pid(server.proc.pid)) if worker_alive(p)}
     assert stage_pid(server, 1) != talker
