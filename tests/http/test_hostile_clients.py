@@ -156,6 +156,55 @@ def test_a_body_short_of_its_length_then_a_half_close_is_a_quiet_close_logged_on
     assert client.post("/v1/chat/completions", json=chat("still here")).status_code == 200
 
 
+# ----------------------------------------------------------------------------- RFC 9112 framing
+def statuses(reply: bytes) -> list[int]:
+    return [int(m) for m in re.findall(rb"^HTTP/1\.1 (\d{3}) ", reply, re.M)]
+
+
+def test_content_length_with_transfer_encoding_is_400_and_the_smuggled_request_is_never_served(
+        served: Served | TrioServed, client: httpx.Client) -> None:
+    smuggled = f"0\r\n\r\nGET /v1/models HTTP/1.1\r\nhost: t\r\nauthorization: Bearer {KEY}\r\n\r\n".encode()
+    before = metrics(client).get("trio_orch_http_requests_total{route=/v1/models,status=200}", 0)
+    head = post_head("/v1/chat/completions", len(smuggled), "transfer-encoding: chunked")
+    reply = exchange(served.port, head + smuggled)  # read to the end: the server closes the connection
+    assert statuses(reply) == [400], reply
+    assert b"both Content-Length and Transfer-Encoding" in reply and b'"error"' in reply
+    assert metrics(client).get("trio_orch_http_requests_total{route=/v1/models,status=200}", 0) == before
+
+
+@pytest.mark.parametrize("version", [b"9.9", b"2.0"])
+def test_an_unknown_http_version_is_refused(served: Served | TrioServed, version: bytes) -> None:
+    reply = exchange(served.port, b"GET /health HTTP/%b\r\nhost: t\r\n\r\n" % version)
+    assert statuses(reply) == [505] and b"http_version_not_supported" in reply
+    reply = exchange(served.port, b"GET /health HTTP/1.0\r\nhost: t\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 200")  # 1.0 is served
+
+
+@pytest.mark.parametrize("pieces", [1, 50])
+def test_the_head_limit_holds_however_the_bytes_arrive(served: Served | TrioServed, pieces: int) -> None:
+    head = (b"GET /health HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * (70 << 10) + b"\r\n\r\n")
+    assert len(head) > LIMITS.max_head_bytes
+    with socket.create_connection(("127.0.0.1", served.port), timeout=HANG) as s:
+        step = -(-len(head) // pieces)
+        for i in range(0, len(head), step):
+            try:
+                s.sendall(head[i:i + step])
+            except OSError:  # refused mid-head: the answer is already on its way
+                break
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert statuses(reply) == [431] and b"request_header_too_large" in reply
+
+
+def test_a_413_reaches_a_client_still_sending_a_large_body(served: Served | TrioServed) -> None:
+    """The body is announced (and sent) far over the limit: the answer comes at once, and the close
+    waits for the client to finish sending, so the client reads it rather than a reset."""
+    size = 50 << 20
+    reply = exchange(served.port, post_head("/v1/chat/completions", size) + b"x" * size)
+    assert statuses(reply) == [413] and b"request_too_large" in reply
+
+
 # ----------------------------------------------------------------------------- bounded metrics
 def test_random_paths_add_no_metric_series_once_the_first_unmatched_one_exists(
         served: Served | TrioServed, client: httpx.Client) -> None:

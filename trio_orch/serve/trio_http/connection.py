@@ -23,8 +23,7 @@ from typing import Any
 
 import trio
 
-from trio_orch.http.limits import json_response
-from trio_orch.openai.validation import error_body
+from trio_orch.serve.framing import error_answer, error_code
 from trio_orch.serve.trio_http.config import MAX_DRAIN_BYTES, ServerState
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,
@@ -34,7 +33,6 @@ from trio_orch.serve.trio_http.protocol import (
     RequestHead,
     RequestReader,
     response_head,
-    simple_response,
 )
 from trio_orch.serve.trio_http.transport import Transport
 from trio_orch.serve.trio_http.websocket import serve_websocket
@@ -57,14 +55,6 @@ def asgi_scope(kind: str, head: RequestHead, server: Any, client: Any) -> dict[s
     if kind == "http":
         scope["method"] = head.method
     return scope
-
-
-def error_answer(status: int, message: str, code: str, kind: str = "invalid_request_error",
-                 extra: dict[str, str] | None = None) -> bytes:
-    """A whole JSON error answer in the app's shape (OpenAI's ``{"error": ...}``), closing."""
-    headers, body = json_response(status, error_body(message, kind, None, code), extra)
-    return simple_response(status, body, extra=[kv for kv in headers
-                                                if kv[0] not in (b"content-type", b"content-length")])
 
 
 class _Cycle:
@@ -163,8 +153,8 @@ class HTTPConnection:
             except BadRequest as exc:
                 self.state.bad_requests += 1
                 log.debug("a bad request (%d): %s", exc.status, exc)
-                code = "request_header_too_large" if exc.status == 431 else "bad_request"
-                await self.transport.write(error_answer(exc.status, f"malformed request: {exc}", code))
+                await self.transport.write(error_answer(exc.status, f"malformed request: {exc}",
+                                                        error_code(exc.status)))
                 await self.transport.close()
                 return None
             if isinstance(event, RequestHead):
