@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import socket
+import threading
 from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -37,7 +38,8 @@ from trio_orch.testing.toy_pipeline import TOY_STAGE_PARAMS, open_toy_pipeline
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "k3y"
 AUTH = {"authorization": f"Bearer {KEY}"}
-LIMITS = HTTPLimits(max_body_bytes=64 << 10, header_timeout=HANG, body_timeout=HANG)
+#: the body rate measured over half-second windows: a slow upload loses its slot within a second
+LIMITS = HTTPLimits(max_body_bytes=64 << 10, header_timeout=HANG, body_timeout=HANG, body_rate_window=0.5)
 
 
 @asynccontextmanager
@@ -154,6 +156,48 @@ def test_a_body_short_of_its_length_then_a_half_close_is_a_quiet_close_logged_on
     lines = [r for r in caplog.records if "during its upload" in r.getMessage()]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO and lines[0].exc_info is None
     assert client.post("/v1/chat/completions", json=chat("still here")).status_code == 200
+
+
+# ----------------------------------------------------------------------------- slow uploads
+def test_slow_uploads_lose_their_read_slots_and_a_normal_request_is_served_meanwhile(
+        served: Served | TrioServed, client: httpx.Client) -> None:
+    """Every read slot taken by an upload trickling 10 bytes a second: a normal chat request sent
+    meanwhile is answered (without the minimum rate it would wait for the body timeout), and each
+    slow upload gets a 408 that says why."""
+    slow = [socket.create_connection(("127.0.0.1", served.port), timeout=HANG)
+            for _ in range(LIMITS.max_body_reads)]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.1):
+            for s in slow:
+                try:
+                    s.send(b" ")
+                except OSError:  # refused and closed: its answer is read below
+                    pass
+
+    dripper = threading.Thread(target=trickle, daemon=True)
+    try:
+        for s in slow:
+            s.sendall(post_head("/v1/chat/completions", 1000) + b"{")
+        wait_until(lambda: metrics(client)["trio_orch_http_body_reads"] == LIMITS.max_body_reads,
+                   "every read slot taken by a slow upload")
+        dripper.start()
+        r = client.post("/v1/chat/completions", json=chat("not stalled"))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == "You said: not stalled"
+        stop.set()
+        dripper.join(HANG)
+        for s in slow:
+            reply = b""
+            while chunk := s.recv(65536):
+                reply += chunk
+            assert statuses(reply) == [408] and b"slower than 1024 bytes/s" in reply, reply
+    finally:
+        stop.set()
+        for s in slow:
+            s.close()
+    wait_until(lambda: metrics(client)["trio_orch_http_body_reads"] == 0, "no slot held")
 
 
 # ----------------------------------------------------------------------------- RFC 9112 framing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_orch.serve.framing import simple_response, status_line
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,
     END,
@@ -13,8 +14,6 @@ from trio_orch.serve.trio_http.protocol import (
     RequestHead,
     RequestReader,
     response_head,
-    simple_response,
-    status_line,
 )
 
 GET = b"GET /a%20b/c?x=1&y=2 HTTP/1.1\r\nHost: t\r\nX-Thing: V\r\n\r\n"

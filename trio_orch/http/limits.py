@@ -11,7 +11,12 @@ over ``max_body_bytes`` at once (413), reads the body within
 forever) and stops reading as soon as it passes the limit (413); the route
 then gets the buffered body.  At most ``max_body_reads`` bodies are read at
 once (the others wait, unread, within their ``body_timeout``): that bounds
-the memory a flood of uploads takes, apart from admission.  A POST to a
+the memory a flood of uploads takes, apart from admission.  A read slot is
+held only while the body flows (:class:`BodyRate`): after a first window, a
+body that brings less than ``min_body_rate`` bytes a second over a window
+of ``body_rate_window`` seconds (or less than its rest, whichever is
+smaller) is refused with 408 -- otherwise 32 clients sending a byte a
+second would hold every slot for ``body_timeout`` and stall every POST.  A POST to a
 generation route is refused with 429 before its body is read while the
 engine sheds, or once the requests already read and on their way to the
 engine fill its capacity -- an upload in progress, or a request the route
@@ -45,13 +50,13 @@ from typing import Any
 
 import anyio
 
-from stages.schema import PositiveInt, PositiveSeconds, check_fields
+from stages.schema import NonNegativeInt, PositiveInt, PositiveSeconds, check_fields
 from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.validation import error_body
 
-__all__ = ["UNMATCHED", "Guard", "HTTPLimits", "LimitsMiddleware", "Refusal", "RouteLabel", "Scope",
-           "Shedder", "json_response"]
+__all__ = ["UNMATCHED", "BodyRate", "Guard", "HTTPLimits", "LimitsMiddleware", "Refusal", "RouteLabel",
+           "Scope", "Shedder", "json_response"]
 
 log = logging.getLogger("trio_orch.http")
 
@@ -107,6 +112,8 @@ class HTTPLimits:
     max_connections: PositiveInt | None = None
     backlog: PositiveInt = 2048
     max_head_bytes: PositiveInt = 64 << 10
+    min_body_rate: NonNegativeInt = 1024  #: bytes a second a body must keep up (0: no minimum)
+    body_rate_window: PositiveSeconds = 2.0  #: the window it is measured over, after a first one
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -154,6 +161,45 @@ class Shedder:
         if route not in self.paths or not self.full(pending):
             return False
         self.front.count_shed(route)
+        return True
+
+
+class BodyRate:
+    """Whether a body still flows: the minimum receive rate of :class:`LimitsMiddleware`.
+
+    The first window is free (a client's first bytes may come late); from
+    then on each window of ``window`` seconds must bring ``rate * window``
+    bytes, or the rest of a body of known length if that is less.  nginx's
+    and hypercorn's per-read timeouts do the same for a sender that stalls;
+    a rate also catches one that trickles a byte at a time.
+    """
+
+    def __init__(self, rate: int, window: float, now: float, remaining: int | None = None) -> None:
+        self.rate = rate
+        self.window = window
+        self.remaining = remaining  #: bytes still to come, if the length was declared
+        self.deadline = now + 2 * window  #: when the current window ends
+        self.counted = 0  #: bytes in the current window
+
+    @property
+    def on(self) -> bool:
+        return self.rate > 0
+
+    def received(self, size: int, now: float) -> None:
+        if self.remaining is not None:
+            self.remaining -= size
+        if now >= self.deadline - self.window:  # the first window's bytes count for nothing
+            self.counted += size
+
+    def window_ended(self) -> bool:
+        """At :attr:`deadline`: whether the window brought enough (then the next one starts)."""
+        needed = self.rate * self.window
+        if self.remaining is not None:
+            needed = min(needed, max(self.remaining, 0))
+        if self.counted < needed:
+            return False
+        self.counted = 0
+        self.deadline += self.window
         return True
 
 
@@ -286,7 +332,14 @@ class LimitsMiddleware:
         try:
             with anyio.fail_after(self.limits.body_timeout):
                 async with self.reading:  # past max_body_reads, an upload waits for a slot, unread
-                    return await self._receive_body(receive, limit)
+                    rate = BodyRate(self.limits.min_body_rate, self.limits.body_rate_window,
+                                    anyio.current_time(), int(declared) if declared and declared.isdigit()
+                                    else None)
+                    self.front.body_reads += 1
+                    try:
+                        return await self._receive_body(receive, limit, rate)
+                    finally:
+                        self.front.body_reads -= 1
         except TimeoutError:
             raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
                            "request_timeout") from None
@@ -318,12 +371,22 @@ class LimitsMiddleware:
                     return
 
     @staticmethod
-    async def _receive_body(receive: Receive, limit: int) -> bytes:
-        """The whole body (as one bytes), or 413 as soon as it passes ``limit``."""
+    async def _receive_body(receive: Receive, limit: int, rate: BodyRate) -> bytes:
+        """The whole body (as one bytes), or 413 as soon as it passes ``limit``, 408 once it is too slow."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            if rate.on:
+                with anyio.move_on_after(rate.deadline - anyio.current_time()) as scope:
+                    message = await receive()
+                if scope.cancelled_caught:
+                    if not rate.window_ended():
+                        raise _Refused(408, f"the request body came slower than {rate.rate} bytes/s over "
+                                            f"{rate.window:g}s", "request_timeout")
+                    continue
+                rate.received(len(message.get("body", b"")), anyio.current_time())
+            else:
+                message = await receive()
             if message["type"] == "http.disconnect":
                 raise _ClientLeft()
             chunk = message.get("body", b"")

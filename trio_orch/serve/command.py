@@ -175,6 +175,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         f"(bounds the memory of an upload flood; default {d.max_body_reads})")
     h.add_argument("--body-timeout", type=positive_seconds_arg, default=d.body_timeout,
                    help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
+    h.add_argument("--min-body-rate", type=int, default=d.min_body_rate, metavar="BYTES_PER_S",
+                   help="bytes a second a request body must keep up, measured over "
+                        f"{d.body_rate_window:g}s windows after the first, else 408 and its read slot "
+                        f"freed (a slow sender cannot hold one; 0: no minimum; default {d.min_body_rate})")
     h.add_argument("--header-timeout", type=positive_seconds_arg, default=d.header_timeout,
                    help="seconds a connection may take to send a complete request head, from connecting "
                         "or from its previous answer, before it is closed (default "
@@ -182,7 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--keep-alive-timeout", type=positive_seconds_arg, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
     h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
-                   help=f"largest request head (request line and headers), else 400 (default "
+                   help=f"largest request head (request line and headers), else 431 (default "
                         f"{d.max_head_bytes})")
     h.add_argument("--backlog", type=int, default=d.backlog,
                    help=f"connections the kernel queues before they are accepted (default {d.backlog})")
@@ -239,7 +243,8 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     max_connections = args.max_connections or default_max_connections()
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
                       max_prompt_chars=args.max_prompt_chars,
-                      body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
+                      header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=max_connections,
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes)
 

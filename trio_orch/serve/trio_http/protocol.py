@@ -25,10 +25,10 @@ from urllib.parse import unquote
 
 import h11
 
-from trio_orch.serve.framing import StrictConnection, http_date, simple_response, status_line
+from trio_orch.serve.framing import StrictConnection, http_date, status_line
 
 __all__ = ["CLOSED", "END", "NEED_DATA", "BadRequest", "Framing", "Headers", "Mode", "RequestHead",
-           "RequestReader", "http_date", "parse_head", "response_head", "simple_response", "status_line"]
+           "RequestReader", "parse_head", "response_head"]
 
 Headers = list[tuple[bytes, bytes]]
 

@@ -35,7 +35,8 @@ from wsproto.events import (
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.serve.trio_http.protocol import RequestHead, simple_response
+from trio_orch.serve.framing import simple_response
+from trio_orch.serve.trio_http.protocol import RequestHead
 from trio_orch.serve.trio_http.transport import Transport
 
 __all__ = ["SessionGone", "WebSocketSession", "serve_websocket"]
