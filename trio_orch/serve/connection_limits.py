@@ -10,7 +10,9 @@ the fd limit, quiet log floods.
   close lingers: our side ends, the client's input is read and dropped for a
   moment (:data:`~trio_orch.serve.framing.LINGER_SECONDS`), then the socket
   closes -- a close with input unread is a reset, and a client still sending
-  (a body announced over the limit) would lose its 413 with it.
+  (a body announced over the limit) would lose its 413 with it.  An idle
+  connection (the keep-alive timeout, the head deadline, a shutdown between
+  requests) has no answer at stake and closes at once, as on the lean server.
 
 * :class:`HeadDeadline` makes uvicorn's H11 protocol close a connection that
   has not sent a complete request head within ``timeout`` seconds of
@@ -35,6 +37,7 @@ import logging
 import resource
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from trio_orch.http.logs import RateLimitFilter
@@ -80,6 +83,7 @@ class LingeringTransport:
         self.protocol = protocol
         self.lingering = False
         self.dropped = 0
+        self.linger = True  #: whether a close lingers (not once the connection is idle)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.transport, name)
@@ -91,7 +95,7 @@ class LingeringTransport:
         real = self.transport
         if self.lingering or real.is_closing():
             return
-        if real.get_protocol() is not self.protocol or not real.can_write_eof():
+        if not self.linger or real.get_protocol() is not self.protocol or not real.can_write_eof():
             real.close()
             return
         self.lingering = True
@@ -122,6 +126,26 @@ class FrontH11Protocol(H11Protocol):
             transport.drop(data)
             return
         super().data_received(data)
+
+    def close_idle(self) -> None:
+        """Close at once: no request is in progress, no answer at stake."""
+        try:
+            self.conn.send(h11.ConnectionClosed())  # as uvicorn's own closes of an idle connection
+        except h11.LocalProtocolError:
+            pass
+        if isinstance(self.transport, LingeringTransport):
+            self.transport.linger = False
+        self.transport.close()
+
+    def shutdown(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self.close_idle()
+        else:
+            super().shutdown()
+
+    def timeout_keep_alive_handler(self) -> None:
+        if not self.transport.is_closing():
+            self.close_idle()
 
     def send_400_response(self, msg: str) -> None:
         """The refusal of a malformed head, as the lean server answers it; the connection closes."""
@@ -164,7 +188,7 @@ class HeadDeadline:
         if proto.cycle is not seen or (seen is not None and not seen.response_complete):
             return  # a request came (or still runs): its answer arms the next deadline
         self.closed += 1
-        transport.close()
+        proto.close_idle()
 
     def counters(self) -> dict[str, tuple[str, dict[tuple[tuple[str, str], ...], int]]]:
         """For ``/metrics`` (the ``extra_counters`` shape)."""
