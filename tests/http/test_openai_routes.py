@@ -2,7 +2,7 @@
 
 The official ``openai`` SDK (httpx for vLLM's tokenizer routes, which the SDK
 does not have) against real servers on loopback, on both fronts: the
-in-process toy pipeline for the shapes and refusals; a small speech pipeline
+in-process toy pipeline for the shapes, the audio formats and the refusals; a small speech pipeline
 of worker processes (thinker -> talker -> code2wav) for what depends on the
 real models -- a seed reproduces text streamed or not, the WAV carries the
 vocoder's rate, the tokenizer is the thinker's; and a talker-first pipeline
@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig
@@ -132,6 +133,53 @@ def test_speech_is_a_wav_or_pcm_of_the_same_audio_streamed_as_it_is_made(toy: Se
 
 
 @SERVES
+def test_speech_as_flac_opus_and_mp3_through_the_sdk(toy: Served) -> None:
+    """FLAC holds the WAV answer's very samples; Opus and MP3 decode to as long a clip."""
+    with sdk(toy.url) as c:
+        frames = wav_frames(c.audio.speech.create(model="toy", voice="onyx", input="hello there").content,
+                            SAMPLE_RATE)
+        flac = c.audio.speech.create(model="toy", voice="onyx", input="hello there", response_format="flac")
+        assert flac.response.headers["content-type"] == "audio/flac"
+        samples, rate = soundfile.read(io.BytesIO(flac.content), dtype="int16")
+        assert rate == SAMPLE_RATE and samples.tobytes() == frames  # lossless: the 16-bit samples exactly
+        seconds = len(frames) / 2 / SAMPLE_RATE
+        for fmt, kind, content_type in (("opus", "OGG", "audio/ogg"), ("mp3", "MP3", "audio/mpeg")):
+            lossy = c.audio.speech.create(model="toy", voice="onyx", input="hello there", response_format=fmt)
+            assert lossy.response.headers["content-type"] == content_type
+            with soundfile.SoundFile(io.BytesIO(lossy.content)) as f:
+                assert (f.format, f.samplerate, f.channels) == (kind, SAMPLE_RATE, 1)  # 24 kHz: Opus takes it
+                decoded = f.read(dtype="float32")
+            assert abs(len(decoded) / SAMPLE_RATE - seconds) < 0.002, fmt
+            assert np.abs(decoded).max() > 0.05  # sound, not silence
+
+
+@SERVES
+def test_chat_audio_comes_in_the_format_asked_through_the_sdk(toy: Served) -> None:
+    """A chat answer's ``audio.format``: the same encoder as speech's, the samples the WAV answer holds."""
+    messages = [{"role": "user", "content": "wave at me"}]
+
+    def audio(c: Any, fmt: str) -> bytes:
+        resp = c.chat.completions.create(model="toy", messages=messages, modalities=["text", "audio"],
+                                         audio={"voice": "onyx", "format": fmt})
+        assert resp.choices[0].message.audio.transcript == resp.choices[0].message.content
+        return base64.b64decode(resp.choices[0].message.audio.data)
+
+    with sdk(toy.url) as c:
+        frames = wav_frames(audio(c, "wav"), SAMPLE_RATE)
+        assert audio(c, "pcm16") == frames
+        samples, rate = soundfile.read(io.BytesIO(audio(c, "flac")), dtype="int16")
+        assert rate == SAMPLE_RATE and samples.tobytes() == frames
+        for fmt, kind in (("opus", "OGG"), ("mp3", "MP3")):
+            with soundfile.SoundFile(io.BytesIO(audio(c, fmt))) as f:
+                assert (f.format, f.samplerate) == (kind, SAMPLE_RATE)
+                assert abs(f.frames - len(frames) // 2) <= 2, fmt  # as long as the WAV
+        with pytest.raises(openai.BadRequestError) as aac:
+            audio(c, "aac")
+        assert param_of(aac.value) == "audio.format" and "'aac'" in aac.value.message
+        assert "flac" in aac.value.message  # and says what it can write
+
+
+@SERVES
 def test_speech_events_carry_the_same_pcm(toy: Served) -> None:
     body = {"model": "toy", "voice": "onyx", "input": "hello there", "response_format": "pcm"}
     with httpx.Client(base_url=toy.url, timeout=HANG) as c:
@@ -148,7 +196,8 @@ def test_speech_events_carry_the_same_pcm(toy: Served) -> None:
 @SERVES
 def test_speech_refusals_name_the_field(toy: Served) -> None:
     with sdk(toy.url) as c:
-        cases = [({"response_format": "mp3"}, "response_format"), ({"speed": 9.0}, "speed"),
+        cases = [({"response_format": "aac"}, "response_format"),
+                 ({"response_format": "ogg"}, "response_format"), ({"speed": 9.0}, "speed"),
                  ({"voice": "nobody"}, "voice"), ({"input": ""}, "input"),
                  ({"instructions": "whisper"}, "instructions"),
                  ({"response_format": "wav", "stream_format": "sse"}, "response_format")]
@@ -156,6 +205,8 @@ def test_speech_refusals_name_the_field(toy: Served) -> None:
             with pytest.raises(openai.BadRequestError) as bad:
                 c.audio.speech.create(**{"model": "toy", "voice": "onyx", "input": "hi", **kwargs})
             assert bad.value.status_code == 400 and param_of(bad.value) == param
+            if kwargs.get("response_format") in ("aac", "ogg"):
+                assert repr(kwargs["response_format"]) in bad.value.message  # names the format
         with pytest.raises(openai.NotFoundError):
             c.audio.speech.create(model="tts-1", voice="onyx", input="hi")
 

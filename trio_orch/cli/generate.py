@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +59,7 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.cluster.ray_placement import PlacementError
+from trio_orch.openai.audio_out import encode_audio, pcm16
 from trio_orch.openai.chat import check_max_tokens
 from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.openai.sampling import SamplingError, map_sampling
@@ -156,13 +156,9 @@ def _image_defaults() -> dict[str, Any]:
 
 
 def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
-    """Write mono float PCM in [-1, 1] as a 16-bit WAV file."""
-    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")
-    with wave.open(path, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(data.tobytes())
+    """Write mono float PCM in [-1, 1] as a 16-bit WAV file (the server's encoder: the same bytes as a
+    ``wav`` answer)."""
+    Path(path).write_bytes(encode_audio(pcm16(pcm), sample_rate, "wav"))
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:

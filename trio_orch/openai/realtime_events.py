@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from trio_orch.openai.audio_out import pcm16
+
 __all__ = ["AUDIO_FORMAT", "CLIENT_EVENTS", "SAMPLE_RATE", "UNSUPPORTED_EVENTS", "Refused", "Response",
            "check_audio", "check_item", "check_limit", "check_modalities", "error_event", "parse_frame",
            "pcm16_base64"]
@@ -78,7 +80,7 @@ def parse_frame(frame: str | bytes, max_bytes: int) -> dict[str, Any]:
 
 def pcm16_base64(pcm: np.ndarray) -> str:
     """Float samples in [-1, 1] -> base64 16-bit little-endian PCM (an ``output_audio.delta``)."""
-    return base64.b64encode((np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()).decode("ascii")
+    return base64.b64encode(pcm16(pcm)).decode("ascii")
 
 
 def check_item(item: Any) -> tuple[dict[str, Any], str]:

@@ -4,13 +4,15 @@ The request (:class:`~trio_orch.openai.protocol.SpeechRequest`): ``input``
 (the text, 1..4096 characters), ``voice`` (a speaker of the pipeline's:
 ``stages.sampling_params.VOICES`` for the built-in vocoder, a checkpoint's own
 for Qwen2.5-Omni), ``response_format`` (``"wav"``, the
-default here, or ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
-24 kHz for the built-in vocoder, as OpenAI's), ``speed`` (0.25..4: the audio
+default here; ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
+24 kHz for the built-in vocoder, as OpenAI's; ``"flac"``, ``"opus"`` (Ogg)
+and ``"mp3"``, encoded by :mod:`trio_orch.openai.audio_out`; ``"aac"`` is a
+400 naming the field and the format), ``speed`` (0.25..4: the audio
 is resampled, so its pitch moves with it), ``stream_format`` (``"audio"``:
 the file's bytes; ``"sse"``: ``speech.audio.delta`` events of base64 pcm, then
 ``speech.audio.done`` with usage), ``model`` (optional; if given, a served
 name), and the ``seed`` and ``stage_sampling`` extensions.  ``instructions``
-and the other formats (mp3, opus, aac, flac) are 400s naming the field.
+is a 400 naming the field.
 
 How the input reaches the speech stages depends on the pipeline
 (:class:`SpeechPlan`, decided once from its stages as the stage registry
@@ -44,16 +46,14 @@ import numpy as np
 from stages.registry import as_audio, says, text_stage
 from trio_orch.engine.api import EngineClient
 from trio_orch.openai import sampling as openai_sampling
-from trio_orch.openai.chat import pcm16
+from trio_orch.openai.audio_out import pcm16
 from trio_orch.openai.protocol import ServedModels, SpeechRequest
 from trio_orch.openai.tokenizer import prompt_token_count, stage_tokenizer
 from trio_orch.openai.validation import BadRequest
 from trio_orch.types import OrchOutput
 
-__all__ = ["FORMATS", "PROMPTS", "Speech", "SpeechPlan", "Speed"]
+__all__ = ["PROMPTS", "Speech", "SpeechPlan", "Speed"]
 
-#: response_format -> the answer's content type
-FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 #: the one-character prompts a thinker told what to say may start from, the first its tokenizer reads
 PROMPTS = (" ", ".", "a", "\n")
 

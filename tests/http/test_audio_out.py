@@ -1,0 +1,132 @@
+"""The one audio encoder (``trio_orch/openai/audio_out.py``): every format the server sends, read back.
+
+Each file is decoded by ``soundfile`` (libsndfile), the standard library's
+:mod:`wave` for WAV: FLAC holds the very 16-bit samples, Opus and MP3 a clip
+as long as the input at a rate their codec takes (22.05 kHz resampled to
+24 kHz for Opus) whose loudest frequency is the tone's.  A format OpenAI
+names that cannot be written here is a 400 naming the field and the format.
+"""
+
+from __future__ import annotations
+
+import io
+import wave
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import soundfile
+
+from trio_orch.openai import audio_out
+from trio_orch.openai.audio_out import (
+    AUDIO_OUT,
+    OPENAI_AUDIO_FORMATS,
+    check_audio_format,
+    encode_audio,
+    pcm16,
+    writable_formats,
+)
+from trio_orch.openai.chat import parse_chat_request
+from trio_orch.openai.protocol import ServedModels, SpeechRequest
+from trio_orch.openai.validation import BadRequest, decode
+
+
+def tone(freq: float, rate: int, seconds: float = 0.5) -> bytes:
+    t = np.arange(int(rate * seconds)) / rate
+    return pcm16(0.5 * np.sin(2 * np.pi * freq * t))
+
+
+def loudest(samples: np.ndarray, rate: int) -> float:
+    spectrum = np.abs(np.fft.rfft(samples))
+    return float(np.fft.rfftfreq(len(samples), 1 / rate)[int(np.argmax(spectrum))])
+
+
+def test_wav_and_pcm_carry_the_samples_as_they_are() -> None:
+    pcm = tone(440, 24000)
+    assert encode_audio(pcm, 24000, "pcm") == pcm
+    with wave.open(io.BytesIO(encode_audio(pcm, 24000, "wav"))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.readframes(w.getnframes()) == pcm
+
+
+@pytest.mark.parametrize("rate", [24000, 22050, 44100])
+def test_flac_holds_the_very_16_bit_samples_at_their_rate(rate: int) -> None:
+    pcm = tone(440, rate)
+    data = encode_audio(pcm, rate, "flac")
+    assert data[:4] == b"fLaC"
+    samples, got = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert got == rate and samples.tobytes() == pcm
+
+
+@pytest.mark.parametrize(("fmt", "rate", "written"), [("opus", 24000, 24000), ("opus", 22050, 24000),
+                                                      ("opus", 44100, 48000), ("opus", 8000, 8000),
+                                                      ("mp3", 24000, 24000), ("mp3", 22050, 22050),
+                                                      ("mp3", 20000, 22050)])
+def test_opus_and_mp3_are_as_long_as_the_audio_at_a_rate_their_codec_takes(fmt: str, rate: int,
+                                                                           written: int) -> None:
+    data = encode_audio(tone(440, rate), rate, fmt)
+    with soundfile.SoundFile(io.BytesIO(data)) as f:
+        assert (f.format, f.samplerate, f.channels) == (AUDIO_OUT[fmt].sndfile[0], written, 1)  # type: ignore[index]
+        samples = f.read(dtype="float32")
+    assert abs(len(samples) / written - 0.5) < 0.002  # the input's half second, give or take a few samples
+    assert abs(loudest(samples, written) - 440) <= 4  # the tone, not noise
+
+
+def test_every_format_openai_names_but_aac_is_written_here() -> None:
+    assert set(OPENAI_AUDIO_FORMATS) == set(AUDIO_OUT) | {"aac"}
+    assert set(writable_formats()) == set(AUDIO_OUT)  # soundfile's wheel: libsndfile with FLAC, Opus, MP3
+
+
+def test_a_format_that_cannot_be_written_is_a_400_naming_the_field_and_the_format() -> None:
+    with pytest.raises(BadRequest) as aac:
+        check_audio_format("aac", "response_format")
+    assert aac.value.param == "response_format" and aac.value.code == "unsupported_value"
+    assert "'aac'" in str(aac.value) and "no AAC encoder" in str(aac.value)
+    assert "wav, pcm, flac, opus, mp3" in str(aac.value)
+    with pytest.raises(BadRequest) as chat:
+        check_audio_format("aac", "audio.format", pcm="pcm16")
+    assert chat.value.param == "audio.format" and "wav, pcm16, flac" in str(chat.value)  # chat's spelling
+    assert check_audio_format("pcm16", "audio.format", pcm="pcm16") == "pcm"
+    assert check_audio_format("flac", "response_format") == "flac"
+
+
+@pytest.fixture()
+def libsndfile_without_lame(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A libsndfile built without an MP3 encoder (as some systems' are), the format check asked anew."""
+    writes = soundfile.check_format
+    monkeypatch.setattr(soundfile, "check_format", lambda fmt, *a: fmt != "MP3" and writes(fmt, *a))
+    audio_out.writable_formats.cache_clear()
+    yield
+    audio_out.writable_formats.cache_clear()
+
+
+@pytest.mark.usefixtures("libsndfile_without_lame")
+def test_a_format_this_libsndfile_cannot_write_is_a_400_too() -> None:
+    assert "mp3" not in writable_formats()
+    with pytest.raises(BadRequest) as mp3:
+        check_audio_format("mp3", "response_format")
+    assert "'mp3'" in str(mp3.value) and "cannot write it" in str(mp3.value)
+    assert mp3.value.param == "response_format"
+
+
+def test_the_requests_take_openai_s_format_names_and_refuse_what_cannot_be_written() -> None:
+    for fmt in ("flac", "opus", "mp3", "wav", "pcm"):
+        req = decode({"input": "hi", "response_format": fmt}, SpeechRequest, what="speech")
+        req.check(None)
+    req = decode({"input": "hi", "response_format": "aac"}, SpeechRequest, what="speech")
+    with pytest.raises(BadRequest) as aac:
+        req.check(None)
+    assert aac.value.param == "response_format" and "'aac'" in str(aac.value)
+    with pytest.raises(BadRequest) as ogg:  # not a name OpenAI has: the schema's refusal
+        decode({"input": "hi", "response_format": "ogg"}, SpeechRequest, what="speech")
+    assert ogg.value.param == "response_format"
+    models = ServedModels("m")
+    audio = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+    for fmt, name in (("flac", "flac"), ("opus", "opus"), ("mp3", "mp3"), ("pcm16", "pcm"), ("wav", "wav")):
+        assert parse_chat_request({**audio, "audio": {"format": fmt}}, models).audio_format == name
+    with pytest.raises(BadRequest) as chat_aac:
+        parse_chat_request({**audio, "audio": {"format": "aac"}}, models)
+    assert chat_aac.value.param == "audio.format" and "'aac'" in str(chat_aac.value)
+    with pytest.raises(BadRequest) as streamed:  # a streamed answer is pcm16, as before
+        parse_chat_request({**audio, "stream": True, "audio": {"format": "flac"}}, models)
+    assert streamed.value.param == "audio.format"
