@@ -1,22 +1,25 @@
 """The one audio encoder (``trio_orch/openai/audio_out.py``): every format the server sends, read back.
 
-Each file is decoded by ``soundfile`` (libsndfile), the standard library's
-:mod:`wave` for WAV: FLAC holds the very 16-bit samples, Opus and MP3 a clip
-as long as the input at a rate their codec takes (22.05 kHz resampled to
-24 kHz for Opus) whose loudest frequency is the tone's.  A format OpenAI
-names that cannot be written here is a 400 naming the field and the format.
+Each file is decoded by ``soundfile`` (libsndfile), PyAV (FFmpeg) for AAC,
+the standard library's :mod:`wave` for WAV: FLAC holds the very 16-bit
+samples, Opus, MP3 and AAC a clip as long as the input at a rate their codec
+takes (22.05 kHz resampled to 24 kHz for Opus) whose loudest frequency is
+the tone's.  A format OpenAI names that cannot be written here (its library
+missing, as without the ``audio`` extra) is a 400 naming the field and the
+format.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import wave
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import soundfile
 
+from tests.http_helpers import aac_samples, without_pyav
 from trio_orch.openai import audio_out
 from trio_orch.openai.audio_out import (
     AUDIO_OUT,
@@ -66,22 +69,36 @@ def test_opus_and_mp3_are_as_long_as_the_audio_at_a_rate_their_codec_takes(fmt: 
                                                                            written: int) -> None:
     data = encode_audio(tone(440, rate), rate, fmt)
     with soundfile.SoundFile(io.BytesIO(data)) as f:
-        assert (f.format, f.samplerate, f.channels) == (AUDIO_OUT[fmt].sndfile[0], written, 1)  # type: ignore[index]
+        assert (f.format, f.samplerate, f.channels) == (AUDIO_OUT[fmt].codec[0], written, 1)
         samples = f.read(dtype="float32")
     assert abs(len(samples) / written - 0.5) < 0.002  # the input's half second, give or take a few samples
     assert abs(loudest(samples, written) - 440) <= 4  # the tone, not noise
 
 
-def test_every_format_openai_names_but_aac_is_written_here() -> None:
-    assert set(OPENAI_AUDIO_FORMATS) == set(AUDIO_OUT) | {"aac"}
-    assert set(writable_formats()) == set(AUDIO_OUT)  # soundfile's wheel: libsndfile with FLAC, Opus, MP3
+@pytest.mark.parametrize(("rate", "written"), [(24000, 24000), (22050, 22050), (20000, 22050)])
+def test_aac_is_an_adts_stream_of_the_audio_at_a_rate_aac_takes(rate: int, written: int) -> None:
+    pcm = tone(440, rate)
+    data = encode_audio(pcm, rate, "aac")
+    assert data[0] == 0xFF and data[1] & 0xF6 == 0xF0  # an ADTS sync word, layer 0
+    samples = aac_samples(data, written)
+    assert 0 <= len(samples) - len(pcm) // 2 * written // rate < 1024  # as long, the last frame padded
+    assert abs(loudest(samples, written) - 440) <= 4
 
 
-def test_a_format_that_cannot_be_written_is_a_400_naming_the_field_and_the_format() -> None:
+def test_every_format_openai_names_is_written_here() -> None:
+    assert set(OPENAI_AUDIO_FORMATS) == set(AUDIO_OUT)
+    pytest.importorskip("av")
+    assert set(writable_formats()) == set(AUDIO_OUT)  # soundfile's libsndfile: FLAC, Opus, MP3; PyAV: AAC
+
+
+def test_aac_without_pyav_is_a_400_naming_the_field_the_format_and_the_extra(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    without_pyav(monkeypatch)
+    assert audio_out.writable_formats() == ("wav", "pcm", "flac", "opus", "mp3")
     with pytest.raises(BadRequest) as aac:
         check_audio_format("aac", "response_format")
     assert aac.value.param == "response_format" and aac.value.code == "unsupported_value"
-    assert "'aac'" in str(aac.value) and "no AAC encoder" in str(aac.value)
+    assert "'aac'" in str(aac.value) and "pip install 'trio-orch[audio]'" in str(aac.value)
     assert "wav, pcm, flac, opus, mp3" in str(aac.value)
     with pytest.raises(BadRequest) as chat:
         check_audio_format("aac", "audio.format", pcm="pcm16")
@@ -91,13 +108,11 @@ def test_a_format_that_cannot_be_written_is_a_400_naming_the_field_and_the_forma
 
 
 @pytest.fixture()
-def libsndfile_without_lame(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def libsndfile_without_lame(monkeypatch: pytest.MonkeyPatch) -> None:
     """A libsndfile built without an MP3 encoder (as some systems' are), the format check asked anew."""
     writes = soundfile.check_format
     monkeypatch.setattr(soundfile, "check_format", lambda fmt, *a: fmt != "MP3" and writes(fmt, *a))
-    audio_out.writable_formats.cache_clear()
-    yield
-    audio_out.writable_formats.cache_clear()
+    monkeypatch.setattr(audio_out, "writable", functools.cache(audio_out.writable.__wrapped__))
 
 
 @pytest.mark.usefixtures("libsndfile_without_lame")
@@ -109,14 +124,16 @@ def test_a_format_this_libsndfile_cannot_write_is_a_400_too() -> None:
     assert mp3.value.param == "response_format"
 
 
-def test_the_requests_take_openai_s_format_names_and_refuse_what_cannot_be_written() -> None:
+def test_the_requests_take_openai_s_format_names_and_refuse_what_cannot_be_written(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    without_pyav(monkeypatch)
     for fmt in ("flac", "opus", "mp3", "wav", "pcm"):
         req = decode({"input": "hi", "response_format": fmt}, SpeechRequest, what="speech")
         req.check(None)
     req = decode({"input": "hi", "response_format": "aac"}, SpeechRequest, what="speech")
     with pytest.raises(BadRequest) as aac:
         req.check(None)
-    assert aac.value.param == "response_format" and "'aac'" in str(aac.value)
+    assert aac.value.param == "response_format" and "'aac'" in str(aac.value)  # no PyAV here
     with pytest.raises(BadRequest) as ogg:  # not a name OpenAI has: the schema's refusal
         decode({"input": "hi", "response_format": "ogg"}, SpeechRequest, what="speech")
     assert ogg.value.param == "response_format"

@@ -11,18 +11,24 @@
 - ``flac``, ``opus`` (Ogg/Opus) and ``mp3``: libsndfile's encoders, through
   ``soundfile`` -- where the libsndfile it loads writes them (the one its
   wheels bundle, 1.1 or newer, writes all three).  FLAC holds the 16-bit
-  samples exactly.  Opus takes 8, 12, 16, 24 or 48 kHz and MP3 the MPEG
-  rates only: audio at another rate is resampled (linear interpolation) to
-  the lowest such rate at or above its own -- 22.05 kHz becomes 24 kHz for
-  Opus -- so nothing of its band is lost; the file says the rate it holds.
+  samples exactly;
+- ``aac``: FFmpeg's AAC encoder in an ADTS stream (what OpenAI sends),
+  through PyAV -- the optional ``audio`` extra (``pip install
+  'trio-orch[audio]'``; ``dev`` pulls it in), as libsndfile has no AAC
+  encoder.
 
-A format OpenAI names that this server cannot write (``aac``: libsndfile
-has no AAC encoder; ``mp3`` on a libsndfile built without LAME) is refused
-before the request is admitted, by :func:`check_audio_format`: a 400 naming
-the field and the format, and the formats it could have.  Encoding a long
-clip takes a while (an Opus or MP3 encoder), so the routes encode off the
-event loop.  Audio without a sample gives an empty FLAC or MP3 body
-(libsndfile writes their header with the first samples).
+Opus takes 8, 12, 16, 24 or 48 kHz, MP3 and AAC the MPEG rates only: audio
+at another rate is resampled (linear interpolation) to the lowest such rate
+at or above its own -- 22.05 kHz becomes 24 kHz for Opus -- so nothing of
+its band is lost; the file says the rate it holds.
+
+A format OpenAI names that this server cannot write (``aac`` without PyAV;
+``mp3`` on a libsndfile built without LAME) is refused before the request is
+admitted, by :func:`check_audio_format`: a 400 naming the field and the
+format, why, and the formats it could have.  Encoding a long clip takes a
+while (an Opus, MP3 or AAC encoder), so the routes encode off the event
+loop.  Audio without a sample gives an empty FLAC, MP3 or AAC body (their
+writers put the header with the first samples).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import numpy as np
 from trio_orch.openai.validation import BadRequest
 
 __all__ = ["AUDIO_OUT", "OPENAI_AUDIO_FORMATS", "AudioFormat", "ChatAudioFormat", "SpeechFormat",
-           "check_audio_format", "encode_audio", "pcm16", "writable_formats"]
+           "check_audio_format", "encode_audio", "pcm16", "writable", "writable_formats"]
 
 #: the audio formats OpenAI's APIs name: ``/v1/audio/speech``'s ``response_format`` ...
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -46,7 +52,13 @@ SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
 ChatAudioFormat = Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
 OPENAI_AUDIO_FORMATS: tuple[str, ...] = get_args(SpeechFormat)
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
-MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)
+MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG-1/2/2.5: MP3's and AAC's
+#: who writes a format: the standard library (``wave``; pcm is the samples as they are), libsndfile
+#: (through soundfile, a dependency) or FFmpeg (through PyAV, the optional ``audio`` extra)
+Writer = Literal["wave", "sndfile", "av"]
+#: why a writer may be missing here, for the 400 that refuses its formats
+_MISSING = {"sndfile": "the libsndfile this server loaded cannot write it",
+            "av": "it needs PyAV, which is not installed here: pip install 'trio-orch[audio]'"}
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,25 @@ class AudioFormat:
     """How one format is written."""
 
     content_type: str
-    #: libsndfile's (major format, subtype), for the formats it writes; None: written here (pcm, wav)
-    sndfile: tuple[str, str] | None = None
+    writer: Writer = "wave"
+    #: the writer's names for it: libsndfile's (major format, subtype), FFmpeg's (muxer, encoder)
+    codec: tuple[str, str] = ("", "")
     #: the sample rates it takes (empty: any)
     rates: tuple[int, ...] = ()
+
+    def can_write(self) -> bool:
+        """Whether this process has the writer and the writer this format (asked of the library)."""
+        if self.writer == "sndfile":
+            import soundfile
+
+            return bool(soundfile.check_format(*self.codec))
+        if self.writer == "av":
+            try:
+                import av
+            except ImportError:
+                return False
+            return self.codec[0] in av.formats_available and self.codec[1] in av.codecs_available
+        return True
 
     def rate_for(self, sample_rate: int) -> int:
         """The rate audio at ``sample_rate`` is written at: its own, or the lowest one taken above it."""
@@ -66,35 +93,37 @@ class AudioFormat:
         return min((r for r in self.rates if r >= sample_rate), default=max(self.rates))
 
 
-#: every format this server may write (one that libsndfile cannot write here is refused: see
-#: :func:`writable_formats`); the others of OPENAI_AUDIO_FORMATS it never writes
+#: every format OpenAI names, and how it is written (one whose writer is missing here is refused: see
+#: :func:`writable_formats`)
 AUDIO_OUT: dict[str, AudioFormat] = {
     "wav": AudioFormat("audio/wav"),
     "pcm": AudioFormat("audio/pcm"),
-    "flac": AudioFormat("audio/flac", ("FLAC", "PCM_16")),
-    "opus": AudioFormat("audio/ogg", ("OGG", "OPUS"), OPUS_RATES),
-    "mp3": AudioFormat("audio/mpeg", ("MP3", "MPEG_LAYER_III"), MP3_RATES),
+    "flac": AudioFormat("audio/flac", "sndfile", ("FLAC", "PCM_16")),
+    "opus": AudioFormat("audio/ogg", "sndfile", ("OGG", "OPUS"), OPUS_RATES),
+    "mp3": AudioFormat("audio/mpeg", "sndfile", ("MP3", "MPEG_LAYER_III"), MP3_RATES),
+    "aac": AudioFormat("audio/aac", "av", ("adts", "aac"), MP3_RATES),
 }
 
 
 @functools.cache
-def writable_formats() -> tuple[str, ...]:
-    """The formats of :data:`AUDIO_OUT` this process can write (libsndfile's asked once)."""
-    import soundfile
+def writable(name: str) -> bool:
+    """Whether this process can write the format ``name`` of :data:`AUDIO_OUT` (its library asked once,
+    when the format is first asked for: a WAV answer never loads libsndfile or FFmpeg)."""
+    return AUDIO_OUT[name].can_write()
 
-    return tuple(name for name, f in AUDIO_OUT.items()
-                 if f.sndfile is None or soundfile.check_format(*f.sndfile))
+
+def writable_formats() -> tuple[str, ...]:
+    """The formats of :data:`AUDIO_OUT` this process can write."""
+    return tuple(name for name in AUDIO_OUT if writable(name))
 
 
 def check_audio_format(fmt: str, param: str, *, pcm: str = "pcm") -> str:
     """``fmt``'s name in :data:`AUDIO_OUT`; BadRequest naming ``param`` if it cannot be written here.
     ``pcm``: the route's name for raw PCM (chat's ``pcm16``)."""
     name = "pcm" if fmt == pcm else fmt
-    if name in writable_formats():
+    if name in AUDIO_OUT and writable(name):
         return name
-    why = ("libsndfile, which this server encodes with, has no AAC encoder" if name == "aac"
-           else "the libsndfile this server loaded cannot write it" if name in AUDIO_OUT
-           else "it is not an audio format OpenAI names")
+    why = _MISSING[AUDIO_OUT[name].writer] if name in AUDIO_OUT else "it is not an audio format OpenAI names"
     names = ", ".join(pcm if n == "pcm" else n for n in writable_formats())
     raise BadRequest(f"'{param}': {fmt!r} cannot be encoded here ({why}); ask for one of {names}", param,
                      code="unsupported_value")
@@ -119,18 +148,38 @@ def encode_audio(pcm: bytes, sample_rate: int, fmt: str) -> bytes:
     if fmt == "pcm":
         return pcm
     buf = io.BytesIO()
-    if spec.sndfile is None:
+    if spec.writer == "wave":
         with wave.open(buf, "wb") as w:
             w.setnchannels(1)
             w.setsampwidth(2)
             w.setframerate(sample_rate)
             w.writeframes(pcm)
         return buf.getvalue()
-    import soundfile
-
     samples = np.frombuffer(pcm, dtype="<i2")
     rate = spec.rate_for(sample_rate)
     data = samples if rate == sample_rate else _resample(samples, sample_rate, rate)
-    kind, subtype = spec.sndfile
-    soundfile.write(buf, data, rate, format=kind, subtype=subtype)
+    if spec.writer == "av":
+        _write_av(buf, data, rate, *spec.codec)
+    else:
+        import soundfile
+
+        soundfile.write(buf, data, rate, format=spec.codec[0], subtype=spec.codec[1])
     return buf.getvalue()
+
+
+def _write_av(buf: io.BytesIO, data: np.ndarray, rate: int, muxer: str, codec: str) -> None:
+    """Mono ``data`` (int16, or float32 once resampled) -> ``buf`` in FFmpeg's ``muxer``/``codec``.
+    The encoder takes the whole clip as one frame: PyAV cuts it into the codec's frame size."""
+    import av
+
+    with av.open(buf, "w", format=muxer) as out:
+        stream = out.add_stream(codec, rate=rate, layout="mono")
+        frames = []
+        if len(data):
+            frame = av.AudioFrame.from_ndarray(data.reshape(1, -1), layout="mono",
+                                               format="s16" if data.dtype == np.int16 else "flt")
+            frame.sample_rate = rate
+            frames.append(frame)
+        for frame in [*frames, None]:  # None: flush the encoder
+            for packet in stream.encode(frame):
+                out.mux(packet)

@@ -29,7 +29,7 @@ that output modality (:mod:`stages.registry`), or by shape when undeclared.  Aud
 audio output does: streaming ``delta.audio = {id, data}`` with base64 16-bit
 little-endian PCM; non-streaming ``message.audio = {id, data, expires_at,
 transcript}`` with a base64 file in ``audio.format`` (:mod:`trio_orch.openai.audio_out`:
-``wav``, the default, ``flac``, ``opus``, ``mp3`` or raw ``pcm16``).  For an audio
+``wav``, the default, ``flac``, ``opus``, ``mp3``, ``aac`` or raw ``pcm16``).  For an audio
 request each streamed text piece is also in ``delta.audio.transcript``, as
 OpenAI's audio streaming puts it.  ``model`` in every answer is the first
 served model name, never an echo of the request's.

@@ -5,9 +5,9 @@ The request (:class:`~trio_orch.openai.protocol.SpeechRequest`): ``input``
 ``stages.sampling_params.VOICES`` for the built-in vocoder, a checkpoint's own
 for Qwen2.5-Omni), ``response_format`` (``"wav"``, the
 default here; ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
-24 kHz for the built-in vocoder, as OpenAI's; ``"flac"``, ``"opus"`` (Ogg)
-and ``"mp3"``, encoded by :mod:`trio_orch.openai.audio_out`; ``"aac"`` is a
-400 naming the field and the format), ``speed`` (0.25..4: the audio
+24 kHz for the built-in vocoder, as OpenAI's; ``"flac"``, ``"opus"`` (Ogg),
+``"mp3"`` and ``"aac"``, encoded by :mod:`trio_orch.openai.audio_out`; one
+whose encoder is not installed is a 400 naming the field and the format), ``speed`` (0.25..4: the audio
 is resampled, so its pitch moves with it), ``stream_format`` (``"audio"``:
 the file's bytes; ``"sse"``: ``speech.audio.delta`` events of base64 pcm, then
 ``speech.audio.done`` with usage), ``model`` (optional; if given, a served

@@ -83,7 +83,7 @@ def chat_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[
             return err
         observe_rtf(cs, handle)
         timings = cs.timings(handle.t_open, time.perf_counter(), handle.timings)
-        # an audio answer is encoded (a FLAC, Opus or MP3 encoder may take a while): off the event loop
+        # an audio answer is encoded (an Opus, MP3 or AAC encoder may take a while): off the event loop
         out = (await anyio.to_thread.run_sync(cs.completion, timings) if req.audio
                else cs.completion(timings))
         front.count_finished(cs.finish_reason())

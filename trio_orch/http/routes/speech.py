@@ -5,7 +5,7 @@ The request and how it enters the pipeline are :mod:`trio_orch.openai.speech`'s
 its stage-0 input and per-stage parameters).  The answer: ``pcm`` streams as
 the vocoder makes it (a chunked body, one piece per dispatcher batch; a
 request that fails midway ends its body early, and says so in the log);
-``wav``, ``flac``, ``opus`` and ``mp3`` are sent whole, encoded once the
+``wav``, ``flac``, ``opus``, ``mp3`` and ``aac`` are sent whole, encoded once the
 audio is all there (:func:`~trio_orch.openai.audio_out.encode_audio`, in a
 worker thread: the event loop never waits on an encoder); ``stream_format:
 sse`` sends ``speech.audio.delta`` events of base64 pcm, then
