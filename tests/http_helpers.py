@@ -250,3 +250,12 @@ def aac_samples(data: bytes, rate: int) -> Any:
         assert f.format.name == "aac" and stream.codec_context.name == "aac"
         assert stream.codec_context.sample_rate == rate
         return np.concatenate([frame.to_ndarray().reshape(-1) for frame in f.decode(stream)])[1024:]
+
+
+def g711_samples(data: bytes, law: str) -> Any:
+    """Headerless G.711 (``law``: ``ULAW`` or ``ALAW``) at 8 kHz -> float samples, decoded by libsndfile."""
+    import soundfile
+
+    samples, _ = soundfile.read(io.BytesIO(data), samplerate=8000, channels=1, format="RAW", subtype=law,
+                                dtype="float32")
+    return samples

@@ -6,7 +6,9 @@ samples, Opus, MP3 and AAC a clip as long as the input at a rate their codec
 takes (22.05 kHz resampled to 24 kHz for Opus) whose loudest frequency is
 the tone's.  A format OpenAI names that cannot be written here (its library
 missing, as without the ``audio`` extra) is a 400 naming the field and the
-format.
+format.  The resampler gives the same samples fed whole or in pieces (the
+Realtime API's deltas), and going down to G.711's 8 kHz filters out what
+8 kHz cannot hold.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from trio_orch.openai import audio_out
 from trio_orch.openai.audio_out import (
     AUDIO_OUT,
     OPENAI_AUDIO_FORMATS,
+    REALTIME_OUT,
+    AudioStream,
+    Resampler,
     check_audio_format,
     encode_audio,
     pcm16,
@@ -147,3 +152,36 @@ def test_the_requests_take_openai_s_format_names_and_refuse_what_cannot_be_writt
     with pytest.raises(BadRequest) as streamed:  # a streamed answer is pcm16, as before
         parse_chat_request({**audio, "stream": True, "audio": {"format": "flac"}}, models)
     assert streamed.value.param == "audio.format"
+
+
+@pytest.mark.parametrize(("src", "dst"), [(24000, 8000), (22050, 24000), (44100, 48000), (96000, 48000),
+                                          (22050, 8000)])
+def test_the_resampler_fed_in_pieces_gives_what_it_gives_fed_whole(src: int, dst: int) -> None:
+    rng = np.random.default_rng(src + dst)
+    x = (0.1 * rng.standard_normal(5003)).astype(np.float32)
+    whole = Resampler(src, dst)
+    at_once = np.concatenate([whole.feed(x), whole.flush()])
+    assert len(at_once) == round(len(x) * dst / src)
+    pieces = Resampler(src, dst)
+    cuts = np.sort(rng.choice(np.arange(1, len(x)), 30, replace=False))
+    fed = [pieces.feed(p) for p in [x[:0], *np.split(x, cuts), x[:0]]]  # empty pieces and one-sample ones
+    assert np.array_equal(np.concatenate([*fed, pieces.flush()]), at_once)
+
+
+@pytest.mark.parametrize(("freq", "kept"), [(440, True), (3000, True), (6000, False), (9000, False)])
+def test_down_to_8_khz_keeps_what_8_khz_holds_in_phase_and_filters_the_rest(freq: int, kept: bool) -> None:
+    r = Resampler(24000, 8000)
+    x = np.sin(2 * np.pi * freq * np.arange(24000) / 24000).astype(np.float32)
+    y = np.concatenate([r.feed(x), r.flush()])[100:-100]
+    if kept:  # in phase: the filter's delay is taken back
+        ref = np.sin(2 * np.pi * freq * np.arange(100, 7900) / 8000)
+        assert np.abs(y - ref).max() < 0.05
+    else:  # above 4 kHz: it would fold back below it
+        assert np.sqrt(np.mean(y**2)) < 0.01
+
+
+def test_a_stream_writes_only_headerless_formats() -> None:
+    with pytest.raises(ValueError, match="header"):
+        AudioStream(AUDIO_OUT["flac"], 24000)
+    stream = AudioStream(REALTIME_OUT["audio/pcm"], 24000)
+    assert stream.resampler is None and stream.encode(np.array([0.5, -0.5])) == pcm16(np.array([0.5, -0.5]))

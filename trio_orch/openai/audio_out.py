@@ -2,7 +2,10 @@
 
 ``/v1/audio/speech``'s ``response_format``, a chat answer's
 ``audio.format`` and ``trio-orch generate``'s WAV file all come from
-:func:`encode_audio`, and each format is one row of :data:`AUDIO_OUT`:
+:func:`encode_audio`, and each format is one row of :data:`AUDIO_OUT`; a
+Realtime response's deltas from :class:`AudioStream`, in a format of
+:data:`REALTIME_OUT` (24 kHz PCM, G.711 at 8 kHz: headerless, so piece by
+piece):
 
 - ``pcm``: the samples as they are, 16-bit little-endian mono at the
   pipeline's rate (chat calls it ``pcm16``);
@@ -18,9 +21,10 @@
   encoder.
 
 Opus takes 8, 12, 16, 24 or 48 kHz, MP3 and AAC the MPEG rates only: audio
-at another rate is resampled (linear interpolation) to the lowest such rate
-at or above its own -- 22.05 kHz becomes 24 kHz for Opus -- so nothing of
-its band is lost; the file says the rate it holds.
+at another rate is resampled to the lowest such rate at or above its own --
+22.05 kHz becomes 24 kHz for Opus -- so nothing of its band is lost; the
+file says the rate it holds.  One :class:`Resampler` does every change of
+rate, whole or piece by piece.
 
 A format OpenAI names that this server cannot write (``aac`` without PyAV;
 ``mp3`` on a libsndfile built without LAME) is refused before the request is
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import wave
 from dataclasses import dataclass
 from typing import Literal, get_args
@@ -43,8 +48,9 @@ import numpy as np
 
 from trio_orch.openai.validation import BadRequest
 
-__all__ = ["AUDIO_OUT", "OPENAI_AUDIO_FORMATS", "AudioFormat", "ChatAudioFormat", "SpeechFormat",
-           "check_audio_format", "encode_audio", "pcm16", "writable", "writable_formats"]
+__all__ = ["AUDIO_OUT", "FILE_SUFFIXES", "OPENAI_AUDIO_FORMATS", "REALTIME_OUT", "AudioFormat", "AudioStream",
+           "ChatAudioFormat", "Resampler", "SpeechFormat", "check_audio_format", "encode_audio", "pcm16",
+           "writable", "writable_formats"]
 
 #: the audio formats OpenAI's APIs name: ``/v1/audio/speech``'s ``response_format`` ...
 SpeechFormat = Literal["mp3", "opus", "aac", "flac", "wav", "pcm"]
@@ -53,9 +59,9 @@ ChatAudioFormat = Literal["wav", "aac", "mp3", "flac", "opus", "pcm16"]
 OPENAI_AUDIO_FORMATS: tuple[str, ...] = get_args(SpeechFormat)
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # MPEG-1/2/2.5: MP3's and AAC's
-#: who writes a format: the standard library (``wave``; pcm is the samples as they are), libsndfile
-#: (through soundfile, a dependency) or FFmpeg (through PyAV, the optional ``audio`` extra)
-Writer = Literal["wave", "sndfile", "av"]
+#: who writes a format: no one (``raw``: the 16-bit samples as they are), the standard library
+#: (``wave``), libsndfile (through soundfile, a dependency) or FFmpeg (through PyAV, the ``audio`` extra)
+Writer = Literal["raw", "wave", "sndfile", "av"]
 #: why a writer may be missing here, for the 400 that refuses its formats
 _MISSING = {"sndfile": "the libsndfile this server loaded cannot write it",
             "av": "it needs PyAV, which is not installed here: pip install 'trio-orch[audio]'"}
@@ -97,11 +103,22 @@ class AudioFormat:
 #: :func:`writable_formats`)
 AUDIO_OUT: dict[str, AudioFormat] = {
     "wav": AudioFormat("audio/wav"),
-    "pcm": AudioFormat("audio/pcm"),
+    "pcm": AudioFormat("audio/pcm", "raw"),
     "flac": AudioFormat("audio/flac", "sndfile", ("FLAC", "PCM_16")),
     "opus": AudioFormat("audio/ogg", "sndfile", ("OGG", "OPUS"), OPUS_RATES),
     "mp3": AudioFormat("audio/mpeg", "sndfile", ("MP3", "MPEG_LAYER_III"), MP3_RATES),
     "aac": AudioFormat("audio/aac", "av", ("adts", "aac"), MP3_RATES),
+}
+#: a file's suffix -> the format of :data:`AUDIO_OUT` it is written in (``trio-orch generate --out``)
+FILE_SUFFIXES = {".wav": "wav", ".flac": "flac", ".opus": "opus", ".ogg": "opus", ".mp3": "mp3",
+                 ".aac": "aac", ".pcm": "pcm", ".raw": "pcm"}
+#: the Realtime API's output formats (a session's ``audio.output.format.type``), each streamed as
+#: headerless runs of samples, one per ``response.output_audio.delta``: 16-bit PCM at 24 kHz, G.711
+#: mu-law and A-law at 8 kHz (libsndfile's, as RAW); :class:`AudioStream` writes them
+REALTIME_OUT: dict[str, AudioFormat] = {
+    "audio/pcm": AudioFormat("audio/pcm", "raw", rates=(24000,)),
+    "audio/pcmu": AudioFormat("audio/pcmu", "sndfile", ("RAW", "ULAW"), (8000,)),
+    "audio/pcma": AudioFormat("audio/pcma", "sndfile", ("RAW", "ALAW"), (8000,)),
 }
 
 
@@ -134,18 +151,105 @@ def pcm16(pcm: np.ndarray) -> bytes:
     return (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
 
 
+def _lowpass(ratio: float) -> np.ndarray:
+    """A windowed-sinc low-pass filter (FIR taps) keeping what a rate ``ratio`` times the input's holds."""
+    half = math.ceil(8 / ratio)
+    n = np.arange(-half, half + 1)
+    cutoff = 0.45 * ratio  # cycles per input sample: 90 % of the new rate's Nyquist frequency
+    taps = 2 * cutoff * np.sinc(2 * cutoff * n) * np.hamming(len(n))
+    return (taps / taps.sum()).astype(np.float32)
+
+
+class Resampler:
+    """Mono float audio at ``src`` Hz -> at ``dst`` Hz, fed piece by piece: the pieces out, joined, are
+    what the whole fed at once gives, as many samples as the input's length at ``dst``.  (Only the
+    ratio counts: speech's ``speed`` is ``Resampler(speed, 1)``.)
+
+    Linear interpolation, after a low-pass filter when the rate goes down (what the lower rate cannot
+    hold would fold back as noise: 24 kHz speech to G.711's 8 kHz).  The filter's delay is taken back,
+    so the audio is not shifted; :meth:`flush` gives the last samples, which it held back.
+    """
+
+    def __init__(self, src: float, dst: float) -> None:
+        self.src, self.dst, self.step = src, dst, src / dst
+        self.taps = _lowpass(dst / src) if dst < src else None
+        self.delay = 0 if self.taps is None else (len(self.taps) - 1) // 2
+        self.history = np.zeros(0 if self.taps is None else len(self.taps) - 1, np.float32)  # filter state
+        self.kept = np.zeros(0, np.float32)  # the last (filtered) sample: the next output may need it
+        self.base = 0  # kept's index among the samples fed
+        self.fed = 0
+        self.made = 0
+
+    def feed(self, x: np.ndarray) -> np.ndarray:
+        """The output samples ``x`` (the next input samples) completes."""
+        x = np.asarray(x, np.float32)
+        if not len(x):
+            return x
+        self.fed += len(x)
+        if self.taps is not None:
+            padded = np.concatenate([self.history, x])
+            self.history = padded[len(x):]
+            x = np.convolve(padded, self.taps, mode="valid").astype(np.float32)
+        buf = np.concatenate([self.kept, x])
+        end = self.base + len(buf) - 1  # buf's last sample's index among those fed
+        last = math.floor((end - self.delay) / self.step + 1e-9) if end >= self.delay else -1
+        k = np.arange(self.made, last + 1)
+        out = np.interp(self.delay + k * self.step - self.base, np.arange(len(buf)), buf)
+        self.made = max(self.made, last + 1)
+        self.kept, self.base = buf[-1:], end
+        return out.astype(np.float32)
+
+    def flush(self) -> np.ndarray:
+        """The rest, once the input has ended (the signal after it silence)."""
+        total, fed = round(self.fed * self.dst / self.src), self.fed
+        made = self.made
+        tail = self.feed(np.zeros(self.delay + math.ceil(self.step) + 1, np.float32))
+        self.fed, self.made = fed, total
+        return tail[:max(0, total - made)]
+
+
 def _resample(samples: np.ndarray, src: int, dst: int) -> np.ndarray:
-    """``samples`` at ``src`` Hz -> at ``dst`` Hz (linear interpolation), as float32 in [-1, 1]."""
-    x = samples.astype(np.float32) / 32768.0
-    n = round(len(x) * dst / src)
-    return np.interp(np.arange(n) * (src / dst), np.arange(len(x)), x).astype(np.float32)
+    """16-bit ``samples`` at ``src`` Hz -> float32 in [-1, 1] at ``dst`` Hz (:class:`Resampler`)."""
+    r = Resampler(src, dst)
+    return np.concatenate([r.feed(samples.astype(np.float32) / 32768.0), r.flush()])
+
+
+class AudioStream:
+    """One answer's audio, encoded piece by piece as it is made (a Realtime response's deltas), in a
+    headerless format of :data:`REALTIME_OUT` at that format's rate: the pieces out, joined, are the
+    whole encoded at once."""
+
+    def __init__(self, fmt: AudioFormat, sample_rate: int) -> None:
+        if fmt.writer not in ("raw", "sndfile") or fmt.codec[0] not in ("", "RAW"):
+            raise ValueError(f"{fmt.content_type} has a header: it is written whole, by encode_audio")
+        self.fmt = fmt
+        self.rate = fmt.rate_for(sample_rate)
+        self.resampler = Resampler(sample_rate, self.rate) if self.rate != sample_rate else None
+
+    def encode(self, pcm: np.ndarray) -> bytes:
+        """Float samples in [-1, 1] at the answer's rate -> the bytes they complete (maybe none yet)."""
+        return self._write(pcm if self.resampler is None else self.resampler.feed(pcm))
+
+    def flush(self) -> bytes:
+        """The last bytes, once the answer's audio has ended."""
+        return b"" if self.resampler is None else self._write(self.resampler.flush())
+
+    def _write(self, samples: np.ndarray) -> bytes:
+        if self.fmt.writer == "raw" or not len(samples):
+            return pcm16(samples)
+        import soundfile
+
+        buf = io.BytesIO()
+        soundfile.write(buf, np.clip(samples, -1.0, 1.0), self.rate, format=self.fmt.codec[0],
+                        subtype=self.fmt.codec[1])
+        return buf.getvalue()
 
 
 def encode_audio(pcm: bytes, sample_rate: int, fmt: str) -> bytes:
     """16-bit little-endian mono ``pcm`` at ``sample_rate`` -> a file in ``fmt`` (a format that
     :func:`check_audio_format` let through; KeyError for a name not in :data:`AUDIO_OUT`)."""
     spec = AUDIO_OUT[fmt]
-    if fmt == "pcm":
+    if spec.writer == "raw":
         return pcm
     buf = io.BytesIO()
     if spec.writer == "wave":

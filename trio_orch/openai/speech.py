@@ -46,7 +46,7 @@ import numpy as np
 from stages.registry import as_audio, says, text_stage
 from trio_orch.engine.api import EngineClient
 from trio_orch.openai import sampling as openai_sampling
-from trio_orch.openai.audio_out import pcm16
+from trio_orch.openai.audio_out import Resampler, pcm16
 from trio_orch.openai.protocol import ServedModels, SpeechRequest
 from trio_orch.openai.tokenizer import prompt_token_count, stage_tokenizer
 from trio_orch.openai.validation import BadRequest
@@ -59,23 +59,19 @@ PROMPTS = (" ", ".", "a", "\n")
 
 
 class Speed:
-    """Audio played ``factor`` times as fast, chunk by chunk: linear resampling, continuous across chunks."""
+    """Audio played ``factor`` times as fast, chunk by chunk (its pitch moves with it): resampled by the
+    factor with the one :class:`~trio_orch.openai.audio_out.Resampler`, so continuous across chunks and
+    low-pass filtered when sped up; :meth:`flush` gives its last samples once the audio has ended."""
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
-        self.pos = 0.0  # where the next output sample falls, counted from the last sample kept
-        self.last: np.ndarray | None = None  # the previous chunk's last sample
+        self.resampler = Resampler(factor, 1.0) if factor != 1.0 else None
 
     def __call__(self, pcm: np.ndarray) -> np.ndarray:
-        if self.factor == 1.0 or not len(pcm):
-            return pcm
-        x = pcm if self.last is None else np.concatenate([self.last, pcm])
-        span = len(x) - 1
-        n = int((span - self.pos) // self.factor) + 1 if span >= self.pos else 0
-        at = self.pos + self.factor * np.arange(n)
-        self.pos += n * self.factor - span
-        self.last = x[-1:]
-        return np.interp(at, np.arange(len(x)), x).astype(np.float32)
+        return pcm if self.resampler is None else self.resampler.feed(pcm)
+
+    def flush(self) -> np.ndarray:
+        return np.zeros(0, np.float32) if self.resampler is None else self.resampler.flush()
 
 
 @dataclass
@@ -89,15 +85,19 @@ class Speech:
     chunks: int = 0
 
     def add(self, m: OrchOutput) -> bytes:
-        """Absorb one output; its audio as pcm16 (b"" if it carries none)."""
+        """Absorb one output; its audio as pcm16 (b"" if it carries none), and, on the request's last
+        output, the speed change's last samples."""
         modality = self.outputs[m.stage_id] if self.outputs is not None else "data"
         audio = as_audio(modality, m.data)
-        if audio is None or not len(audio[0]):
-            return b""
-        pcm, self.sample_rate = audio
-        data = pcm16(self.speed(pcm))
-        self.chunks += 1
-        self.pieces.append(data)
+        data = b""
+        if audio is not None and len(audio[0]):
+            pcm, self.sample_rate = audio
+            data = pcm16(self.speed(pcm))
+            self.chunks += 1
+        if m.finished:
+            data += pcm16(self.speed.flush())
+        if data:
+            self.pieces.append(data)
         return data
 
 
