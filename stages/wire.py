@@ -38,6 +38,7 @@ __all__ = [
     "RpcReply",
     "Shutdown",
     "Submit",
+    "Submits",
     "Update",
     "WireCodec",
     "WireError",
@@ -72,6 +73,14 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     resumable: bool = False
     priority: int = 0
     deadline_in: float | None = None
+
+
+class Submits(msgspec.Struct, tag="submits", array_like=True):
+    """Several submits that left together: what one pass of the orchestrator's scheduler decided for
+    a replica that was busy.  The worker takes them in order, as one arrival, so its next step
+    batches them all."""
+
+    items: list[Submit]
 
 
 class Update(msgspec.Struct, tag="update", array_like=True):
@@ -138,7 +147,7 @@ class Cordoned(msgspec.Struct, tag="cordoned", array_like=True):
     was sent before this message), so once it holds nothing it may go."""
 
 
-InboundMsg = Submit | Update | Abort | Shutdown | Rpc | Peers | Cordoned
+InboundMsg = Submit | Submits | Update | Abort | Shutdown | Rpc | Peers | Cordoned
 
 
 # --------------------------------------------------------------------- outbound (worker -> orchestrator)

@@ -73,6 +73,7 @@ from stages.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Submits,
     Update,
     WireCodec,
     WireError,
@@ -217,6 +218,10 @@ class Worker:
         if type(msg) is Submit:
             self.stats["submits"] += 1
             self.submit(msg)
+        elif type(msg) is Submits:
+            self.stats["submits"] += len(msg.items)
+            for item in msg.items:
+                self.submit(item)
         elif type(msg) is Update:
             self.stats["updates"] += 1
             self.update(msg)

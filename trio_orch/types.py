@@ -9,17 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from trio_orch.histogram import Histogram
 
 __all__ = [
     "ERROR_KINDS",
+    "ConfirmingStageClient",
+    "ControlledStageClient",
+    "JoinableStageClient",
     "Message",
     "NowaitSubmitClient",
+    "ObservedStageClient",
     "OrchError",
     "OrchOutput",
+    "PrioritizedStageClient",
     "PushStageClient",
     "ReplicatedStageClient",
     "RpcResult",
+    "StageAbilities",
     "StageClient",
     "StageDied",
     "StageOutput",
@@ -233,3 +242,104 @@ class ReplicatedStageClient(StageClient, Protocol):
     def replica_counts(self) -> tuple[int, int]: ...
 
     def watch_replicas(self, callback: Callable[[int, int], None]) -> None: ...
+
+
+#: what a replica answers to a collective call or an acknowledged abort: (replica, value, error)
+ReplicaAnswer = tuple[int, Any, "str | None"]
+
+
+@runtime_checkable
+class ControlledStageClient(StageClient, Protocol):
+    """Optional: a stage client that takes collective calls (``collective_rpc``, ``pause("keep")``).
+
+    ``rpc`` calls ``method(*args, **kwargs)`` on every live replica, each
+    under ``timeout``, and answers one ``(replica, value, error)`` per replica.
+    """
+
+    async def rpc(self, method: str, args: Any = (), kwargs: Any = None,
+                  timeout: float = 5.0) -> list[ReplicaAnswer]: ...
+
+
+@runtime_checkable
+class ConfirmingStageClient(StageClient, Protocol):
+    """Optional: a stage client whose replicas confirm an abort (``Orchestrator.abort`` waits for it).
+
+    ``confirm_abort`` aborts like ``abort`` and answers one ``(replica, ids
+    it stopped, error)`` per replica that held one, each under ``timeout``.
+    """
+
+    async def confirm_abort(self, request_ids: list[str], timeout: float = 5.0) -> list[ReplicaAnswer]: ...
+
+
+@runtime_checkable
+class PrioritizedStageClient(StageClient, Protocol):
+    """Optional: a stage client that orders its work by priority and deadline.
+
+    It takes ``priority=`` and ``deadline_in=`` (seconds left) with a submit
+    (see ``core.actions.stage_io_options``); ``accepts_priority`` is True.
+    """
+
+    accepts_priority: bool
+
+
+@runtime_checkable
+class JoinableStageClient(StageClient, Protocol):
+    """Optional: a stage whose replicas may join at runtime (a replica pool behind a registrar).
+
+    The orchestrator sets ``join_gate`` to its
+    :class:`~trio_orch.shell.join_gate.JoinGate` when it starts, so every join
+    runs under the routing core's membership rules.
+    """
+
+    join_gate: Any
+
+
+@runtime_checkable
+class ObservedStageClient(StageClient, Protocol):
+    """Optional: a stage client that reports on its replicas (``/health``, ``/metrics``, timings).
+
+    ``replica_states()`` one mapping per replica slot; ``in_flight()``
+    requests per replica; ``queue_seconds``/``compute_seconds`` the
+    worker-reported histograms; ``timing_of(request_id)`` a recent request's
+    stage timing (None if unknown).
+    """
+
+    queue_seconds: Histogram
+    compute_seconds: Histogram
+
+    def replica_states(self) -> list[dict[str, Any]]: ...
+
+    def in_flight(self) -> list[int]: ...
+
+    def timing_of(self, request_id: str) -> Any: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StageAbilities:
+    """What one stage client declared it can do, read once when the orchestrator takes it.
+
+    Each field is one of the optional protocols above; the shell reads the
+    record instead of asking the client, so no path probes a client's
+    attributes.
+    """
+
+    push: bool = False  #: :class:`PushStageClient`
+    submit_nowait: bool = False  #: :class:`NowaitSubmitClient`
+    priority: bool = False  #: :class:`PrioritizedStageClient`
+    rpc: bool = False  #: :class:`ControlledStageClient`
+    confirm_abort: bool = False  #: :class:`ConfirmingStageClient`
+    replicated: bool = False  #: :class:`ReplicatedStageClient`
+    joinable: bool = False  #: :class:`JoinableStageClient`
+    observed: bool = False  #: :class:`ObservedStageClient`
+
+    @classmethod
+    def of(cls, stage: object) -> StageAbilities:
+        """The abilities ``stage`` declares (the protocols it implements)."""
+        return cls(push=isinstance(stage, PushStageClient),
+                   submit_nowait=isinstance(stage, NowaitSubmitClient),
+                   priority=isinstance(stage, PrioritizedStageClient) and bool(stage.accepts_priority),
+                   rpc=isinstance(stage, ControlledStageClient),
+                   confirm_abort=isinstance(stage, ConfirmingStageClient),
+                   replicated=isinstance(stage, ReplicatedStageClient),
+                   joinable=isinstance(stage, JoinableStageClient),
+                   observed=isinstance(stage, ObservedStageClient))

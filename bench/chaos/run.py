@@ -36,7 +36,7 @@ from trio_orch.cluster.launcher import Pipeline, open_pipeline
 from trio_orch.cluster.supervisor import RestartPolicy, Supervisor, open_supervisor
 from trio_orch.shell.orchestrator import Orchestrator
 from trio_orch.testing import LeakProbe, TerminalLedger
-from trio_orch.types import Message, OrchError
+from trio_orch.types import Message, ObservedStageClient, OrchError
 
 __all__ = ["IMPLEMENTATION", "ChaosOptions", "ChaosResult", "ChaosRun", "Inject", "OutputStream", "RunSetup",
            "build_config", "run_fault"]
@@ -179,8 +179,8 @@ class ChaosRun:
             return False
         if self.orch.router.async_chunk:
             return not any(msg.partial.values()) if msg.partial else True
-        timing_of = getattr(self.pipe.stages[msg.stage_id], "timing_of", None)
-        tm = timing_of(msg.request_id) if timing_of is not None else None
+        stage = self.pipe.stages[msg.stage_id]
+        tm = stage.timing_of(msg.request_id) if isinstance(stage, ObservedStageClient) else None
         return tm is not None and tm.t_first is None
 
     # -------------------------------------------------------------- marks

@@ -91,7 +91,8 @@ class TrioDriver(Driver):
                         self.stages, self.final_stage_ids, async_chunk=self.async_chunk,
                         forward_fn=self.forward_fn, prewarm_fn=self.prewarm_fn,
                         request_queue_size=self.request_queue_size, shutdown_grace=self.shutdown_grace,
-                        output_sink=None if self.in_loop_consumer else self._batches.put)
+                        output_sink=None if self.in_loop_consumer else self._batches.put,
+                        output_backlog=None if self.in_loop_consumer else self._batches.qsize)
                 except BaseException as exc:
                     self.set_started(exc)
                     app.cancel_scope.cancel()

@@ -136,8 +136,16 @@ def serving_pipelines(quick: bool) -> dict[str, list[str]]:
     return pipes
 
 
+def _per_request(runs: list[dict[str, Any]], key: str, ok: int, scale: float = 1.0) -> float:
+    """``key`` summed over the rounds, per request (NaN when a round did not measure it)."""
+    if not ok or any(key not in r for r in runs):
+        return float("nan")
+    return sum(r[key] for r in runs) / ok * scale
+
+
 def summarize_serving(raw: dict[str, Any], concurrency: int) -> dict[str, Any]:
-    """Per pipeline and front: TTFC and inter-chunk percentiles (us), requests/s, server CPU ms/request."""
+    """Per pipeline and front: TTFC and inter-chunk percentiles (us), requests/s, server CPU ms/request,
+    and the workers' steps and CPU ms per request."""
     from bench.perf.stats import percentiles_us
 
     out: dict[str, Any] = {"concurrency": concurrency}
@@ -155,6 +163,9 @@ def summarize_serving(raw: dict[str, Any], concurrency: int) -> dict[str, Any]:
                 "server_cpu_ms_per_request": cpu / ok * 1e3 if ok else float("nan"),
                 "requests_per_s_rounds": [r["ok"] / r["wall_s"] for r in runs if r["wall_s"]],
             }
+            if runs and all("worker_steps" in r for r in runs):  # the workers were measured
+                out[pipe][front].update(worker_steps_per_request=_per_request(runs, "worker_steps", ok),
+                                        worker_cpu_ms_per_request=_per_request(runs, "worker_cpu_s", ok, 1e3))
     return out
 
 

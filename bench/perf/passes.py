@@ -19,13 +19,21 @@ Counts, not times, are the point: they hardly move with the machine's load
 (a profiled run is several times slower than a real one, and timings on a
 busy 2-vCPU VM are noise), so a design change shows as fewer passes, steps
 or calls per output in any run.  Timings belong to ``trio-orch bench``.
+
+``--before FILES --after FILES`` reads tables this module wrote
+(``--markdown``, several runs on each side) and prints the before/after
+table: per (workload, implementation) the median of each count over the
+runs of each side and the ratio after / before.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import glob
 import pstats
+import re
+import statistics
 import sys
 import threading
 from collections.abc import Iterator
@@ -35,7 +43,7 @@ from typing import Any
 
 from bench.perf.workloads import WORKLOADS, run_workload
 
-__all__ = ["Profiled", "main", "markdown", "profile_one"]
+__all__ = ["Profiled", "before_after", "main", "markdown", "profile_one", "read_counts"]
 
 #: builtins that only wait (their time is idle, not work)
 WAITS = ("poll", "acquire", "get", "wait", "select", "waitpid", "read", "enable", "sleep")
@@ -127,6 +135,37 @@ def markdown(rows: list[Profiled]) -> str:
     return "\n".join(lines) + "\n"
 
 
+COUNTS = ("epoll waits", "task steps", "calls")
+_ROW = re.compile(r"^\| ([\w-]+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", re.M)
+
+
+def read_counts(path: Path) -> dict[tuple[str, str], tuple[float, float, float]]:
+    """(workload, implementation) -> (epoll waits, task steps, calls) per output, from a written table."""
+    return {(m[1], m[2]): (float(m[3]), float(m[4]), float(m[5])) for m in _ROW.finditer(path.read_text())}
+
+
+def before_after(before: list[Path], after: list[Path]) -> str:
+    """For every row both sides have: the median of each count over that side's runs (the tables that
+    have the row), and after / before."""
+    sides: list[dict[tuple[str, str], list[tuple[float, float, float]]]] = []
+    for paths in (before, after):
+        rows: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for path in paths:
+            for k, v in read_counts(path).items():
+                rows.setdefault(k, []).append(v)
+        sides.append(rows)
+    head = " | ".join(f"{c} / output: before, after (ratio)" for c in COUNTS)
+    lines = [f"| workload | implementation | {head} |", "|---|---|" + "---|" * len(COUNTS)]
+    for k in (k for k in sides[1] if k in sides[0]):
+        cells = []
+        for i, fmt in enumerate((".3f", ".2f", ".1f")):
+            b, a = (statistics.median(v[i] for v in side[k]) for side in sides)
+            ratio = f"{a / b:.2f}" if b else "-"
+            cells.append(f"{b:{fmt}}, {a:{fmt}} ({ratio})")
+        lines.append(f"| {k[0]} | {k[1]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.perf.passes", description=__doc__.split("\n\n")[0],
                                 epilog="Counts hardly move with the machine's load; timings do (see "
@@ -137,7 +176,23 @@ def main(argv: list[str] | None = None) -> int:
                                                           f"{DEFAULT_IMPLS})")
     p.add_argument("--full", action="store_true", help="the full-size workloads (default: the --quick sizes)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the tables to this file")
+    p.add_argument("--before", nargs="+", default=None, metavar="FILE",
+                   help="tables written by --markdown before a change (globs too): with --after, print the "
+                        "before/after medians instead of profiling")
+    p.add_argument("--after", nargs="+", default=None, metavar="FILE", help="the same after the change")
     args = p.parse_args(argv)
+    if (args.before is None) != (args.after is None):
+        p.error("--before and --after go together")
+    if args.before is not None:
+        sides = [[Path(f) for pat in pats for f in sorted(glob.glob(pat))]
+                 for pats in (args.before, args.after)]
+        if not all(sides):
+            p.error("--before/--after: no such file")
+        text = before_after(*sides)
+        print(text)
+        if args.markdown is not None:
+            args.markdown.write_text(text)
+        return 0
     workloads = [w for w in args.workloads.split(",") if w]
     unknown = [w for w in workloads if w not in WORKLOADS]
     if unknown:

@@ -226,17 +226,21 @@ def spread_rows(results: dict[str, Any]) -> list[list[str]]:
 
 
 def serving_rows(results: dict[str, Any]) -> list[list[str]]:
-    """The serving benchmark: both fronts per pipeline."""
+    """The serving benchmark: both fronts per pipeline (the workers' steps and CPU when the run measured
+    them: a worker step sends one message, so steps per request say how many requests shared one)."""
+    serving = {p: per for p, per in results.get("serving", {}).items() if isinstance(per, dict)}
+    workers = any("worker_steps_per_request" in r for per in serving.values() for r in per.values())
     rows = [["pipeline", "front", "requests", "failed", "TTFC\np50 ms", "TTFC\np99 ms", "inter-chunk\np50 ms",
-             "inter-chunk\np99 ms", "req/s", "server CPU\nms/req"]]
-    for pipe, per in results.get("serving", {}).items():
-        if not isinstance(per, dict):
-            continue
+             "inter-chunk\np99 ms", "req/s", "server CPU\nms/req",
+             *(["worker steps\n/req", "worker CPU\nms/req"] if workers else [])]]
+    for pipe, per in serving.items():
         for front, r in per.items():
             rows.append([pipe, f"--loop {front}", str(r["requests"]), str(r["failed"]),
                          _fmt(r["ttfc"]["p50_us"] / 1e3, 2), _fmt(r["ttfc"]["p99_us"] / 1e3, 2),
                          _fmt(r["inter_chunk"]["p50_us"] / 1e3, 2), _fmt(r["inter_chunk"]["p99_us"] / 1e3, 2),
-                         _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2)])
+                         _fmt(r["requests_per_s"], 1), _fmt(r["server_cpu_ms_per_request"], 2),
+                         *([_fmt(r.get("worker_steps_per_request", float("nan")), 1),
+                            _fmt(r.get("worker_cpu_ms_per_request", float("nan")), 2)] if workers else [])])
     return rows
 
 

@@ -33,8 +33,10 @@ __all__ = [
     "BODY",
     "bucket_p99_ms",
     "compare_fronts",
+    "echo_body",
     "echo_pipeline_file",
     "engine_durations",
+    "http_get",
     "measure_front",
     "open_stream",
     "pct",
@@ -43,6 +45,8 @@ __all__ = [
     "split_url",
     "start_server",
     "stop_server",
+    "stream_requests",
+    "worker_counts",
 ]
 
 BODY = {"messages": [{"role": "user", "content": "Say something about the weather."}],
@@ -91,20 +95,45 @@ def pct(xs: list[float], p: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1000, 1)
 
 
-def engine_durations(url: str) -> list[tuple[float, float]]:
-    """The engine's own ``request_duration_seconds{kind="finished"}`` buckets: (le, cumulative count)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+def http_get(url: str, path: str, token: str | None = None) -> str:
+    """The body of one GET on a fresh connection (``token``: sent as a bearer token)."""
     host, port = split_url(url)
+    auth = f"authorization: Bearer {token}\r\n" if token else ""
 
     async def get() -> bytes:
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(f"GET /metrics HTTP/1.1\r\nhost: {host}\r\nconnection: close\r\n\r\n".encode())
+        writer.write(f"GET {path} HTTP/1.1\r\nhost: {host}\r\n{auth}connection: close\r\n\r\n".encode())
         data = await reader.read()
         writer.close()
         return data
 
-    text = asyncio.run(get()).split(b"\r\n\r\n", 1)[1].decode()
+    return asyncio.run(get()).split(b"\r\n\r\n", 1)[1].decode()
+
+
+def worker_counts(url: str, token: str) -> tuple[int, float]:
+    """Model steps the server's workers have run and the CPU seconds they have used, all stages together.
+
+    Read through ``GET /admin/stats`` (each worker's ``steps`` and ``pid``):
+    a worker step sends one message to the orchestrator, so steps per request
+    say how many requests shared a step -- what the front's submit pattern
+    decides on workers that step as fast as they can.
+    """
+    answer = json.loads(http_get(url, "/admin/stats", token))
+    steps, cpu = 0, 0.0
+    for res in answer["results"]:
+        value = res.get("value") or {}
+        steps += int(value.get("steps", 0))
+        pid = value.get("pid")
+        if pid is not None and Path(f"/proc/{pid}/stat").exists():
+            cpu += proc_cpu(int(pid))
+    return steps, cpu
+
+
+def engine_durations(url: str) -> list[tuple[float, float]]:
+    """The engine's own ``request_duration_seconds{kind="finished"}`` buckets: (le, cumulative count)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = http_get(url, "/metrics")
     for fam in text_string_to_metric_families(text):
         if fam.name == "trio_orch_request_duration_seconds":
             return [(float(smp.labels["le"]), smp.value) for smp in fam.samples
@@ -122,14 +151,26 @@ def bucket_p99_ms(before: list[tuple[float, float]], after: list[tuple[float, fl
     return next(le * 1000 for le, n in counts if n >= 0.99 * total)
 
 
-def start_server(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | None = None
+def start_server(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | None = None, *,
+                 admin_token: str | None = None, code: Path | None = None
                  ) -> tuple[subprocess.Popen[str], str]:
     """``trio-orch serve`` as a child process (on ``cpus`` only, workers included, when given; ``env``:
-    variables added to this process's environment)."""
+    variables added to this process's environment).
+
+    ``admin_token``: the control plane is served behind it (given through the
+    environment, so it is not in the process list).  ``code``: a tree whose
+    project code the server (and its workers) run instead of this one's (an
+    A/B run, ``bench.perf.ab --serving``).
+    """
     pin = None if cpus is None else functools.partial(os.sched_setaffinity, 0, cpus)
+    extra = dict(env or {})
+    if admin_token is not None:
+        extra["TRIO_ORCH_ADMIN_TOKEN"] = admin_token
+    if code is not None:
+        extra["PYTHONPATH"] = str(code)
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=pin,
-                            env=None if env is None else {**os.environ, **env})
+                            env={**os.environ, **extra} if extra else None, cwd=code)
     assert proc.stdout is not None
     for line in proc.stdout:
         m = re.search(r"serving on (http://\S+)", line)
@@ -235,25 +276,57 @@ def front_cpu(pid: int) -> float:
 
 
 def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,
-                  body: bytes) -> dict[str, Any]:
-    """N concurrent streaming clients for ``seconds``: TTFC, inter-chunk gaps, req/s, server CPU."""
+                  body: bytes, admin_token: str | None = None) -> dict[str, Any]:
+    """N concurrent streaming clients for ``seconds``: TTFC, inter-chunk gaps, req/s, server CPU.
+
+    With ``admin_token`` (the server's), also the workers' steps and CPU seconds in that time.
+    """
     q: Any = multiprocessing.Queue()
     per = [concurrency // procs + (1 if i < concurrency % procs else 0) for i in range(procs)]
     clients = [multiprocessing.Process(target=_front_client, args=(url, n, seconds, body, q))
                for n in per if n]
+    steps0, wcpu0 = worker_counts(url, admin_token) if admin_token else (0, 0.0)
     cpu0, t0 = front_cpu(pid), time.perf_counter()
     for c in clients:
         c.start()
     res = [q.get() for _ in clients]
     wall = time.perf_counter() - t0
     cpu = front_cpu(pid) - cpu0
+    steps1, wcpu1 = worker_counts(url, admin_token) if admin_token else (0, 0.0)
     for c in clients:
         c.join()
     ttfc = [x for r in res for x in r[0]]
     gaps = [x for r in res for x in r[1]]
     ok = sum(r[2] for r in res)
-    return {"ttfc": ttfc, "gaps": gaps, "ok": ok, "failed": sum(r[3] for r in res), "wall_s": wall,
-            "server_cpu_s": cpu}
+    out = {"ttfc": ttfc, "gaps": gaps, "ok": ok, "failed": sum(r[3] for r in res), "wall_s": wall,
+           "server_cpu_s": cpu}
+    if admin_token:
+        out.update(worker_steps=steps1 - steps0, worker_cpu_s=wcpu1 - wcpu0)
+    return out
+
+
+async def stream_requests(url: str, body: bytes, requests: int, concurrency: int) -> int:
+    """``requests`` streamed requests, ``concurrency`` at a time, each on a fresh connection; how many
+    succeeded (a count-driven load, for profiled runs: the same work on both sides of a comparison)."""
+    host, port = split_url(url)
+    left, ok = [requests], [0]
+    ttfc: list[float] = []
+    gaps: list[float] = []
+
+    async def client() -> None:
+        while left[0] > 0:
+            left[0] -= 1
+            ok[0] += await _stream_one(host, port, body, ttfc, gaps)
+
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return ok[0]
+
+
+def echo_body(flags: list[str]) -> bytes:
+    """The streamed chat request of the serving runs (an echo pipeline takes no ``max_tokens``)."""
+    echo = any(f.endswith("echo.toml") for f in flags)
+    req = {k: v for k, v in BODY.items() if not (echo and k == "max_tokens")}
+    return json.dumps({**req, "stream": True}).encode()
 
 
 def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, seconds: float = 5.0,
@@ -263,22 +336,23 @@ def compare_fronts(pipelines: dict[str, list[str]], concurrency: int = 64, secon
     A pipeline whose flags name an echo config gets no ``max_tokens`` (echo stages take none).
     """
     import random
+    import secrets
 
+    token = secrets.token_urlsafe(16)  # /admin/stats: the workers' steps and pids
     out: dict[str, Any] = {}
     for name, flags in pipelines.items():
-        echo = any(f.endswith("echo.toml") for f in flags)
-        req = {k: v for k, v in BODY.items() if not (echo and k == "max_tokens")}
-        body = json.dumps({**req, "stream": True}).encode()
+        body = echo_body(flags)
         runs: dict[str, list[dict[str, Any]]] = {"trio": [], "asyncio": []}
         for r in range(rounds):
             order = ["trio", "asyncio"]
             random.Random(r).shuffle(order)
             for loop in order:
                 proc, url = start_server([*flags, "--loop", loop, "--max-inflight", "0",
-                                          "--request-queue-size", str(4 * concurrency)])
+                                          "--request-queue-size", str(4 * concurrency)], admin_token=token)
                 try:
                     asyncio.run(post(*split_url(url), "/v1/chat/completions", body))  # warm-up
-                    runs[loop].append(measure_front(url, proc.pid, concurrency, seconds, procs, body))
+                    runs[loop].append(measure_front(url, proc.pid, concurrency, seconds, procs, body,
+                                                    admin_token=token))
                 finally:
                     stop_server(proc)
                 if progress is not None:

@@ -29,7 +29,7 @@ from bench.drivers.base import Driver
 from bench.implementations import make_driver
 from bench.perf.loop_workloads import loop_chain, loop_concurrent, loop_seq
 from stages.config import PipelineConfig, default_config, echo_config
-from trio_orch.types import Message, StageOutput
+from trio_orch.types import Message, PushStageClient, StageOutput
 
 __all__ = ["WORKLOADS", "Workload", "path_of", "run_workload", "uses_push"]
 
@@ -351,7 +351,7 @@ def uses_push(driver: Driver) -> bool:
     reference only where its class says so (``push_path``).
     """
     takes = getattr(type(getattr(driver, "orch", None)), "push_path", True)
-    return bool(takes) and any(callable(getattr(s, "pump", None)) for s in driver.stages)
+    return bool(takes) and any(isinstance(s, PushStageClient) for s in driver.stages)
 
 
 def run_workload(name: str, impl: str, quick: bool) -> Result:

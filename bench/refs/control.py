@@ -25,7 +25,7 @@ import concurrent.futures
 from collections.abc import Sequence
 from typing import Any
 
-from trio_orch.types import RpcResult, StageClient
+from trio_orch.types import ControlledStageClient, RpcResult, StageClient
 
 __all__ = ["RpcMsg", "concurrent_rpc", "sequential_rpc"]
 
@@ -54,11 +54,11 @@ class RpcMsg:
 
 
 async def _one(stage_id: int, stage: StageClient, msg: RpcMsg) -> list[RpcResult]:
-    rpc = getattr(stage, "rpc", None)
-    if rpc is None:
+    if not isinstance(stage, ControlledStageClient):  # the stage declares no rpc
         return [RpcResult(stage_id, -1, None, f"stage {stage_id} takes no rpc calls")]
     try:
-        replies = await asyncio.wait_for(rpc(msg.method, msg.args, msg.kwargs, msg.timeout), msg.timeout)
+        call = stage.rpc(msg.method, msg.args, msg.kwargs, msg.timeout)
+        replies = await asyncio.wait_for(call, msg.timeout)
     except TimeoutError:
         why = f"timeout: stage {stage_id} did not answer within {msg.timeout}s"
         return [RpcResult(stage_id, -1, None, why)]

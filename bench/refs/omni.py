@@ -177,6 +177,6 @@ class OmniPolling(_OmniBase):
                     await self.perform(self.route(stage_id, StageDied.of(exc)))
                     idle = False
                     continue
-                await self.perform(router.route_many(stage_id, outs))
+                await self.perform(self.route(stage_id, outs))
                 idle = False
             await asyncio.sleep(self.idle_sleep if idle else 0)

@@ -49,7 +49,7 @@ from trio_orch.core import (
     stage_call,
     stage_call_failed,
 )
-from trio_orch.types import Message, ReplicatedStageClient, RpcResult, StageClient
+from trio_orch.types import Message, PrioritizedStageClient, ReplicatedStageClient, RpcResult, StageClient
 
 __all__ = ["AbortMsg", "AddMsg", "AsyncioOrchestrator"]
 
@@ -152,6 +152,9 @@ class AsyncioOrchestrator:
         #: replica joins in progress (member id -> its handshake task) and how the ended ones ended
         self.join_tasks: dict[str, asyncio.Task[None]] = {}
         self.join_outcomes: dict[str, str] = {}
+        #: per stage: it orders its work by priority and deadline (a PrioritizedStageClient)
+        self.takes_priority = [isinstance(s, PrioritizedStageClient) and bool(s.accepts_priority)
+                               for s in self.stages]
         for k, stage in enumerate(self.stages):  # stage clients that report their replicas (a pool)
             if isinstance(stage, ReplicatedStageClient):
                 self.router.replicas_changed(k, *stage.replica_counts())  # nothing waits yet
@@ -351,8 +354,9 @@ class AsyncioOrchestrator:
             dones.clear()
 
     def route(self, stage_id: int, item: Any) -> list[Action]:
+        """Route a stage's output batch or its death; the request handler alone starts requests here."""
         if type(item) is list:
-            return self.router.route_many(stage_id, item)
+            return self.router.route_many([(stage_id, item)], start=False)
         msg = item.describe(stage_id)
         log.warning("%s", msg)
         self.stage_deaths[stage_id] = msg
@@ -388,8 +392,9 @@ class AsyncioOrchestrator:
                     continue
                 try:
                     stage = self.stages[a.stage_id]
-                    schedule = router.schedule(a.request_id, self.loop.time()) if type(a) is Submit else None
-                    await stage_call(stage, a, schedule)
+                    prio = type(a) is Submit and self.takes_priority[a.stage_id]
+                    schedule = router.schedule(a.request_id, self.loop.time()) if prio else None
+                    await stage_call(stage, a, schedule, prio)
                 except Exception as exc:
                     why = stage_call_failed(a, exc)
                     await self.perform(router.submit_failed(a.stage_id, a.request_id, why))

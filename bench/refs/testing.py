@@ -232,6 +232,19 @@ class AsyncPushScriptedStage(AsyncScriptedStage):
         else:
             deliver(outputs)
 
+    def submit_nowait(self, request_id: str, payload: Any, *, resumable: bool = False,
+                      sampling: Any = None, companion_of: str | None = None) -> bool:
+        """:meth:`submit` without its suspension, as the Trio side's push stage offers it; False while
+        gated (or with a helper task per submit): the shell awaits ``submit`` then."""
+        if self._submit_gate is not None or self.misbehaviour.helper_per_submit:
+            return False
+        if self._dead is not None or self.closed:
+            raise StageUnavailable(f"{self.name} is not running")
+        self.record_submit(request_id, payload, resumable, sampling, companion_of)
+        if self.on_submit is not None:
+            self.on_submit(self.stage_id, request_id)
+        return True
+
     def fail_nowait(self, exc: BaseException | None = None) -> None:
         super().fail_nowait(exc)
         self._ended.set()

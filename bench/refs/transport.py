@@ -34,6 +34,7 @@ from stages.wire import (
     RequestError,
     Shutdown,
     Submit,
+    Submits,
     Update,
     WireCodec,
     WireError,
@@ -68,6 +69,9 @@ class AsyncZmqStageClient:
         self.pid: int | None = None  # the worker process, when open_worker_stages started it
         self._pending: list[StageOutput] = []
         self._died = asyncio.Event()
+        #: as the Trio client: requests this replica holds, and submits held for it while it is busy
+        self._working: set[str] = set()
+        self._held: list[Submit] = []
 
     #: a submit's priority and deadline go to the worker, which batches by them
     accepts_priority = True
@@ -82,6 +86,8 @@ class AsyncZmqStageClient:
     def mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
             self.dead_reason = reason
+            self._working.clear()
+            self._held.clear()
             self._died.set()
 
     # ------------------------------------------------------------------ stage-client protocol
@@ -93,13 +99,53 @@ class AsyncZmqStageClient:
         needs nothing here: one replica is always its parent's; ``priority``/``deadline_in``
         (seconds left): the worker's batch order, as the Trio client sends them)."""
         self.check_alive()
+        self._release_held()
+        self._working.add(request_id)
         msg = Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in)
         await self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
+
+    def submit_nowait(self, request_id: str, payload: Any, *, downstream: int = -1,
+                      sampling: dict[str, Any] | None = None, resumable: bool = False,
+                      companion_of: str | None = None, priority: int = 0,
+                      deadline_in: float | None = None) -> bool:
+        """The Trio client's ``submit_nowait``: at once to an idle replica; to a busy one held until the
+        loop's next iteration, when every submit held by then leaves as one ``Submits`` message.
+        (pyzmq's asyncio socket sends in call order, queueing what it cannot send at once.)"""
+        self.check_alive()
+        msg = Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in)
+        if self._working:
+            self._working.add(request_id)
+            self._held.append(msg)
+            if len(self._held) == 1:
+                asyncio.get_running_loop().call_soon(self._release_held)
+            return True
+        self._working.add(request_id)
+        self._send_now(msg)
+        return True
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, []
+        if held and self.alive:
+            self._send_now(held[0] if len(held) == 1 else Submits(held))
+
+    def _send_now(self, msg: Any) -> None:
+        fut = self.sock.send_multipart(self.out_codec.encode(msg), copy=False)
+        if not fut.done():
+            fut.add_done_callback(self._sent)
+        else:
+            self._sent(fut)
+
+    def _sent(self, fut: Any) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            self.mark_dead(f"send failed: {exc!r}")
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,
                      sampling: Any = None) -> None:
         """Send the next input segment of a resumable request (the worker keeps its sampling)."""
         self.check_alive()
+        self._release_held()
+        self._working.add(request_id)
         await self.sock.send_multipart(self.out_codec.encode(Update(request_id, payload, final)), copy=False)
 
     def check_alive(self) -> None:
@@ -109,6 +155,8 @@ class AsyncZmqStageClient:
 
     async def abort(self, request_ids: list[str]) -> None:
         if request_ids and self.alive:
+            self._release_held()
+            self._working.difference_update(request_ids)
             await self.sock.send_multipart(self.out_codec.encode(Abort(list(request_ids))), copy=False)
 
     async def receive(self) -> list[StageOutput]:
@@ -193,9 +241,14 @@ class AsyncZmqStageClient:
             return
         t = type(msg)
         if t is Outputs:
-            self._pending.extend(StageOutput(it.request_id, it.data, it.finished, it.error,
-                                             t_produced=it.t_produced) for it in msg.items)
+            working = self._working
+            for it in msg.items:
+                if it.finished or it.error is not None:
+                    working.discard(it.request_id)
+                self._pending.append(StageOutput(it.request_id, it.data, it.finished, it.error,
+                                                 t_produced=it.t_produced))
         elif t is RequestError:
+            self._working.discard(msg.request_id)
             self._pending.append(StageOutput(msg.request_id, None, True, msg.message))
         elif t is Ready:
             self.ready = msg

@@ -142,11 +142,11 @@ def test_serving_targets_are_judged_from_the_run_numbers() -> None:
     """The serving rows and targets come from the summarized run (no numbers typed in)."""
     from bench.perf.cli import summarize_serving
 
-    def run(ttfc: float, gap: float, ok: int) -> dict[str, object]:
+    def run(ttfc: float, gap: float, ok: int, steps: int) -> dict[str, object]:
         return {"ttfc": [ttfc] * 10, "gaps": [gap] * 10, "ok": ok, "failed": 0, "wall_s": 1.0,
-                "server_cpu_s": 0.5}
+                "server_cpu_s": 0.5, "worker_steps": steps, "worker_cpu_s": 0.2}
 
-    raw = {"echo workers": {"trio": [run(0.010, 0.002, 100)], "asyncio": [run(0.020, 0.002, 90)]}}
+    raw = {"echo workers": {"trio": [run(0.010, 0.002, 100, 4000)], "asyncio": [run(0.020, 0.002, 90, 900)]}}
     results = {"serving": summarize_serving(raw, 64), "workloads": {}, "implementations": ["trio"]}
     verdicts = {t["target"].split(": ", 1)[1]: t["met"] for t in targets(results)
                 if t["target"].startswith("serving")}
@@ -155,6 +155,10 @@ def test_serving_targets_are_judged_from_the_run_numbers() -> None:
                         "--loop trio requests/s not below --loop asyncio": True}
     rows = report.serving_rows(results)
     assert rows[1][:4] == ["echo workers", "--loop trio", "100", "0"] and rows[1][4] == "10.00"
+    assert rows[1][-2:] == ["40.0", "2.00"] and rows[2][-2:] == ["10.0", "2.22"]  # steps, worker CPU ms
+    for r in raw["echo workers"].values():  # a run that did not measure the workers has no such columns
+        del r[0]["worker_steps"], r[0]["worker_cpu_s"]
+    assert len(report.serving_rows({"serving": summarize_serving(raw, 64)})[0]) == len(rows[0]) - 2
 
 
 def test_the_operating_table_is_rendered_from_runs_json(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from bench.drivers import vllm_omni
 from bench.refs.omni import OmniEventDriven
 from bench.refs.taskgroup import TaskGroupOrchestrator
 from trio_orch.cli import main
-from trio_orch.core.companions import CompanionRules
+from trio_orch.core import companions
 
 
 def trio_run(n: int) -> dict:
@@ -244,7 +244,7 @@ def test_trio_the_forward_waits_for_the_companion_in_every_order() -> None:
 
 def test_forwarding_before_the_companions_is_judged_degraded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The seed's way (forward as soon as the parent finished) turns the cell: the verdict is measured."""
-    monkeypatch.setattr(CompanionRules, "companions_ready", lambda self, req: True)
+    monkeypatch.setattr(companions, "companions_ready", lambda state, req: True)
     out = run_scenario(by_number(15), "trio")
     assert out.verdict == "degraded" and out.metrics["early_forwards"] >= 1
 

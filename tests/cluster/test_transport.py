@@ -23,6 +23,7 @@ from stages.wire import (
     Rpc,
     RpcReply,
     Submit,
+    Submits,
     WireCodec,
 )
 from trio_orch.cluster.transport import ReplicaDied, RpcError, ZmqStageClient
@@ -242,3 +243,50 @@ async def test_rpc_arguments_errors_timeouts_and_acknowledged_aborts(client_peer
     assert seen[0] == Rpc(seen[0].call_id, "sleep", [3], {"now": True})  # type: ignore[attr-defined]
     assert seen[1] == Abort(["r1", "r2"], seen[1].ack) and seen[1].ack  # type: ignore[attr-defined]
     assert seen[2].method == "health"  # type: ignore[attr-defined]
+
+
+async def test_submits_to_a_busy_replica_from_one_pass_leave_as_one_message(client_peer) -> None:
+    """Idle replica: a submit is sent from the caller (no owner wake-up).  Busy replica: held for the
+    owner's next turn, and everything held by then leaves as one ``Submits`` message; any other message
+    sends the held ones first.  Counted in messages, never timed."""
+    client, peer = client_peer
+    peer.send(Ready(0, 0, os.getpid(), "echo"))
+    with trio.fail_after(5):
+        await client.wait_ready()
+    await trio.testing.wait_all_tasks_blocked()  # the owner waits on the socket
+    client.submit_nowait("r0", 0)
+    assert client.messages_out == 1  # sent before any checkpoint: the replica held nothing
+    seen: list[int] = []
+    go = trio.Event()
+
+    async def submitter(i: int) -> None:
+        await go.wait()
+        client.submit_nowait(f"b{i}", i)
+        seen.append(client.messages_out)
+
+    async with trio.open_nursery() as nursery:  # five tasks submit in the same scheduler pass
+        for i in range(5):
+            nursery.start_soon(submitter, i)
+        await trio.testing.wait_all_tasks_blocked()
+        go.set()
+    assert seen == [1] * 5  # r0 is working: every one of them was held
+    await trio.testing.wait_all_tasks_blocked()
+    assert client.messages_out == 2  # ... and they left together, at the owner's turn
+    first = await trio.to_thread.run_sync(peer.recv)
+    burst = await trio.to_thread.run_sync(peer.recv)
+    assert first == Submit("r0", 0)
+    assert type(burst) is Submits  # (in the order the tasks ran: Trio shuffles a pass's batch)
+    assert sorted(m.request_id for m in burst.items) == [f"b{i}" for i in range(5)]
+
+    peer.send(Outputs([OutItem("r0", "x", True), *(OutItem(f"b{i}", "x", True) for i in range(5))]))
+    await receive_n(client, 6)
+    client.submit_nowait("r1", 1)
+    assert client.messages_out == 3  # idle again once it finished everything: at once
+    client.submit_nowait("r2", 2)  # r1 is working: held
+    client.abort_nowait(["r1", "r2"])  # sends the held submit first, then the abort
+    await trio.testing.wait_all_tasks_blocked()
+    client.submit_nowait("r3", 3)  # aborted requests do not keep the replica busy: at once
+    assert client.messages_out == 6
+    got = [await trio.to_thread.run_sync(peer.recv) for _ in range(4)]
+    assert [type(m).__name__ for m in got] == ["Submit", "Submit", "Abort", "Submit"]
+    assert [getattr(m, "request_id", None) for m in got] == ["r1", "r2", None, "r3"]

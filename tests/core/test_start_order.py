@@ -103,16 +103,14 @@ def test_priority_aging_must_be_positive() -> None:
 
 
 def test_the_schedule_goes_with_a_submit_only_to_stages_that_take_it() -> None:
-    class Takes:
-        accepts_priority = True
-
     r = router()
     t = queue(r, "r", now=100.0, priority=-2, timeout=8)
     [submit] = r.start(t)
     assert type(submit) is Submit
     schedule = r.schedule("r", 103.0)
     assert schedule == (-2, pytest.approx(5.0))
-    assert stage_io_options(submit, Takes(), schedule) == {"priority": -2, "deadline_in": pytest.approx(5.0)}
-    assert stage_io_options(submit, object(), schedule) == {}  # a plain stage client: nothing new
-    assert stage_io_options(submit, Takes(), (0, None)) == {}  # the defaults say nothing
+    # a stage that declares it takes them (PrioritizedStageClient) gets them
+    assert stage_io_options(submit, schedule, True) == {"priority": -2, "deadline_in": pytest.approx(5.0)}
+    assert stage_io_options(submit, schedule, False) == {}  # a plain stage client: nothing new
+    assert stage_io_options(submit, (0, None), True) == {}  # the defaults say nothing
     assert r.schedule("unknown", 0.0) == (0, None)

@@ -455,3 +455,70 @@ def test_long_classes_and_the_list_are_compared() -> None:
         "trio_orch.shell.b.B (501 lines) is not in docs/design.md's list of long classes"]
     assert unlisted_long_classes(lengths, {"trio_orch.engine.a.A", "trio_orch.shell.b.B", "x.Y"}) == [
         "x.Y is listed but is no class over 500 lines", "trio_orch.shell.b.B is in the shell or the core"]
+
+
+# ---------------------------------------------------------------------- the shell and the core
+SHELL, CORE = ROOT / "trio_orch" / "shell", ROOT / "trio_orch" / "core"
+#: a class longer than this in shell/ or core/ is one concern too many (docs/design.md gives the reasons
+#: for the few over ~400 lines)
+MAX_CLASS_LINES = 500
+
+
+def long_classes(folder: Path, limit: int = MAX_CLASS_LINES) -> list[str]:
+    out = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > limit:  # type: ignore[operator]
+                out.append(f"{path.name}:{node.name} is {n} lines")
+    return out
+
+
+def test_no_class_in_the_shell_or_the_core_is_over_500_lines() -> None:
+    assert long_classes(SHELL) == [] and long_classes(CORE) == []
+    assert long_classes(SHELL, 50) != []  # the scan sees the classes
+
+
+def _functions_calling(folder: Path, attr: str) -> list[str]:
+    """``file:function`` for every function in ``folder`` that calls ``x.attr(...)`` or ``attr(...)``."""
+    found = []
+    for path in sorted(folder.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and (
+                        (isinstance(node.func, ast.Attribute) and node.func.attr == attr)
+                        or (isinstance(node.func, ast.Name) and node.func.id == attr)):
+                    found.append(f"{path.name}:{fn.name}")
+                    break
+    return sorted(set(found))
+
+
+def test_the_core_routing_entry_is_called_from_exactly_one_function_of_the_shell() -> None:
+    """Every change of request state goes through ``route_many``, from one place: ``Dispatch.decide``."""
+    assert _functions_calling(SHELL, "route_many") == ["dispatch.py:decide"]
+
+
+#: what the shell may touch on the core besides route_many: the caller-side acceptance (the contract
+#: makes it happen before the caller's first checkpoint), membership (not request state), and queries
+SHELL_MAY_USE = {
+    "route_many", "accept", "withdraw", "stop_accepting", "check_update", "check_stage_ids",
+    "check_pause_mode", "join", "joined", "left", "joins_to_cancel",
+    "is_started", "schedule", "can_start", "capacity", "pause_complete", "statistics",
+    "queued", "requests", "start_queued", "live_count", "paused", "available", "dropped_outputs"}
+
+
+def test_the_shell_changes_request_state_only_through_route_many() -> None:
+    used = {node.attr for path in SHELL.glob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, (ast.Name, ast.Attribute))
+            and ast.unparse(node.value).endswith("router")}
+    assert "route_many" in used and used <= SHELL_MAY_USE, used - SHELL_MAY_USE
+
+
+def test_no_decision_in_the_shell_reads_the_wall_clock() -> None:
+    """What is decided together comes from structure (what is in flight), never from the time between
+    events; deadlines and priority aging use ``trio.current_time()``."""
+    text = "\n".join(p.read_text() for p in SHELL.glob("*.py"))
+    assert "perf_counter" not in text and "BURST_GAP" not in text
+    assert "time.monotonic" not in text and "import time" not in text

@@ -243,7 +243,7 @@ async def test_shutdown_with_requests_in_flight_leaves_no_task() -> None:
             await orch.add_request(f"r{i}", "p")
         await stages[0].emit("r0", "partial")
         assert await nxt(orch) == OrchOutput("r0", 0, "partial", False)
-        # run() itself, 3 readers, the dispatcher, the request handler, the intake, the deadline keeper
+        # run() itself, 3 readers, the dispatcher, the performer, the intake, the deadline keeper
         assert len(orchestrator_tasks()) == 8
         await orch.shutdown()
         assert orchestrator_tasks() == []

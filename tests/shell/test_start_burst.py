@@ -2,9 +2,10 @@
 
 Counted with a Trio instrument (task steps), never timed: with a stage
 client that takes a submit synchronously (``submit_nowait``) the submits of
-the burst happen within at most two task steps (the caller's, for an add
-that came alone, and the request handler's); with one that only has the
-awaited ``submit`` each costs a step of its own.
+the burst happen within at most two task steps (the caller's, deciding at
+once while nothing is in flight, and the dispatcher's, deciding together
+what was queued meanwhile); with one that only has the awaited ``submit``
+each costs a step of its own (the performer awaits them in order).
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ async def burst_steps(stage: ScriptedStage, n: int = 8) -> list[int]:
 async def test_a_burst_of_adds_is_submitted_within_one_task_step_where_the_stage_takes_it_synchronously(
         ) -> None:
     seen = await burst_steps(PushScriptedStage(0))
-    # the first add may be started by the caller itself (it came alone), the rest by the handler's
-    # burst -- or, adds coming more than BURST_GAP apart, every one by its caller: one step or two
+    # decided by the caller while nothing is in flight, else by the dispatcher together: one step or two
     assert len(set(seen)) <= 2, seen
 
 

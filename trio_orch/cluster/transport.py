@@ -11,6 +11,15 @@ edge-triggered, so a message left behind would never wake us again (a hang).
 ``aclose`` from another task uses ``trio.lowlevel.notify_closing``; the
 socket itself is always closed by the owner.
 
+A message is sent at once from the calling task when nothing is queued
+before it (no owner wake-up), with one exception that batches by structure:
+a submit to a *busy* replica -- one that holds a request it has not finished
+-- is held until the owner's next turn, and every submit held by then leaves
+in one ``Submits`` message.  What one scheduler pass decides for a busy
+replica thus arrives together and shares the worker's next step, while a
+submit to an idle replica (a request alone) goes out at once.  Any other
+message sends the held submits first, so the order is kept.
+
 An undecodable message is logged, counted in ``garbage_frames`` and dropped;
 the socket keeps working.  A message larger than ``max_message_bytes`` is
 logged and counted in ``oversized_messages``; if it carries outputs, each of
@@ -55,6 +64,7 @@ from stages.wire import (
     RpcReply,
     Shutdown,
     Submit,
+    Submits,
     Update,
     WireCodec,
     WireError,
@@ -152,6 +162,9 @@ class ZmqStageClient:
         self._out_send, self._out_recv = trio.open_memory_channel[list[Any]](math.inf)
         self._stalled: list[Any] | None = None
         self._queued = 0  # messages in the outbound channel (not counting _stalled)
+        #: requests this replica holds (submitted here; no finishing output, error or abort seen yet)
+        self._working: set[str] = set()
+        self._held: list[Submit] = []  # submits to this busy replica, for the owner's next turn
         self._send, self._recv = trio.open_memory_channel[list[StageOutput]](math.inf)
         self._sink: Sink = sink or self._to_channel
         self._wake: trio.CancelScope | None = None
@@ -213,9 +226,24 @@ class ZmqStageClient:
                       sampling: dict[str, Any] | None = None, resumable: bool = False,
                       companion_of: str | None = None, priority: int = 0,
                       deadline_in: float | None = None) -> bool:
-        """:meth:`submit` without its checkpoint (sent at once, or queued for the owner); always True."""
+        """:meth:`submit` without its checkpoint; always True.
+
+        Sent at once when the replica holds nothing; to a busy one, held for
+        the owner's next turn, which sends every submit held by then as one
+        message (see the module docstring).
+        """
         self._check_alive()
-        self._queue(Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in))
+        msg = Submit(request_id, payload, downstream, sampling, resumable, priority, deadline_in)
+        working = self._working
+        if working:
+            working.add(request_id)
+            held = self._held
+            held.append(msg)
+            if len(held) == 1:
+                self._poke()
+            return True
+        working.add(request_id)
+        self._queue(msg)
         return True
 
     async def update(self, request_id: str, payload: Any, *, final: bool = False,
@@ -227,6 +255,7 @@ class ZmqStageClient:
         Raises :class:`StageUnavailable` if the replica is dead or closed.
         """
         self._check_alive()
+        self._working.add(request_id)  # its next segment: the replica holds it again
         self._queue(Update(request_id, payload, final))
         await trio.lowlevel.checkpoint()
 
@@ -237,6 +266,7 @@ class ZmqStageClient:
     def abort_nowait(self, request_ids: list[str]) -> None:
         """Synchronous :meth:`abort` (queues the message; a no-op once dead or closed)."""
         if request_ids and self.alive:
+            self._working.difference_update(request_ids)
             self._queue(Abort(list(request_ids)))
 
     async def receive(self) -> list[StageOutput]:
@@ -341,6 +371,8 @@ class ZmqStageClient:
         if self.dead_reason is not None:
             return
         self.dead_reason = reason
+        self._working.clear()
+        self._held.clear()
         self.dead_event.set()
         for done, _ in self._calls.values():
             done.set()
@@ -357,6 +389,8 @@ class ZmqStageClient:
         task_status.started()
         try:
             while not self.closed:
+                if self._held:
+                    self._release_held()
                 self._flush()
                 self._drain()
                 if self.closed:
@@ -383,6 +417,8 @@ class ZmqStageClient:
         finally:
             self.closed = True
             try:
+                if self._held:
+                    self._release_held()
                 self._flush()
             except Exception:  # pragma: no cover - best effort on the way out
                 pass
@@ -416,6 +452,8 @@ class ZmqStageClient:
         (edge-triggered) ``ZMQ_FD``: if input is waiting afterwards, the owner
         is woken to drain it.  This saves the owner's wake-up per submit.
         """
+        if self._held:
+            self._release_held()  # the submits held before it go first
         frames = self.out_codec.encode(msg)
         if self._waiting_fd and self._stalled is None and not self._queued and not self.closed:
             try:
@@ -430,6 +468,13 @@ class ZmqStageClient:
         self._queued += 1
         self._out_send.send_nowait(frames)
         self._poke()
+
+    def _release_held(self) -> None:
+        """Queue the held submits as one message (one ``Submit`` if alone), ahead of anything after."""
+        held, self._held = self._held, []
+        msg = held[0] if len(held) == 1 else Submits(held)
+        self._queued += 1
+        self._out_send.send_nowait(self.out_codec.encode(msg))
 
     def _check_alive(self) -> None:
         if self.closed:
@@ -479,12 +524,16 @@ class ZmqStageClient:
                     self._oversized(msg, size, batch)
                     continue
             if t is Outputs:
+                working = self._working
                 for it in msg.items:
+                    if it.finished or it.error is not None:
+                        working.discard(it.request_id)
                     batch.append(StageOutput(it.request_id, it.data, it.finished, it.error,
                                              t_produced=it.t_produced, timing=it.timing))
             elif t is Heartbeat:
                 pass
             elif t is RequestError:
+                self._working.discard(msg.request_id)
                 batch.append(StageOutput(msg.request_id, None, True, msg.message))
             elif t is Ready:
                 if self._ready_from(msg, frames[0]):
@@ -534,6 +583,7 @@ class ZmqStageClient:
         log.error("%s: %s (%s); dropped%s", self.name, why, type(msg).__name__,
                   f", failing requests {sorted(set(rids))[:5]}" if rids else "")
         for rid in dict.fromkeys(rids):
+            self._working.discard(rid)
             batch.append(StageOutput(rid, None, True, f"{self.name}: {why}"))
 
     def _to_channel(self, client: ZmqStageClient, event: Event) -> None:

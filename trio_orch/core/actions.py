@@ -125,21 +125,22 @@ class Emit:
 Action = Submit | Update | Abort | Emit
 
 
-def stage_io_options(action: Submit | Update, stage: Any = None,
-                     schedule: tuple[int, float | None] | None = None) -> dict[str, Any]:
+def stage_io_options(action: Submit | Update, schedule: tuple[int, float | None] | None = None,
+                     priority: bool = False) -> dict[str, Any]:
     """The keyword arguments a shell passes to ``stage.submit``/``stage.update`` for ``action``.
 
     Only what is set, so stage clients that know neither resumable requests
     nor sampling parameters keep working unchanged.  ``schedule`` (the
-    request's priority and seconds left, ``AdmissionRules.schedule``) goes
-    with a submit to a stage client that declares ``accepts_priority``, when
-    it says anything (a priority other than 0, or a deadline).
+    request's priority and seconds left, ``admission.schedule``) goes with a
+    submit to a stage client that declares it takes them (``priority``: it is a
+    ``PrioritizedStageClient``), when it says anything (a priority other than
+    0, or a deadline).
     """
     opts: dict[str, Any] = {}
-    if schedule is not None and type(action) is Submit and getattr(stage, "accepts_priority", False):
-        priority, left = schedule
-        if priority:
-            opts["priority"] = priority
+    if priority and schedule is not None and type(action) is Submit:
+        prio, left = schedule
+        if prio:
+            opts["priority"] = prio
         if left is not None:
             opts["deadline_in"] = left
     if type(action) is Update:
@@ -155,15 +156,15 @@ def stage_io_options(action: Submit | Update, stage: Any = None,
     return opts
 
 
-def stage_call(stage: Any, action: Submit | Update,
-               schedule: tuple[int, float | None] | None = None) -> Awaitable[Any]:
+def stage_call(stage: Any, action: Submit | Update, schedule: tuple[int, float | None] | None = None,
+               priority: bool = False) -> Awaitable[Any]:
     """The stage client's coroutine for ``action`` (``update`` or ``submit``), not yet awaited.
 
     Every shell awaits it in its own framework; the keyword arguments are
     only those :func:`stage_io_options` sets, so plain clients keep working.
     Nothing runs here: the core still does no I/O.
     """
-    opts = stage_io_options(action, stage, schedule)
+    opts = stage_io_options(action, schedule, priority)
     if type(action) is Update:
         return stage.update(action.request_id, action.payload, **opts)
     if opts:
@@ -171,20 +172,16 @@ def stage_call(stage: Any, action: Submit | Update,
     return stage.submit(action.request_id, action.payload)
 
 
-def stage_call_nowait(stage: Any, action: Submit | Update,
-                      schedule: tuple[int, float | None] | None = None) -> bool:
-    """Do a submit synchronously where the stage client offers it (``submit_nowait``); whether it did.
+def stage_call_nowait(stage: Any, action: Submit, schedule: tuple[int, float | None] | None = None,
+                      priority: bool = False) -> bool:
+    """Do a submit synchronously on a stage client that declares ``submit_nowait``; whether it did.
 
-    False: nothing was done (no such method, or the client cannot now), and
-    the shell awaits :func:`stage_call` as usual.  Updates always go the
-    awaited way.
+    Only for a :class:`~trio_orch.types.NowaitSubmitClient` (the shell knows
+    which stages are).  False: nothing was done (the client cannot now), and
+    the shell awaits :func:`stage_call` as usual.
     """
-    if type(action) is not Submit:
-        return False
-    nowait = getattr(stage, "submit_nowait", None)
-    if nowait is None:
-        return False
-    return bool(nowait(action.request_id, action.payload, **stage_io_options(action, stage, schedule)))
+    return bool(stage.submit_nowait(action.request_id, action.payload,
+                                    **stage_io_options(action, schedule, priority)))
 
 
 def stage_call_failed(action: Submit | Update, exc: BaseException) -> str:

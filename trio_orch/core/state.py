@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from trio_orch.core.actions import Abort, Action, Emit, Submit, Update
-from trio_orch.types import OrchError, OrchOutput, StageOutput
+from trio_orch.types import OrchError, OrchOutput
 
 __all__ = ["NOTHING", "Companion", "CoreState", "ForwardFn", "PrewarmFn", "RequestState", "Ticket", "Waiting"]
 
@@ -294,16 +294,6 @@ class CoreState:
             if inputs is not None:
                 inputs.append(action)
 
-    def failover(self, req: RequestState, stage_id: int,
-                 out: StageOutput) -> list[Action] | None:  # pragma: no cover
-        """Declared for the rules that route errors; :meth:`RoutingRules.failover` implements it."""
-        raise NotImplementedError
-
-    def held_for_replica(self, req: RequestState,
-                         action: Submit | Update) -> bool:  # pragma: no cover
-        """Declared for the streaming rules; :meth:`FailoverRules.held_for_replica` implements it."""
-        raise NotImplementedError
-
     def stage_done(self, req: RequestState, stage_id: int) -> None:
         """Stage ``stage_id`` finished every input of ``req``: it joins D and frees its room there."""
         req.finished.add(stage_id)
@@ -369,6 +359,21 @@ class CoreState:
             self.companion_of.pop(cid, None)
         self.count_terminal(kind)
         return [Emit(OrchError(ticket.request_id, None, kind, message))]
+
+    def past_final(self, req: RequestState) -> list[Action]:
+        """Async-chunk: the stage after a request's final stage drops what its final stage streams.
+
+        In async-chunk mode every stage streams its chunks to the next one as
+        it goes; a request that stops early (a text-only request stopping at
+        the thinker) is never submitted to the next stage, which would
+        otherwise hold those chunks until they expire.  An abort there is
+        stage-side cleanup for a request it never had.  (Here, not with the
+        admission rules: a start and an async-chunk restart both need it.)
+        """
+        nxt = req.final_stage_id + 1
+        if not self.async_chunk or nxt >= self.num_stages or not self.available[nxt]:
+            return NOTHING
+        return [Abort(nxt, [req.request_id])]
 
     def count_terminal(self, kind: str) -> None:
         k = self.terminals_by_kind

@@ -18,9 +18,9 @@ from typing import Any
 from stages.sampling_params import StageParams, checker
 from trio_orch.engine.api import EngineStatistics
 from trio_orch.engine.demux import Demux
-from trio_orch.histogram import Histogram, HistogramSnapshot
+from trio_orch.histogram import HistogramSnapshot
 from trio_orch.shell.orchestrator import Orchestrator
-from trio_orch.types import StageClient
+from trio_orch.types import ObservedStageClient, StageClient
 
 __all__ = ["PipelineFactory", "PipelineSpec", "as_spec", "collect_stats", "stage_timings", "static_pipeline",
            "unwrap"]
@@ -98,17 +98,13 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
     states: dict[int, tuple[Mapping[str, Any], ...]] = {}
     if orch is not None:
         for k, stage in enumerate(orch.stages):
-            states_of = getattr(stage, "replica_states", None)  # ReplicaPool: suspect, given up, ...
-            if callable(states_of):
-                states[k] = tuple(MappingProxyType(dict(st)) for st in states_of())
-            fn = getattr(stage, "in_flight", None)  # ReplicaPool: requests per replica
-            if callable(fn):
-                for replica, n in enumerate(fn()):
-                    by_replica[(k, str(replica))] = int(n)
-            for hist, into in ((getattr(stage, "queue_seconds", None), queue),
-                               (getattr(stage, "compute_seconds", None), compute)):
-                if isinstance(hist, Histogram):
-                    into[k] = hist.snapshot()
+            if not isinstance(stage, ObservedStageClient):  # a ReplicaPool declares what it keeps
+                continue
+            states[k] = tuple(MappingProxyType(dict(st)) for st in stage.replica_states())
+            for replica, n in enumerate(stage.in_flight()):
+                by_replica[(k, str(replica))] = int(n)
+            queue[k] = stage.queue_seconds.snapshot()
+            compute[k] = stage.compute_seconds.snapshot()
     return EngineStatistics(
         running=alive and orch is not None and orch.running,
         admission_waiting=admission_waiting,
@@ -129,11 +125,8 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
 
 
 def stage_timings(orch: Orchestrator | None, request_id: str) -> tuple[Any, ...]:
-    """Each stage's timing of a recent request (stage clients with ``timing_of``; None elsewhere)."""
+    """Each stage's timing of a recent request (``ObservedStageClient``s; None elsewhere)."""
     if orch is None:
         return ()
-    out: list[Any] = []
-    for stage in orch.stages:
-        fn = getattr(stage, "timing_of", None)
-        out.append(fn(request_id) if callable(fn) else None)
-    return tuple(out)
+    return tuple(stage.timing_of(request_id) if isinstance(stage, ObservedStageClient) else None
+                 for stage in orch.stages)

@@ -20,24 +20,24 @@ __all__ = ["DeadlineKeeper"]
 
 class DeadlineKeeper:
     def __init__(self) -> None:
-        self._current: dict[str, float] = {}
+        self.current: dict[str, float] = {}  #: request id -> its deadline (Trio clock), while it counts
         self._heap: list[tuple[float, str]] = []
         self._scope: trio.CancelScope | None = None
 
     def __len__(self) -> int:
-        return len(self._current)
+        return len(self.current)
 
     def set(self, request_id: str, timeout: float) -> None:
         """Give ``request_id`` a deadline ``timeout`` seconds from now (Trio clock)."""
         deadline = trio.current_time() + timeout
-        self._current[request_id] = deadline
+        self.current[request_id] = deadline
         heapq.heappush(self._heap, (deadline, request_id))
         if self._scope is not None and deadline < self._scope.deadline:
             self._scope.deadline = deadline
 
     def discard(self, request_id: str) -> None:
         """The request ended: its deadline no longer applies."""
-        self._current.pop(request_id, None)
+        self.current.pop(request_id, None)
 
     async def run(self, expire: Callable[[str], None]) -> None:
         """Call ``expire(request_id)`` for each deadline as it passes; runs until cancelled."""
@@ -49,6 +49,6 @@ class DeadlineKeeper:
             now = trio.current_time()
             while heap and heap[0][0] <= now:
                 deadline, rid = heapq.heappop(heap)
-                if self._current.get(rid) == deadline:
-                    del self._current[rid]
+                if self.current.get(rid) == deadline:
+                    del self.current[rid]
                     expire(rid)

@@ -56,6 +56,11 @@ class InboxCore(Generic[T]):
         if self._waiter is not None:
             self._wake()
 
+    def nudge(self) -> None:
+        """Wake the taker if it waits, with nothing queued (it has other work: see the dispatch)."""
+        if self._waiter is not None:
+            self._wake()
+
     def take(self) -> list[T]:
         """Everything queued, oldest first (an empty list if nothing is)."""
         items = list(self._items)
