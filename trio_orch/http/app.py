@@ -92,6 +92,7 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
     models = ServedModels(model_name, max_model_len=context_length(engine, outputs))  # created: now
+    front.serve_model(models.name, models.max_model_len)  # the vLLM families' label and token buckets
     auth = AdminAuth(admin_token) if admin_token else None
     guards: tuple[Guard, ...] = tuple(g for g in (ApiKeyAuth(api_key) if api_key else None, auth)
                                       if g is not None)
