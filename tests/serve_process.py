@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,8 @@ class Server:
             m = re.search(r"serving on (http://\S+)", line)
             if m:
                 self.url = m.group(1)
+                # keep reading what it says (an access-log line per request): a full pipe would block it
+                threading.Thread(target=self.lines.extend, args=(self.proc.stdout,), daemon=True).start()
                 break
         else:
             self.proc.wait(HANG)
