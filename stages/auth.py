@@ -1,4 +1,4 @@
-"""Who may talk to whom: launch tickets and the pipeline secret on ipc, CurveZMQ keys on TCP, one ZAP handler.
+"""Who may talk to whom: launch tickets on control sockets, CurveZMQ keys on inboxes and TCP, one ZAP handler.
 
 Every socket that *binds* (the orchestrator's control sockets, the
 registration socket, a worker's async-chunk inbox) is a ZMQ security server;
@@ -10,21 +10,32 @@ every socket that connects is a client:
   ``SO_PEERCRED`` to the ZAP handler).  A stolen ticket of an earlier worker,
   or the pipeline secret, opens nothing there; the worker that was launched
   always gets in, whoever tried first.
-* Other ``ipc://`` endpoints (the async-chunk inboxes) use PLAIN with the
-  *pipeline secret* (random, made when the pipeline starts).  Both reach a
-  local worker only through the hand-over of :mod:`stages.credentials`, once
-  the worker has made itself non-dumpable -- never its environment, command
-  line or a pipe another process could open in ``/proc``.  Checked once,
-  when a peer connects: a process without the right credential never becomes
-  a peer of the socket, so it can neither take messages meant for the worker
-  (a DEALER round-robins to every peer) nor inject any (forged outputs,
-  heartbeats, ``Dying``).  After the handshake the messages flow as before:
-  no per-message cost on the hot path.  Unix sockets cannot be sniffed, so a
-  password travelling in clear inside the handshake is not exposed.
-* ``tcp://`` endpoints use CurveZMQ: the server proves it holds the secret key
-  matching the public key its client was given (a worker refuses any other
-  head), the client's public key is checked against the server's allow-list
-  (the head accepts only listed workers), and every message is encrypted.
+  Checked once, when a peer connects: a process without the right
+  credential never becomes a peer of the socket, so it can neither take
+  messages meant for the worker (a DEALER round-robins to every peer) nor
+  inject any (forged outputs, heartbeats, ``Dying``).  After the handshake
+  the messages flow as before: no per-message cost on the hot path.  Unix
+  sockets cannot be sniffed; the ticket travels in clear inside the
+  handshake, but whoever might listen in the head's place gets a ticket that
+  opens only its slot, and only from the launched pid.
+* The async-chunk **inboxes** use CurveZMQ, on ipc too (``curve=True``): the
+  *upstream* worker connects, and it must know who listens before it sends
+  anything.  A process of the same user may bind the ipc path of an inbox
+  whose worker died (libzmq even replaces a live one's) and wait for the
+  upstream workers to reconnect: a PLAIN client would hand it the password
+  and then its chunks.  With CurveZMQ the inbox proves it holds the secret
+  key of the public key the upstream was given (a local worker's: the
+  pipeline key pair, from the hand-over; a joined worker's: its session key,
+  from the head), and the upstream proves its own key is allowed; nothing
+  secret travels, and every chunk is encrypted (its cost:
+  ``docs/wire-protocol.md``).  Every ``tcp://`` endpoint uses CurveZMQ the
+  same way (a worker refuses any other head, the head accepts only listed
+  workers).
+* The remaining ``ipc://`` PLAIN servers take the *pipeline secret* (random,
+  made when the pipeline starts).  Secrets and key pairs reach a local worker
+  only through the hand-over of :mod:`stages.credentials`, once the worker
+  has made itself non-dumpable -- never its environment, command line or a
+  pipe another process could open in ``/proc``.
 
 The checks run in a :class:`Authenticator`: one ZAP handler thread per ZMQ
 context, started before any server socket binds (libzmq accepts everyone on
@@ -213,14 +224,15 @@ class Security:
         """
         return cls.from_text(receive_credentials(fd, timeout).decode())
 
-    def server(self, sock: zmq.Socket, address: str, *, domain: str = DOMAIN) -> None:
-        """Make ``sock`` a security server for its next ``bind(address)``.
+    def server(self, sock: zmq.Socket, address: str, *, domain: str = DOMAIN, curve: bool = False) -> None:
+        """Make ``sock`` a security server for its next ``bind(address)``: CurveZMQ on tcp, and on ipc
+        too with ``curve`` (a socket whose clients must know who listens: an inbox), else PLAIN.
 
         Options are read when ``bind`` creates the listener, so one socket may
         listen on ipc (PLAIN) and on tcp (CURVE) with a call before each bind.
         """
         sock.zap_domain = domain.encode()
-        if address.startswith("tcp://"):
+        if curve or address.startswith("tcp://"):
             if self.keypair is None:
                 raise KeysError(f"cannot listen on {address}: no key pair (give --keys)")
             sock.plain_server = False
@@ -231,13 +243,15 @@ class Security:
             sock.curve_server = False
             sock.plain_server = True
 
-    def client(self, sock: zmq.Socket, address: str, server_key: bytes | None = None) -> None:
-        """Make ``sock`` a security client for its next ``connect(address)``.
+    def client(self, sock: zmq.Socket, address: str, server_key: bytes | None = None, *,
+               curve: bool = False) -> None:
+        """Make ``sock`` a security client for its next ``connect(address)``: CurveZMQ on tcp, and on
+        ipc too with ``curve`` (see :meth:`server`), else PLAIN.
 
-        ``server_key``: the public key the server must prove it holds (TCP;
-        default: this process's head).
+        ``server_key``: the public key the server must prove it holds (CurveZMQ;
+        default: this process's head -- a local worker's is the pipeline's key, its peers' inboxes' too).
         """
-        if address.startswith("tcp://"):
+        if curve or address.startswith("tcp://"):
             key = server_key or self.server_key
             if self.keypair is None or key is None:
                 raise KeysError(f"cannot connect to {address}: no key pair or no server key")

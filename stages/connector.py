@@ -12,6 +12,14 @@ request's chunks travel over one PUSH -> PULL pair, so they arrive in the
 order they were produced, and the receiving worker starts a segment only
 after the one before it finished there (see :mod:`stages.segments`).  The orchestrator sees only
 the control outputs; it never touches the chunks.
+
+Every link is CurveZMQ, on ipc too: the upstream sends a chunk only to an
+inbox that proved it holds the key it was told of (:meth:`stages.auth.Security.server`,
+``curve``), never to a process that bound a dead inbox's path in its place.
+libzmq gives up on an endpoint whose listener failed the handshake that way
+(no reconnection): the outbox notices it at its next chunk for that slot
+(each socket's monitor), says so (a WARNING, ``refused`` in the stats) and
+connects afresh, so the replacement that binds the path next gets its chunks.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from collections import OrderedDict
 from typing import Any
 
 import zmq
+import zmq.utils.monitor as zmq_monitor
 
 from stages.auth import DOMAIN, Authenticator, Security
 from stages.wire import Chunk, WireCodec, WireError
@@ -30,8 +39,10 @@ __all__ = ["ChunkInbox", "ChunkOutbox"]
 
 log = logging.getLogger("stages.connector")
 
-#: ZAP domain of the inboxes: on TCP only the keys the head named as upstream replicas pass
+#: ZAP domain of the inboxes: only the pipeline's key and those the head named as upstream replicas pass
 INBOX_DOMAIN = f"{DOMAIN}:inbox"
+#: handshake failures after which libzmq never reconnects (the listener did not prove it holds the key)
+_GIVEN_UP = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 
 
 class ChunkInbox:
@@ -48,7 +59,7 @@ class ChunkInbox:
             if addr is None:
                 continue
             if security is not None:
-                security.server(self.sock, addr, domain=INBOX_DOMAIN)
+                security.server(self.sock, addr, domain=INBOX_DOMAIN, curve=True)
             self.sock.bind(addr)
             if addr.startswith("tcp://"):
                 self.tcp_address = self.sock.last_endpoint.decode()
@@ -136,18 +147,36 @@ class ChunkOutbox:
         self.security = security
         self.codec = WireCodec(Chunk)
         self.socks: list[zmq.Socket | None] = []
+        #: each socket's monitor: its failed handshakes (libzmq gives up on the endpoint after one)
+        self.monitors: list[zmq.Socket | None] = []
         self.peers: list[tuple[str, str] | None] = []
-        self.set_peers([[a, ""] for a in addresses])
         self.sent = 0
+        self.bytes_sent = 0
+        #: listeners that failed the handshake (not the inbox they claimed to be), by slot
+        self.refused: dict[int, int] = {}
+        self._gave_up: set[int] = set()  # slots whose socket libzmq gave up on
+        self.set_peers([[a, ""] for a in addresses])
 
-    def _connect(self, addr: str, key: str) -> zmq.Socket:
+    def _connect(self, addr: str, key: str) -> tuple[zmq.Socket, zmq.Socket | None]:
         s = self.ctx.socket(zmq.PUSH)
         s.linger = 200
         s.setsockopt(zmq.RECONNECT_IVL, 10)  # the inbox may bind after we connect: retry fast
+        mon = None
         if self.security is not None:
-            self.security.client(s, addr, key.encode() or None)
+            self.security.client(s, addr, key.encode() or None, curve=True)
+            mon = s.get_monitor_socket(_GIVEN_UP)
         s.connect(addr)
-        return s
+        return s, mon
+
+    def _close(self, i: int) -> None:
+        sock, mon = self.socks[i], self.monitors[i]
+        if sock is not None:
+            if mon is not None:
+                sock.disable_monitor()
+                mon.close(linger=0)
+            sock.close(linger=100)
+        self.socks[i] = self.monitors[i] = None
+        self._gave_up.discard(i)
 
     def set_peers(self, downstream: list[list[str] | None]) -> None:
         """Connect to the next stage's replicas as they are now (index = replica slot).
@@ -159,41 +188,86 @@ class ChunkOutbox:
             peer = (entry[0], entry[1] if len(entry) > 1 else "") if entry else None
             if i < len(self.peers) and self.peers[i] == peer:
                 continue
-            if i < len(self.socks) and self.socks[i] is not None:
-                self.socks[i].close(linger=100)  # type: ignore[union-attr]
-            sock = self._connect(*peer) if peer is not None else None
             if i < len(self.socks):
-                self.socks[i], self.peers[i] = sock, peer
+                self._close(i)
+            sock, mon = self._connect(*peer) if peer is not None else (None, None)
+            if i < len(self.socks):
+                self.socks[i], self.monitors[i], self.peers[i] = sock, mon, peer
             else:
                 self.socks.append(sock)
+                self.monitors.append(mon)
                 self.peers.append(peer)
 
     def send(self, replica: int, request_id: str, data: Any, end: bool, segment: int = 0) -> None:
         """Queue one chunk; raise ``zmq.Again`` rather than block when the replica's queue is full.
 
         Never blocking matters: a dead downstream replica must not hang this
-        worker (and with it the heartbeats of every request it serves).
+        worker (and with it the heartbeats of every request it serves).  A
+        socket whose last listener failed the handshake is connected afresh
+        first (see the module docstring): its monitor says so, one look per
+        chunk.
         """
         sock = self.socks[replica] if 0 <= replica < len(self.socks) else None
         if sock is None:
             raise ValueError(f"no downstream replica {replica} (have {len(self.socks)} slots)")
         frames = self.codec.encode(Chunk(request_id, data, end, segment))
-        sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        mon = self.monitors[replica]
+        if mon is not None and mon.getsockopt(zmq.EVENTS) & zmq.POLLIN and self._given_up(replica):
+            sock = self._reconnect(replica)  # before a send into a pipe libzmq is dropping
+        try:
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if not self._given_up(replica):
+                raise
+            sock = self._reconnect(replica)
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
         self.sent += 1
+        self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+
+    def _given_up(self, i: int) -> bool:
+        """Did the listener at slot ``i`` fail a handshake since this socket connected (then libzmq gave
+        up on it)?  Counts and reports each failure once."""
+        mon, peer = self.monitors[i], self.peers[i]
+        failed = 0
+        while mon is not None:
+            try:
+                event = zmq_monitor.parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            failed += bool(event["event"] & _GIVEN_UP)
+        if failed and peer is not None:
+            self._gave_up.add(i)
+            n = self.refused[i] = self.refused.get(i, 0) + failed
+            if n - failed < 5 or n // 100 > (n - failed) // 100:  # the first few, then every 100th
+                log.warning("connector: the process listening at %s (downstream replica %d's inbox) failed "
+                            "the CurveZMQ handshake -- it does not hold the inbox's key -- and got nothing; "
+                            "connecting afresh at the next chunk (%d refused so far)", peer[0], i, n)
+        return i in self._gave_up
+
+    def _reconnect(self, i: int) -> zmq.Socket:
+        peer = self.peers[i]
+        assert peer is not None
+        self._close(i)
+        sock, self.monitors[i] = self._connect(*peer)
+        self.socks[i] = sock
+        self._gave_up.discard(i)
+        return sock
 
     def describe(self) -> list[dict[str, Any] | None]:
-        """Each downstream slot's address and security mechanism, read from its socket (``stats``)."""
+        """Each downstream slot's address, security mechanism (read from its socket) and listeners refused
+        (``stats``)."""
         names = {zmq.NULL: "NULL", zmq.PLAIN: "PLAIN", zmq.CURVE: "CURVE"}
         out: list[dict[str, Any] | None] = []
-        for sock, peer in zip(self.socks, self.peers, strict=True):
+        for i, (sock, peer) in enumerate(zip(self.socks, self.peers, strict=True)):
             if sock is None or peer is None:
                 out.append(None)
                 continue
             mech = sock.getsockopt(zmq.MECHANISM)
-            out.append({"address": peer[0], "mechanism": names.get(mech, str(mech))})
+            self._given_up(i)
+            out.append({"address": peer[0], "mechanism": names.get(mech, str(mech)),
+                        "refused": self.refused.get(i, 0)})
         return out
 
     def close(self) -> None:
-        for s in self.socks:
-            if s is not None:
-                s.close(linger=100)
+        for i in range(len(self.socks)):
+            self._close(i)

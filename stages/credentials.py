@@ -221,12 +221,15 @@ class Handover:
             self._sock.sendall(payload)
             self._sock.setblocking(False)
 
-    def answer(self, pid: int, payload: bytes) -> tuple[bool, int | None]:
+    def answer(self, pid: int, payload: bytes,
+               on_accept: Callable[[int], None] | None = None) -> tuple[bool, int | None]:
         """Serve one request: ``(True, asker)`` once ``payload`` went to process ``pid`` or to its child
         (a process that locked itself down in a fresh address space, :func:`stages.lockdown.lock_down`:
         the one that serves, and the only pid that may take the slot from then on); ``(False, other)``
         when any other process asked (refused: the caller reports it); ``(False, None)`` when nothing
         was there yet.  Raises :class:`HandoverError` when the child's end closed (it exited).
+        ``on_accept(asker)`` runs before the payload is written: whoever checks pids must know the
+        serving one before it can use what it is sent to connect.
         """
         if not PID_CHECKED:
             return True, pid  # delivered in child_started
@@ -247,6 +250,8 @@ class Handover:
         try:
             if sender is None or len(fds) != 1 or pid not in (sender, parent_of(sender)):
                 return False, sender
+            if on_accept is not None:
+                on_accept(sender)
             with socket.socket(fileno=os.dup(fds[0])) as reply:
                 reply.setblocking(True)
                 reply.sendall(payload)

@@ -372,7 +372,8 @@ class Worker:
             s["inbox_pending"] = self.inbox.pending
         s["connector"] = {"inbox": self.inbox.describe() if self.inbox is not None else None,
                           "outbox": self.outbox.describe() if self.outbox is not None else None,
-                          "sent": self.outbox.sent if self.outbox is not None else 0}
+                          "sent": self.outbox.sent if self.outbox is not None else 0,
+                          "bytes_sent": self.outbox.bytes_sent if self.outbox is not None else 0}
         return s
 
     # ------------------------------------------------------------------ stepping

@@ -16,7 +16,7 @@ import json
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -164,10 +164,12 @@ def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = N
 WORKER_STARTUP = 120.0
 
 
-def worker_server(front: str, config: Any, **served_kwargs: Any) -> Iterator[Served | TrioServed]:
+def worker_server(front: str, config: Any, *, prepare: Callable[[Any], None] | None = None,
+                  **served_kwargs: Any) -> Iterator[Served | TrioServed]:
     """``config``'s worker processes behind ``front`` (a generator: yields it started, stops it);
-    none of them, nor a socket or file, is left after.  ``served_kwargs``: as :func:`serve`'s
-    (default ``model_name="tiny"`` and the config's output modalities)."""
+    none of them, nor a socket or file, is left after.  ``prepare(pipe)``: called with the running
+    pipeline before it is served (a test's look at what crosses between stages).  ``served_kwargs``:
+    as :func:`serve`'s (default ``model_name="tiny"`` and the config's output modalities)."""
     from contextlib import asynccontextmanager
 
     import pytest
@@ -182,6 +184,8 @@ def worker_server(front: str, config: Any, **served_kwargs: Any) -> Iterator[Ser
         async with open_pipeline(config) as pipe:
             probe.saw(pipe.pids)
             probe.saw_dir(pipe.tmpdir)
+            if prepare is not None:
+                prepare(pipe)
             yield pipe
 
     # worker processes take longer to start than the helper's bound for an in-process one: both fronts

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from stages.lockdown import serving_pid
 from tests.waiting import HANG
 from trio_orch.testing import child_pids, worker_alive
 
@@ -45,7 +46,7 @@ class Server:
         else:
             self.proc.wait(HANG)
             raise AssertionError(f"serve exited {self.proc.returncode} before serving: {''.join(self.lines)}")
-        self.workers = {p for p in child_pids(self.proc.pid) if worker_alive(p)}
+        self.workers = {p for p in child_pids(serving_pid(self.proc.pid)) if worker_alive(p)}
 
     def sdk(self) -> Any:
         import openai

@@ -44,6 +44,7 @@ from bench.chaos.run import ChaosOptions, ChaosResult, ChaosRun, Inject, RunSetu
 from bench.chaos.server import HttpFault
 from stages.auth import Keypair
 from stages.config import PipelineConfig
+from trio_orch.cluster.launcher import inbox_address
 from trio_orch.testing.rogue import read_report
 from trio_orch.types import StageOutput
 
@@ -298,6 +299,18 @@ def _slow_restart_of_thinker_0(stage: int, replica: int, attempt: int) -> list[s
     return ["--startup-delay", "1"] if (stage, replica) == (0, 0) else []
 
 
+async def _stop_rogue(rogue: trio.Process) -> bytes:
+    """SIGTERM a rogue process (:mod:`trio_orch.testing.rogue`, ``rogue_inbox``); the rest of its report."""
+    rogue.send_signal(signal.SIGTERM)
+    assert rogue.stdout is not None
+    out = b""
+    async with rogue.stdout:
+        while chunk := await rogue.stdout.receive_some(65536):
+            out += chunk
+    await rogue.wait()
+    return out
+
+
 async def rogue_worker(run: ChaosRun) -> None:
     """kill -9 thinker replica 0; a rogue process takes its control socket first, with what it stole."""
     auth = run.pipe.authenticator
@@ -329,18 +342,43 @@ async def rogue_worker(run: ChaosRun) -> None:
                 while auth.refused["launch:stranger"] == 0:
                     await trio.sleep(0.01)
         finally:
-            rogue.send_signal(signal.SIGTERM)
-            assert rogue.stdout is not None
-            async with rogue.stdout:
-                while chunk := await rogue.stdout.receive_some(65536):
-                    out += chunk
-            await rogue.wait()
+            out += await _stop_rogue(rogue)
     done = read_report(out.decode())[-1]
     run.notes.update(rogue_refused=done.get("refused", 0), rogue_connected=done.get("connected", 0),
                      rogue_submits=done.get("submits", 0), refused_stranger=auth.refused["launch:stranger"],
                      refused_stale=auth.refused["launch:stale_ticket"])
     if done.get("connected") or done.get("submits") or run.pipe.worker(0, 0).pid != current.pid:
         raise RuntimeError(f"the rogue took the slot: {done}")
+
+
+def _slow_restart_of_code2wav_0(stage: int, replica: int, attempt: int) -> list[str]:
+    return ["--startup-delay", "1"] if (stage, replica) == (2, 0) else []
+
+
+async def rogue_inbox(run: ChaosRun) -> None:
+    """async-chunk: kill -9 code2wav replica 0; a rogue binds its inbox's path the moment it is gone."""
+    victim = run.worker_pid(2, 0)
+    inbox = inbox_address(run.pipe.tmpdir, 2, 0)
+    await run.submitted_at_least(0.3)
+    rogue = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "trio_orch.testing.rogue_inbox", "--bind", inbox, "--after-death",
+         str(victim)], stdout=subprocess.PIPE)
+    assert rogue.stdout is not None
+    out = b""
+    try:
+        with trio.fail_after(60):
+            while b'"started"' not in out:
+                out += await rogue.stdout.receive_some(65536)
+        run.mark_fault()
+        os.kill(victim, signal.SIGKILL)
+        await run.mark_restart(2, 0)
+    finally:
+        out += await _stop_rogue(rogue)
+    done = read_report(out.decode())[-1]
+    run.notes.update(rogue_accepted=done.get("accepted", 0), rogue_credentials=done.get("credentials", 0),
+                     rogue_chunks=done.get("chunks", 0))
+    if done.get("credentials") or done.get("chunks") or done.get("handshake_succeeded"):
+        raise RuntimeError(f"the rogue inbox was handed something: {done}")
 
 
 def _remote(run: ChaosRun) -> RemoteWorkers:
@@ -431,6 +469,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
                   "the pipeline secret and the replacement's ticket takes its socket first (refused: the "
                   "replacement serves)", rogue_worker,
                   RunSetup(sup_kwargs={"extra_args": _slow_restart_of_thinker_0})),
+    PipelineFault("rogue_inbox", "async-chunk: kill -9 a code2wav replica; a rogue process binds its inbox's "
+                  "path first (the talkers hand it nothing; the replacement gets the chunks)",
+                  rogue_inbox, RunSetup(async_chunk=True,
+                                        sup_kwargs={"extra_args": _slow_restart_of_code2wav_0})),
     PipelineFault("remote_lost", "a talker joined over TCP stops answering mid-stream (SIGSTOP); resumed, it "
                   "joins again under a new identity", remote_lost,
                   RunSetup(listen=True, joined_before_load=(1,), config_hook=_queue_at(1), failover=True)),

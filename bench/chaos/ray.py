@@ -25,7 +25,6 @@ import signal
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import replace
 from typing import Any
 
 import trio
@@ -96,7 +95,7 @@ async def open_ray_pipeline(cfg: PipelineConfig, cluster: LocalRayCluster, polic
     """The pipeline as ``serve --worker-backend ray`` opens it (supervised), on ``cluster``."""
     from trio_orch.cluster.distributed import HeadOptions, open_head_pipeline
 
-    local = replace(cfg, stages=[replace(s, replicas=0) for s in cfg.stages])
+    local = cfg.with_overrides(replicas=0)
     opts = HeadOptions(listen="tcp://127.0.0.1:0", backend="ray", ray_address=cluster.address)
     async with open_head_pipeline(local, opts, full_config=cfg, policy=policy, handle_sigterm=False) as pipe:
         yield pipe

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import trio
 
 from bench.chaos.run import ChaosOptions, ChaosResult
+from stages.lockdown import serving_pid
 from trio_orch.testing import child_pids, fd_count, worker_alive
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class ServerProcess:
     def scan_workers(self) -> None:
         """Record the server's worker processes (and their ipc directory) from /proc."""
         assert self.proc is not None
-        for pid in child_pids(self.proc.pid):
+        for pid in child_pids(serving_pid(self.proc.pid)):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     cmd = f.read().split(b"\0")

@@ -55,10 +55,12 @@ worker_args = ["--step-delay-ms", "{step_ms}"]
 
 def kill_replica(proc: subprocess.Popen[str], replica: int = 0) -> int:
     """SIGKILL the echo worker of replica ``replica`` of the server ``proc``; its pid."""
+    from stages.lockdown import serving_pid
     from trio_orch.testing import child_pids
 
     mark = f"--replica\x00{replica}\x00--kind\x00echo\x00"
-    victim = next(p for p in child_pids(proc.pid) if mark in Path(f"/proc/{p}/cmdline").read_text())
+    workers = child_pids(serving_pid(proc.pid))
+    victim = next(p for p in workers if mark in Path(f"/proc/{p}/cmdline").read_text())
     os.kill(victim, signal.SIGKILL)
     return victim
 

@@ -201,10 +201,11 @@ def idle(url: str, n: int, procs: int) -> dict[str, Any]:
 
 def kill_one(url: str, proc: subprocess.Popen[str], stage_kind: str) -> dict[str, Any]:
     """kill -9 the worker of ``stage_kind``; poll /health every 20 ms until it is 200 again."""
+    from stages.lockdown import serving_pid
     from trio_orch.testing import child_pids
 
     host, port = split_url(url)
-    victim = next(p for p in child_pids(proc.pid)
+    victim = next(p for p in child_pids(serving_pid(proc.pid))
                   if f"--kind\x00{stage_kind}\x00" in Path(f"/proc/{p}/cmdline").read_text())
     os.kill(victim, signal.SIGKILL)
     t0 = time.perf_counter()

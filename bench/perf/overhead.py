@@ -174,6 +174,7 @@ class Served:
     """``trio-orch serve MODEL_DIR --loop LOOP``: its address, its worker, their CPU and the steps."""
 
     def __init__(self, checkpoint: str, loop: str, device: str) -> None:
+        from stages.lockdown import serving_pid
         from trio_orch.serve.credentials import TOKEN_ENV
         from trio_orch.testing import child_pids, worker_alive
 
@@ -182,9 +183,12 @@ class Served:
             [checkpoint, "--loop", loop, "--device", device, "--served-model-name", MODEL,
              "--request-timeout", "600", "--startup-timeout", "600"],
             env={TOKEN_ENV: ADMIN})
-        workers = [p for p in child_pids(self.proc.pid) if worker_alive(p)]
+        # serve and each worker go on in a fresh child of the process started (stages.lockdown): those
+        # children do the work, their stand-ins idle
+        self.head = serving_pid(self.proc.pid)
+        workers = [p for p in child_pids(self.head) if worker_alive(p)]
         assert len(workers) == 1, f"expected one worker under serve, found {workers}"
-        self.worker = workers[0]
+        self.worker = serving_pid(workers[0])
 
     def wave(self, texts: list[str], tokens: int) -> Wave:
         host, port = split_url(self.url)
@@ -199,7 +203,7 @@ class Served:
         return w
 
     def cpu(self) -> dict[str, float]:
-        return {"head": proc_cpu(self.proc.pid), "worker": proc_cpu(self.worker)}
+        return {"head": proc_cpu(self.head), "worker": proc_cpu(self.worker)}
 
     @property
     def steps(self) -> int:

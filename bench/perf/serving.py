@@ -29,6 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stages.lockdown import serving_pid
+
 __all__ = [
     "BODY",
     "bucket_p99_ms",
@@ -271,8 +273,12 @@ def proc_cpu(pid: int) -> float:
 
 
 def front_cpu(pid: int) -> float:
-    """CPU seconds of the serving process, the workers apart: what serving HTTP costs."""
-    return proc_cpu(pid)
+    """CPU seconds of the serving process, the workers apart: what serving HTTP costs.
+
+    ``trio-orch serve`` goes on in a fresh child of the process started (``stages.lockdown``): that
+    child's, not its idle stand-in's.
+    """
+    return proc_cpu(serving_pid(pid))
 
 
 def measure_front(url: str, pid: int, concurrency: int, seconds: float, procs: int,

@@ -106,6 +106,16 @@ async def test_chaos_rogue_worker_is_refused_and_the_replacement_serves() -> Non
 
 
 @pytest.mark.slow
+async def test_chaos_rogue_inbox_gets_nothing_and_the_replacement_gets_the_chunks() -> None:
+    res = await run("rogue_inbox")
+    check(res)
+    assert res.still_serving == "yes" and res.restarts == 1
+    assert set(res.failed) <= {"replica_died"}
+    assert res.notes["rogue_accepted"] >= 1  # the talkers came to it ...
+    assert res.notes["rogue_credentials"] == 0 and res.notes["rogue_chunks"] == 0  # ... and handed it nothing
+
+
+@pytest.mark.slow
 async def test_chaos_remote_worker_lost_mid_stream_then_back_under_a_new_identity() -> None:
     res = await run("remote_lost")
     check(res)

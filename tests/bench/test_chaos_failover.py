@@ -39,13 +39,32 @@ async def test_a_lost_replica_s_queued_requests_are_failed_over(name: str) -> No
     check_failover(await FAULTS[name].run(OPTS))
 
 
+class _ObservedStage:
+    """A stage client that declares it reports timings (:class:`ObservedStageClient`): only ``timing_of``
+    is read here."""
+
+    queue_seconds = compute_seconds = None
+
+    def __init__(self, t_first: float | None) -> None:
+        self.timing = SimpleNamespace(t_first=t_first)
+
+    async def submit(self, request_id: str, payload: object) -> None: ...
+    async def abort(self, request_ids: list[str]) -> None: ...
+    async def receive(self) -> list: ...
+    async def aclose(self) -> None: ...
+    def replica_states(self) -> list: ...
+    def in_flight(self) -> list: ...
+
+    def timing_of(self, request_id: str) -> SimpleNamespace:
+        return self.timing
+
+
 class _Run:
     """What ``ChaosRun.died_silent`` reads: the core's mode and the pools' timings."""
 
     def __init__(self, async_chunk: bool, t_first: float | None) -> None:
-        timing = SimpleNamespace(t_first=t_first)
         self.orch = SimpleNamespace(router=SimpleNamespace(async_chunk=async_chunk))
-        self.pipe = SimpleNamespace(stages=[SimpleNamespace(timing_of=lambda rid: timing)])
+        self.pipe = SimpleNamespace(stages=[_ObservedStage(t_first)])
 
 
 @pytest.mark.parametrize(("async_chunk", "t_first", "partial", "silent"), [

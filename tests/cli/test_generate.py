@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from stages.config import default_config, echo_config, load_config
+from stages.lockdown import serving_pid
 from trio_orch import cli
 from trio_orch.testing import child_pids, worker_alive
 
@@ -171,7 +172,7 @@ def test_generate_stopped_by_a_signal_exits_130_and_leaves_no_worker(sig: int, t
         chunk = os.read(proc.stdout.fileno(), 4096)
         assert chunk, seen
         seen += chunk
-    workers = child_pids(proc.pid)
+    workers = child_pids(serving_pid(proc.pid))
     proc.send_signal(sig)
     rest, _ = proc.communicate(timeout=60)
     out = (seen + rest).decode()

@@ -7,7 +7,10 @@ socket pair for the ``Ready`` check.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
+import re
 import select
 import signal
 import subprocess
@@ -21,8 +24,9 @@ import zmq
 
 from stages.auth import Authenticator
 from stages.credentials import Handover, Launch, check_launch, peer_pid
+from stages.lockdown import serving_pid
 from stages.wire import OutboundMsg, Ready, WireCodec
-from tests.http_helpers import HANG
+from tests.waiting import HANG, wait_until
 from trio_orch.cluster.transport import ZmqStageClient
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,6 +120,7 @@ def test_a_fresh_lock_down_goes_on_in_a_child_whose_stand_in_passes_signals_on_a
     code = ("import os, signal, sys, time\n"
             "from stages.lockdown import lock_down, dumpable\n"
             "lock_down(fresh=True)\n"
+            "lock_down(fresh=True)\n"  # a fresh child forks no more
             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
             "print(os.getpid(), os.getppid(), dumpable(), flush=True)\n"
             "time.sleep(60)\n")
@@ -123,6 +128,8 @@ def test_a_fresh_lock_down_goes_on_in_a_child_whose_stand_in_passes_signals_on_a
     assert proc.stdout is not None
     child, parent, dump = proc.stdout.readline().split()
     assert int(parent) == proc.pid != int(child) and dump == "False"
+    assert serving_pid(proc.pid) == int(child) and serving_pid(int(child)) == int(child)
+    assert os.getpgid(int(child)) == int(child) != os.getpgid(proc.pid)  # no terminal: a group of its own
     proc.send_signal(signal.SIGTERM)  # to the stand-in: the child's handler answers, and exits 7
     assert proc.wait(HANG) == 7
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -131,6 +138,63 @@ def test_a_fresh_lock_down_goes_on_in_a_child_whose_stand_in_passes_signals_on_a
     os.kill(int(child), signal.SIGKILL)  # the child killed: its stand-in dies the same way
     assert proc.wait(HANG) == -signal.SIGKILL
     assert not Path(f"/proc/{child}").exists()  # and it was reaped
+
+
+TERMINAL = ("import os, signal, sys\n"
+            "from stages.lockdown import lock_down\n"
+            "lock_down(fresh=True)\n"
+            "for sig in (signal.SIGINT, signal.SIGUSR1):\n"
+            "    signal.signal(sig, lambda n, f: print('got', signal.Signals(n).name, flush=True))\n"
+            "print('group', os.getpgrp() == os.getpgid(os.getppid()), flush=True)\n"
+            "print('read', sys.stdin.readline().strip(), flush=True)\n"
+            "sys.stdin.readline()\n"
+            "sys.exit(5)\n")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the stand-in is Linux's")
+def test_in_a_terminals_foreground_the_fresh_child_reads_the_terminal_and_gets_each_signal_once() -> None:
+    """A terminal's Ctrl-C reaches the stand-in's whole group, the child with it: the stand-in passes on
+    only what was sent to it alone (here SIGUSR1), and the child, in that foreground group, reads the
+    terminal (in a group of its own it would be stopped by SIGTTIN)."""
+    pid, fd = pty.fork()  # the child leads a session whose controlling terminal is the pty
+    if pid == 0:
+        os.execv(sys.executable, [sys.executable, "-c", TERMINAL])
+    seen = b""
+
+    def until(text: bytes) -> str:
+        nonlocal seen
+        end = time.monotonic() + HANG
+        while not re.search(text, seen) and time.monotonic() < end:
+            if select.select([fd], [], [], 1.0)[0]:
+                try:
+                    seen += os.read(fd, 4096)
+                except OSError:  # EIO: the terminal's other end closed
+                    break
+        return seen.decode(errors="replace")
+
+    try:
+        assert "group True" in until(rb"group \w+\r?\n")
+        os.write(fd, b"typed\n")
+        assert "read typed" in until(rb"read \w+")
+        os.kill(pid, signal.SIGSTOP)  # the stand-in takes the Ctrl-C only after the child took its own
+        wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+                   "the stand-in is stopped", hang=HANG)
+        os.write(fd, b"\x03")  # Ctrl-C: the terminal signals its foreground group, stand-in and child
+        until(rb"got SIGINT")
+        os.kill(pid, signal.SIGCONT)
+        # to the stand-in alone: passed on -- after the SIGINT, had it passed that on (lowest number first)
+        os.kill(pid, signal.SIGUSR1)
+        until(rb"got SIGUSR1")
+        os.write(fd, b"\n")
+        _, status = os.waitpid(pid, 0)
+        out = until(rb"$^")  # the rest
+        assert re.findall(r"got (\w+)", out) == ["SIGINT", "SIGUSR1"], out
+        assert os.waitstatus_to_exitcode(status) == 5
+    finally:
+        with contextlib.suppress(ProcessLookupError, ChildProcessError):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        os.close(fd)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ptrace is Linux's here")

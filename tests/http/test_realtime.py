@@ -36,6 +36,7 @@ from pydantic import BaseModel
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from stages.lockdown import serving_pid
 from tests.conftest import live_task_names
 from tests.http_helpers import FRONTS, serve
 from tests.waiting import wait_until
@@ -613,7 +614,7 @@ def test_trio_orch_serve_and_the_example_client_as_a_user_would(tmp_path: Path) 
             m = re.search(r"serving on http://(\S+)", line)
             url = m.group(1) if m else None
         assert url, "serve did not report its address"
-        workers = child_pids(proc.pid)
+        workers = child_pids(serving_pid(proc.pid))
         assert len(workers) >= 3
         client = load_example_client()
         wav = tmp_path / "out" / "session.wav"

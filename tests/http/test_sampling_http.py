@@ -26,6 +26,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
+from stages.lockdown import serving_pid  # noqa: E402
 from tests.http.test_server import Served, wait_until  # noqa: E402
 from trio_orch.engine import ThreadEngine  # noqa: E402
 from trio_orch.testing.toy_pipeline import toy_pipeline  # noqa: E402
@@ -127,7 +128,7 @@ def test_acceptance_with_the_openai_client_against_trio_orch_serve(tmp_path: Pat
             m = re.search(r"serving on (http://\S+)", line)
             url = m.group(1) if m else None
         assert url, "serve did not report its address"
-        workers = _children(proc.pid)
+        workers = _children(serving_pid(proc.pid))
         c = client(url)
 
         def ask(**kw: Any) -> tuple[str, bytes]:

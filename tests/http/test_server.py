@@ -27,6 +27,7 @@ import httpx
 import numpy as np
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.http_helpers import (
     FRONTS,
     HANG,
@@ -341,7 +342,7 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
             m = re.search(r"serving on (http://\S+)", line)
             url = m.group(1) if m else None
         assert url, "serve did not report its address"
-        workers = _children(proc.pid)
+        workers = _children(serving_pid(proc.pid))
         assert len(workers) >= 3
         assert any(tmp_path.iterdir())
         body = chat("Hello!", stream=True, modalities=["text", "audio"], audio={"format": "pcm16"})

@@ -522,3 +522,28 @@ def test_no_decision_in_the_shell_reads_the_wall_clock() -> None:
     text = "\n".join(p.read_text() for p in SHELL.glob("*.py"))
     assert "perf_counter" not in text and "BURST_GAP" not in text
     assert "time.monotonic" not in text and "import time" not in text
+
+
+def test_no_stage_client_is_probed_outside_the_cluster_package() -> None:
+    """The shell, the core, the engine and the fronts ask a stage client only what its declared
+    abilities say; ``cluster/`` makes the clients and may look at them."""
+    files = [p for pkg in ("trio_orch",) for m, p in module_files(pkg).items()
+             if not m.startswith("trio_orch.cluster")]
+    assert any(p.name == "orchestrator.py" for p in files)
+    found = [hit for p in files for hit in stage_client_probes(p.read_text(), str(p.relative_to(ROOT)))]
+    assert found == []
+
+
+def listed_long_classes() -> set[str]:
+    doc = (ROOT / "docs" / "design.md").read_text()
+    block = doc.split("<!-- long-classes:begin -->")[1].split("<!-- long-classes:end -->")[0]
+    return set(re.findall(r"^\| `([\w.]+)` \|", block, re.M))
+
+
+def test_every_class_over_500_lines_is_in_the_design_docs_list() -> None:
+    lengths: dict[str, int] = {}
+    for pkg in PACKAGES:
+        for module, path in module_files(pkg).items():
+            lengths.update(class_lengths(path.read_text(), module))
+    assert lengths["trio_orch.engine.bridge.ThreadEngine"] > 50  # the scan reads every class
+    assert listed_long_classes() and unlisted_long_classes(lengths, listed_long_classes()) == []

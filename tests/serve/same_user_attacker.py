@@ -4,11 +4,14 @@
 --duration S] [--control PID]``
 
 For each target it tries what such a process may try: ``/proc/<pid>/environ``,
-``/proc/<pid>/mem`` (every readable region listed in ``maps``) and every
-``/proc/<pid>/fd/N`` (opened and read, non-blocking).  ``--children-of``:
-it also watches for new descendants of that pid and attacks each as soon as it
+``/proc/<pid>/mem`` (every readable region listed in ``maps``, the writable
+ones first) and every ``/proc/<pid>/fd/N`` (opened and read, non-blocking).
+A ``mem`` and ``maps`` it could open stay open: every later turn reads the
+process's current regions through them (channel ``held``), which works for
+as long as the process lives, locked down or not.  ``--children-of``: it
+also watches for new descendants of that pid and attacks each as soon as it
 appears, again and again while it lives (a worker starting up, before it
-locks itself down).  ``--ready-file`` holds how many passes over them it
+locks itself down), and the ``--pids`` again with them.  ``--ready-file`` holds how many passes over them it
 made.  ``--control``: a dumpable process of the same user, to show that the
 attacks work where nothing stops them.  The needles (JSON: name -> secret)
 are re-read every turn, so whoever runs it may add secrets made later (a
@@ -30,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 CHUNK = 1 << 20
-MEM_BUDGET = 64 << 20  # bytes of memory read per attempt on one process
+MEM_BUDGET = 256 << 20  # bytes of memory read per attempt on one process
 
 
 def _status(exc: OSError) -> str:
@@ -49,8 +52,8 @@ class Attacker:
         self.needles: dict[str, bytes] = {}
         self.results: dict[str, dict[str, dict[str, int]]] = {}
         self.found: dict[str, list[str]] = {}
-        #: /proc/<pid>/mem kept open once it opened (with the maps of then): read again every turn
-        self.held: dict[int, tuple[int, list[str]]] = {}
+        #: /proc/<pid>/mem and maps kept open once they opened: read again every turn
+        self.held: dict[int, tuple[int, int]] = {}
 
     def reload(self) -> None:
         try:
@@ -74,28 +77,39 @@ class Attacker:
 
     def mem(self, pid: int) -> None:
         if pid in self.held:  # opened while it was dumpable: does it still read?
-            fd, maps = self.held[pid]
+            fd, maps_fd = self.held[pid]
+            try:
+                maps = os.pread(maps_fd, 1 << 22, 0).decode(errors="replace").splitlines()
+            except OSError:
+                maps = []
             return self.read_mem(pid, fd, maps, "held")
         try:
-            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-            fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+            maps_fd = os.open(f"/proc/{pid}/maps", os.O_RDONLY)
         except OSError as exc:
             return self.note(pid, "mem", _status(exc))
-        self.held[pid] = (fd, maps)
+        try:
+            maps = os.pread(maps_fd, 1 << 22, 0).decode(errors="replace").splitlines()
+            fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        except OSError as exc:
+            os.close(maps_fd)
+            return self.note(pid, "mem", _status(exc))
+        self.held[pid] = (fd, maps_fd)
         self.read_mem(pid, fd, maps, "mem")
 
     def read_mem(self, pid: int, fd: int, maps: list[str], channel: str) -> None:
-        """Every readable region of ``maps``; the heap and anonymous regions past their end of then too
-        (they grow after the maps were read), up to :data:`MEM_BUDGET`."""
-        budget, got = MEM_BUDGET, 0
+        """Every readable region of ``maps``, the writable ones (where a process keeps what it got) first,
+        up to :data:`MEM_BUDGET`; a needle across two reads is found too."""
+        regions = []
         for line in maps:
             fields = line.split()
             if len(fields) < 2 or not fields[1].startswith("r") or line.endswith(("[vvar]", "[vsyscall]")):
                 continue
             start, end = (int(x, 16) for x in fields[0].split("-"))
-            if len(fields) < 6 or fields[5] == "[heap]":
-                end += 64 << 20
-            at = start
+            regions.append((fields[1][1] != "w", start, end))
+        budget, got = MEM_BUDGET, 0
+        overlap = max((len(n) for n in self.needles.values()), default=1) - 1
+        for _, start, end in sorted(regions):
+            at, tail = start, b""
             while at < end and budget > 0:
                 try:
                     data = os.pread(fd, min(CHUNK, end - at, budget), at)
@@ -105,7 +119,8 @@ class Attacker:
                     break
                 got += len(data)
                 budget -= len(data)
-                self.note(pid, channel, "read", data)
+                self.note(pid, channel, "read", tail + data)
+                tail = data[-overlap:] if overlap else b""
                 at += len(data)
         self.note(pid, channel, "read" if got else "empty")
 
@@ -173,7 +188,7 @@ def main() -> None:
     while args.children_of is not None and time.monotonic() < end:
         if args.stop_file and Path(args.stop_file).exists():
             break
-        for pid in descendants(args.children_of):
+        for pid in [*args.pids, *descendants(args.children_of)]:
             a.attack(pid)
         passes += 1
         if args.ready_file:

@@ -20,7 +20,7 @@ import trio
 import zmq
 
 from stages.config import echo_config
-from stages.lockdown import not_dumpable
+from stages.lockdown import not_dumpable, serving_pid
 from tests.http_helpers import HANG, metrics, wait_until
 from tests.serve.test_service import start_serve, stream_in_background
 from trio_orch import OrchOutput, open_orchestrator
@@ -61,7 +61,7 @@ def test_a_sigterm_to_the_whole_process_group_drains_the_open_streams(tmp_path: 
     proc, url = start_serve("--config", slow_echo_config(tmp_path), "--shutdown-timeout", "30",
                             new_session=True)
     try:
-        workers = child_pids(proc.pid)
+        workers = child_pids(serving_pid(proc.pid))
         assert len(workers) == 3 and all(os.getpgid(w) != proc.pid for w in workers)
         streams = [stream_in_background(url, 3) for _ in range(4)]
         with httpx.Client(base_url=url, timeout=HANG) as c:
@@ -83,7 +83,7 @@ def test_a_sigterm_to_the_whole_process_group_drains_the_open_streams(tmp_path: 
 @pytest.mark.slow
 def test_a_sigkilled_serve_leaves_no_orphan_worker(tmp_path: Path) -> None:
     proc, _ = start_serve("--config", slow_echo_config(tmp_path), new_session=True)
-    workers = child_pids(proc.pid)
+    workers = child_pids(serving_pid(proc.pid))
     assert len(workers) == 3
     proc.kill()
     proc.wait()

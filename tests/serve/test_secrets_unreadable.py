@@ -11,6 +11,13 @@ pipeline's own doing.
 
 * ``trio-orch serve`` given the API key in its environment and the admin token
   in a file: nothing of serve or its workers can be read.
+* ``trio-orch serve`` attacked from its first instant: held at its first line
+  of Python (the window between ``exec`` and the lock-down, made as long as the
+  attacker needs), it is opened -- ``mem`` and ``maps`` kept open -- and then
+  reads its API key and admin token from files; nothing turns up, in any of its
+  processes, through the handles held or new ones.  The control: a process
+  opened the same way that only makes itself non-dumpable (no fresh child)
+  gives away the secret it reads afterwards.
 * A head that tells the test its workers' secrets as it makes them (the
   pipeline secret, the key pair, each launch's ticket): three workers are
   killed and restarted while the attacker reads every new worker from the
@@ -35,6 +42,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.http_helpers import HANG, wait_until
 from trio_orch.testing import child_pids, worker_alive
 
@@ -72,8 +80,36 @@ def start_control(marker: str) -> subprocess.Popen[bytes]:
                             env={**os.environ, "CONTROL_SECRET": marker})
 
 
+def terminate(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM (it stops its workers), SIGKILL if it does not exit in time."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(HANG)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def serving_url(serve: subprocess.Popen[str]) -> str:
+    """Where ``trio-orch serve`` says it serves, read from its output."""
+    assert serve.stdout is not None
+    for line in serve.stdout:
+        m = re.search(r"serving on (http://\S+)", line)
+        if m:
+            return m.group(1)
+    raise AssertionError("serve did not start")
+
+
 def statuses(report: dict[str, Any], pid: int) -> dict[str, set[str]]:
     return {ch: set(n) for ch, n in report["results"].get(str(pid), {}).items()}
+
+
+def refused_everything(report: dict[str, Any], pid: int) -> bool:
+    """Every attempt on ``pid`` was denied: an fd may also have been ``gone`` (closed between the
+    listing of ``/proc/<pid>/fd``, which its owner may read, and the open: nothing was read)."""
+    got = statuses(report, pid)
+    return (set(got) == set(SECRET_KINDS) and all("denied" in got[ch] for ch in SECRET_KINDS)
+            and got["environ"] == got["mem"] == {"denied"} and got["fd"] <= {"denied", "gone"})
 
 
 @pytest.mark.slow
@@ -90,28 +126,23 @@ def test_nothing_of_serve_or_its_workers_can_be_read_by_a_same_user_process(tmp_
                              text=True, env={**os.environ, "TRIO_ORCH_API_KEY": api_key})
     control = start_control(marker)
     try:
-        assert serve.stdout is not None
-        url = None
-        for line in serve.stdout:
-            m = re.search(r"serving on (http://\S+)", line)
-            if m:
-                url = m.group(1)
-                break
-        assert url is not None, "serve did not start"
+        url = serving_url(serve)
         with httpx.Client(base_url=url, timeout=HANG) as c:  # it holds both, and uses them
             assert c.get("/v1/models").status_code == 401
             assert c.get("/v1/models", headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
             stats = c.get("/admin/stats", headers={"Authorization": f"Bearer {admin_token}"})
             assert stats.status_code == 200, stats.text
-        workers = child_pids(serve.pid)
-        assert len(workers) == 2
+        fresh = serving_pid(serve.pid)  # serve goes on in a fresh child; the launched process stands in
+        workers = child_pids(fresh)
+        assert fresh != serve.pid and len(workers) == 2
         report = attack(tmp_path, {"api_key": api_key, "admin_token": admin_token, "control": marker},
-                        "--control", str(control.pid), "--pids", str(serve.pid), *map(str, workers))
+                        "--control", str(control.pid), "--pids", str(serve.pid), str(fresh),
+                        *map(str, workers))
         # the control: an unlocked process of the same user gives its environment away
         assert set(report["found"]) == {"control"}
         assert {f"{control.pid}/environ", f"{control.pid}/mem"} <= set(report["found"]["control"])
-        for pid in (serve.pid, *workers):  # serve and every worker: nothing opens
-            assert statuses(report, pid) == {ch: {"denied"} for ch in SECRET_KINDS}, (pid, report)
+        for pid in (serve.pid, fresh, *workers):  # serve and every worker: nothing opens
+            assert refused_everything(report, pid), (pid, report)
     finally:
         control.kill()
         control.wait()
@@ -121,6 +152,100 @@ def test_nothing_of_serve_or_its_workers_can_be_read_by_a_same_user_process(tmp_
         except subprocess.TimeoutExpired:
             serve.kill()
             serve.communicate()
+    assert not any(worker_alive(w) for w in workers)
+
+
+#: a process held at its first line until its stdin says go, then the ``trio-orch`` program (what the
+#: console script runs) with the rest of the command line: the window between ``exec`` and the lock-down,
+#: as long as the attacker needs
+HELD_PROGRAM = ("import runpy, sys\n"
+                "print('held', flush=True)\n"
+                "sys.stdin.readline()\n"
+                "sys.argv = ['trio-orch', *sys.argv[1:]]\n"
+                "runpy.run_module('trio_orch.cli', run_name='__main__')\n")
+#: the control: held the same way, then non-dumpable in place (no fresh child), then it reads a secret
+HELD_LOCKED_IN_PLACE = ("import sys, time\n"
+                        "print('held', flush=True)\n"
+                        "sys.stdin.readline()\n"
+                        "from stages.lockdown import lock_down\n"
+                        "lock_down()\n"
+                        "secret = open(sys.argv[1]).read()\n"
+                        "print('locked', flush=True)\n"
+                        "time.sleep(120)\n")
+
+
+@pytest.mark.slow
+def test_serve_attacked_from_its_first_instant_gives_nothing_away(tmp_path: Path) -> None:
+    api_key, admin_token, late = (secrets.token_hex(16) for _ in range(3))
+    key_file, creds, late_file = tmp_path / "api-key", tmp_path / "credentials", tmp_path / "late"
+    creds.mkdir(mode=0o700)
+    for path, value in ((key_file, api_key), (creds / "admin-token", admin_token), (late_file, late)):
+        path.write_text(value + "\n")
+        path.chmod(0o600)
+    config = tmp_path / "echo.toml"
+    config.write_text('[pipeline]\nfinal_stages = [1]\n' + '[[stages]]\nkind = "echo"\n' * 2)
+    needles = tmp_path / "needles.json"
+    needles.write_text(json.dumps({"api_key": api_key, "admin_token": admin_token, "late": late}))
+    stop, ready, out = tmp_path / "stop", tmp_path / "ready", tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRIO_ORCH_API_KEY", "TRIO_ORCH_ADMIN_TOKEN")}
+    serve = subprocess.Popen([*unprivileged(), sys.executable, "-c", HELD_PROGRAM, "serve", "--port", "0",
+                              "--served-model-name", "toy", "--config", str(config), "--api-key-file",
+                              str(key_file)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True,
+                             env={**env, "CREDENTIALS_DIRECTORY": str(creds)})
+    control = subprocess.Popen([*unprivileged(), sys.executable, "-c", HELD_LOCKED_IN_PLACE, str(late_file)],
+                               cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    attacker: subprocess.Popen[bytes] | None = None
+    fresh, workers = 0, set[int]()
+    try:
+        assert serve.stdin and serve.stdout and control.stdin and control.stdout
+        assert serve.stdout.readline().strip() == "held" and control.stdout.readline().strip() == "held"
+        attacker = subprocess.Popen([*unprivileged(), sys.executable, "-m", "tests.serve.same_user_attacker",
+                                     "--needles", str(needles), "--out", str(out), "--pids", str(serve.pid),
+                                     str(control.pid), "--children-of", str(serve.pid), "--duration", "300",
+                                     "--stop-file", str(stop), "--ready-file", str(ready)], cwd=ROOT)
+
+        def passes() -> int:
+            try:
+                return int(ready.read_text())
+            except (OSError, ValueError):
+                return 0
+
+        wait_until(lambda: passes() > 0, "the attacker opened both while they were held", hang=HANG)
+        for p in (serve, control):  # go on: both lock down with the attacker's handles open
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.close()  # type: ignore[union-attr]
+        url = serving_url(serve)
+        assert control.stdout.readline().strip() == "locked"
+        with httpx.Client(base_url=url, timeout=HANG) as c:  # it holds both, and uses them
+            assert c.get("/v1/models").status_code == 401
+            assert c.get("/v1/models", headers={"Authorization": f"Bearer {api_key}"}).status_code == 200
+            stats = c.get("/admin/stats", headers={"Authorization": f"Bearer {admin_token}"})
+            assert stats.status_code == 200, stats.text
+        fresh = serving_pid(serve.pid)
+        workers = child_pids(fresh)
+        assert fresh != serve.pid and len(workers) == 2
+        after = passes()
+        wait_until(lambda: passes() > after + 1, "two full passes with every secret in memory", hang=HANG)
+    finally:
+        stop.touch()
+        if attacker is not None:
+            attacker.wait(HANG)
+        control.kill()
+        control.wait()
+        terminate(serve)
+    report = json.loads(out.read_text())
+    assert report["cap_eff"] == "0000000000000000" and report["uid"] == os.getuid()
+    # the control: a handle opened in the window reads what the process got after its lock-down
+    assert set(report["found"]) == {"late"} and set(report["found"]["late"]) == {f"{control.pid}/held"}
+    # serve's launched process was opened the same way, and the handles kept reading it to the end ...
+    launched = statuses(report, serve.pid)
+    assert "read" in launched["mem"] and launched["held"] == {"read"}, launched
+    # ... and what serves, its fresh child, opened to nothing from its first instant (the workers, each
+    # readable from its exec to its own lock-down, gave nothing away either: "found" above)
+    assert refused_everything(report, fresh), report["results"]
+    assert {fresh, *workers} <= {int(pid) for pid in report["results"]}
+    assert serve.returncode == 0  # a clean drain after the SIGTERM
     assert not any(worker_alive(w) for w in workers)
 
 
@@ -171,10 +296,5 @@ def test_a_restarting_worker_never_holds_a_secret_another_process_could_read(tmp
         print("attacks per worker channel:", {pid: {ch: dict(n) for ch, n in r.items()}
                                               for pid, r in report["results"].items()})
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(HANG)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait()
+        terminate(head)
     assert not any(worker_alive(w) for w in seen)

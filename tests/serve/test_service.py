@@ -27,6 +27,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stages.config import echo_config
+from stages.lockdown import serving_pid
 from stages.registry import outputs_of
 from tests.http_helpers import HANG, Served, chat, metrics, sse_events, wait_until
 from trio_orch.cluster.supervisor import RestartPolicy, supervised_pipeline
@@ -376,7 +377,7 @@ def test_drain_with_worker_processes_leaves_nothing_behind(tmp_path: Path) -> No
     cfg.write_text('[pipeline]\nfinal_stages = [1]\n[[stages]]\nkind = "echo"\n[[stages]]\nkind = "echo"\n')
     proc, url = start_serve("--config", str(cfg), env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
-        workers = child_pids(proc.pid)
+        workers = child_pids(serving_pid(proc.pid))
         assert len(workers) >= 2
         with httpx.Client(base_url=url, timeout=HANG) as c:
             assert c.post("/v1/chat/completions", json=chat("hi")).status_code == 200

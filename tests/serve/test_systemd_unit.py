@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from stages.lockdown import serving_pid
 from tests.http_helpers import HANG, metrics, sse_events, wait_until
 from tests.serve.test_deploy import alive, slow_echo_config
 from trio_orch.serve.credentials import CREDENTIAL_FILES
@@ -137,7 +138,7 @@ def test_the_units_exec_start_stopped_as_systemd_does_drains_every_open_stream(t
     serve exits by itself, and nothing is left for systemd's final SIGKILL."""
     proc, url = start_exec_start(tmp_path)
     try:
-        workers = child_pids(proc.pid)
+        workers = child_pids(serving_pid(proc.pid))
         assert len(workers) == 3
         with httpx.Client(base_url=url, timeout=HANG) as c:
             model = c.get("/v1/models").json()["data"][0]["id"]

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from stages.config import PIPELINES, PipelineConfig
 from stages.placement import check_devices, device_arg
 from stages.registry import (
     as_audio,
@@ -66,9 +66,10 @@ from trio_orch.openai.sampling import SamplingError, map_sampling
 from trio_orch.openai.validation import BadRequest
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
-    checkpoint_pipeline,
+    add_stage_config_argument,
     checkpoint_template,
     model_dir,
+    pipeline_config,
 )
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
@@ -98,6 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the config's; cpu). A worker on cuda:N sees only that GPU (docs/models.md)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    add_stage_config_argument(parser)
     parser.add_argument("--image", dest="image_files", action="append", default=[], metavar="FILE",
                         help="an image to send with the prompt (repeatable; the pipeline needs an "
                              "image-encoder stage: --pipeline omni-in)")
@@ -166,15 +168,8 @@ def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    if args.config and args.pipeline:
-        raise ValueError("give --config or --pipeline, not both")
     args.model_dir = model_dir(args)
-    if args.model_dir:
-        cfg = checkpoint_pipeline(args.model_dir, args)
-    else:
-        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
-                             max_retries=args.max_retries)
+    cfg = pipeline_config(args)  # the checkpoint's, --config's or built-in; --stage-config over it
     if _makes_images(cfg):
         if cfg.async_chunk or args.compare or args.stream_input:
             raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "

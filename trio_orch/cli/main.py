@@ -161,11 +161,15 @@ def program() -> int:
     process locked down first.
 
     Before the command line is parsed or any secret read, the process is closed to the other processes
-    of its user (:func:`stages.lockdown.lock_down`): ``serve`` holds the API key, the admin token and
-    the pipeline's credentials.  :func:`main` alone leaves its process as it is (tests call it in theirs).
+    of its user and goes on in a fresh child (:func:`stages.lockdown.lock_down`, ``fresh``): ``serve``
+    holds the API key, the admin token and the pipeline's credentials, and a ``/proc/<pid>/mem`` opened
+    between ``exec`` and this line would read them for as long as the process lives.  The launched
+    process stays as the child's stand-in (it passes signals on and exits as the child does:
+    :func:`stages.lockdown.serving_pid` finds the child).  :func:`main` alone leaves its process as it is
+    (tests call it in theirs).
     """
     try:
-        lock_down()
+        lock_down(fresh=True)
     except LockdownError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -81,10 +81,12 @@ class LaunchCredentials:
                 "handover:stranger", f"refused the credentials of {self.label} to pid {asker}: it is not the "
                                      f"process launched for it (pid {launched})")
 
-        serving = await hand_over(self.handover, launched, self._payload, stranger)
+        def accept(serving: int) -> None:  # before the payload goes: it may connect at once
+            self.authenticator.launches.bind(self.launch, serving)
+
+        serving = await hand_over(self.handover, launched, self._payload, stranger, accept)
         if serving is not None:
             self.delivered, self.pid = True, serving
-            self.authenticator.launches.bind(self.launch, serving)
         return serving
 
     def close(self) -> None:
@@ -94,13 +96,15 @@ class LaunchCredentials:
 
 
 async def hand_over(handover: Handover, pid: int, payload: bytes,
-                    on_stranger: Callable[[int], None] | None = None) -> int | None:
+                    on_stranger: Callable[[int], None] | None = None,
+                    on_accept: Callable[[int], None] | None = None) -> int | None:
     """Answer ``handover``'s requests until process ``pid`` (or its fresh child) got ``payload``; the pid
-    that got it, or None when ``pid`` exited without asking.  ``on_stranger(asker)``: each refusal."""
+    that got it, or None when ``pid`` exited without asking.  ``on_stranger(asker)``: each refusal;
+    ``on_accept(asker)``: the one that gets it, before it is sent."""
     while True:
         await trio.lowlevel.wait_readable(handover.fileno())
         try:
-            delivered, asker = handover.answer(pid, payload)
+            delivered, asker = handover.answer(pid, payload, on_accept)
         except HandoverError:
             return None
         if delivered:

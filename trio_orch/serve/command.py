@@ -60,9 +60,10 @@ from trio_orch.openai.media import MediaPolicy
 from trio_orch.serve import credentials, vllm_flags
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
-    checkpoint_pipeline,
+    add_stage_config_argument,
     checkpoint_template,
     describe,
+    pipeline_config,
     resolve_model,
 )
 from trio_orch.serve.connection_limits import default_max_connections
@@ -113,6 +114,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
+    add_stage_config_argument(parser)
     parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
                         help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
                              "/v1/images/generations), omni-in (chat with images and audio in, text out); "
@@ -306,6 +308,8 @@ class _Pipeline:
         self.supervisor: Any = None
         self.registrar: Any = None
         if args.in_process:
+            if args.stage_config:
+                raise ValueError("--stage-config places worker stages: --in-process has none")
             from trio_orch.testing.toy_pipeline import toy_pipeline
 
             self.factory: Any = toy_pipeline()
@@ -318,18 +322,12 @@ class _Pipeline:
             self.max_inflight: list[int | None] = [bound] * 3
             self._aging(args)
             return
-        from stages.config import builtin_config, load_config
         from trio_orch.cluster.distributed import head_options, open_head_pipeline
         from trio_orch.cluster.supervisor import RestartPolicy
 
-        if args.config and args.pipeline:
-            raise ValueError("give --config or --pipeline, not both")
-        if args.model_dir:
-            cfg = checkpoint_pipeline(args.model_dir, args)
-        else:
-            cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
-                                 max_retries=args.max_retries, seed=args.seed)
+        cfg = pipeline_config(args)  # the checkpoint's, --config's or built-in; --stage-config over it
+        if args.seed is not None:
+            cfg = cfg.with_overrides(seed=args.seed)  # vLLM's --seed
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         opts, local_cfg = head_options(args, cfg)
         check_devices(local_cfg.devices())  # every local replica's device exists here: exit 2 if not

@@ -15,10 +15,11 @@ Each secret comes from the first of these that gives it:
    and different, ``$TRIO_ORCH_API_KEY`` wins and a warning says so).
 
 A file holds the secret alone; one trailing newline is dropped.  Prefer a
-file (2. or 3.) to the environment: ``serve`` locks itself down before it
-reads any (:func:`stages.lockdown.lock_down`: no other process of the user
-can read its memory or ``/proc/<pid>/environ`` afterwards), but its
-environment is readable from ``exec`` until then, and stays readable to root.
+file (2. or 3.) to the environment: ``serve`` locks itself down and goes on
+in a fresh child before it reads any (:func:`stages.lockdown.lock_down`: no
+other process of the user can read the child's memory or environment), but
+its environment is what it got at ``exec``: readable until then -- and, by a
+process that opened it then, for as long as it runs -- and to root.
 A file readable by other users is used with a warning.  An empty or
 unreadable file is an error (exit 2), never "no key".
 

@@ -25,6 +25,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from stages.wire import (
     WireError,
 )
 
-__all__ = ["ROGUE_TEXT", "main", "read_report"]
+__all__ = ["ROGUE_TEXT", "Stopped", "main", "read_report", "run_until_stopped", "say", "stop_on_signals"]
 
 #: what the rogue answers every request with (a user who sees it got the rogue's answer)
 ROGUE_TEXT = "rogue-answer"
@@ -52,7 +53,8 @@ _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
 
 
-def _say(event: str, **fields: Any) -> None:
+def say(event: str, **fields: Any) -> None:
+    """One event of a rogue's report: a JSON object on a line of stdout."""
     print(json.dumps({"event": event, **fields}), flush=True)
 
 
@@ -100,14 +102,14 @@ class Rogue:
         ev = zmq_monitor.recv_monitor_message(mon)
         if ev["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
             self.counts["connected"] += 1
-            _say("connected")
+            say("connected")
             self.connected.add(sock)
             a = self.args
             sock.send_multipart(self.out.encode(Ready(a.stage_id, a.replica, os.getpid(), a.kind, {})))
         else:
             self.counts["refused"] += 1
             if self.counts["refused"] <= 20:  # the count says the rest
-                _say("refused", code=ev["value"])
+                say("refused", code=ev["value"])
 
     def handle_socket(self, sock: zmq.Socket) -> None:
         while True:
@@ -121,7 +123,7 @@ class Rogue:
                 continue
             if type(msg) is Submit:
                 self.counts["submits"] += 1
-                _say("submit", request_id=msg.request_id)
+                say("submit", request_id=msg.request_id)
                 sock.send_multipart(self.out.encode(Outputs([OutItem(msg.request_id, ROGUE_TEXT, True, None,
                                                                      time.perf_counter())])))
 
@@ -151,12 +153,30 @@ class Rogue:
         self.ctx.destroy(linger=0)
 
 
-class _Stop(Exception):
-    pass
+class Stopped(Exception):
+    """SIGTERM or SIGINT: the rogue reports and ends."""
 
 
 def _stop(signum: int, frame: Any) -> None:
-    raise _Stop
+    raise Stopped
+
+
+def stop_on_signals() -> None:
+    """From now on SIGTERM and SIGINT raise :class:`Stopped`."""
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+
+
+def run_until_stopped(run: Callable[[], None], close: Callable[[], None], counts: dict[str, int]) -> int:
+    """``run()`` until it returns or :class:`Stopped`; ``close()``; report ``done`` with ``counts``."""
+    try:
+        run()
+    except Stopped:
+        pass
+    finally:
+        close()
+    say("done", **counts)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -175,17 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    stop_on_signals()
     rogue = Rogue(args)
-    try:
-        rogue.run()
-    except _Stop:
-        pass
-    finally:
-        rogue.close()
-    _say("done", **rogue.counts)
-    return 0
+    return run_until_stopped(rogue.run, rogue.close, rogue.counts)
 
 
 if __name__ == "__main__":
