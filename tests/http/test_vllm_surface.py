@@ -22,7 +22,7 @@ from trio_orch.http.access import ACCESS_LOGGER, Cors
 from trio_orch.http.generation import REQUESTS_LOGGER
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.routes.openapi import REQUEST_SCHEMAS
-from trio_orch.serve.throughput import STATS_LOGGER, ThroughputLog, run_trio
+from trio_orch.serve.throughput import STATS_LOGGER, ThroughputLog, run_thread, run_trio
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
 SERVES = pytest.mark.processes  # a real server on loopback
@@ -207,3 +207,28 @@ async def test_the_trio_front_logs_the_line_every_interval_while_busy(
             await run_trio(Engine(), front, interval=10.0)  # type: ignore[arg-type]
     lines = [r.getMessage() for r in caplog.records if r.name == STATS_LOGGER]
     assert len(lines) == 3 and lines[0].endswith("Running: 1 reqs, Waiting: 0 reqs")  # busy, busy, the drop
+
+
+def test_the_asyncio_fronts_thread_logs_the_line_while_busy_and_stops_when_told(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The thread beside uvicorn: busy, busy, the drop to 0, then nothing however long it idles."""
+    front = FrontMetrics()
+    snapshots = [Snapshot(active=2), Snapshot(active=1, queued=1), Snapshot()]
+    stop = threading.Event()
+
+    class Engine:
+        def stats(self) -> Snapshot:
+            if not snapshots:
+                stop.set()  # every snapshot read: the next wait ends the thread
+                return Snapshot()
+            return snapshots.pop(0)
+
+    with caplog.at_level(logging.INFO, logger=STATS_LOGGER):
+        thread = threading.Thread(target=run_thread, args=(Engine(), front, stop, 0.001), daemon=True)
+        thread.start()
+        thread.join(HANG)
+    assert not thread.is_alive()
+    lines = [r.getMessage() for r in caplog.records if r.name == STATS_LOGGER]
+    assert [line.split("tokens/s, ")[-1] for line in lines] == [
+        "Running: 2 reqs, Waiting: 0 reqs", "Running: 0 reqs, Waiting: 1 reqs",
+        "Running: 0 reqs, Waiting: 0 reqs"]

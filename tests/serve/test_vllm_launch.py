@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import signal
+import threading
 from typing import Any
 
 import httpx
@@ -17,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.test_vllm_metrics import DASHBOARD
+from tests.http_helpers import metrics
 from tests.serve_process import Server
 from tests.waiting import HANG, wait_until
 from trio_orch.testing import worker_alive
@@ -90,3 +92,40 @@ def test_one_access_line_per_request_by_default_none_with_disable_uvicorn_access
     finally:
         stop_cleanly(quiet)
     assert not [line for line in quiet.lines if "trio_orch.access" in line]
+
+
+@pytest.mark.slow
+def test_max_num_seqs_from_the_command_line_bounds_the_running_requests() -> None:
+    """``serve --max-num-seqs 2``: of four streams, two run and two wait (vLLM's gauges say so), and all
+    four are answered; the banner says the API is open (no key anywhere)."""
+    s = Server("--in-process", "--served-model-name", "toy", "--max-num-seqs", "2",
+               env={"VLLM_API_KEY": "", "TRIO_ORCH_API_KEY": ""})
+    try:
+        assert "the API is OPEN" in "".join(s.lines)
+        answers: list[list[str]] = [[] for _ in range(4)]
+
+        def stream(i: int) -> None:
+            body = {"model": "toy", "stream": True,
+                    "messages": [{"role": "user", "content": " ".join(f"w{k}" for k in range(80))}]}
+            with httpx.Client(base_url=s.url, timeout=HANG * 4) as c, \
+                    c.stream("POST", "/v1/chat/completions", json=body) as r:
+                answers[i].extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        seen: list[tuple[float, float]] = []
+        with httpx.Client(base_url=s.url, timeout=HANG) as c:
+            def two_run_two_wait() -> bool:
+                m = metrics(c)
+                seen.append((m["vllm:num_requests_running{engine=0,model_name=toy}"],
+                             m["vllm:num_requests_waiting{engine=0,model_name=toy}"]))
+                return seen[-1] == (2, 2)
+
+            wait_until(two_run_two_wait, "two running, two waiting")
+            for t in threads:
+                t.join(HANG * 4)
+            assert max(running for running, _ in seen) <= 2
+        assert all(a and a[-1] == "data: [DONE]" and '"finish_reason":"stop"' in "".join(a) for a in answers)
+    finally:
+        stop_cleanly(s)
