@@ -17,7 +17,7 @@ import pytest
 import trio
 import trio.testing
 
-from tests.http_helpers import FRONTS, HANG, chat, metrics, wait_until
+from tests.http_helpers import FRONTS, HANG, chat, running_and_waiting, wait_until
 from trio_orch.http.access import ACCESS_LOGGER, Cors
 from trio_orch.http.generation import REQUESTS_LOGGER
 from trio_orch.http.metrics import FrontMetrics
@@ -155,22 +155,9 @@ def test_max_num_seqs_bounds_the_running_requests_the_rest_wait(front: str,
         with httpx.Client(base_url=s.url, timeout=HANG * 4) as c:
             results.append(c.post("/v1/chat/completions", json=chat(f"w{i} " * 8)).status_code)
 
-    threads = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
-    for t in threads:
-        t.start()
-    seen: list[tuple[float, float]] = []
-    with httpx.Client(base_url=s.url, timeout=HANG) as c:
-        def saw_them_wait() -> bool:
-            m = metrics(c)
-            seen.append((m["vllm:num_requests_running{engine=0,model_name=toy}"],
-                         m["vllm:num_requests_waiting{engine=0,model_name=toy}"]))
-            return seen[-1] == (2, 4)
-
-        wait_until(saw_them_wait, "two running, four waiting")
-        for t in threads:
-            t.join(HANG * 4)
-        assert max(running for running, _ in seen) == 2
-        assert metrics(c)["vllm:num_requests_running{engine=0,model_name=toy}"] == 0
+    asking = [threading.Thread(target=ask, args=(i,), daemon=True) for i in range(6)]
+    seen = running_and_waiting(s.url, asking, 2, 4)
+    assert max(running for running, _ in seen) == 2 and seen[-1] == (0, 0)
     assert results == [200] * 6
 
 

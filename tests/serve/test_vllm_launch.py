@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.http.test_vllm_metrics import DASHBOARD
-from tests.http_helpers import metrics
+from tests.http_helpers import running_and_waiting
 from tests.serve_process import Server
 from tests.waiting import HANG, wait_until
 from trio_orch.testing import worker_alive
@@ -111,21 +111,9 @@ def test_max_num_seqs_from_the_command_line_bounds_the_running_requests() -> Non
                     c.stream("POST", "/v1/chat/completions", json=body) as r:
                 answers[i].extend(line for line in r.iter_lines() if line.startswith("data: "))
 
-        threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(4)]
-        for t in threads:
-            t.start()
-        seen: list[tuple[float, float]] = []
-        with httpx.Client(base_url=s.url, timeout=HANG) as c:
-            def two_run_two_wait() -> bool:
-                m = metrics(c)
-                seen.append((m["vllm:num_requests_running{engine=0,model_name=toy}"],
-                             m["vllm:num_requests_waiting{engine=0,model_name=toy}"]))
-                return seen[-1] == (2, 2)
-
-            wait_until(two_run_two_wait, "two running, two waiting")
-            for t in threads:
-                t.join(HANG * 4)
-            assert max(running for running, _ in seen) <= 2
+        seen = running_and_waiting(s.url, [threading.Thread(target=stream, args=(i,), daemon=True)
+                                           for i in range(4)], 2, 2)
+        assert max(running for running, _ in seen) == 2 and seen[-1] == (0, 0)
         assert all(a and a[-1] == "data: [DONE]" and '"finish_reason":"stop"' in "".join(a) for a in answers)
     finally:
         stop_cleanly(s)

@@ -69,7 +69,7 @@ from trio_orch.serve.checkpoint import (
 from trio_orch.serve.connection_limits import default_max_connections
 from trio_orch.serve.options import ServeOptions, ServeOutcome
 from trio_orch.serve.throughput import INTERVAL, STATS_LOGGER
-from trio_orch.serve.vllm_flags import ServerFlags
+from trio_orch.serve.vllm_flags import Refused, ServerFlags
 
 __all__ = ["DEFAULT_LOOP", "configure", "run"]
 
@@ -107,9 +107,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
-    parser.add_argument("--http-server", action=_Removed, help=argparse.SUPPRESS,
-                        removed="--loop trio serves with the project's lean HTTP server, the only one "
-                                "it has now (docs/operating.md)")
+    parser.add_argument("--http-server", action=Refused, says="was removed", help=argparse.SUPPRESS,
+                        why="--loop trio serves with the project's lean HTTP server, the only one "
+                            "it has now (docs/operating.md)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
@@ -203,9 +203,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="open connections; past it a new request gets 503 (--loop asyncio: uvicorn's "
                         "limit_concurrency, which counts requests in progress too; --loop trio: the "
                         "lean server's own count; default: the file-descriptor limit minus 1024)")
-    h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS,
-                   removed="it went with the acceptor process that applied it; the shedder still "
-                           "answers 429 before a request body is read (docs/operating.md)")
+    h.add_argument("--max-accept-wait", action=Refused, says="was removed", help=argparse.SUPPRESS,
+                   why="it went with the acceptor process that applied it; the shedder still "
+                       "answers 429 before a request body is read (docs/operating.md)")
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template that makes the messages one prompt, as vLLM's flag: a file, "
@@ -218,18 +218,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "as vLLM's flag), fetched by the server; a redirect to another host is refused "
                         "(default: none -- unlike vLLM, which then fetches from any host -- remote "
                         "URLs are refused: send data: URLs)")
-
-
-class _Removed(argparse.Action):
-    """A flag that no longer exists: a usage error (exit 2) that says why, never silently ignored."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, removed: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", **kwargs)
-        self.removed = removed
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was removed: {self.removed}")
 
 
 def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:

@@ -24,7 +24,7 @@ from typing import Any
 
 from trio_orch.http.access import VLLM_CORS, Cors
 
-__all__ = ["LOG_LEVELS", "ONLY_ONE", "REFUSED", "ServerFlags", "add_arguments", "check"]
+__all__ = ["LOG_LEVELS", "ONLY_ONE", "REFUSED", "Refused", "ServerFlags", "add_arguments", "check"]
 
 #: ``--uvicorn-log-level``'s choices (vLLM's), and the logging level each one is
 LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
@@ -77,21 +77,23 @@ REFUSED: dict[str, str] = {
 }
 
 
-class _Refused(argparse.Action):
-    """A vLLM flag that means nothing here: one line naming it and why, exit 2 (never silently ignored)."""
+class Refused(argparse.Action):
+    """A flag that is not taken here: one line naming it and ``why``, exit 2 -- never silently ignored,
+    never argparse's usage dump.  ``says`` words it (default: a vLLM flag that means nothing here;
+    ``serve`` also refuses its own removed flags with it)."""
 
-    def __init__(self, option_strings: list[str], dest: str, *, why: str, **kwargs: Any) -> None:
+    def __init__(self, option_strings: list[str], dest: str, *, why: str,
+                 says: str = "(a vllm serve flag) means nothing here", **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs="?", **kwargs)
-        self.why = why
+        self.why, self.says = why, says
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        parser.exit(2, f"{parser.prog}: error: {option_string} (a vllm serve flag) means nothing here: "
-                       f"{self.why}\n")
+        parser.exit(2, f"{parser.prog}: error: {option_string} {self.says}: {self.why}\n")
 
 
-class _OnlyOne(_Refused):
-    """A parallel size: 1 (what is done here) is taken, anything else refused as :class:`_Refused`."""
+class _OnlyOne(Refused):
+    """A parallel size: 1 (what is done here) is taken, anything else refused as :class:`Refused`."""
 
     def __init__(self, option_strings: list[str], dest: str, *, why: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, why=why, **kwargs)
@@ -174,7 +176,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, (short, why) in ONLY_ONE.items():
         g.add_argument(flag, short, action=_OnlyOne, why=why, metavar="1", help="1 only: " + why)
     for flag, why in REFUSED.items():
-        parser.add_argument(flag, action=_Refused, why=why, help=argparse.SUPPRESS)
+        parser.add_argument(flag, action=Refused, why=why, help=argparse.SUPPRESS)
 
 
 @dataclass(frozen=True)
