@@ -37,7 +37,7 @@ class Server:
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
+            m = re.search(r"serving on (https?://\S+)", line)
             if m:
                 self.url = m.group(1)
                 # keep reading what it says (an access-log line per request): a full pipe would block it

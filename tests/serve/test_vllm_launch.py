@@ -9,8 +9,12 @@ in-process toy pipeline for the access log on both fronts.
 from __future__ import annotations
 
 import re
+import shutil
 import signal
+import ssl
+import subprocess
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -115,5 +119,25 @@ def test_max_num_seqs_from_the_command_line_bounds_the_running_requests() -> Non
                                            for i in range(4)], 2, 2)
         assert max(running for running, _ in seen) == 2 and seen[-1] == (0, 0)
         assert all(a and a[-1] == "data: [DONE]" and '"finish_reason":"stop"' in "".join(a) for a in answers)
+    finally:
+        stop_cleanly(s)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_tls_with_vllms_ssl_flags_on_the_asyncio_front(tmp_path: Path) -> None:
+    """``--ssl-keyfile``/``--ssl-certfile`` as vLLM's: the banner says https, a TLS client is answered, and a
+    plain-HTTP one is not."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    s = Server("--in-process", "--loop", "asyncio", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    try:
+        assert s.url.startswith("https://127.0.0.1:")
+        with httpx.Client(base_url=s.url, timeout=HANG, verify=ssl.create_default_context(cafile=cert)) as c:
+            assert c.get("/health").json()["status"] == "ok"
+        with pytest.raises(httpx.HTTPError), httpx.Client(timeout=HANG) as plain:
+            plain.get(s.url.replace("https://", "http://") + "/health")
     finally:
         stop_cleanly(s)
