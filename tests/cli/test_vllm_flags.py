@@ -9,6 +9,7 @@ gets the nearest one; none is ever abbreviated.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 
 import pytest
@@ -129,3 +130,18 @@ def test_serve_help_names_the_routes_and_vllms_flags(capsys: pytest.CaptureFixtu
                  "--disable-uvicorn-access-log", "--allowed-origins", "$VLLM_API_KEY",
                  "0 stopped after a clean"):
         assert word in text, word
+
+
+@pytest.mark.parametrize(("command", "code"), [("serve", 0), ("generate", 130)])
+def test_a_signal_before_the_command_takes_signals_over_exits_with_its_code(
+        command: str, code: int, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Stopped while it loads (nothing accepted yet): ``serve`` exits 0 as after a clean drain,
+    ``generate`` with the shell's Ctrl-C code."""
+    module = importlib.import_module(commands()[command].module)
+
+    def interrupted(args: argparse.Namespace) -> int:
+        raise KeyboardInterrupt("SIGTERM")
+
+    monkeypatch.setattr(module, "run", interrupted)
+    assert main([command, "hi"] if command == "generate" else [command]) == code
+    assert "interrupted" in capsys.readouterr().err

@@ -41,10 +41,13 @@ log = logging.getLogger("trio_orch.cli")
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand: the module that implements it and its one-line help."""
+    """A subcommand: the module that implements it and its one-line help; ``interrupted``: its exit code
+    when SIGINT or SIGTERM stops it before it takes them over (the shell's Ctrl-C code; ``serve``: 0, as
+    after its drain -- nothing was accepted yet)."""
 
     module: str
     help: str
+    interrupted: int = EXIT_SIGNAL
 
 
 #: the product's own subcommands
@@ -56,7 +59,8 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("trio_orch.cli.generate",
                         "text + speech (WAV) for a prompt through the ZMQ stage workers"),
     "serve": Command("trio_orch.serve.command",
-                     "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
+                     "serve the pipeline over HTTP in OpenAI's and vLLM's dialect (a 'vllm serve' launch "
+                     "line works)", interrupted=0),
     "worker": Command("trio_orch.cli.worker",
                       "a stage replica that joins a running orchestrator over TCP (--head)"),
     "keys": Command("trio_orch.cli.keys", "make the CurveZMQ key pairs of a head and its workers"),
@@ -126,11 +130,13 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not with
-    # a bare kill -- and so until the command takes SIGTERM over (serve drains), which it does only
-    # once it has parsed and checked its options: the handler stays until the command returns.
+    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (its exit code: the
+    # command's ``interrupted``), not with a bare kill -- and so until the command takes SIGTERM over
+    # (serve drains), which it does only once it has parsed and checked its options: the handler stays
+    # until the command returns.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
+    interrupted = EXIT_SIGNAL
     try:
         try:
             argv = list(sys.argv[1:] if argv is None else argv)
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             verbosity = args.verbose + getattr(args, "sub_verbose", 0)
             level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            interrupted = available[args.command].interrupted
             module = importlib.import_module(available[args.command].module)
             return int(module.run(args) or 0)
         finally:
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(signal.SIGTERM, previous)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return EXIT_SIGNAL
+        return interrupted
 
 
 def program() -> int:
