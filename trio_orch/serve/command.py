@@ -135,8 +135,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "trio-orch; --model-name is the same flag)")
     api_key, admin_token = credentials.SECRETS
     credentials.add_arguments(parser, api_key, "require 'Authorization: Bearer KEY' on every route but "
-                              "/health, /metrics, /version and /ping, else 401 (/admin keeps its own token)",
-                              "open")
+                              "/health, /metrics, /version, /ping, /openapi.json and /docs (and CORS "
+                              "preflights), else 401 (/admin keeps its own token)", "open")
     credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
                               "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
                               "needing 'Authorization: Bearer TOKEN'", "no /admin")
