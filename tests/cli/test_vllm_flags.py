@@ -53,12 +53,15 @@ def test_a_stock_vllm_launch_line_parses_with_vllms_meaning() -> None:
     more = vllm_flags.check(serve_args("--enable-log-requests", "--max-log-len", "5", "--disable-log-stats",
                                        "--disable-uvicorn-access-log", "--root-path", "/api/",
                                        "--allowed-origins", '["https://a.example"]', "--allow-credentials",
-                                       "--tensor-parallel-size", "1", "-pp", "1", "--enforce-eager"))
+                                       "--tensor-parallel-size", "1", "-pp", "1", "--api-server-count", "1",
+                                       "--enforce-eager", "--no-enable-prefix-caching",
+                                       "--no-enable-chunked-prefill", "--disable-fastapi-docs"))
     assert more.log_requests and more.max_log_len == 5 and not more.log_stats and not more.access_log
     assert more.root_path == "/api" and more.cors.origins == ("https://a.example",) and more.cors.credentials
+    assert not more.docs and flags.docs
 
 
-@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"],
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"], ["--api-server-count", "4"],
                                   ["--data-parallel-size", "2"], ["--gpu-memory-utilization", "0.9"],
                                   ["--enable-prefix-caching"], ["--quantization", "awq"],
                                   ["--trust-remote-code"]])

@@ -109,6 +109,14 @@ def test_one_access_log_line_per_request_with_status_duration_and_request_id(
 
 
 @SERVES
+def test_disable_fastapi_docs_leaves_out_openapi_and_docs(serving: Callable[..., Any]) -> None:
+    s = serving("trio", FAST, docs=False)
+    with httpx.Client(base_url=s.url, timeout=HANG) as c:
+        assert c.get("/openapi.json").status_code == 404 and c.get("/docs").status_code == 404
+        assert c.get("/health").status_code == 200
+
+
+@SERVES
 def test_without_the_access_log_nothing_is_logged_per_request(serving: Callable[..., Any],
                                                                caplog: pytest.LogCaptureFixture) -> None:
     s = serving("trio", FAST, access_log=False)

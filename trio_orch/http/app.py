@@ -76,7 +76,7 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
                front: FrontMetrics | None = None, token_limit: int | None = None,
                stage_names: Sequence[str] | None = None, admin_token: str | None = None,
                api_key: str | None = None, chat_input: ChatInput | None = None, access_log: bool = True,
-               cors: Cors | None = VLLM_CORS, root_path: str = "") -> Starlette:
+               cors: Cors | None = VLLM_CORS, root_path: str = "", docs: bool = True) -> Starlette:
     """The whole ASGI app over a started engine (either kind: the thread bridge or the in-loop one).
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's
@@ -95,7 +95,7 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
     request (``access_log``), CORS as vLLM's flags say (``cors``; None: no
     CORS headers), ``root_path`` as the path prefix a proxy may add
     (:mod:`trio_orch.http.access`); ``/openapi.json`` and ``/docs`` describe
-    the routes.
+    the routes (unless ``docs`` is false: ``serve --disable-fastapi-docs``).
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
@@ -120,7 +120,8 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
                        extra_metrics=extra_metrics),
         *admin_routes(engine, auth),
     ]
-    routes += openapi_routes(routes, api_key=api_key is not None, root_path=root_path)
+    if docs:
+        routes += openapi_routes(routes, api_key=api_key is not None, root_path=root_path)
     shedder = Shedder(lambda: engine.shedding, GENERATION_PATHS, front, engine.retry_after,
                       capacity=lambda: engine.capacity)
     around: list[Middleware] = []  # outermost first

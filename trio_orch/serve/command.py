@@ -450,7 +450,8 @@ def _app(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, flag
                       outputs=pipeline.outputs, limits=limits, front=front,
                       token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
                       admin_token=args.admin_token, api_key=args.api_key, chat_input=pipeline.chat_input,
-                      access_log=flags.access_log, cors=flags.cors, root_path=flags.root_path)
+                      access_log=flags.access_log, cors=flags.cors, root_path=flags.root_path,
+                      docs=flags.docs)
 
 
 def _announce(pipeline: _Pipeline, api_key: bool, flags: ServerFlags, host: str, port: int,
@@ -463,10 +464,10 @@ def _announce(pipeline: _Pipeline, api_key: bool, flags: ServerFlags, host: str,
     access = ("the API needs its key: 'Authorization: Bearer KEY'" if api_key else
               "the API is OPEN: no API key (--api-key-file FILE or $VLLM_API_KEY sets one)")
     scheme = "https" if flags.ssl else "http"
+    docs = ", /openapi.json, /docs" if flags.docs else ""
     print(f"serving on {scheme}://{host}:{port}{flags.root_path}  ({front}; {access})\n"
           f"  {work}\n"
-          "  GET /v1/models, /health, /metrics, /openapi.json, /docs; Ctrl-C or SIGTERM drains and stops",
-          flush=True)
+          f"  GET /v1/models, /health, /metrics{docs}; Ctrl-C or SIGTERM drains and stops", flush=True)
 
 
 def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:

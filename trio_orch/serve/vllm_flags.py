@@ -8,8 +8,9 @@ the stats line; CORS; ``--root-path``; TLS where the front speaks it), and
 turns each one that means nothing here (:data:`REFUSED`: tensor parallelism,
 the KV-cache pool, quantization, LoRA, ...) into a one-line usage error that
 names the flag and says why (exit 2), where argparse would print the usage
-and "unrecognized arguments".  A size that asks for what is done anyway
-(``--tensor-parallel-size 1``) is accepted.  :func:`check` reads the
+and "unrecognized arguments".  A flag or a size that asks for what is done
+anyway (:data:`ALREADY`: ``--enforce-eager``, ``--no-enable-prefix-caching``
+...; :data:`ONLY_ONE`: ``--tensor-parallel-size 1``) is accepted.  :func:`check` reads the
 values that need it (the JSON lists of the CORS flags) into
 :class:`ServerFlags`.
 """
@@ -24,7 +25,7 @@ from typing import Any
 
 from trio_orch.http.access import VLLM_CORS, Cors
 
-__all__ = ["LOG_LEVELS", "ONLY_ONE", "REFUSED", "Refused", "ServerFlags", "add_arguments", "check"]
+__all__ = ["ALREADY", "LOG_LEVELS", "ONLY_ONE", "REFUSED", "Refused", "ServerFlags", "add_arguments", "check"]
 
 #: ``--uvicorn-log-level``'s choices (vLLM's), and the logging level each one is
 LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
@@ -38,7 +39,17 @@ _NO_KV_POOL = "workers allocate what their model needs: there is no paged KV-cac
 ONLY_ONE = {
     "--tensor-parallel-size": ("-tp", _ONE_PROCESS),
     "--pipeline-parallel-size": ("-pp", _ONE_PROCESS),
-    "--data-parallel-size": ("-dp", _ONE_PROCESS + " (and --api-server-count fronts)"),
+    "--data-parallel-size": ("-dp", _ONE_PROCESS),
+    "--api-server-count": ("-asc", "one HTTP front serves every request here (--loop picks which)"),
+}
+
+#: vLLM flags that ask for what is done here anyway: accepted, and nothing changes -> why
+ALREADY: dict[str, str] = {
+    "--enforce-eager": "no CUDA graphs are captured here",
+    "--no-enable-prefix-caching": "there is no prefix cache here",
+    "--no-enable-chunked-prefill": "a prompt is prefilled in one step here",
+    "--disable-custom-all-reduce": "nothing is reduced across devices here",
+    "--disable-frontend-multiprocessing": "the HTTP front and the engine share this process here",
 }
 
 #: vLLM flags that mean nothing here -> why (a usage error naming the flag, exit 2)
@@ -171,8 +182,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None,
                    help="the pipeline's seed (its random weights, its default sampling; default: the "
                         "config's, 0)")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="always so here (no CUDA graphs are captured): accepted for vLLM launch lines")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="no /openapi.json and /docs (default: both, open without the API key)")
+    for flag, why in ALREADY.items():
+        g.add_argument(flag, action="store_true", help=f"accepted for vLLM launch lines: {why}")
     for flag, (short, why) in ONLY_ONE.items():
         g.add_argument(flag, short, action=_OnlyOne, why=why, metavar="1", help="1 only: " + why)
     for flag, why in REFUSED.items():
@@ -181,7 +194,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class ServerFlags:
-    """What vLLM's server flags decide, checked: logging, CORS, the path prefix, TLS."""
+    """What vLLM's server flags decide, checked: logging, CORS, the path prefix, TLS, the API's docs."""
 
     log_level: int = logging.INFO
     access_log: bool = True
@@ -191,6 +204,7 @@ class ServerFlags:
     cors: Cors = VLLM_CORS
     root_path: str = ""
     ssl: dict[str, Any] | None = None  #: uvicorn's ssl_* settings (None: plain HTTP)
+    docs: bool = True  #: serve /openapi.json and /docs
 
 
 def check(args: argparse.Namespace) -> ServerFlags:
@@ -218,4 +232,4 @@ def check(args: argparse.Namespace) -> ServerFlags:
     return ServerFlags(log_level=LOG_LEVELS[args.uvicorn_log_level],
                        access_log=not args.disable_uvicorn_access_log, log_requests=args.log_requests,
                        max_log_len=args.max_log_len, log_stats=not args.disable_log_stats, cors=cors,
-                       root_path=root, ssl=ssl)
+                       root_path=root, ssl=ssl, docs=not args.disable_fastapi_docs)
