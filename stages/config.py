@@ -71,8 +71,9 @@ from stages.schema import (
     Device,
     NonNegativeFloat,
     NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
+    PositiveSeconds,
+    Seconds,
     explain,
 )
 from stages.validation import Invalid, convert
@@ -135,10 +136,10 @@ class PipelineConfig(Struct):
     async_chunk: bool = False
     device: Device = "cpu"
     seed: int = 0
-    heartbeat_interval: NonNegativeFloat = 0.5
-    heartbeat_timeout: PositiveFloat = 5.0
-    startup_timeout: PositiveFloat = 60.0
-    stop_grace: NonNegativeFloat = 3.0
+    heartbeat_interval: Seconds = 0.5
+    heartbeat_timeout: PositiveSeconds = 5.0
+    startup_timeout: PositiveSeconds = 60.0
+    stop_grace: Seconds = 3.0
     max_retries: NonNegativeInt = 1
     #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
     #: placement group holds the whole pipeline or each stage gets its own

@@ -515,6 +515,21 @@ def test_a_frame_over_the_transport_limit_closes_only_that_session(toy: Server) 
     assert turns[-1].status == "completed"  # the server still serves
 
 
+@pytest.mark.parametrize(("frame", "code"), [
+    (b"\x83\x80\0\0\0\0", 1002),  # a frame with a reserved opcode
+    (b"\x82\xff" + (1 << 40).to_bytes(8, "big") + b"\0\0\0\0", 1009),  # a terabyte announced, nothing sent
+], ids=["protocol-error", "impossible-length"])
+def test_a_websocket_protocol_error_ends_with_a_close_frame_and_its_code(toy: Server, frame: bytes,
+                                                                         code: int) -> None:
+    with toy.connect() as ws:
+        ws.socket.sendall(frame)  # raw bytes: no client library would send them
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=HANG)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == code  # the server's close frame
+    wait_until(toy.idle, "nothing left running")
+
+
 def test_cancel_ends_the_response_and_the_session_takes_another(toy: Server) -> None:
     with toy.connect() as ws:
         ask(ws, "words " * 50)

@@ -53,6 +53,7 @@ from stages.registry import (
     text_stage,
 )
 from stages.sampling_params import VOICES
+from stages.schema import seconds_arg
 from trio_orch.cli import EXIT_SIGNAL, text2image
 from trio_orch.cli.generate_stream import first_line, stream_input
 from trio_orch.cluster import distributed
@@ -138,7 +139,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**dict.fromkeys(IMAGE_OPTIONS))  # None: not given (speech pipelines refuse them)
     add_model_arguments(parser, positional=False)
     distributed.add_arguments(parser)
-    parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
+    parser.add_argument("--join-timeout", type=seconds_arg, default=120.0, metavar="S",
                         help="with --listen: seconds to wait until every stage has a replica (a stage "
                              "with no local one waits for one to join) before sending the request")
     parser.add_argument("--max-retries", type=int, default=None, metavar="N",

@@ -29,7 +29,7 @@ request naming a model that is not served here is a 404 ``model_not_found``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -37,13 +37,14 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match, Route, WebSocketRoute
 
 from stages.registry import text_stage
 from trio_orch.engine.api import EngineClient
 from trio_orch.http.access import VLLM_CORS, AccessLog, Cors, RootPath
 from trio_orch.http.auth import AdminAuth, ApiKeyAuth, WebSocketGuard
-from trio_orch.http.limits import Guard, HTTPLimits, LimitsMiddleware, Shedder
+from trio_orch.http.limits import UNMATCHED, Guard, HTTPLimits, LimitsMiddleware, Scope, Shedder
+from trio_orch.http.logs import guard_logs
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.http.routes.admin import admin_routes
 from trio_orch.http.routes.chat import CHAT, chat_route
@@ -59,15 +60,40 @@ from trio_orch.openai.protocol import ServedModels
 from trio_orch.openai.tokenizer import context_length
 from trio_orch.openai.validation import error_body
 
-__all__ = ["GENERATION_PATHS", "create_app"]
+__all__ = ["GENERATION_PATHS", "RouteLabels", "create_app"]
 
 #: the POST routes that start work in the engine: the Shedder refuses them before their body is read
 GENERATION_PATHS = frozenset({CHAT, IMAGES, COMPLETIONS, SPEECH})
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
+class RouteLabels:
+    """A request's ``route`` label for metrics and log lines: the path template of the route it
+    matches (``/v1/models/{name:path}``), else :data:`~trio_orch.http.limits.UNMATCHED`.
+
+    Never the raw path: a client could then add a series to ``/metrics`` (and a line to the log) with
+    every request it makes to a path of its own choosing.
+    """
+
+    def __init__(self, routes: Sequence[BaseRoute]) -> None:
+        self.routes = [r for r in routes if isinstance(r, Route | WebSocketRoute)]
+        self.exact = {r.path for r in self.routes if "{" not in r.path}
+
+    def __call__(self, scope: Scope) -> str:
+        path = scope.get("path", "")
+        if path in self.exact:
+            return str(path)
+        return next((r.path for r in self.routes if r.matches(scope)[0] is not Match.NONE), UNMATCHED)
+
+
+def _http_errors(front: FrontMetrics, route_of: RouteLabels
+                 ) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """Starlette's own refusals (404 no such route, 405 no such method), OpenAI-shaped and counted."""
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        front.count(route_of(request.scope), exc.status_code)
+        return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
+
+    return http_error
 
 
 def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-orch",
@@ -132,7 +158,10 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
     if cors is not None:
         around.append(Middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
                                  allow_headers=cors.headers, allow_credentials=cors.credentials))
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
-                     middleware=[*around, Middleware(WebSocketGuard, guards=guards, front=front),
+    route_of = RouteLabels(routes)
+    guard_logs()  # a client's text escaped in every line the front writes; floods of refusals limited
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_errors(front, route_of)},
+                     middleware=[*around,
+                                 Middleware(WebSocketGuard, guards=guards, front=front, route_of=route_of),
                                  Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder,
-                                            guards=guards)])
+                                            guards=guards, route_of=route_of)])

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 
 from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.streaming import SSEResponse, until_done_or_gone
 from trio_orch.openai.validation import BadRequest, decode, error_body, parse_json_body
@@ -89,8 +90,7 @@ class OpenAIRoute:
               code: str | None = None, retry_after: float | None = None) -> JSONResponse:
         self.front.count(self.path, status)
         if status < 500:
-            log.log(logging.INFO if status == 429 else logging.WARNING, "refused a request to %s (%d): %s",
-                    self.path, status, message)
+            log_refusal(self.path, status, message, logging.INFO if status == 429 else logging.WARNING)
         headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
         return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 

@@ -104,6 +104,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "text tokens sent to clients, by the stage that generated them (usage's completion_tokens)"),
     "trio_orch_request_success": ("counter",
         "answered requests by finish reason (stop, length; abort: the client left first)"),
+    "trio_orch_http_body_reads": ("gauge",
+        "request bodies being read now (each holds one of --max-body-reads slots)"),
     "trio_orch_http_client_disconnects": ("counter",
         "clients that left before their answer (request aborted) or during their upload"),
     "trio_orch_dispatch_latency_seconds": ("histogram",
@@ -140,6 +142,7 @@ class FrontMetrics:
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
+    body_reads: int = 0  #: request bodies being read now (holding a read slot)
     #: POSTs to a generation route let in and not answered yet (the Shedder's count of those on their way)
     pending: int = 0
     shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
@@ -288,6 +291,9 @@ class EngineCollector(Collector):
             c = _counter("trio_orch_http_client_disconnects")
             c.add_metric([], self.front.disconnects)
             yield c
+            g = _gauge("trio_orch_http_body_reads")
+            g.add_metric([], self.front.body_reads)
+            yield g
         for name, (help_text, values) in self.extra.items():
             items = sorted(values.items())
             labels = [k for k, _ in items[0][0]] if items else []

@@ -13,7 +13,8 @@ uvicorn's 503), ``backlog`` -> ``backlog``, ``keep_alive_timeout`` ->
 ``max_body_bytes`` -> ``ws_max_size`` (a WebSocket frame, as the lean server
 bounds a message); ``header_timeout`` is the
 :class:`~trio_orch.serve.connection_limits.HeadDeadline` on its H11
-protocol.  Everything uvicorn-specific lives here and in
+protocol, which also keeps the lean server's framing rules and lingering close
+(:class:`~trio_orch.serve.connection_limits.FrontH11Protocol`).  Everything uvicorn-specific lives here and in
 :mod:`trio_orch.serve.connection_limits` (the app itself is server-neutral).
 
 Drain: :class:`DrainingServer` takes SIGINT and SIGTERM over from uvicorn.

@@ -47,6 +47,7 @@ from typing import Any
 from stages.config import PIPELINES
 from stages.placement import check_devices, device_arg
 from stages.registry import outputs_of, text_stage
+from stages.schema import positive_seconds_arg, seconds_arg
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import EngineClient
 from trio_orch.engine.base import as_spec
@@ -140,18 +141,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
     credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
                               "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
                               "needing 'Authorization: Bearer TOKEN'", "no /admin")
-    parser.add_argument("--request-timeout", type=float, default=300.0,
+    parser.add_argument("--request-timeout", type=seconds_arg, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
-    parser.add_argument("--startup-timeout", type=float, default=120.0,
+    parser.add_argument("--startup-timeout", type=positive_seconds_arg, default=120.0,
                         help="seconds to wait for the pipeline to become ready (default 120)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+    parser.add_argument("--shutdown-timeout", type=seconds_arg, default=30.0,
                         help="on SIGTERM/SIGINT, seconds in-flight requests may still take before they "
                              "get their shutdown error (default 30)")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts of one worker replica within --restart-window before it is "
                              "given up (default 5; see docs/fault-tolerance.md)")
-    parser.add_argument("--restart-window", type=float, default=60.0,
+    parser.add_argument("--restart-window", type=positive_seconds_arg, default=60.0,
                         help="seconds of the restart-intensity window (default 60)")
     parser.add_argument("--max-retries", type=int, default=None, metavar="N",
                         help="times a request is resent when the replica holding it dies before "
@@ -166,11 +167,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--request-queue-size", type=int, default=32,
                    help="admitted requests that may wait for room to start (default 32; 0: none -- a "
                         "request that cannot start at once is shed)")
-    a.add_argument("--priority-aging", type=float, default=None, metavar="SECONDS",
+    a.add_argument("--priority-aging", type=positive_seconds_arg, default=None, metavar="SECONDS",
                    help="seconds of waiting in the start queue that count as one priority level: a "
                         "request of priority p is passed only by more urgent ones (priority q) queued "
                         "less than (p - q + 1) x this after it, so none starves (default 1)")
-    a.add_argument("--admission-timeout", type=float, default=0.0,
+    a.add_argument("--admission-timeout", type=seconds_arg, default=0.0,
                    help="seconds a request may wait for a place in that queue before it is shed with "
                         "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
                         "pay for it in latency)")
@@ -186,16 +187,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--max-body-reads", type=int, default=d.max_body_reads,
                    help="request bodies read at once; the others wait, unread, within --body-timeout "
                         f"(bounds the memory of an upload flood; default {d.max_body_reads})")
-    h.add_argument("--body-timeout", type=float, default=d.body_timeout,
+    h.add_argument("--body-timeout", type=positive_seconds_arg, default=d.body_timeout,
                    help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
-    h.add_argument("--header-timeout", type=float, default=d.header_timeout,
+    h.add_argument("--min-body-rate", type=int, default=d.min_body_rate, metavar="BYTES_PER_S",
+                   help="bytes a second a request body must keep up, measured over "
+                        f"{d.body_rate_window:g}s windows after the first, else 408 and its read slot "
+                        f"freed (a slow sender cannot hold one; 0: no minimum; default {d.min_body_rate})")
+    h.add_argument("--header-timeout", type=positive_seconds_arg, default=d.header_timeout,
                    help="seconds a connection may take to send a complete request head, from connecting "
                         "or from its previous answer, before it is closed (default "
                         f"{d.header_timeout:g})")
-    h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+    h.add_argument("--keep-alive-timeout", type=positive_seconds_arg, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
     h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
-                   help=f"largest request head (request line and headers), else 400 (default "
+                   help=f"largest request head (request line and headers), else 431 (default "
                         f"{d.max_head_bytes})")
     h.add_argument("--backlog", type=int, default=d.backlog,
                    help=f"connections the kernel queues before they are accepted (default {d.backlog})")
@@ -231,11 +236,6 @@ def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
         raise ValueError("--max-inflight must be >= 0 (0: no bound)")
     if args.max_retries is not None and args.max_retries < 0:
         raise ValueError("--max-retries must be >= 0 (0: no failover)")
-    if args.priority_aging is not None and not args.priority_aging > 0:
-        raise ValueError("--priority-aging must be > 0 seconds")
-    for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
     if args.served_model_name is not None and not all(args.served_model_name):
@@ -249,7 +249,8 @@ def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
     max_connections = args.max_connections or default_max_connections()
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
                       max_prompt_chars=args.max_prompt_chars,
-                      body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
+                      header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=max_connections,
                       backlog=args.backlog, max_head_bytes=args.max_head_bytes), flags
 
