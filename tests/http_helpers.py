@@ -12,6 +12,8 @@ stops whatever a test started with it.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import socket
 import sys
@@ -22,6 +24,8 @@ from functools import partial
 from typing import Any
 
 import httpx
+import numpy as np
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +34,7 @@ from trio_orch.engine import ThreadEngine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
+from trio_orch.openai import audio_out
 from trio_orch.serve import asyncio_front, trio_front
 
 
@@ -252,3 +257,30 @@ def metrics(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def without_pyav(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an install without the ``audio`` extra: ``import av`` fails, and the audio encoder asks
+    anew which formats it can write (its cache of the real answer is kept for after the test)."""
+    monkeypatch.setitem(sys.modules, "av", None)
+    monkeypatch.setattr(audio_out, "writable", functools.cache(audio_out.writable.__wrapped__))
+
+
+def aac_samples(data: bytes, rate: int) -> Any:
+    """An ADTS AAC stream at ``rate`` (asserting that is what it is), decoded by PyAV (FFmpeg) to float
+    samples, less the encoder's 1024 priming samples (its last frame is padded, so up to 1023 more)."""
+    av = pytest.importorskip("av")  # the audio extra (dev installs it)
+    with av.open(io.BytesIO(data)) as f:
+        stream = f.streams.audio[0]
+        assert f.format.name == "aac" and stream.codec_context.name == "aac"
+        assert stream.codec_context.sample_rate == rate
+        return np.concatenate([frame.to_ndarray().reshape(-1) for frame in f.decode(stream)])[1024:]
+
+
+def g711_samples(data: bytes, law: str) -> Any:
+    """Headerless G.711 (``law``: ``ULAW`` or ``ALAW``) at 8 kHz -> float samples, decoded by libsndfile."""
+    import soundfile
+
+    samples, _ = soundfile.read(io.BytesIO(data), samplerate=8000, channels=1, format="RAW", subtype=law,
+                                dtype="float32")
+    return samples

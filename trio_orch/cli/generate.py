@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.cluster.ray_placement import PlacementError
+from trio_orch.openai.audio_out import FILE_SUFFIXES, check_audio_format, encode_audio, pcm16
 from trio_orch.openai.chat import check_max_tokens
 from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.openai.sampling import SamplingError, map_sampling
@@ -75,7 +75,7 @@ from trio_orch.serve.checkpoint import (
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 
-__all__ = ["configure", "read_media", "run", "write_wav"]
+__all__ = ["configure", "out_format", "read_media", "run", "write_audio"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +91,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
                              "prefill and decode stages), text2image")
     parser.add_argument("--out", default=None,
-                        help="file to write: the WAV (default out.wav), or the PNG (default out.png)")
+                        help="file to write: the audio (default out.wav; its suffix names the format: "
+                             ".wav, .flac, .opus or .ogg, .mp3, .aac, or .pcm for the bare 16-bit samples), "
+                             "or the PNG (default out.png)")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
@@ -158,14 +160,23 @@ def _image_defaults() -> dict[str, Any]:
     return {k: v for k, v in vars(parser.parse_args([])).items() if k in IMAGE_OPTIONS}
 
 
-def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
-    """Write mono float PCM in [-1, 1] as a 16-bit WAV file."""
-    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")
-    with wave.open(path, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(data.tobytes())
+def write_audio(path: str, pcm: np.ndarray, sample_rate: int, fmt: str = "wav") -> None:
+    """Write mono float PCM in [-1, 1] as a file in ``fmt`` (the server's encoder: the same bytes as
+    its answer in that format)."""
+    Path(path).write_bytes(encode_audio(pcm16(pcm), sample_rate, fmt))
+
+
+def out_format(path: str | None) -> str:
+    """The audio format ``--out`` names by its suffix (WAV for none); ValueError for one not written
+    here, as the server's 400 says it."""
+    suffix = Path(path or "out.wav").suffix.lower() or ".wav"
+    if suffix not in FILE_SUFFIXES:
+        raise ValueError(f"--out {path}: {suffix} names no audio format this writes (name the file "
+                         f"{', '.join(FILE_SUFFIXES)})")
+    try:
+        return check_audio_format(FILE_SUFFIXES[suffix], "--out")
+    except BadRequest as exc:
+        raise ValueError(str(exc).replace("'--out'", f"--out {path}")) from None
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
@@ -365,12 +376,12 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
         audio = np.concatenate(pcm)
         out = args.out or "out.wav"
         try:
-            write_wav(out, audio, rate)
+            write_audio(out, audio, rate, args.audio_format)
         except OSError as exc:
             print(f"error: cannot write {out}: {exc}", file=sys.stderr)
             return 1, None
         print(f"wrote {out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
-              f"{len(audio)} samples")
+              f"{len(audio)} samples, as {args.audio_format}")
     return 0, (t_audio - t0) * 1000 if t_audio is not None else None
 
 
@@ -392,7 +403,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                 rc, pcm, rate = await stream_input(cfg, orch, args.sampling, first=args.first_line,
                                                    priority=args.priority)
                 if pcm is not None:
-                    write_wav(out, pcm, rate)
+                    write_audio(out, pcm, rate, args.audio_format)
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
             return await _generate(args, cfg, pipe, orch)
@@ -429,6 +440,7 @@ async def _job(args: argparse.Namespace) -> int:
             args.image, args.sampling = text2image.request_from_args(args), None
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
+            args.audio_format = out_format(args.out)
         _, local = head_options(args, cfg)  # --listen, --keys, stages without a local replica
         check_devices(local.devices())  # every local replica's device exists here
         args.media = read_media(args, cfg)

@@ -23,6 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
+from trio_orch.openai.audio_out import ChatAudioFormat, SpeechFormat, check_audio_format
 from trio_orch.openai.validation import BadRequest, Unsupported
 
 __all__ = ["MAX_SPEECH_INPUT", "MAX_TOKENS", "UNSUPPORTED", "AudioOptions", "ChatCompletionRequest",
@@ -146,7 +147,7 @@ class Message(Struct, kw_only=True):
 
 class AudioOptions(Struct, kw_only=True):
     voice: Voice | None = None
-    format: Literal["wav", "pcm16"] | None = None
+    format: ChatAudioFormat | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest, kw_only=True):
@@ -212,7 +213,7 @@ class SpeechRequest(Scheduled, kw_only=True):
     instructions: str | None = None
     seed: Seed | None = None
     stage_sampling: dict[str, Any] | None = None
-    response_format: Literal["wav", "pcm"] = "wav"
+    response_format: SpeechFormat = "wav"
 
     def check(self, max_chars: int | None) -> None:
         """BadRequest naming the first field this server cannot honour."""
@@ -221,6 +222,7 @@ class SpeechRequest(Scheduled, kw_only=True):
         if max_chars is not None and len(self.input) > max_chars:
             raise BadRequest(f"'input' has {len(self.input)} characters, over the limit of {max_chars}",
                              "input", code="context_length_exceeded")
+        check_audio_format(self.response_format, "response_format")
         if self.stream_format == "sse" and self.response_format != "pcm":
             raise BadRequest("streamed events carry pcm: use \"response_format\": \"pcm\" with "
                              "\"stream_format\": \"sse\"", "response_format")

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -95,7 +96,10 @@ def chat_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[
             count_tokens(cs)
         if err is not None:
             return err
-        out = cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
+        timings = cs.timings(handle.t_open, time.perf_counter(), handle.timings)
+        # an audio answer is encoded (an Opus, MP3 or AAC encoder may take a while): off the event loop
+        out = (await anyio.to_thread.run_sync(cs.completion, timings) if req.audio
+               else cs.completion(timings))
         finished(cs, handle, timer)
         return out
 
