@@ -308,7 +308,8 @@ class PipelineConfig(Struct):
         return int.from_bytes(hashlib.blake2b(what, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
-                       device: str | None = None, max_retries: int | None = None) -> PipelineConfig:
+                       device: str | None = None, max_retries: int | None = None,
+                       seed: int | None = None) -> PipelineConfig:
         """A copy with command-line overrides applied: ``replicas`` and ``device`` apply to every stage
         (the command line wins over the file's per-stage devices)."""
         cfg = replace(self, stages=[replace(s) for s in self.stages])
@@ -323,6 +324,8 @@ class PipelineConfig(Struct):
                 s.device = None
         if max_retries is not None:
             cfg.max_retries = max_retries
+        if seed is not None:
+            cfg.seed = seed
         return cfg.validate()
 
 

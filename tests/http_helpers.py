@@ -226,6 +226,27 @@ def deltas(events: list[Any]) -> list[dict[str, Any]]:
     return [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
 
 
+def running_and_waiting(url: str, threads: list[threading.Thread], running: int, waiting: int,
+                        model: str = "toy") -> list[tuple[float, float]]:
+    """Start ``threads`` (each a request), read vLLM's running/waiting gauges until they show ``running``
+    and ``waiting``, join the threads: every reading seen, the last one once all ended."""
+    for t in threads:
+        t.start()
+    seen: list[tuple[float, float]] = []
+    with httpx.Client(base_url=url, timeout=HANG) as c:
+        def read() -> tuple[float, float]:
+            m = metrics(c)
+            seen.append((m[f"vllm:num_requests_running{{engine=0,model_name={model}}}"],
+                         m[f"vllm:num_requests_waiting{{engine=0,model_name={model}}}"]))
+            return seen[-1]
+
+        wait_until(lambda: read() == (running, waiting), f"{running} running, {waiting} waiting")
+        for t in threads:
+            t.join(HANG * 4)
+        read()
+    return seen
+
+
 def metrics(client: httpx.Client) -> dict[str, float]:
     """``/metrics`` parsed by prometheus_client's own parser, as ``name{label=value,...}`` -> value."""
     r = client.get("/metrics")

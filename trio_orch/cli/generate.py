@@ -23,7 +23,7 @@ over TCP (docs/distributed.md); a stage with no local replica is waited for
 Everything that can be checked is checked before a worker starts (the
 prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
 SIGINT and SIGTERM stop it cleanly (workers stopped, ipc files removed)
-with exit code 130, like ``trio-orch serve``.
+with exit code 130, the shell's Ctrl-C code (``serve`` drains instead, and exits 0).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class ApiKeyAuth:
     Unlike vLLM, which guards ``/v1`` only, a new route is guarded unless listed.
     """
 
-    OPEN = frozenset({"/health", "/metrics", "/version", "/ping"})
+    OPEN = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
     MESSAGE = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
     def __init__(self, key: str) -> None:

@@ -29,9 +29,10 @@ __all__ = ["CLIENT_LOGGERS", "FLOODED_REFUSALS", "REFUSED", "ClientText", "RateL
 
 log = logging.getLogger("trio_orch.http")
 
-#: the loggers whose lines may carry a client's text: the app's, the lean server's, uvicorn's
-CLIENT_LOGGERS = ("trio_orch.http", "trio_orch.openai", "trio_orch.openai.realtime",
-                  "trio_orch.serve.trio_http", "uvicorn.error", "uvicorn.access")
+#: the loggers whose lines may carry a client's text: the app's (its access log and request log too), the
+#: lean server's, uvicorn's
+CLIENT_LOGGERS = ("trio_orch.http", "trio_orch.access", "trio_orch.requests", "trio_orch.openai",
+                  "trio_orch.openai.realtime", "trio_orch.serve.trio_http", "uvicorn.error", "uvicorn.access")
 
 #: the one format of a refused request's line (:func:`log_refusal`)
 REFUSED = "refused a request to %s (%d): %s"
