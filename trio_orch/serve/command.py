@@ -61,7 +61,7 @@ from trio_orch.serve.connection_limits import default_max_connections
 from trio_orch.serve.options import ServeOptions, ServeOutcome
 from trio_orch.serve.signals import EXIT_SIGNAL
 
-__all__ = ["DEFAULT_LOOP", "configure", "run"]
+__all__ = ["DEFAULT_LOOP", "configure", "front_app", "parse", "run"]
 
 #: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
 DEFAULT_LOOP = "asyncio"
@@ -95,6 +95,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
+                             "runs the orchestrator and its workers and serves no HTTP; N processes it "
+                             "launches serve the app on the same port, each talking to it over ZeroMQ, so "
+                             "HTTP, JSON and SSE work spreads over N cores (--loop trio only; default 1: "
+                             "one process does everything; docs/operating.md)")
     parser.add_argument("--http-server", action=_Removed, help=argparse.SUPPRESS,
                         removed="--loop trio serves with the project's lean HTTP server, the only one "
                                 "it has now (docs/operating.md)")
@@ -235,6 +241,10 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    if args.api_server_count > 1 and args.loop != "trio":
+        raise ValueError("--api-server-count > 1 runs Trio fronts: give --loop trio")
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
@@ -384,16 +394,44 @@ def run(args: argparse.Namespace) -> int:
         announce=partial(_announce, pipeline), engine=_engine_options(args, pipeline),
         log_level="info" if level <= logging.INFO else "warning")
     print(f"starting {pipeline.what} ...", flush=True)
-    # each front imports its own server only when it runs
-    front = importlib.import_module(f"trio_orch.serve.{args.loop}_front")
     try:
-        out = front.serve(options)
+        if args.api_server_count > 1:
+            out = _serve_with_fronts(args, options)
+        else:  # each front imports its own server only when it runs
+            out = importlib.import_module(f"trio_orch.serve.{args.loop}_front").serve(options)
     except KeyboardInterrupt:
         print("interrupted: stopped", file=sys.stderr, flush=True)
         return EXIT_SIGNAL
     finally:
         sock.close()
     return _exit_code(out)
+
+
+def _serve_with_fronts(args: argparse.Namespace, options: ServeOptions) -> ServeOutcome:
+    """The head of ``--api-server-count N``: the engine here, N launched processes serving the app."""
+    from trio_orch.cluster.supervisor import RestartPolicy
+    from trio_orch.serve.fronts import head
+
+    argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    fronts = head.FrontsConfig(args.api_server_count, argv, args.api_key, args.admin_token,
+                               RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window),
+                               log_level=logging.getLogger().getEffectiveLevel())
+    return head.serve(options, fronts)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``serve``'s arguments parsed as the command does (an API-server process builds its app from them)."""
+    parser = argparse.ArgumentParser(prog="trio-orch serve")
+    configure(parser)
+    return parser.parse_args(argv)
+
+
+def front_app(args: argparse.Namespace) -> tuple[HTTPLimits, Callable[..., Any]]:
+    """The HTTP limits and the app factory (``make_app(engine, front, server_counters)``) of ``args``:
+    what an API-server process serves, the same app as a single-process ``serve`` (ValueError if bad)."""
+    limits = _check_args(args)
+    pipeline = _Pipeline(args)
+    return limits, partial(_app, args, pipeline, limits)
 
 
 def _exit_code(out: ServeOutcome) -> int:

@@ -145,7 +145,7 @@ class FrontSlot:
                 raise
             self.send(refused)
             return
-        self.send(Reply(call, b"" if result is None else pack(result)))
+        self.send(Reply(call, b"" if result is None else pack(result), [s.requests for s in self.host.slots]))
 
     async def _serve_request(self, msg: Add) -> None:
         engine = self.host.engine

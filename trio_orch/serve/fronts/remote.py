@@ -37,6 +37,7 @@ from trio_orch.engine.api import (
     StageIds,
 )
 from trio_orch.engine.handles import messages
+from trio_orch.http.metrics import ExtraCounters
 from trio_orch.serve.fronts.host import TIMINGS
 from trio_orch.serve.fronts.wire import (
     Abort,
@@ -179,6 +180,14 @@ class RemoteEngine:
         self._stage_params: list[StageParams] | None = None
         self._welcomed = trio.Event()
         self._lost: str | None = None
+        #: requests each front added, as the head counted them at its last answer (``/metrics`` shows them)
+        self.front_requests: list[int] = []
+
+    def counters(self) -> ExtraCounters:
+        """The head's per-front request counts, in ``/metrics``' extra-counters shape."""
+        return {"trio_orch_api_server_requests": (
+            "requests each API-server process added to the engine, as the head counted them",
+            {(("front", str(i)),): n for i, n in enumerate(self.front_requests)})}
 
     # ------------------------------------------------------------------ the run
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -217,6 +226,8 @@ class RemoteEngine:
             w.answer = r
             w.event.set()
         elif isinstance(msg, (Reply, Refused)):
+            if isinstance(msg, Reply) and msg.fronts:
+                self.front_requests = list(msg.fronts)
             w = self._waiting.pop(msg.call, None)
             if w is not None:
                 w.answer = msg

@@ -166,6 +166,8 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
 
     call: int
     result: bytes = b""
+    #: requests each front added, as the head counted them (so ``/metrics`` read after a call is current)
+    fronts: list[int] = msgspec.field(default_factory=list)
 
 
 ToFront = Welcome | State | Accepted | Refused | Batch | Ended | Reply

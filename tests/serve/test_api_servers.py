@@ -1,0 +1,197 @@
+"""``serve --api-server-count 2``: two API-server processes in front of one head, as a user runs it.
+
+The head runs the engine (here the in-process toy pipeline, whose streams take
+a while: one word each 20 ms) and serves no HTTP; the fronts it launched share
+the port.  The official ``openai`` SDK streams against the port; a front
+killed with ``kill -9`` comes back while the head stays up, its streams drop
+and each ends ``aborted`` in the head, once; SIGTERM to the head's whole
+process group drains both fronts' streams, and nothing is left.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from stages.lockdown import serving_pid
+from tests.serve_process import ROOT
+from tests.waiting import HANG, wait_until
+from trio_orch.testing import child_pids
+
+pytestmark = pytest.mark.slow
+
+#: a message the toy thinker answers word by word: about 1.3 s of stream at 20 ms a word
+LONG = " ".join(f"w{i}" for i in range(60))
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Head:
+    """``trio-orch serve --api-server-count 2`` in a session of its own, read until it serves."""
+
+    def __init__(self, *args: str) -> None:
+        self.dirs_before = set(glob.glob("/tmp/trio-orch-fronts-*"))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", "--in-process", "--loop",
+             "trio", "--api-server-count", "2", *args], cwd=ROOT, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True, start_new_session=True)
+        assert self.proc.stdout is not None
+        self.lines: list[str] = []
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = re.search(r"serving on (http://\S+)", line)
+            if m:
+                self.url = m.group(1)
+                break
+        else:
+            self.proc.wait(HANG)
+            raise AssertionError(f"serve exited {self.proc.returncode} first: {''.join(self.lines)}")
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+        self.head = serving_pid(self.proc.pid)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def fronts(self) -> set[int]:
+        """The fronts serving now (each launched process's fresh child, the one that serves)."""
+        return {serving_pid(p) for p in child_pids(self.head) if alive(p)} - {self.head}
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=HANG).text
+        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        for line in text.splitlines():
+            if line.startswith(name + ("{" + want + "}" if want else " ")):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def stream(url: str, prompt: str = "hello there") -> tuple[str, bool]:
+    """One streamed chat with the openai SDK on a connection of its own: (the text, ended cleanly)."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=HANG * 2)
+    text = []
+    try:
+        with client:
+            for chunk in client.chat.completions.create(model="trio-orch", stream=True,
+                                                        messages=[{"role": "user", "content": prompt}]):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    text.append(chunk.choices[0].delta.content)
+    except (openai.APIError, httpx.HTTPError):
+        return "".join(text), False
+    return "".join(text), True
+
+
+def run_streams(url: str, n: int, prompt: str = "hello there") -> list[tuple[str, bool]]:
+    results: list[Any] = [None] * n
+
+    def one(i: int) -> None:
+        results[i] = stream(url, prompt)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG * 3)
+    return results
+
+
+@pytest.fixture
+def head() -> Any:
+    h = Head()
+    try:
+        yield h
+    finally:
+        h.close()
+
+
+def test_the_sdk_streams_through_two_fronts_and_metrics_count_every_request_once(head: Head) -> None:
+    fronts = head.fronts()
+    assert len(fronts) == 2
+    sent = 0
+    end = time.monotonic() + HANG * 3
+    while (head.metric("trio_orch_api_server_requests_total", front="0") == 0
+           or head.metric("trio_orch_api_server_requests_total", front="1") == 0):
+        assert time.monotonic() < end, "the requests never landed on both fronts"
+        results = run_streams(head.url, 8)
+        sent += 8
+        assert all(ok and text == "You said: hello there" for text, ok in results), results
+    per_front = [head.metric("trio_orch_api_server_requests_total", front=str(i)) for i in (0, 1)]
+    assert sum(per_front) == sent  # each request counted once, by the head
+    assert head.metric("trio_orch_requests_admitted_total") == sent
+    assert head.metric("trio_orch_terminals_total", kind="finished") == sent
+    assert httpx.get(head.url + "/health", timeout=HANG).json()["status"] == "ok"
+    assert head.fronts() == fronts  # nothing restarted
+
+
+def test_a_front_killed_mid_stream_comes_back_and_its_requests_end_aborted_once(head: Head) -> None:
+    before = head.fronts()
+    victim = sorted(before)[0]
+    results: list[Any] = [None] * 32
+
+    def one(i: int) -> None:
+        results[i] = stream(head.url, LONG)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: head.metric("trio_orch_active_requests") >= 32, "32 streams open in the head")
+    os.kill(victim, signal.SIGKILL)
+    for t in threads:
+        t.join(HANG * 3)
+    dropped = sum(1 for _, ok in results if not ok)
+    completed = [text for text, ok in results if ok]
+    assert 0 < dropped < 32  # the victim held some, the other front the rest
+    assert all(text == "You said: " + LONG for text in completed)
+    wait_until(lambda: len(head.fronts()) == 2 and victim not in head.fronts(), "the front restarted")
+    wait_until(lambda: head.metric("trio_orch_active_requests") == 0, "every request ended in the head")
+    assert head.metric("trio_orch_terminals_total", kind="aborted") == dropped
+    assert head.metric("trio_orch_terminals_total", kind="finished") == 32 - dropped
+    assert alive(head.head)
+    assert all(ok for _, ok in run_streams(head.url, 4))  # served again, by both fronts
+
+
+def test_sigterm_to_the_process_group_drains_both_fronts_and_leaves_nothing(head: Head) -> None:
+    fronts = head.fronts()
+    results: list[Any] = [None] * 16
+
+    def one(i: int) -> None:
+        results[i] = stream(head.url, LONG)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: head.metric("trio_orch_active_requests") >= 16, "16 streams open in the head")
+    os.killpg(head.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join(HANG * 3)
+    assert all(ok and text == "You said: " + LONG for text, ok in results), results
+    code = head.proc.wait(HANG * 3)
+    assert code == 130, "".join(head.lines)  # stopped by a signal, after a clean drain
+    assert not [p for p in fronts | {head.head} if alive(p)]
+    assert set(glob.glob("/tmp/trio-orch-fronts-*")) <= head.dirs_before  # the fronts' ipc files too
