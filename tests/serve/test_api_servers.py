@@ -195,3 +195,12 @@ def test_sigterm_to_the_process_group_drains_both_fronts_and_leaves_nothing(head
     assert code == 130, "".join(head.lines)  # stopped by a signal, after a clean drain
     assert not [p for p in fronts | {head.head} if alive(p)]
     assert set(glob.glob("/tmp/trio-orch-fronts-*")) <= head.dirs_before  # the fronts' ipc files too
+
+
+def test_a_head_killed_with_kill_9_takes_its_fronts_and_their_ipc_files_along(head: Head) -> None:
+    fronts = head.fronts()
+    assert all(ok for _, ok in run_streams(head.url, 2))
+    os.kill(head.head, signal.SIGKILL)
+    wait_until(lambda: not [p for p in fronts if alive(p)], "the fronts gone with their head")
+    wait_until(lambda: set(glob.glob("/tmp/trio-orch-fronts-*")) <= head.dirs_before, "the ipc files removed")
+

@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _serve(given: dict, listen_fd: int) -> int:
     import logging
+    import os
+    import shutil
     import signal
     import socket
 
@@ -48,6 +50,7 @@ async def _serve(given: dict, listen_fd: int) -> int:
     import zmq
 
     from stages.auth import Security
+    from trio_orch.engine.api import EngineClosed
     from trio_orch.http.metrics import FrontMetrics
     from trio_orch.serve import command
     from trio_orch.serve.fronts.remote import RemoteEngine
@@ -65,19 +68,27 @@ async def _serve(given: dict, listen_fd: int) -> int:
     front = FrontMetrics()
     server = HTTPServer(sock, limits, graceful_timeout=float(given["shutdown_timeout"]))
     try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(engine.run)
                 app = make_app(engine, front, lambda: {**server.counters(), **engine.counters()})
 
                 async def watch_signals() -> None:
-                    async for _ in signals:
+                    async for signum in signals:
+                        if signum == signal.SIGHUP:  # the stand-in's word: the head is gone (kill -9)
+                            logging.getLogger("trio_orch.serve.fronts").warning("the head is gone: exiting")
+                            shutil.rmtree(os.path.dirname(given["address"].removeprefix("ipc://")),
+                                          ignore_errors=True)  # its sockets' directory: nobody else will
+                            nursery.cancel_scope.cancel()
+                            return
                         front.draining = True
                         server.stop()  # stop accepting; the responses in flight finish first
 
                 nursery.start_soon(watch_signals)
                 await server.serve(app)
                 nursery.cancel_scope.cancel()
+    except* EngineClosed:  # the head closed the connection under a request: it is going
+        pass
     finally:
         sock.close()
         ctx.destroy(linger=0)
