@@ -24,6 +24,7 @@ from tests.engine.test_engine_api import declared, kind, shape
 from tests.waiting import trio_until
 from trio_orch import OrchError, OrchOutput
 from trio_orch.engine import EngineClient, EngineClosed, Overloaded, TrioEngine, static_pipeline
+from trio_orch.http.metrics import FrontMetrics, render
 from trio_orch.serve.fronts.host import EngineHost
 from trio_orch.serve.fronts.remote import RemoteEngine
 from trio_orch.testing import ScriptedStage
@@ -197,3 +198,25 @@ async def test_a_request_whose_engine_stops_ends_with_its_terminal_and_the_front
         assert remote.closed_reason
         with pytest.raises(EngineClosed):
             await remote.add_request_async("y")
+
+
+async def test_statistics_carry_every_fronts_http_counters_summed_by_the_head() -> None:
+    stage = ScriptedStage(0)
+    async with served(static_pipeline([stage], {0}), fronts=2) as (_engine, host, (a, b)):
+        for i, remote in enumerate((a, b)):
+            remote.front = FrontMetrics()
+            remote.front.count("/v1/chat/completions", 200)
+            remote.front.count_finished("stop")
+            remote.front.rtf.observe(0.5 + i)
+        stats = await a.stats_async()
+        summed = FrontMetrics.summed([stats.fronts])
+        assert summed.requests == {("/v1/chat/completions", 200): 2}
+        assert summed.finished["stop"] == 2 and summed.rtf.count == 2 and summed.rtf.sum == 2.0
+        text = render(stats, a.front).decode()
+        assert 'trio_orch_http_requests_total{route="/v1/chat/completions",status="200"} 2.0' in text
+        host.slots[1].drop()  # a front that leaves: its counters stay in the totals
+        host.slots[1].reset()
+        b.front.count("/v1/chat/completions", 200)  # (not asked any more)
+        stats = await a.stats_async()
+        assert FrontMetrics.summed([stats.fronts]).requests == {("/v1/chat/completions", 200): 2}
+

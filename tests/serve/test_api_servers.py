@@ -145,6 +145,11 @@ def test_the_sdk_streams_through_two_fronts_and_metrics_count_every_request_once
     assert sum(per_front) == sent  # each request counted once, by the head
     assert head.metric("trio_orch_requests_admitted_total") == sent
     assert head.metric("trio_orch_terminals_total", kind="finished") == sent
+    # the HTTP counters are the whole server's too, whichever front answers the scrape
+    for _ in range(4):
+        chat = head.metric("trio_orch_http_requests_total", route="/v1/chat/completions", status="200")
+        assert chat == sent
+        assert head.metric("trio_orch_request_success_total", finished_reason="stop") == sent
     assert httpx.get(head.url + "/health", timeout=HANG).json()["status"] == "ok"
     assert head.fronts() == fronts  # nothing restarted
 

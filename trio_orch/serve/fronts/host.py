@@ -21,9 +21,11 @@ engine ends as ``aborted`` -- one terminal each, counted in the head.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -31,13 +33,16 @@ import zmq
 
 from stages.auth import Authenticator, Security
 from trio_orch.cluster.pool import StageTiming
-from trio_orch.engine.api import ControlError, EngineClient, EngineClosed, Overloaded
+from trio_orch.engine.api import ControlError, EngineClient, EngineClosed, EngineStatistics, Overloaded
+from trio_orch.http.metrics import FrontMetrics
 from trio_orch.serve.fronts.wire import (
     Abort,
     Accepted,
     Add,
     Batch,
     Call,
+    Count,
+    Counted,
     Ended,
     Hello,
     Link,
@@ -49,6 +54,7 @@ from trio_orch.serve.fronts.wire import (
     Welcome,
     pack,
     to_wire,
+    unpack,
 )
 
 __all__ = ["EngineHost", "FrontSlot", "front_address"]
@@ -57,6 +63,8 @@ log = logging.getLogger("trio_orch.serve.fronts")
 
 #: seconds between two looks at the engine's state (pushed to the fronts when it changed)
 STATE_INTERVAL = 0.05
+#: seconds a scrape waits for a front's counters (past it, that front's last ones count)
+COUNT_TIMEOUT = 1.0
 
 
 def front_address(directory: str, index: int) -> str:
@@ -79,6 +87,10 @@ class FrontSlot:
         self.pid: int | None = None  #: the front's pid, from its Hello
         self.requests = 0  #: requests this front added (accepted or not)
         self.hello = trio.Event()
+        #: the front's HTTP counters when it last answered a :class:`~.wire.Count` (None: never yet)
+        self.counts: dict[str, Any] | None = None
+        self._counting: dict[int, trio.Event] = {}
+        self._calls = itertools.count(1)
         self._scope = trio.CancelScope()
         self._nursery: trio.Nursery | None = None
 
@@ -99,8 +111,25 @@ class FrontSlot:
         """The front is gone: its open requests are left (each ends ``aborted`` in the engine)."""
         self._scope.cancel()
 
+    async def count(self, timeout: float) -> None:
+        """Ask the front for its HTTP counters (:attr:`counts`); a front that does not answer in time
+        keeps its last ones."""
+        if not self.hello.is_set():
+            return
+        call = next(self._calls)
+        done = self._counting[call] = trio.Event()
+        self.send(Count(call))
+        with trio.move_on_after(timeout):
+            await done.wait()
+        self._counting.pop(call, None)
+
     def reset(self) -> None:
-        """Ready for the next front launched into this slot (after :meth:`drop` and its run returned)."""
+        """Ready for the next front launched into this slot (after :meth:`drop` and its run returned):
+        the counters of the front that left are kept in the host's (``retired``)."""
+        if self.counts is not None:
+            self.host.retired.append(self.counts)
+            self.counts = None
+        self._counting.clear()
         self._scope = trio.CancelScope()
         self.hello = trio.Event()
         self.pid = None
@@ -130,6 +159,13 @@ class FrontSlot:
                 self.send(Refused(msg.call, "value", f"no engine call named {msg.method!r}"))
             else:
                 self._nursery.start_soon(self._answer, msg.call, call, (), msg.kwargs)
+        elif isinstance(msg, Counted):
+            waiter = self._counting.pop(msg.call, None)
+            if waiter is not None:
+                counts = unpack(msg.counts, dict[str, Any] | None)
+                if counts is not None:
+                    self.counts = counts
+                waiter.set()
         elif isinstance(msg, Hello):
             self.pid = msg.pid
             self.send(self.host.welcome())
@@ -210,7 +246,7 @@ class EngineHost:
         self.slots: list[FrontSlot] = []
         #: the awaitable calls a front may make by name (the control plane and the statistics)
         self.calls: dict[str, Callable[..., Awaitable[Any]]] = {
-            "stats_async": engine.stats_async, "abort_confirmed_async": engine.abort_confirmed_async,
+            "stats_async": self.stats_async, "abort_confirmed_async": engine.abort_confirmed_async,
             "collective_rpc_async": engine.collective_rpc_async, "pause_async": engine.pause_async,
             "resume_async": engine.resume_async, "sleep_async": engine.sleep_async,
             "wake_up_async": engine.wake_up_async, "update_weights_async": engine.update_weights_async,
@@ -227,6 +263,20 @@ class EngineHost:
             authenticator.watch(sock)
             self.slots.append(slot)
         self._state: State | None = None
+        #: the last HTTP counters of the fronts that left (they stay in the server's totals)
+        self.retired: list[dict[str, Any]] = []
+
+    async def stats_async(self, timeout: float = 5.0) -> EngineStatistics:
+        """The engine's snapshot, with every front's HTTP counters summed (``fronts``): the whole server's
+        numbers, whichever front is scraped.  Each front is asked now, so what a front counted before it
+        answered (a request counted before its stream's ``[DONE]``) is in; a front that left counts with
+        what it had last said."""
+        stats = await self.engine.stats_async(timeout)
+        async with trio.open_nursery() as nursery:
+            for slot in self.slots:
+                nursery.start_soon(slot.count, min(timeout, COUNT_TIMEOUT))
+        counts = [*self.retired, *(s.counts for s in self.slots if s.counts is not None)]
+        return replace(stats, fronts=FrontMetrics.summed(counts).counts())
 
     def state(self) -> State:
         e = self.engine

@@ -66,6 +66,7 @@ async def _serve(given: dict, listen_fd: int) -> int:
     ctx = zmq.Context()
     engine = RemoteEngine(ctx, given["address"], Security(b"", ticket=given["ticket"].encode()), name=name)
     front = FrontMetrics()
+    engine.front = front
     server = HTTPServer(sock, limits, graceful_timeout=float(given["shutdown_timeout"]))
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM, signal.SIGHUP) as signals:

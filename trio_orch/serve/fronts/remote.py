@@ -37,7 +37,7 @@ from trio_orch.engine.api import (
     StageIds,
 )
 from trio_orch.engine.handles import messages
-from trio_orch.http.metrics import ExtraCounters
+from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.serve.fronts.host import TIMINGS
 from trio_orch.serve.fronts.wire import (
     Abort,
@@ -45,6 +45,8 @@ from trio_orch.serve.fronts.wire import (
     Add,
     Batch,
     Call,
+    Count,
+    Counted,
     Ended,
     Hello,
     Link,
@@ -55,6 +57,7 @@ from trio_orch.serve.fronts.wire import (
     Update,
     Welcome,
     from_wire,
+    pack,
     unpack,
 )
 from trio_orch.types import Message, OrchError, RpcResult
@@ -180,6 +183,8 @@ class RemoteEngine:
         self._stage_params: list[StageParams] | None = None
         self._welcomed = trio.Event()
         self._lost: str | None = None
+        #: this front's HTTP counters, handed to the head when it asks (it sums them for ``/metrics``)
+        self.front: FrontMetrics | None = None
         #: requests each front added, as the head counted them at its last answer (``/metrics`` shows them)
         self.front_requests: list[int] = []
 
@@ -205,7 +210,9 @@ class RemoteEngine:
             self.sock.close(linger=0)
 
     def _on_message(self, msg: Any) -> None:
-        if isinstance(msg, Batch):
+        if isinstance(msg, Count):
+            self._link.send(Counted(msg.call, pack(self.front.counts() if self.front is not None else None)))
+        elif isinstance(msg, Batch):
             r = self._requests.get(msg.request_id)
             if r is not None:
                 r.put([from_wire(m) for m in msg.msgs], unpack(msg.timings, TIMINGS) if msg.timings else None)

@@ -30,9 +30,9 @@ import zmq
 from stages.wire import WireCodec, WireError
 from trio_orch.types import Message, OrchError, OrchOutput
 
-__all__ = ["Abort", "Accepted", "Add", "Batch", "Call", "Ended", "Err", "Hello", "Link", "Out", "Refused",
-           "Reply", "State", "ToFront", "ToHead", "Update", "Welcome", "from_wire", "pack", "to_wire",
-           "unpack"]
+__all__ = ["Abort", "Accepted", "Add", "Batch", "Call", "Count", "Counted", "Ended", "Err", "Hello", "Link",
+           "Out", "Refused", "Reply", "State", "ToFront", "ToHead", "Update", "Welcome", "from_wire", "pack",
+           "to_wire", "unpack"]
 
 
 # ------------------------------------------------------------------ front -> head
@@ -80,7 +80,14 @@ class Call(msgspec.Struct, tag="call", array_like=True):
     kwargs: dict[str, Any] = {}
 
 
-ToHead = Hello | Add | Update | Abort | Call
+class Counted(msgspec.Struct, tag="counted", array_like=True):
+    """The answer to :class:`Count`: the front's HTTP counters (:func:`pack` of ``FrontMetrics.counts()``)."""
+
+    call: int
+    counts: bytes
+
+
+ToHead = Hello | Add | Update | Abort | Call | Counted
 
 
 # ------------------------------------------------------------------ head -> front
@@ -170,7 +177,13 @@ class Reply(msgspec.Struct, tag="reply", array_like=True):
     fronts: list[int] = msgspec.field(default_factory=list)
 
 
-ToFront = Welcome | State | Accepted | Refused | Batch | Ended | Reply
+class Count(msgspec.Struct, tag="count", array_like=True):
+    """The head asks a front for its HTTP counters (``/metrics`` scraped on any front): :class:`Counted`."""
+
+    call: int
+
+
+ToFront = Count | Welcome | State | Accepted | Refused | Batch | Ended | Reply
 
 
 # ------------------------------------------------------------------ conversions
