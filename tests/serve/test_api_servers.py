@@ -10,6 +10,7 @@ process group drains both fronts' streams, and nothing is left.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,13 +47,13 @@ def alive(pid: int) -> bool:
 class Head:
     """``trio-orch serve --api-server-count 2`` in a session of its own, read until it serves."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.dirs_before = set(glob.glob("/tmp/trio-orch-fronts-*"))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", "--in-process", "--loop",
              "trio", "--api-server-count", "2", *args], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            text=True, start_new_session=True)
+            text=True, start_new_session=True, env={**os.environ, **(env or {})})
         assert self.proc.stdout is not None
         self.lines: list[str] = []
         for line in self.proc.stdout:
@@ -208,4 +210,25 @@ def test_a_head_killed_with_kill_9_takes_its_fronts_and_their_ipc_files_along(he
     os.kill(head.head, signal.SIGKILL)
     wait_until(lambda: not [p for p in fronts if alive(p)], "the fronts gone with their head")
     wait_until(lambda: set(glob.glob("/tmp/trio-orch-fronts-*")) <= head.dirs_before, "the ipc files removed")
+
+
+def test_the_fronts_get_the_api_key_from_the_head_not_from_their_environment() -> None:
+    h = Head(env={"TRIO_ORCH_API_KEY": "front-secret"})  # the head's environment; fronts get a scrubbed one
+    try:
+        for front in h.fronts():
+            assert b"front-secret" not in Path(f"/proc/{front}/cmdline").read_bytes()
+            with contextlib.suppress(PermissionError):  # non-dumpable: readable only with privileges
+                assert b"front-secret" not in Path(f"/proc/{front}/environ").read_bytes()
+        statuses = set()
+        for _ in range(8):  # fresh connections: both fronts answer some
+            r = httpx.post(h.url + "/v1/chat/completions", timeout=HANG,
+                           json={"messages": [{"role": "user", "content": "hi"}]})
+            statuses.add(r.status_code)
+        assert statuses == {401}
+        r = httpx.post(h.url + "/v1/chat/completions", timeout=HANG, json={"messages": [{"role": "user",
+                                                                                 "content": "hi"}]},
+                       headers={"authorization": "Bearer front-secret"})
+        assert r.status_code == 200
+    finally:
+        h.close()
 
