@@ -78,6 +78,11 @@ class Head:
         """The fronts serving now (each launched process's fresh child, the one that serves)."""
         return {serving_pid(p) for p in child_pids(self.head) if alive(p)} - {self.head}
 
+    def ready(self) -> set[int]:
+        """The serving pids of every front the head said was ready, restarted ones included."""
+        found = (re.search(r"ready \(pid (\d+)\)", line) for line in list(self.lines))
+        return {int(m.group(1)) for m in found if m}
+
     def metric(self, name: str, **labels: str) -> float:
         text = httpx.get(self.url + "/metrics", timeout=HANG).text
         want = ",".join(f'{k}="{v}"' for k, v in labels.items())
@@ -175,7 +180,8 @@ def test_a_front_killed_mid_stream_comes_back_and_its_requests_end_aborted_once(
     completed = [text for text, ok in results if ok]
     assert 0 < dropped < 32  # the victim held some, the other front the rest
     assert all(text == "You said: " + LONG for text in completed)
-    wait_until(lambda: len(head.fronts()) == 2 and victim not in head.fronts(), "the front restarted")
+    wait_until(lambda: bool(head.ready() - before), "the front restarted and ready")
+    assert len(head.fronts()) == 2 and victim not in head.fronts()
     wait_until(lambda: head.metric("trio_orch_active_requests") == 0, "every request ended in the head")
     assert head.metric("trio_orch_terminals_total", kind="aborted") == dropped
     assert head.metric("trio_orch_terminals_total", kind="finished") == 32 - dropped
@@ -229,6 +235,22 @@ def test_the_fronts_get_the_api_key_from_the_head_not_from_their_environment() -
                                                                                  "content": "hi"}]},
                        headers={"authorization": "Bearer front-secret"})
         assert r.status_code == 200
+    finally:
+        h.close()
+
+
+def test_a_front_that_keeps_dying_is_given_up_and_the_server_stops_with_exit_1() -> None:
+    h = Head("--max-restarts", "1", "--restart-window", "60")
+    try:
+        before = h.fronts()
+        os.kill(min(before), signal.SIGKILL)  # the slot's first death: restarted
+        wait_until(lambda: bool(h.ready() - before), "the restarted front ready")
+        (again,) = h.ready() - before
+        os.kill(again, signal.SIGKILL)  # the same slot's second death: past its intensity (per slot)
+        assert h.proc.wait(HANG * 3) == 1
+        h.reader.join(HANG)
+        assert any("given up" in line for line in h.lines), "".join(h.lines)
+        assert not [p for p in child_pids(h.head) if alive(p)]
     finally:
         h.close()
 

@@ -90,7 +90,7 @@ async def _serve(options: ServeOptions, fronts: FrontsConfig, out: ServeOutcome)
     try:
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as root:
-                run.give_up = root.cancel_scope.cancel
+                run.give_up = partial(engine.request_stop, 0.0)  # the engine stops; its end stops the rest
 
                 async def run_engine(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
                     try:
@@ -134,15 +134,16 @@ async def _serve(options: ServeOptions, fronts: FrontsConfig, out: ServeOutcome)
                     root.start_soon(host.watch_state)
                     with trio.fail_after(options.startup_timeout):
                         await root.start(run.run, host)
-                except (EngineStartupError, trio.TooSlowError, FrontsFailed) as exc:
+                except (EngineStartupError, trio.TooSlowError) as exc:
                     out.startup_error = (exc if isinstance(exc, EngineStartupError) else EngineStartupError(
-                        f"the server did not become ready within {options.startup_timeout}s"
-                        if isinstance(exc, trio.TooSlowError) else str(exc)))
+                        f"the server did not become ready within {options.startup_timeout}s"))
                     root.cancel_scope.cancel()
                     return
                 out.served = True
                 host_addr, port = options.sock.getsockname()[:2]
                 options.announce(host_addr, port, f"{FRONT}: {fronts.count} API-server processes")
+        if run.failed is not None and not out.served:
+            out.startup_error = EngineStartupError(run.failed)
     finally:
         with trio.CancelScope(shield=True):
             async with trio.open_nursery() as stoppers:
@@ -153,10 +154,6 @@ async def _serve(options: ServeOptions, fronts: FrontsConfig, out: ServeOutcome)
         authenticator.stop()
         ctx.destroy(linger=0)
         shutil.rmtree(directory, ignore_errors=True)
-
-
-class FrontsFailed(RuntimeError):
-    """An API-server process died more often than its restart intensity allows."""
 
 
 class _Fronts:
@@ -170,6 +167,7 @@ class _Fronts:
         self.stopping = False
         self.gone = trio.Event()
         self.give_up: Callable[[], object] = lambda: None  #: stops the server (a front was given up)
+        self.failed: str | None = None  #: why a front was given up
 
     async def run(self, host: EngineHost, *,
                   task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -179,12 +177,6 @@ class _Fronts:
                 for slot in host.slots:
                     await nursery.start(self.supervise, slot)
                 task_status.started()
-        except FrontsFailed as exc:
-            if not self.out.served:
-                raise
-            self.out.died = str(exc)
-            log.error("%s; the server stops", exc)
-            self.give_up()
         finally:
             self.gone.set()
 
@@ -233,11 +225,18 @@ class _Fronts:
             while restarts and restarts[0] < now - policy.window:
                 restarts.popleft()
             if len(restarts) > policy.max_restarts:
-                raise FrontsFailed(f"{label} exited (code {code}) {len(restarts)} times within "
-                                   f"{policy.window:g}s: given up")
+                self.failed = (f"{label} exited (code {code}) {len(restarts)} times within "
+                               f"{policy.window:g}s: given up")
+                log.error("%s; the server stops", self.failed)
+                if self.out.served:
+                    self.out.died = self.failed
+                self.give_up()
+                return
             log.warning("%s exited on its own (code %s): its requests were aborted; restarting it", label,
                         code)
             await trio.sleep(policy.backoff(len(restarts)))
+            if self.stopping:  # the server began to stop meanwhile: launch nothing more
+                return
 
 
 def _signal(proc: trio.Process, signum: int) -> None:
