@@ -71,8 +71,9 @@ from stages.schema import (
     Device,
     NonNegativeFloat,
     NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
+    PositiveSeconds,
+    Seconds,
     explain,
 )
 from stages.validation import Invalid, convert
@@ -135,10 +136,10 @@ class PipelineConfig(Struct):
     async_chunk: bool = False
     device: Device = "cpu"
     seed: int = 0
-    heartbeat_interval: NonNegativeFloat = 0.5
-    heartbeat_timeout: PositiveFloat = 5.0
-    startup_timeout: PositiveFloat = 60.0
-    stop_grace: NonNegativeFloat = 3.0
+    heartbeat_interval: Seconds = 0.5
+    heartbeat_timeout: PositiveSeconds = 5.0
+    startup_timeout: PositiveSeconds = 60.0
+    stop_grace: Seconds = 3.0
     max_retries: NonNegativeInt = 1
     #: --worker-backend ray: Ray's placement strategy for the replicas' bundles, and whether one
     #: placement group holds the whole pipeline or each stage gets its own
@@ -307,7 +308,8 @@ class PipelineConfig(Struct):
         return int.from_bytes(hashlib.blake2b(what, digest_size=4).digest(), "big") & 0x7FFFFFFF
 
     def with_overrides(self, *, async_chunk: bool | None = None, replicas: int | None = None,
-                       device: str | None = None, max_retries: int | None = None) -> PipelineConfig:
+                       device: str | None = None, max_retries: int | None = None,
+                       seed: int | None = None) -> PipelineConfig:
         """A copy with command-line overrides applied: ``replicas`` and ``device`` apply to every stage
         (the command line wins over the file's per-stage devices)."""
         cfg = replace(self, stages=[replace(s) for s in self.stages])
@@ -322,6 +324,8 @@ class PipelineConfig(Struct):
                 s.device = None
         if max_retries is not None:
             cfg.max_retries = max_retries
+        if seed is not None:
+            cfg.seed = seed
         return cfg.validate()
 
 

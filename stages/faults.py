@@ -34,6 +34,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
+from stages.schema import seconds_arg
 from stages.wire import OutItem, Outputs, RequestError, Submit
 
 if TYPE_CHECKING:
@@ -58,9 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f = p.add_argument_group("fault injection (for tests and chaos runs)")
     f.add_argument("--fail-at-startup", metavar="MSG", default=None,
                    help="print MSG to stderr and exit with code 3 before the ready handshake")
-    f.add_argument("--startup-delay", type=float, default=0.0, metavar="S",
+    f.add_argument("--startup-delay", type=seconds_arg, default=0.0, metavar="S",
                    help="sleep S seconds before the ready handshake")
-    f.add_argument("--step-delay-ms", type=float, default=0.0, metavar="MS",
+    f.add_argument("--step-delay-ms", type=seconds_arg, default=0.0, metavar="MS",
                    help="sleep MS milliseconds in every step (a slow stage)")
     f.add_argument("--garbage-after-steps", type=int, default=0, metavar="N",
                    help="after step N, send one undecodable message to the orchestrator")

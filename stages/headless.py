@@ -60,6 +60,7 @@ from stages.faults import FaultInjection, injected
 from stages.lockdown import LockdownError, lock_down
 from stages.placement import check_devices, device_arg
 from stages.registry import build_model, model_class
+from stages.schema import positive_seconds_arg, seconds_arg
 from stages.wire import Dying, Peers, Ready
 from stages.worker import StopServing, Worker
 from stages.worker import build_parser as build_worker_parser
@@ -156,28 +157,29 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the config's)")
     p.add_argument(
         "--leave-grace",
-        type=float,
+        type=seconds_arg,
         default=30.0,
         metavar="S",
         help="on SIGTERM/Ctrl-C, seconds to finish held requests before leaving (default 30)",
     )
     p.add_argument(
         "--register-timeout",
-        type=float,
+        type=positive_seconds_arg,
         default=60.0,
         metavar="S",
         help="give up if the head does not answer the registration within S seconds",
     )
     p.add_argument(
         "--head-timeout",
-        type=float,
+        type=positive_seconds_arg,
         default=5.0,
         metavar="S",
         help="connection to the head down this long: register again with a new identity",
     )
     # the Ray backend (which member is its actor's) and tests (a chosen, stale identity)
     p.add_argument("--member-id", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--step-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)  # tests: a slow stage
+    # tests: a slow stage
+    p.add_argument("--step-delay-ms", type=seconds_arg, default=0.0, help=argparse.SUPPRESS)
 
 
 def _keys(args: argparse.Namespace) -> tuple[Keypair, bytes]:

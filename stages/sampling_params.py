@@ -35,6 +35,8 @@ VOICES: tuple[str, ...] = ("alloy", "ash", "ballad", "coral", "echo", "fable", "
                            "shimmer", "verse")
 
 SEED_MAX = 2**63 - 1
+#: the integers the wire carries (msgpack's signed 64 bits): any int parameter is one of them
+WIRE_INTS = range(-(2**63), 2**63)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class Param:
                                  f"got {_what(value)}")
             if t == "float" and not math.isfinite(value):
                 raise ValueError(f"{name!r} must be a finite number, got {value!r}")
+            if t == "int" and value not in WIRE_INTS:
+                raise ValueError(f"{name!r} must fit in a signed 64-bit integer, got {value!r}")
             if not self._in_range(value):
                 raise ValueError(f"{name!r} must be {self.range_text()}, got {value!r}")
             return float(value) if t == "float" else int(value)
@@ -88,9 +92,10 @@ class Param:
             if not isinstance(items, list) or not all(isinstance(v, int) and not isinstance(v, bool)
                                                       for v in items):
                 raise ValueError(f"{name!r} must be a list of integers, got {_what(value)}")
-            bad = next((v for v in items if not self._in_range(v)), None)
+            bad = next((v for v in items if not self._in_range(v) or v not in WIRE_INTS), None)
             if bad is not None:
-                raise ValueError(f"{name!r}: each entry must be {self.range_text()}, got {bad!r}")
+                raise ValueError(f"{name!r}: each entry must be {self.range_text()} (and a signed 64-bit "
+                                 f"integer), got {bad!r}")
         else:
             raise ValueError(f"{name!r} has an unknown parameter type {t!r}")
         if self.max_items and len(items) > self.max_items:

@@ -18,9 +18,13 @@ where a plug-in author writes it anyway.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import difflib
 import re
-from collections.abc import Mapping, Sequence
+import sys
+import typing
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
@@ -28,25 +32,61 @@ from msgspec import Meta, Struct
 from stages.placement import DEVICE_PATTERN
 from stages.validation import Invalid, convert
 
-__all__ = ["ANNOTATION_NAMES", "ConfigError", "Device", "NonNegativeFloat", "NonNegativeInt",
-           "PositiveFloat", "PositiveInt", "check_option", "explain"]
+__all__ = ["ANNOTATION_NAMES", "MAX_SECONDS", "ConfigError", "Device", "NonNegativeFloat", "NonNegativeInt",
+           "PositiveFloat", "PositiveInt", "PositiveSeconds", "Seconds", "check_fields", "check_option",
+           "explain", "positive_seconds_arg", "seconds_arg"]
 
 #: a count that must be at least 1 (tokens, frames, layers)
 PositiveInt = Annotated[int, Meta(ge=1)]
 #: a count that may be 0
 NonNegativeInt = Annotated[int, Meta(ge=0)]
-#: a quantity that must be above 0 (seconds, hertz)
-PositiveFloat = Annotated[float, Meta(gt=0)]
-#: a quantity that may be 0
-NonNegativeFloat = Annotated[float, Meta(ge=0)]
-#: a torch device: cpu, cuda or cuda:N (stages/placement.py)
-Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
+#: a quantity that must be above 0 (hertz, a resource amount); finite: nan and inf are refused
+PositiveFloat = Annotated[float, Meta(gt=0, le=sys.float_info.max)]
+#: a quantity that may be 0; finite
+NonNegativeFloat = Annotated[float, Meta(ge=0, le=sys.float_info.max)]
+#: the longest time a setting may give (about 31 years): any longer is a mistake, and ``inf`` (or
+#: ``nan``, which no comparison stops) would make a timer that never fires or a deadline that crashes
+MAX_SECONDS = 1e9
+#: a time in seconds, 0 included (0 often means "none" or "at once"): finite, never negative
+Seconds = Annotated[float, Meta(ge=0, le=MAX_SECONDS)]
+#: a time in seconds that must be above 0 (a timeout, an interval that divides)
+PositiveSeconds = Annotated[float, Meta(gt=0, le=MAX_SECONDS)]
 #: a torch device: cpu, cuda or cuda:N (stages/placement.py)
 Device = Annotated[str, Meta(pattern=DEVICE_PATTERN)]
 
 
 class ConfigError(ValueError):
     """A config that does not fit the schema; the message names the key's path."""
+
+
+def _time_arg(schema: Any, rule: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            return convert(float(text), schema)
+        except (ValueError, Invalid):
+            raise argparse.ArgumentTypeError(f"must be a finite number of seconds {rule} (at most "
+                                             f"{MAX_SECONDS:g}), got {text!r}") from None
+
+    return parse
+
+
+#: a command-line time (``type=seconds_arg``): a :data:`Seconds`, else a usage error (exit 2) at once
+seconds_arg = _time_arg(Seconds, ">= 0")
+#: a command-line time that must be above 0 (:data:`PositiveSeconds`)
+positive_seconds_arg = _time_arg(PositiveSeconds, "> 0")
+
+
+def check_fields(obj: Any) -> None:
+    """Each field of the dataclass ``obj`` fits its annotation (the ranges above): ValueError naming
+    the first that does not.  For settings kept in a dataclass rather than a ``msgspec`` Struct, whose
+    ranges msgspec checks only when it converts."""
+    hints = typing.get_type_hints(type(obj), include_extras=True)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        try:
+            convert(value, hints[f.name])
+        except Invalid as exc:
+            raise ValueError(f"{f.name}: {exc.detail}, got {value!r}") from None
 
 
 def explain(exc: Invalid, tables: Mapping[str, type[Struct]] | None = None,

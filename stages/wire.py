@@ -42,6 +42,7 @@ __all__ = [
     "Update",
     "WireCodec",
     "WireError",
+    "frames_nbytes",
 ]
 
 #: msgpack extension code marking an array stored in a separate frame.
@@ -236,6 +237,11 @@ class Chunk(msgspec.Struct, tag="chunk", array_like=True):
     data: Any
     end: bool = False
     segment: int = 0
+
+
+def frames_nbytes(frames: list[Any]) -> int:
+    """The bytes :meth:`WireCodec.encode`'s frames put on the wire (the header, then each array's buffer)."""
+    return sum(f.nbytes if isinstance(f, memoryview) else len(f) for f in frames)
 
 
 class WireCodec:

@@ -55,6 +55,7 @@ from stages.registry import (
 )
 from stages.sampling_params import check_params
 from stages.scheduling import WaitingQueue
+from stages.schema import seconds_arg
 from stages.segments import SegmentTracker
 from stages.wire import (
     Abort,
@@ -556,7 +557,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the dummy weights and sampling")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--max-batch", type=int, default=32, help="most requests in one batched step")
-    p.add_argument("--heartbeat-interval", type=float, default=0.5,
+    p.add_argument("--heartbeat-interval", type=seconds_arg, default=0.5,
                    help="seconds between heartbeats (0: none; the launcher then cannot see a hang)")
     p.add_argument("--inbox", default=None,
                    help="async-chunk: bind a PULL inbox here; inputs then arrive as upstream chunks")

@@ -12,16 +12,20 @@ stops whatever a test started with it.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import socket
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
 import httpx
+import numpy as np
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,6 +34,7 @@ from trio_orch.engine import ThreadEngine, TrioEngine
 from trio_orch.http.app import create_app
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
+from trio_orch.openai import audio_out
 from trio_orch.serve import asyncio_front, trio_front
 
 
@@ -164,10 +169,12 @@ def serve(front: str, factory: Any, *, engine_options: dict[str, Any] | None = N
 WORKER_STARTUP = 120.0
 
 
-def worker_server(front: str, config: Any, **served_kwargs: Any) -> Iterator[Served | TrioServed]:
+def worker_server(front: str, config: Any, *, prepare: Callable[[Any], None] | None = None,
+                  **served_kwargs: Any) -> Iterator[Served | TrioServed]:
     """``config``'s worker processes behind ``front`` (a generator: yields it started, stops it);
-    none of them, nor a socket or file, is left after.  ``served_kwargs``: as :func:`serve`'s
-    (default ``model_name="tiny"`` and the config's output modalities)."""
+    none of them, nor a socket or file, is left after.  ``prepare(pipe)``: called with the running
+    pipeline before it is served (a test's look at what crosses between stages).  ``served_kwargs``:
+    as :func:`serve`'s (default ``model_name="tiny"`` and the config's output modalities)."""
     from contextlib import asynccontextmanager
 
     import pytest
@@ -182,6 +189,8 @@ def worker_server(front: str, config: Any, **served_kwargs: Any) -> Iterator[Ser
         async with open_pipeline(config) as pipe:
             probe.saw(pipe.pids)
             probe.saw_dir(pipe.tmpdir)
+            if prepare is not None:
+                prepare(pipe)
             yield pipe
 
     # worker processes take longer to start than the helper's bound for an in-process one: both fronts
@@ -217,6 +226,27 @@ def deltas(events: list[Any]) -> list[dict[str, Any]]:
     return [e["choices"][0]["delta"] for e in events if isinstance(e, dict) and e.get("choices")]
 
 
+def running_and_waiting(url: str, threads: list[threading.Thread], running: int, waiting: int,
+                        model: str = "toy") -> list[tuple[float, float]]:
+    """Start ``threads`` (each a request), read vLLM's running/waiting gauges until they show ``running``
+    and ``waiting``, join the threads: every reading seen, the last one once all ended."""
+    for t in threads:
+        t.start()
+    seen: list[tuple[float, float]] = []
+    with httpx.Client(base_url=url, timeout=HANG) as c:
+        def read() -> tuple[float, float]:
+            m = metrics(c)
+            seen.append((m[f"vllm:num_requests_running{{engine=0,model_name={model}}}"],
+                         m[f"vllm:num_requests_waiting{{engine=0,model_name={model}}}"]))
+            return seen[-1]
+
+        wait_until(lambda: read() == (running, waiting), f"{running} running, {waiting} waiting")
+        for t in threads:
+            t.join(HANG * 4)
+        read()
+    return seen
+
+
 def metrics(client: httpx.Client) -> dict[str, float]:
     """``/metrics`` parsed by prometheus_client's own parser, as ``name{label=value,...}`` -> value."""
     r = client.get("/metrics")
@@ -227,3 +257,30 @@ def metrics(client: httpx.Client) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+def without_pyav(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an install without the ``audio`` extra: ``import av`` fails, and the audio encoder asks
+    anew which formats it can write (its cache of the real answer is kept for after the test)."""
+    monkeypatch.setitem(sys.modules, "av", None)
+    monkeypatch.setattr(audio_out, "writable", functools.cache(audio_out.writable.__wrapped__))
+
+
+def aac_samples(data: bytes, rate: int) -> Any:
+    """An ADTS AAC stream at ``rate`` (asserting that is what it is), decoded by PyAV (FFmpeg) to float
+    samples, less the encoder's 1024 priming samples (its last frame is padded, so up to 1023 more)."""
+    av = pytest.importorskip("av")  # the audio extra (dev installs it)
+    with av.open(io.BytesIO(data)) as f:
+        stream = f.streams.audio[0]
+        assert f.format.name == "aac" and stream.codec_context.name == "aac"
+        assert stream.codec_context.sample_rate == rate
+        return np.concatenate([frame.to_ndarray().reshape(-1) for frame in f.decode(stream)])[1024:]
+
+
+def g711_samples(data: bytes, law: str) -> Any:
+    """Headerless G.711 (``law``: ``ULAW`` or ``ALAW``) at 8 kHz -> float samples, decoded by libsndfile."""
+    import soundfile
+
+    samples, _ = soundfile.read(io.BytesIO(data), samplerate=8000, channels=1, format="RAW", subtype=law,
+                                dtype="float32")
+    return samples

@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,11 @@ class Server:
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
+            m = re.search(r"serving on (https?://\S+)", line)
             if m:
                 self.url = m.group(1)
+                # keep reading what it says (an access-log line per request): a full pipe would block it
+                threading.Thread(target=self.lines.extend, args=(self.proc.stdout,), daemon=True).start()
                 break
         else:
             self.proc.wait(HANG)

@@ -300,12 +300,18 @@ class ObservedStageClient(StageClient, Protocol):
 
     ``replica_states()`` one mapping per replica slot; ``in_flight()``
     requests per replica; ``queue_seconds``/``compute_seconds`` the
-    worker-reported histograms; ``timing_of(request_id)`` a recent request's
-    stage timing (None if unknown).
+    worker-reported histograms; ``transfer_seconds`` the hand-offs from the
+    stage before (its finishing output -> the submit here) and
+    ``input_bytes`` the bytes of the inputs sent to this stage's workers;
+    ``timing_of(request_id)`` a recent request's stage timing (None if unknown).
     """
 
     queue_seconds: Histogram
     compute_seconds: Histogram
+    transfer_seconds: Histogram
+
+    @property
+    def input_bytes(self) -> int: ...
 
     def replica_states(self) -> list[dict[str, Any]]: ...
 

@@ -36,6 +36,7 @@ import trio
 
 from bench.chaos.faults import FAULTS
 from bench.chaos.run import IMPLEMENTATION, ChaosOptions, ChaosResult
+from stages.schema import positive_seconds_arg
 
 __all__ = ["configure", "main_async", "render_markdown", "render_table", "renderables", "run"]
 
@@ -61,7 +62,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=4, help="thinker tokens per request")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="torch device of the workers (default cpu)")
-    parser.add_argument("--request-timeout", type=float, default=30.0,
+    parser.add_argument("--request-timeout", type=positive_seconds_arg, default=30.0,
                         help="per-request deadline (the server default); a hang shows up as 'timeout'")
     parser.add_argument("--probe", type=int, default=20,
                         help="requests sent after the fault to check it still serves")

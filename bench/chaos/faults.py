@@ -494,4 +494,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
               "chunks)", "disconnect"),
     HttpFault("sigint_server", "SIGINT to the trio-orch serve process with half the HTTP load sent",
               "sigint"),
+    HttpFault("slow_body", "as many uploads as the server reads at once send a byte a second, from before "
+              "the HTTP load (each must lose its read slot with a 408; the load completes)", "slow_body"),
+    HttpFault("smuggle", "POSTs with Content-Length and Transfer-Encoding hide a GET in their body, beside "
+              "the HTTP load (each a 400 and the connection closed; the hidden GET never served)", "smuggle"),
 )}

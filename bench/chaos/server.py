@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from bench.chaos.hostile import SlowUploads, slow_uploads, smuggle
 from bench.chaos.run import ChaosOptions, ChaosResult
 from stages.lockdown import serving_pid
-from trio_orch.serve.signals import EXIT_SIGNAL
+from trio_orch.http.limits import HTTPLimits
 from trio_orch.testing import child_pids, fd_count, worker_alive
 
 if TYPE_CHECKING:
@@ -208,9 +209,17 @@ def count_outcomes(res: ChaosResult, outcomes: dict[str, int]) -> None:
     res.accepted = sum(outcomes.values()) - res.refused
 
 
+#: hostile uploads of the slow_body fault: as many as the server reads bodies at once (its default)
+SLOW_UPLOADS = HTTPLimits().max_body_reads
+#: smuggling attempts of the smuggle fault
+SMUGGLES = 20
+
+
 @dataclass(frozen=True)
 class HttpFault:
-    """A fault of the HTTP front: ``mode`` "disconnect" (clients leave mid-stream) or "sigint"."""
+    """A fault of the HTTP front: ``mode`` "disconnect" (clients leave mid-stream), "sigint", or a
+    hostile client beside the load (:mod:`bench.chaos.hostile`): "slow_body" (uploads at a byte a
+    second in every read slot all along) or "smuggle" (Content-Length with Transfer-Encoding)."""
 
     name: str
     description: str
@@ -243,13 +252,20 @@ class HttpFault:
         count_outcomes(res, outcomes)
         res.leaked_processes, res.leaked_ipc_files = server.leaks()
         res.leaked_fds = max(0, fd_count() - fds_before)
-        if res.notes.get("exit_code") != EXIT_SIGNAL:  # serve's documented code after a SIGINT drain
+        if res.notes.get("exit_code") != 0:  # serve's documented code after a clean SIGINT drain
             res.error = res.error or f"server exit code {res.notes.get('exit_code')} (None: killed)"
         if res.error and opts.progress:
             tail = "".join(server.output)[-3000:]
             print(f"  {self.name}: server output (tail):\n{tail}", file=sys.stderr, flush=True)
         res.wall_s = time.monotonic() - t_start
         return res
+
+    @staticmethod
+    async def _smuggle(url: str, res: ChaosResult) -> None:
+        seen = await smuggle(url, SMUGGLES)
+        res.notes["smuggle"] = ", ".join(f"{k}: {n}" for k, n in sorted(seen.items()))
+        if seen.get("refused", 0) != SMUGGLES:
+            res.error = res.error or f"smuggling: {res.notes['smuggle']} (every attempt must be refused)"
 
     async def _load(self, server: ServerProcess, opts: ChaosOptions, res: ChaosResult,
                     outcomes: dict[str, int]) -> float | None:
@@ -272,7 +288,16 @@ class HttpFault:
                 finally:
                     slots.release()
 
+            stop_hostile = trio.Event()
+            slow = SlowUploads()
             async with trio.open_nursery() as nursery:
+                if self.mode == "slow_body":
+                    nursery.start_soon(slow_uploads, server.url, SLOW_UPLOADS, stop_hostile, slow)
+                    with trio.move_on_after(10):  # the attack in place before the load
+                        while slow.started + sum(slow.answers.values()) < SLOW_UPLOADS:
+                            await trio.sleep(0.05)
+                if self.mode == "smuggle":
+                    nursery.start_soon(self._smuggle, server.url, res)
                 for i in range(opts.requests):
                     await slots.acquire()
                     if stop_at is not None and i == stop_at:
@@ -283,6 +308,14 @@ class HttpFault:
                     sent += 1
                     if opts.progress and sent % 250 == 0:
                         print(f"  {self.name}: {sent}/{opts.requests} sent", file=sys.stderr, flush=True)
+                while slots.value < opts.concurrency:  # every request of the load answered: the attack ends
+                    await trio.sleep(0.05)
+                stop_hostile.set()
+            if self.mode == "slow_body":
+                res.notes["slow_uploads"] = SLOW_UPLOADS
+                res.notes["slow_answers"] = ", ".join(f"{k}: {n}" for k, n in sorted(slow.answers.items()))
+                if slow.answers.get("408", 0) == 0:
+                    res.error = res.error or "no slow upload was refused (408): they held the read slots"
             if self.mode == "sigint":
                 res.still_serving = "n/a (stopped)"
                 res.notes["sigint_after"] = stop_at

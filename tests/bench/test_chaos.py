@@ -195,7 +195,7 @@ async def test_serve_restarts_a_killed_worker_and_shows_it_on_metrics() -> None:
                                       json=chat_body(opts, 0, stream=False))
                 assert r.status_code == 200
             code, _ = await server.stop(signal.SIGINT)
-            assert code == 130  # serve's exit code after a signal-triggered drain
+            assert code == 0  # serve's exit code after a clean signal-triggered drain
     finally:
         if server.proc is not None and server.proc.returncode is None:
             await server.stop(signal.SIGKILL)

@@ -105,10 +105,10 @@ def test_a_removed_serve_flag_is_a_usage_error_that_says_so(argv: list[str], fla
 @pytest.mark.parametrize(("argv", "message"), [
     (["--request-queue-size", "-1"], "--request-queue-size must be >= 0"),
     (["--replicas", "0"], "--replicas must be >= 1"),
-    (["--priority-aging", "0"], "--priority-aging must be > 0 seconds"),
     (["--port", "99999"], "--port must be 0..65535"),
     (["--port", "-1"], "--port must be 0..65535"),
-    (["--max-body-reads", "0"], "max_body_reads must be >= 1"),
+    (["--max-body-reads", "0"], "max_body_reads: expected `int` >= 1, got 0"),
+    (["--min-body-rate", "-1"], "min_body_rate: expected `int` >= 0, got -1"),
     (["--api-key", " "], "--api-key: the key may not be empty"),
     (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
     (["--admin-token-file", "/nonexistent/token"], "cannot read the admin token from /nonexistent/token"),

@@ -50,3 +50,14 @@ def test_a_bad_config_exits_2_naming_the_key(tmp_path: Path, command: str, case:
     assert message in proc.stderr and str(path.name) in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o.wav").exists()
+
+
+def test_a_stage_config_needs_worker_stages(tmp_path: Path) -> None:
+    """``--stage-config`` places worker stages: the in-process toy has none to place (exit 2, not ignored)."""
+    path = tmp_path / "stages.toml"
+    path.write_text('[stages.0]\ndevice = "cpu"\n')
+    proc = subprocess.run([sys.executable, "-m", "trio_orch.cli", "serve", "--in-process", "--port", "0",
+                           "--stage-config", str(path)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "error: --stage-config places worker stages: --in-process has none" in proc.stderr

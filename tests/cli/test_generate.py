@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -11,10 +12,13 @@ import wave
 from pathlib import Path
 
 import pytest
+import soundfile
 
 from stages.config import default_config, echo_config, load_config
 from stages.lockdown import serving_pid
+from tests.http_helpers import without_pyav
 from trio_orch import cli
+from trio_orch.cli.generate import out_format
 from trio_orch.testing import child_pids, worker_alive
 
 TINY_TOML = """
@@ -131,6 +135,7 @@ def test_echo_config_defaults() -> None:
     (["generate", "Hi", "--max-tokens", str(2**40)], "--max-tokens must be between 1 and"),
     (["generate", "Hi", "--out", "{tmp}/no/such/dir/out.wav"], "does not exist"),
     (["generate", "Hi", "--out", "{tmp}"], "is a directory"),
+    (["generate", "Hi", "--out", "{tmp}/out.m4a"], ".m4a names no audio format this writes"),
     (["generate", "Hi", "--replicas", "0"], "--replicas must be >= 1"),
     (["generate", "Hi", "--listen", "tcp://127.0.0.1:7000"], "--listen needs --keys"),
     (["generate", "Hi", "--listen", "127.0.0.1:7000", "--keys", "{tmp}"], "--listen must be tcp://HOST:PORT"),
@@ -144,6 +149,17 @@ def test_generate_refuses_bad_arguments_before_any_worker_starts(
     err = captured.err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message.format(tmp=tmp_path) in err[0], err
     assert "starting workers" not in captured.err + captured.out
+
+
+def test_out_names_the_audio_format_by_its_suffix_and_one_not_written_here_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [out_format(p) for p in (None, "a.wav", "b", "c.FLAC", "d.ogg", "e.opus", "f.mp3", "g.pcm")] == [
+        "wav", "wav", "wav", "flac", "opus", "opus", "mp3", "pcm"]
+    without_pyav(monkeypatch)
+    assert cli.main(["generate", "Hi", "--out", str(tmp_path / "x.aac")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--out {tmp_path / 'x.aac'}: 'aac' cannot be encoded here" in err[0], err
+    assert "pip install 'trio-orch[audio]'" in err[0]
 
 
 def test_trio_orch_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -221,7 +237,7 @@ def test_generate_with_a_seed_is_reproducible_and_voices_differ(
     cfg.write_text(TINY_TOML)
 
     def generate(name: str, *flags: str) -> tuple[str, bytes]:
-        out = tmp_path / f"{name}.wav"
+        out = tmp_path / (name if "." in name else f"{name}.wav")
         assert cli.main(["generate", "Hello", "--out", str(out), "--config", str(cfg), *flags]) == 0
         text = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("text: "))
         return text, out.read_bytes()
@@ -232,6 +248,11 @@ def test_generate_with_a_seed_is_reproducible_and_voices_differ(
     assert generate("c", *hot, "--async-chunk") == first  # the same in either mode
     nova = generate("d", *hot, "--voice", "nova")
     assert nova[0] == first[0] and nova[1] != first[1]
+    text, flac = generate("e.flac", *hot)  # the suffix names the format: the same samples, losslessly
+    with wave.open(io.BytesIO(first[1])) as w:
+        frames = w.readframes(w.getnframes())
+    samples, rate = soundfile.read(io.BytesIO(flac), dtype="int16")
+    assert text == first[0] and rate == 24000 and samples.tobytes() == frames
 
 
 @pytest.mark.slow

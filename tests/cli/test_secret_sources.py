@@ -54,6 +54,24 @@ def test_each_source_in_its_order(tmp_path: Path) -> None:
     assert (args.api_key, args.admin_token) == (None, None)  # none: open, and no /admin
 
 
+def test_vllms_variable_gives_the_api_key_last(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A launch script written for ``vllm serve`` sets ``$VLLM_API_KEY``: read after everything else."""
+    args = parse()
+    resolve(args, {"VLLM_API_KEY": "from-vllm"})
+    assert args.api_key == "from-vllm"
+    args = parse("--api-key-file", secret_file(tmp_path / "k", "from-file"))
+    resolve(args, {"VLLM_API_KEY": "from-vllm"})
+    assert args.api_key == "from-file"
+    with caplog.at_level(logging.WARNING, logger="trio_orch.serve.credentials"):
+        args = parse()
+        resolve(args, {"VLLM_API_KEY": "from-vllm", "TRIO_ORCH_API_KEY": "from-env"})
+    assert args.api_key == "from-env"
+    assert "$TRIO_ORCH_API_KEY and $VLLM_API_KEY hold different API keys" in caplog.text
+    args = parse()
+    resolve(args, {"VLLM_API_KEY": "k", "TRIO_ORCH_API_KEY": "k"})  # the same key twice: no warning
+    assert args.api_key == "k"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--api-key", "k", "--api-key-file", "f"], "give --api-key or --api-key-file, not both"),
     (["--api-key", " "], "may not be empty"),

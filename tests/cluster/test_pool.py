@@ -27,6 +27,7 @@ class FakeReplica:
         self.updates: list[tuple[str, Any, bool]] = []
         self.aborts: list[str] = []
         self.dead_reason: str | None = None
+        self.input_bytes = 0  # a ZmqStageClient counts what it encodes
         pool.add_replica(self)  # type: ignore[arg-type]
 
     async def submit(self, rid: str, payload: Any, *, downstream: int = -1, **opts: Any) -> None:

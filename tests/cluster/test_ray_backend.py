@@ -1,6 +1,8 @@
 """``--worker-backend ray``: a local Ray cluster (``ray.init()`` on this machine, loopback only)
 places every replica as an actor whose worker joins over TCP; a request goes through end to end
-and everything stops.
+and everything stops.  Each replica is on the CPU: its worker is told ``cpu`` and sees no GPU,
+though its node's processes are told of one (``CUDA_VISIBLE_DEVICES=5``, which Ray leaves to an
+actor that reserves no GPU).
 
 The Ray driver runs in a child process: once a driver has lived in a process,
 Ray's gRPC clients there go on reconnecting to the stopped cluster, so the
@@ -68,8 +70,10 @@ async def scenario() -> None:
     one_time_key = Registrar.one_time_key
     Registrar.one_time_key = lambda self: made.append(one_time_key(self)) or made[-1]  # type: ignore[method-assign]
     temp = tempfile.mkdtemp(prefix="ray-")  # short: Ray's unix socket paths must fit 107 bytes
+    # a node whose processes are told of a GPU 5: Ray leaves the variable to an actor that reserves no GPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = "5"
     await trio.to_thread.run_sync(lambda: ray.init(
-        num_cpus=8, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
+        num_cpus=8, num_gpus=0, include_dashboard=False, log_to_driver=False, _temp_dir=temp,
         _node_ip_address="127.0.0.1"))
     try:
         cfg = echo_config(2, heartbeat_interval=0.2, heartbeat_timeout=2.0)
@@ -98,6 +102,12 @@ async def scenario() -> None:
                     check_no_key_in_reach(pid, made, named_like_a_secret=True)
                     check_no_key_in_reach(parent_of(pid), made, named_like_a_secret=True)
                     check_no_key_in_reach(parent_of(parent_of(pid)), made, named_like_a_secret=False)
+                    # a CPU replica's worker sees no GPU, whatever its actor (its node) was told
+                    assert b"CUDA_VISIBLE_DEVICES=5" in environ(parent_of(parent_of(pid)))
+                    assert b"CUDA_VISIBLE_DEVICES=" in environ(pid)
+                for m in reg.members.values():
+                    got = await m.client.rpc("stats", timeout=30)
+                    assert (got["device"], got["cuda_visible_devices"]) == ("cpu", "")
         assert not any(_pid_alive(p) for p in pids)  # every actor's worker is gone
     finally:
         await trio.to_thread.run_sync(ray.shutdown)

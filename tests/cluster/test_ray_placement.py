@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 
 from stages.config import PipelineConfig, StageConfig, default_config, from_dict
+from stages.placement import VISIBLE
+from trio_orch.cluster.ray_backend import CONFIG_ENV, worker_launch
 from trio_orch.cluster.ray_placement import Bundle, Group, Node, matches, plan, unfit, unplaced
 
 HEAD = Node("a" * 56, "10.0.0.1", {"CPU": 8.0, "head": 10.0, "memory": 1e10}, {"node": "head"})
@@ -38,6 +40,49 @@ def test_one_bundle_per_replica_in_stage_order_cpu_1_by_default() -> None:
     ]
     assert g.bundles[0].actor_options() == {"num_cpus": 1.0, "num_gpus": 1.0}
     assert g.bundles[3].actor_options() == {"num_cpus": 0.5, "num_gpus": 0, "resources": {"head": 0.01}}
+
+
+def test_a_replica_on_cuda_reserves_a_gpu_and_is_told_cuda_0_as_ray_shows_it_its_gpu() -> None:
+    cfg = from_dict({"pipeline": {"final_stages": [2], "device": "cuda"},
+                     "stages": [{"kind": "echo", "device": "cuda:1"},
+                                {"kind": "echo", "replicas": 2, "device": ["cpu", "cuda:0"]},
+                                {"kind": "echo", "resources": {"num_gpus": 0.5}}]})  # the pipeline's cuda
+    [g] = plan(cfg)
+    assert [(b.name, dict(b.resources)) for b in g.bundles] == [
+        ("stage 0 (echo) replica 0", {"CPU": 1.0, "GPU": 1.0}),
+        ("stage 1 (echo) replica 0", {"CPU": 1.0}),
+        ("stage 1 (echo) replica 1", {"CPU": 1.0, "GPU": 1.0}),
+        ("stage 2 (echo) replica 0", {"CPU": 1.0, "GPU": 0.5}),  # a fraction of one: shared with others
+    ]
+    assert [b.actor_options()["num_gpus"] for b in g.bundles] == [1.0, 0, 1.0, 0.5]
+    launched = [worker_launch(b, "tcp://10.0.0.1:7000", f"m{i}", "{}") for i, b in enumerate(g.bundles)]
+    devices = [argv[argv.index("--device") + 1] for argv, _ in launched]
+    assert devices == ["cuda:0", "cpu", "cuda:0", "cuda:0"]
+    # a GPU actor's worker keeps the CUDA_VISIBLE_DEVICES Ray gives the actor; a CPU one's sees no GPU
+    assert [env.get(VISIBLE) for _, env in launched] == [None, "", None, None]
+    argv, env = launched[0]
+    assert argv[argv.index("--stage") + 1] == "0" and argv[argv.index("--member-id") + 1] == "m0"
+    assert env[CONFIG_ENV] == "{}"
+
+
+def test_gpus_the_cluster_lacks_are_refused_naming_the_replica() -> None:
+    cfg = from_dict({"pipeline": {"final_stages": [1]},
+                     "stages": [{"kind": "echo", "device": "cuda:1"}, {"kind": "echo", "device": "cpu"}]})
+    assert unfit(plan(cfg), [HEAD]) == ("missing resource 'GPU': stage 0 (echo) replica 0 needs GPU 1 on one "
+                                        "node, and no node has more than 0")
+    assert unfit(plan(cfg), [HEAD, GPU]) is None
+    two = from_dict({"pipeline": {"final_stages": [0]},
+                     "stages": [{"kind": "echo", "replicas": 2, "device": "cuda"}]})
+    assert unfit(plan(two), [HEAD, GPU]) == ("missing resource 'GPU': the pipeline's replicas need GPU 2 in "
+                                             "all, the cluster has 1 (2 nodes)")
+
+
+def test_a_cuda_replica_whose_resources_give_it_no_gpu_is_a_config_error() -> None:
+    cfg = from_dict({"stages": [{"kind": "echo", "replicas": 2, "device": ["cpu", "cuda:0"],
+                                 "resources": {"num_gpus": 0}}]})
+    with pytest.raises(ValueError, match=r"stage 0 \(echo\) replica 1 resources: device cuda:0 needs a GPU, "
+                                         r"but num_gpus is 0"):
+        plan(cfg)
 
 
 def test_scope_stage_makes_a_group_per_stage_with_the_strategy() -> None:

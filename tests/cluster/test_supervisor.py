@@ -277,6 +277,7 @@ class FakeReplica:
         self.alive = True
         self.closed = False
         self.submitted: list[str] = []
+        self.input_bytes = 0
 
     async def submit(self, request_id: str, payload: Any, *, downstream: int = -1) -> None:
         self.submitted.append(request_id)

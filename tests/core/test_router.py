@@ -426,6 +426,25 @@ def test_a_stale_ticket_may_always_start_and_bad_bounds_are_refused() -> None:
             Router(1, {0}, max_inflight=bad)
 
 
+def test_max_running_bounds_the_started_requests_whatever_their_paths() -> None:
+    """vLLM's ``max_num_seqs``: no more than that many requests run at once; the others wait queued."""
+    r = Router(2, {0, 1}, forward_fn=lambda k, p, o: o, max_running=2)
+    r.add("a", "p")  # path 0..1
+    r.add("b", "p", 0)  # path 0 only
+    third = r.accept("c", "p", final_stage_id=0)
+    assert not r.can_start(third) and not r.has_room(0) and r.capacity() == 2
+    r.route(0, out("a", "x", True))  # "a" passed stage 0 but still runs on stage 1: it still counts
+    assert not r.can_start(third)
+    r.route(0, out("b", "y", True))  # "b" ended: one place
+    assert r.can_start(third) and r.start(third) == [Submit(0, "c", "p")]
+    assert r.statistics().active == 2
+    both = Router(1, {0}, max_inflight=[3], max_running=2)  # the smaller bound decides the capacity
+    assert both.capacity() == 2
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="max_running"):
+            Router(1, {0}, max_running=bad)  # type: ignore[arg-type]
+
+
 def test_resumable_and_async_chunk_requests_release_room_when_each_stage_is_done() -> None:
     r = Router(2, {1}, async_chunk=True, max_inflight=[1, 1])
     r.add("s", "p", resumable=True)

@@ -136,6 +136,7 @@ async def test_a_replica_pool_reports_deaths_replacements_and_cordons_the_moment
             self.replica = -1
             self.alive = True
             self.closed = False
+            self.input_bytes = 0
 
         async def aclose(self) -> None:
             self.closed = True

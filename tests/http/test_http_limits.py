@@ -205,7 +205,7 @@ def test_at_the_connection_limit_a_new_request_gets_503() -> None:
 
 
 def test_a_log_flood_becomes_one_line_per_interval_with_a_count() -> None:
-    from trio_orch.http.limits import RateLimitFilter
+    from trio_orch.http.logs import RateLimitFilter
 
     flt = RateLimitFilter(("out of system resource",), interval=3600)
     records = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system "
@@ -287,7 +287,8 @@ async def test_uploads_hold_no_admission_room_and_body_reads_are_bounded_apart()
 
     front = FrontMetrics()
     shedder = Shedder(lambda: False, frozenset({"/v1/chat/completions"}), front, capacity=lambda: 1)
-    mw = LimitsMiddleware(app, HTTPLimits(max_body_reads=3, body_timeout=HANG), front, shedder)
+    limits = HTTPLimits(max_body_reads=3, body_timeout=HANG, min_body_rate=0)  # slots alone, no rate
+    mw = LimitsMiddleware(app, limits, front, shedder)
     statuses: dict[str, int] = {}
     read: list[str] = []
     finish: dict[str, trio.Event] = {}
@@ -332,6 +333,69 @@ async def test_uploads_hold_no_admission_room_and_body_reads_are_bounded_apart()
             event.set()
     assert [statuses[n] for n in ("up2", "up3", "up4")] == [400] * 3
     assert front.pending == 0 and front.shed == 0
+
+
+async def test_a_body_that_stops_flowing_loses_its_read_slot_and_one_at_full_speed_waits_for_no_slow_one(
+        autojump_clock: object) -> None:
+    """Two read slots, both taken by bodies trickling a byte a second: each gets a 408 once a window
+    (after the first) brings less than the minimum rate, and a whole body waiting behind them is read
+    then -- not after the body timeout.  A long upload that keeps the rate, and a small body whose
+    rest comes slowly but whole within a window, are read to the end."""
+    import trio
+
+    from trio_orch.http.limits import LimitsMiddleware
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        body = (await receive())["body"]  # type: ignore[operator]
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"%d" % len(body)})  # type: ignore[operator]
+
+    front = FrontMetrics()
+    limits = HTTPLimits(max_body_reads=2, body_timeout=600, min_body_rate=1024, body_rate_window=2.0)
+    mw = LimitsMiddleware(app, limits, front)
+    answers: dict[str, tuple[int, float, bytes]] = {}
+
+    async def post(name: str, parts: list[tuple[float, bytes]]) -> None:
+        """A POST whose body comes as ``parts``: (seconds to wait first, bytes)."""
+        size = sum(len(p) for _, p in parts)
+        scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", b"%d" % size)]}
+        status = 0
+        due: dict[int, float] = {}  # when each part arrives, fixed at the first ask
+
+        async def receive() -> dict[str, object]:  # cancel-safe, as a server's: nothing lost to a cancel
+            await trio.sleep_until(due.setdefault(len(parts), trio.current_time() + parts[0][0]))
+            part = parts.pop(0)[1]
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+        async def send(message: dict[str, object]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])  # type: ignore[call-overload]
+            else:
+                answers[name] = (status, trio.current_time(), bytes(message["body"]))  # type: ignore[call-overload]
+
+        await mw(scope, receive, send)
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        for name in ("slow1", "slow2"):
+            nursery.start_soon(post, name, [(1.0, b"x")] * 100)
+        await trio.sleep(0.5)
+        assert front.body_reads == 2
+        nursery.start_soon(post, "fast", [(0.0, b"{}")])
+    assert [answers[n][0] for n in ("slow1", "slow2")] == [408, 408]
+    assert b"slower than 1024 bytes/s over 2s" in answers["slow1"][2]
+    status, at, body = answers["fast"]
+    assert (status, body) == (200, b"2") and at - start == pytest.approx(4.0, abs=0.01)  # not 600 s
+    assert front.body_reads == 0
+
+    steady = [(1.0, b"y" * 1500)] * 20  # 20 s at 1,500 bytes/s: above the minimum all along
+    tail = [(0.0, b"z" * 40), (3.5, b"z" * 10)]  # its last 10 bytes late, but whole in their window
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(post, "steady", steady)
+        nursery.start_soon(post, "tail", tail)
+    assert answers["steady"][0::2] == (200, b"30000") and answers["tail"][0::2] == (200, b"50")
 
 
 def test_a_websocket_session_outlives_the_header_timeout_and_leaves_the_connection_count(

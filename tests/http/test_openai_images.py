@@ -171,7 +171,7 @@ def test_trio_orch_serve_text2image_answers_with_a_decodable_png(tmp_path: Path)
                                                        "negative_prompt": "blurry", "num_inference_steps": 2})
             assert png_of(r).size == (64, 32) and r.json()["trio_orch"]["guided_by"]
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130  # stopped by a signal, cleanly (the documented exit code)
+        assert proc.wait(30) == 0  # a clean drain after the signal (the documented exit code)
         assert list(tmp_path.iterdir()) == []  # no ipc socket or log left behind
     finally:
         if proc.poll() is None:

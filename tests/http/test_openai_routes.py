@@ -2,7 +2,7 @@
 
 The official ``openai`` SDK (httpx for vLLM's tokenizer routes, which the SDK
 does not have) against real servers on loopback, on both fronts: the
-in-process toy pipeline for the shapes and refusals; a small speech pipeline
+in-process toy pipeline for the shapes, the audio formats and the refusals; a small speech pipeline
 of worker processes (thinker -> talker -> code2wav) for what depends on the
 real models -- a seed reproduces text streamed or not, the WAV carries the
 vocoder's rate, the tokenizer is the thinker's; and a talker-first pipeline
@@ -21,10 +21,20 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import soundfile
 
 from stages.base import ReqState
 from stages.config import PipelineConfig, StageConfig
-from tests.http_helpers import FRONTS, HANG, Served, TrioServed, sse_events, worker_server
+from tests.http_helpers import (
+    FRONTS,
+    HANG,
+    Served,
+    TrioServed,
+    aac_samples,
+    sse_events,
+    without_pyav,
+    worker_server,
+)
 from trio_orch.engine import static_pipeline
 from trio_orch.openai.speech import Speed
 from trio_orch.openai.tokenizer import ByteTokenizer
@@ -132,6 +142,75 @@ def test_speech_is_a_wav_or_pcm_of_the_same_audio_streamed_as_it_is_made(toy: Se
 
 
 @SERVES
+def test_speech_as_flac_opus_mp3_and_aac_through_the_sdk(toy: Served) -> None:
+    """FLAC holds the WAV answer's very samples; Opus, MP3 and AAC decode to as long a clip."""
+    with sdk(toy.url) as c:
+        frames = wav_frames(c.audio.speech.create(model="toy", voice="onyx", input="hello there").content,
+                            SAMPLE_RATE)
+        flac = c.audio.speech.create(model="toy", voice="onyx", input="hello there", response_format="flac")
+        assert flac.response.headers["content-type"] == "audio/flac"
+        samples, rate = soundfile.read(io.BytesIO(flac.content), dtype="int16")
+        assert rate == SAMPLE_RATE and samples.tobytes() == frames  # lossless: the 16-bit samples exactly
+        seconds = len(frames) / 2 / SAMPLE_RATE
+        for fmt, kind, content_type in (("opus", "OGG", "audio/ogg"), ("mp3", "MP3", "audio/mpeg")):
+            lossy = c.audio.speech.create(model="toy", voice="onyx", input="hello there", response_format=fmt)
+            assert lossy.response.headers["content-type"] == content_type
+            with soundfile.SoundFile(io.BytesIO(lossy.content)) as f:
+                assert (f.format, f.samplerate, f.channels) == (kind, SAMPLE_RATE, 1)  # 24 kHz: Opus takes it
+                decoded = f.read(dtype="float32")
+            assert abs(len(decoded) / SAMPLE_RATE - seconds) < 0.002, fmt
+            assert np.abs(decoded).max() > 0.05  # sound, not silence
+        aac = c.audio.speech.create(model="toy", voice="onyx", input="hello there", response_format="aac")
+        assert aac.response.headers["content-type"] == "audio/aac"
+        decoded = aac_samples(aac.content, SAMPLE_RATE)
+        assert 0 <= len(decoded) - len(frames) // 2 < 1024  # the last AAC frame padded
+        assert np.abs(decoded).max() > 0.05
+
+
+@SERVES
+def test_aac_without_the_audio_extra_is_a_400_naming_the_format_and_the_extra(
+        toy: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    without_pyav(monkeypatch)
+    with sdk(toy.url) as c:
+        before = len(toy.engine.stages[0].submissions)  # type: ignore[attr-defined]
+        with pytest.raises(openai.BadRequestError) as speech:
+            c.audio.speech.create(model="toy", voice="onyx", input="hi", response_format="aac")
+        with pytest.raises(openai.BadRequestError) as chat:
+            c.chat.completions.create(model="toy", messages=[{"role": "user", "content": "hi"}],
+                                      modalities=["text", "audio"], audio={"voice": "onyx", "format": "aac"})
+        assert len(toy.engine.stages[0].submissions) == before  # type: ignore[attr-defined]  # refused first
+        flac = c.audio.speech.create(model="toy", voice="onyx", input="hi", response_format="flac")
+    assert flac.content[:4] == b"fLaC"  # the other formats still served
+    for err, param in ((speech.value, "response_format"), (chat.value, "audio.format")):
+        assert err.status_code == 400 and param_of(err) == param
+        assert "'aac'" in err.message and "pip install 'trio-orch[audio]'" in err.message
+        assert "flac, opus, mp3" in err.message  # what it can write
+
+
+@SERVES
+def test_chat_audio_comes_in_the_format_asked_through_the_sdk(toy: Served) -> None:
+    """A chat answer's ``audio.format``: the same encoder as speech's, the samples the WAV answer holds."""
+    messages = [{"role": "user", "content": "wave at me"}]
+
+    def audio(c: Any, fmt: str) -> bytes:
+        resp = c.chat.completions.create(model="toy", messages=messages, modalities=["text", "audio"],
+                                         audio={"voice": "onyx", "format": fmt})
+        assert resp.choices[0].message.audio.transcript == resp.choices[0].message.content
+        return base64.b64decode(resp.choices[0].message.audio.data)
+
+    with sdk(toy.url) as c:
+        frames = wav_frames(audio(c, "wav"), SAMPLE_RATE)
+        assert audio(c, "pcm16") == frames
+        samples, rate = soundfile.read(io.BytesIO(audio(c, "flac")), dtype="int16")
+        assert rate == SAMPLE_RATE and samples.tobytes() == frames
+        for fmt, kind in (("opus", "OGG"), ("mp3", "MP3")):
+            with soundfile.SoundFile(io.BytesIO(audio(c, fmt))) as f:
+                assert (f.format, f.samplerate) == (kind, SAMPLE_RATE)
+                assert abs(f.frames - len(frames) // 2) <= 2, fmt  # as long as the WAV
+        assert 0 <= len(aac_samples(audio(c, "aac"), SAMPLE_RATE)) - len(frames) // 2 < 1024
+
+
+@SERVES
 def test_speech_events_carry_the_same_pcm(toy: Served) -> None:
     body = {"model": "toy", "voice": "onyx", "input": "hello there", "response_format": "pcm"}
     with httpx.Client(base_url=toy.url, timeout=HANG) as c:
@@ -148,7 +227,7 @@ def test_speech_events_carry_the_same_pcm(toy: Served) -> None:
 @SERVES
 def test_speech_refusals_name_the_field(toy: Served) -> None:
     with sdk(toy.url) as c:
-        cases = [({"response_format": "mp3"}, "response_format"), ({"speed": 9.0}, "speed"),
+        cases = [({"response_format": "ogg"}, "response_format"), ({"speed": 9.0}, "speed"),
                  ({"voice": "nobody"}, "voice"), ({"input": ""}, "input"),
                  ({"instructions": "whisper"}, "instructions"),
                  ({"response_format": "wav", "stream_format": "sse"}, "response_format")]
@@ -156,6 +235,8 @@ def test_speech_refusals_name_the_field(toy: Served) -> None:
             with pytest.raises(openai.BadRequestError) as bad:
                 c.audio.speech.create(**{"model": "toy", "voice": "onyx", "input": "hi", **kwargs})
             assert bad.value.status_code == 400 and param_of(bad.value) == param
+            if kwargs.get("response_format") == "ogg":
+                assert repr(kwargs["response_format"]) in bad.value.message  # names the format
         with pytest.raises(openai.NotFoundError):
             c.audio.speech.create(model="tts-1", voice="onyx", input="hi")
 
@@ -308,8 +389,9 @@ def test_a_thinker_told_what_to_say_says_it_and_ends() -> None:
 def test_speed_resamples_across_chunks_as_it_would_the_whole() -> None:
     pcm = np.sin(np.arange(4000) / 7.0).astype(np.float32)
     for factor in (0.5, 1.0, 1.5, 2.0, 4.0):
-        whole = Speed(factor)(pcm)
         speed = Speed(factor)
-        pieces = np.concatenate([speed(pcm[i:i + 333]) for i in range(0, len(pcm), 333)])
-        assert abs(len(whole) - len(pcm) / factor) <= 1
-        assert len(pieces) == len(whole) and np.allclose(pieces, whole, atol=1e-6)
+        whole = np.concatenate([speed(pcm), speed.flush()])
+        speed = Speed(factor)
+        pieces = np.concatenate([*(speed(pcm[i:i + 333]) for i in range(0, len(pcm), 333)), speed.flush()])
+        assert len(whole) == round(len(pcm) / factor)
+        assert np.array_equal(pieces, whole)

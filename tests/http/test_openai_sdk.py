@@ -185,7 +185,7 @@ def test_serve_with_served_model_name_and_api_key_as_a_vllm_user_starts_it(front
         assert seen["trio_orch_prompt_tokens_total"] == ok.usage.prompt_tokens
         assert seen["trio_orch_generation_tokens_total{stage=0}"] == ok.usage.completion_tokens
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(HANG * 3) == 130
+        assert proc.wait(HANG * 3) == 0  # a clean drain, as vllm serve's
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -38,9 +38,10 @@ from websockets.sync.client import ClientConnection, connect
 
 from stages.lockdown import serving_pid
 from tests.conftest import live_task_names
-from tests.http_helpers import FRONTS, serve
+from tests.http_helpers import FRONTS, g711_samples, serve
 from tests.waiting import wait_until
 from trio_orch.http.limits import HTTPLimits
+from trio_orch.openai import audio_out
 from trio_orch.openai.realtime import Append, Cancel, RealtimeSession, Start
 from trio_orch.testing import child_pids, worker_alive
 from trio_orch.testing.toy_pipeline import TOY_STAGE_PARAMS, toy_pipeline
@@ -164,7 +165,9 @@ def user(text: Any, **extra: Any) -> dict[str, Any]:
     (json.dumps({"type": "session.update", "session": {"type": "transcription"}}), "invalid_session",
      "session.type"),
     (json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {
-        "type": "audio/pcmu"}}}}}), "unsupported_value", "session.audio.output.format"),
+        "type": "audio/opus"}}}}}), "unsupported_value", "session.audio.output.format"),
+    (json.dumps({"type": "session.update", "session": {"audio": {"output": {"format": {
+        "type": "audio/pcm", "rate": 16000}}}}}), "unsupported_value", "session.audio.output.format"),
     (json.dumps({"type": "session.update", "session": {"max_output_tokens": 0}}), "invalid_value",
      "session.max_output_tokens"),
     (json.dumps({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}}}),
@@ -276,6 +279,47 @@ def test_audio_responses_stream_the_transcript_and_pcm_and_end_when_every_final_
     assert d.out(out(rid, 0, {"text": "late"}, 0)) == []  # nothing after response.done
     (retrieved,) = d.send("conversation.item.retrieve", item_id=item["id"])[0]
     assert retrieved["item"] == item  # the answer joined the conversation
+
+
+@pytest.mark.parametrize(("kind", "law"), [("audio/pcmu", "ULAW"), ("audio/pcma", "ALAW")])
+def test_audio_in_g711_is_the_24_khz_audio_at_8_khz_whatever_its_pieces(kind: str, law: str) -> None:
+    d = Driven()
+    (updated,) = d.send("session.update", session={"audio": {"output": {"format": {"type": kind}}}})[0]
+    assert updated["session"]["audio"]["output"]["format"] == {"type": kind}
+    d.say("hi")
+    rid = d.respond().request_id
+    t = np.arange(2401) / 24000  # a 440 Hz tone and a 9 kHz one, which 8 kHz cannot hold
+    pcm = (0.4 * np.sin(2 * np.pi * 440 * t) + 0.3 * np.sin(2 * np.pi * 9000 * t)).astype(np.float32)
+    events = []
+    for piece in np.split(pcm, [1, 2, 500, 1201, 1202]):  # pieces too short to complete an 8 kHz sample too
+        events += d.out(out(rid, 2, {"pcm": piece, "sample_rate": 24000}, 0))
+    events += d.complete()
+    deltas = [e for e in events if e["type"] == "response.output_audio.delta"]
+    assert events.index(deltas[-1]) < [e["type"] for e in events].index("response.output_audio.done")
+    data = b"".join(base64.b64decode(e["delta"]) for e in deltas)
+    assert len(data) == round(len(pcm) / 3)  # one byte a sample, 8 kHz, as long as the audio
+    whole = audio_out.AudioStream(audio_out.REALTIME_OUT[kind], 24000)
+    assert data == whole.encode(pcm) + whole.flush()  # the pieces make what the whole makes
+    heard = g711_samples(data, law)
+    ref = 0.4 * np.sin(2 * np.pi * 440 * np.arange(len(heard)) / 8000)
+    assert np.abs(heard - ref)[20:-20].max() < 0.05  # the tone, on time; the 9 kHz one filtered out
+    assert events[-1]["response"]["audio"]["output"]["format"] == {"type": kind}
+
+
+def test_a_response_may_ask_for_its_own_output_format_and_the_next_has_the_session_s() -> None:
+    d = Driven()
+    d.say("hi")
+    start = d.respond(audio={"output": {"format": {"type": "audio/pcma"}}})
+    piece = {"pcm": np.full(30, 0.25, np.float32), "sample_rate": 24000}
+    events = d.out(out(start.request_id, 2, piece, 0)) + d.complete()
+    deltas = [base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta"]
+    assert len(b"".join(deltas)) == 10  # A-law at 8 kHz: a byte for three 24 kHz samples
+    assert events[-1]["response"]["audio"]["output"]["format"] == {"type": "audio/pcma"}
+    d.say("again")
+    append = d.respond()
+    (delta,) = d.out(out(append.request_id, 2, piece, 1))
+    assert np.frombuffer(base64.b64decode(delta["delta"]), "<i2").tolist() == [8191] * 30  # 24 kHz PCM
+    assert d.s.describe()["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
 
 
 def test_cancel_aborts_the_request_and_the_next_response_starts_a_new_one() -> None:
@@ -515,6 +559,21 @@ def test_a_frame_over_the_transport_limit_closes_only_that_session(toy: Server) 
     assert turns[-1].status == "completed"  # the server still serves
 
 
+@pytest.mark.parametrize(("frame", "code"), [
+    (b"\x83\x80\0\0\0\0", 1002),  # a frame with a reserved opcode
+    (b"\x82\xff" + (1 << 40).to_bytes(8, "big") + b"\0\0\0\0", 1009),  # a terabyte announced, nothing sent
+], ids=["protocol-error", "impossible-length"])
+def test_a_websocket_protocol_error_ends_with_a_close_frame_and_its_code(toy: Server, frame: bytes,
+                                                                         code: int) -> None:
+    with toy.connect() as ws:
+        ws.socket.sendall(frame)  # raw bytes: no client library would send them
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv(timeout=HANG)
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == code  # the server's close frame
+    wait_until(toy.idle, "nothing left running")
+
+
 def test_cancel_ends_the_response_and_the_session_takes_another(toy: Server) -> None:
     with toy.connect() as ws:
         ask(ws, "words " * 50)
@@ -628,7 +687,7 @@ def test_trio_orch_serve_and_the_example_client_as_a_user_would(tmp_path: Path) 
             pcm = np.frombuffer(w.readframes(w.getnframes()), "<i2")
         assert pcm.tobytes() == audio and len(pcm) == 3 * 10 * 2 * 12 and np.abs(pcm).max() > 0
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130  # stopped by a signal (documented exit code)
+        assert proc.wait(30) == 0  # a clean drain after the signal (documented exit code)
         wait_until(lambda: not any(worker_alive(p) for p in workers), "worker processes gone")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "tiny.toml"]  # no ipc file left
     finally:

@@ -41,8 +41,9 @@ from openai.types.realtime import (
 )
 from websockets.exceptions import InvalidStatus
 
-from tests.http_helpers import FRONTS, Served, TrioServed, metrics, serve
+from tests.http_helpers import FRONTS, Served, TrioServed, g711_samples, metrics, serve
 from tests.waiting import wait_until
+from trio_orch.openai.audio_out import Resampler
 from trio_orch.testing.toy_pipeline import toy_pipeline
 
 HANG = 30.0  # seconds before a connection is declared hung (asserts nothing about timing)
@@ -137,6 +138,31 @@ def test_audio_responses_stream_transcript_and_pcm_turn_after_turn(server: Any) 
         assert events[-1].response.status == "completed"
         assert events[-1].response.output[0].content[0].transcript == transcript
     assert turns[0][-1].response.id != turns[1][-1].response.id
+    wait_until(idle(server), "no request left")
+
+
+def audio_of(server: Any, fmt: dict[str, Any]) -> tuple[bytes, ResponseDoneEvent]:
+    """The audio of one answer to "Hello" in a new session whose output format is ``fmt``."""
+    with session(server) as conn:
+        conn.session.update(session={"type": "realtime", "audio": {"output": {"format": fmt}}})
+        (updated,) = until(conn, SessionUpdatedEvent)
+        assert updated.session.audio.output.format.type == fmt["type"]
+        ask(conn, "Hello")
+        events = until(conn, ResponseDoneEvent)
+    return b"".join(base64.b64decode(d.delta) for d in of(events, ResponseAudioDeltaEvent)), events[-1]
+
+
+@pytest.mark.parametrize(("kind", "law"), [("audio/pcmu", "ULAW"), ("audio/pcma", "ALAW")])
+def test_g711_sessions_get_the_same_audio_at_8_khz(server: Any, kind: str, law: str) -> None:
+    pcm, _ = audio_of(server, {"type": "audio/pcm", "rate": 24000})
+    g711, done = audio_of(server, {"type": kind})
+    assert done.response.status == "completed" and done.response.audio.output.format.type == kind
+    samples = np.frombuffer(pcm, "<i2").astype(np.float32) / 32768
+    assert len(samples) > 0 and len(g711) == round(len(samples) / 3)  # a byte a sample at 8 kHz
+    heard = g711_samples(g711, law)
+    r = Resampler(24000, 8000)
+    expected = np.concatenate([r.feed(samples), r.flush()])
+    assert np.abs(heard - expected).max() < 0.03 * np.abs(expected).max() + 0.002  # G.711's quantisation
     wait_until(idle(server), "no request left")
 
 

@@ -164,7 +164,7 @@ def test_acceptance_with_the_openai_client_against_trio_orch_serve(tmp_path: Pat
         with pytest.raises(openai.BadRequestError, match=r"'top_p' must be in \(0, 1\]"):
             ask(top_p=0)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130  # stopped by a signal (documented exit code)
+        assert proc.wait(30) == 0  # a clean drain after the signal (documented exit code)
         wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
         assert list(tmp_path.iterdir()) == []
     finally:

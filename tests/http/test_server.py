@@ -367,7 +367,7 @@ def test_trio_orch_serve_with_worker_processes_streams_text_and_audio(tmp_path: 
         text, audio = _openai_client_stream(url)  # the official client reads the same stream
         assert text and len(audio) > 0 and np.abs(np.frombuffer(audio, "<i2")).max() > 0
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130  # stopped by a signal (SIGTERM gives the same)
+        assert proc.wait(30) == 0  # a clean drain after the signal (SIGTERM gives the same)
         wait_until(lambda: not any(_alive(p) for p in workers), "worker processes gone")
         assert list(tmp_path.iterdir()) == []  # no ipc socket or log file left behind
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from trio_orch.serve.framing import simple_response, status_line
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,
     END,
@@ -13,8 +14,6 @@ from trio_orch.serve.trio_http.protocol import (
     RequestHead,
     RequestReader,
     response_head,
-    simple_response,
-    status_line,
 )
 
 GET = b"GET /a%20b/c?x=1&y=2 HTTP/1.1\r\nHost: t\r\nX-Thing: V\r\n\r\n"
@@ -97,6 +96,45 @@ def test_a_malformed_head_is_400_and_a_head_over_the_limit_431() -> None:
     with pytest.raises(BadRequest) as big:
         reader.next_event()
     assert big.value.status == 431
+
+
+def test_a_whole_head_over_the_limit_in_one_read_is_431_and_a_pipelined_one_is_measured_alone() -> None:
+    head = b"GET / HTTP/1.1\r\nHost: t\r\nX-Big: " + b"x" * 200 + b"\r\n\r\n"
+    reader = RequestReader(150)
+    reader.feed(head)  # complete in one read: h11 alone would take it
+    with pytest.raises(BadRequest) as big:
+        reader.next_event()
+    assert big.value.status == 431
+    small = b"GET /a HTTP/1.1\r\nHost: t\r\n\r\n"
+    reader = RequestReader(len(small) + 10)
+    reader.feed(small * 3)  # three heads in one read, each under the limit
+    for _ in range(3):
+        assert isinstance(reader.next_event(), RequestHead) and reader.next_event() is END
+        reader.next_cycle()
+
+
+def test_a_request_with_content_length_and_transfer_encoding_is_400_and_nothing_after_it_is_parsed() -> None:
+    smuggled = b"0\r\n\r\nGET /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"
+    # a coding h11 does not speak is its own refusal first: 501, as RFC 9112 6.1 asks
+    for te, status in ((b"chunked", 400), (b"Chunked", 400), (b"gzip, chunked", 501)):
+        reader = RequestReader(1 << 16)
+        reader.feed(b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+                    b"Transfer-Encoding: %b\r\n\r\n%b" % (len(smuggled), te, smuggled))
+        with pytest.raises(BadRequest) as bad:
+            reader.next_event()
+        assert bad.value.status == status
+        assert status == 501 or "both Content-Length and Transfer-Encoding" in str(bad.value)
+        with pytest.raises(BadRequest):  # refused for good: the smuggled request is never reached
+            reader.next_event()
+
+
+@pytest.mark.parametrize("version", [b"9.9", b"2.0", b"0.9", b"1.2"])
+def test_an_http_version_other_than_10_and_11_is_505(version: bytes) -> None:
+    reader = RequestReader(1 << 16)
+    reader.feed(b"GET / HTTP/%b\r\nHost: t\r\n\r\n" % version)
+    with pytest.raises(BadRequest) as bad:
+        reader.next_event()
+    assert bad.value.status == 505 and f"HTTP/{version.decode()} is not supported" in str(bad.value)
 
 
 def test_a_head_cut_by_the_clients_close_is_400() -> None:

@@ -466,6 +466,31 @@ async def test_a_websocket_message_over_the_limit_closes_with_1009() -> None:
     assert app.ws_disconnect is not None and app.ws_disconnect["code"] == 1009
 
 
+def client_frame(first: int, length_field: bytes, payload: bytes = b"") -> bytes:
+    """A raw client frame: its first byte, its (masked) length field, a zero mask, its payload."""
+    return bytes([first, 0x80 | length_field[0]]) + length_field[1:] + b"\0\0\0\0" + payload
+
+
+@pytest.mark.parametrize(("frame", "code"), [
+    (client_frame(0x83, b"\x00"), 1002),  # a reserved opcode
+    (client_frame(0x82, b"\x7f" + (1 << 63).to_bytes(8, "big")), 1002),  # a 64-bit length with its MSB set
+    (client_frame(0x82, b"\x7f" + (1 << 40).to_bytes(8, "big")), 1009),  # a terabyte announced: at once
+    (client_frame(0x82, b"\x7e" + (1001).to_bytes(2, "big")), 1009),  # over the limit, before any payload
+], ids=["opcode", "msb", "terabyte", "over-limit"])
+async def test_a_websocket_protocol_error_ends_with_a_close_frame_and_its_code(frame: bytes, code: int
+                                                                              ) -> None:
+    app = App()
+    async with serving(app, HTTPLimits(max_body_bytes=1000)) as (port, _):
+        stream, ws, _ = await ws_client(port, "/echo")
+        await stream.send_all(frame)
+        close = await ws_next(stream, ws)
+        assert isinstance(close, CloseConnection) and close.code == code
+        assert await read_to_eof(stream) == b""  # then the connection ends
+        await app.ws_done.wait()
+        await stream.aclose()
+    assert app.ws_disconnect is not None and app.ws_disconnect["code"] == code
+
+
 async def test_a_websocket_client_that_vanishes_ends_the_session_with_1006() -> None:
     app = App()
     async with serving(app) as (port, _):

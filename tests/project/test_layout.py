@@ -277,10 +277,8 @@ def third_party_imports(path: Path) -> set[str]:
     """The top-level names of the packages outside the project that ``path`` imports (lazy ones too)."""
     found: set[str] = set()
     for node in _runtime_nodes(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found |= third_party_imports_of(node)
     return found - set(PACKAGES)
 
 
@@ -306,6 +304,38 @@ def test_the_openai_request_handling_imports_no_web_framework_not_even_transitiv
                       for name in third_party_imports(files[r]) & WEB_FRAMEWORKS})
            for m in openai_modules}
     assert {m: v for m, v in bad.items() if v} == {}
+
+
+def audio_writers(path: Path) -> list[str]:
+    """Where ``path`` writes an audio file: ``wave.open`` for writing, ``soundfile.write`` or a
+    ``SoundFile`` opened to write, or PyAV (``import av``: this project only encodes with it)."""
+    found = []
+    for node in _runtime_nodes(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import | ast.ImportFrom) and "av" in third_party_imports_of(node):
+            found.append(f"{path.name}:{node.lineno}: imports av")
+        if not isinstance(node, ast.Call):
+            continue
+        call = ast.unparse(node.func)
+        modes = [ast.unparse(a) for a in node.args[1:2]] + [ast.unparse(k.value) for k in node.keywords
+                                                              if k.arg == "mode"]
+        if (call == "soundfile.write" or (call == "wave.open" and any("w" in m for m in modes))
+                or (call == "soundfile.SoundFile" and any("w" in m for m in modes))):
+            found.append(f"{path.name}:{node.lineno}: {call}")
+    return found
+
+
+def third_party_imports_of(node: ast.Import | ast.ImportFrom) -> set[str]:
+    """The top-level package names one import statement names."""
+    if isinstance(node, ast.Import):
+        return {a.name.split(".")[0] for a in node.names}
+    return {node.module.split(".")[0]} if node.module and node.level == 0 else set()
+
+
+def test_audio_files_are_written_by_the_one_encoder_only() -> None:
+    files = {m: p for pkg in PACKAGES for m, p in module_files(pkg).items()}
+    assert len(audio_writers(files["trio_orch.openai.audio_out"])) >= 3  # the check sees wave, soundfile, av
+    bad = {m: w for m, p in files.items() if m != "trio_orch.openai.audio_out" and (w := audio_writers(p))}
+    assert bad == {}
 
 
 def test_the_worker_side_imports_nothing_from_trio_orch() -> None:

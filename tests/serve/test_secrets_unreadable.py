@@ -245,7 +245,7 @@ def test_serve_attacked_from_its_first_instant_gives_nothing_away(tmp_path: Path
     # readable from its exec to its own lock-down, gave nothing away either: "found" above)
     assert refused_everything(report, fresh), report["results"]
     assert {fresh, *workers} <= {int(pid) for pid in report["results"]}
-    assert serve.returncode == 130
+    assert serve.returncode == 0  # a clean drain after the SIGTERM
     assert not any(worker_alive(w) for w in workers)
 
 

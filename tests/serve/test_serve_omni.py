@@ -5,11 +5,17 @@ built here, the official ``openai`` SDK (or plain HTTP where the SDK has no
 field for it) as the client.  Greedy text is
 ``Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=False,
 thinker_do_sample=False)`` decoded without special tokens; with a greedy
-talker the waveform is ``generate()``'s (so are its codes: the waveform is a
-function of them); the same for one image and one audio input.  Each worker
+talker the waveform is ``generate()``'s (its codes, which no client sees, are
+compared in tests/serve/test_serve_omni_codes.py); the same for one image and
+one audio input.  Each worker
 holds only its part (asked over the admin RPC), ``modalities: ["text"]``
 never reaches the talker or token2wav, an unknown voice is a 400 listing the
-checkpoint's, ``/v1/audio/speech`` speaks its input.  In async-chunk mode (a
+checkpoint's, ``/v1/audio/speech`` speaks its input.  The server places each
+stage with a stage config (``--stage-config``: every stage on CPU, by index,
+name and kind, and one model option), and each worker reports the device and
+``CUDA_VISIBLE_DEVICES`` it got; a stage config placing stage 0 on
+``cuda:1`` (no GPU here), naming a stage the pipeline lacks or a key that is
+no stage setting exits 2 before any worker starts.  In async-chunk mode (a
 pipeline config), a realtime session gets text and audio turn after turn,
 and ``kill -9`` of the talker's only worker after the first audio reached the
 client ends that request with one terminal and its partial text; the talker
@@ -24,6 +30,8 @@ import io
 import json
 import os
 import signal
+import subprocess
+import sys
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +45,7 @@ from stages.lockdown import serving_pid
 from tests.http_helpers import deltas, sse_events
 from tests.serve_process import Server
 from tests.waiting import HANG, wait_until
-from trio_orch.testing import child_pids, worker_alive
+from trio_orch.testing import child_pids, processes_naming, worker_alive
 from trio_orch.testing.omni_checkpoint import omni_config
 
 transformers = pytest.importorskip("transformers")
@@ -47,7 +55,7 @@ openai = pytest.importorskip("openai")
 from PIL import Image  # noqa: E402
 
 from stages.hf.omni.checkpoint import read_omni_config  # noqa: E402
-from stages.hf.omni.parts import load_processor, quiet_transformers  # noqa: E402
+from stages.hf.omni.parts import load_processor  # noqa: E402
 from trio_orch.openai.media import MediaPolicy, decode_audio  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -57,24 +65,32 @@ THINKER_MAX, TALKER_MAX = 8, 24
 GREEDY_TALKER = {"stage_sampling": {"omni-talker": {"temperature": 0, "max_tokens": TALKER_MAX}}}
 
 
+#: where each stage runs, as a user places a checkpoint's stages (by index, name and kind): CPU here;
+#: token2wav's look-ahead changed (it only matters in async-chunk mode: seen in the worker's stats)
+STAGE_CONFIG = """
+[stages.0]
+device = "cpu"
+
+[stages.talker]
+device = "cpu"
+
+[stages.omni-token2wav]
+device = ["cpu"]
+[stages.omni-token2wav.model]
+future_codes = 7
+"""
+
+
 @pytest.fixture(scope="module")
-def served(tiny_omni: Path) -> Iterator[Server]:
-    s = Server(str(tiny_omni), "--served-model-name", MODEL, env={"TRIO_ORCH_ADMIN_TOKEN": TOKEN})
+def served(tiny_omni: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    placed = tmp_path_factory.mktemp("omni-stages") / "stages.toml"
+    placed.write_text(STAGE_CONFIG)
+    s = Server(str(tiny_omni), "--served-model-name", MODEL, "--stage-config", str(placed),
+               env={"TRIO_ORCH_ADMIN_TOKEN": TOKEN})
     try:
         yield s
     finally:
         s.stop()
-
-
-@pytest.fixture(scope="module")
-def full(tiny_omni: Path) -> Iterator[Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with quiet_transformers():
-            yield transformers.Qwen2_5OmniForConditionalGeneration.from_pretrained(str(tiny_omni)).eval()
-    finally:
-        torch.set_num_threads(threads)
 
 
 def media_part(medium: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -190,6 +206,36 @@ def test_each_worker_holds_only_its_part(served: Server, full: Any) -> None:
         others = sum(p.numel() for n, p in full.named_parameters() if not n.startswith(f"{part}."))
         assert value["parameters"] == sum(p.numel() for p in full.parameters()) - others
     assert not any("code2wav" in n or "bigvgan" in n for n in held[0]["names"])  # no token2wav in the thinker
+
+
+def test_each_stage_runs_where_its_stage_config_placed_it(served: Server) -> None:
+    stats = {r["stage_id"]: r["value"] for r in admin(served, "/admin/stats")}
+    assert [(stats[k]["device"], stats[k]["cuda_visible_devices"]) for k in range(3)] == [("cpu", "")] * 3
+    assert [stats[k]["model"]["device"] for k in range(3)] == ["cpu"] * 3
+    assert stats[2]["model"]["future_codes"] == 7  # a model option of the stage config's, over the default
+    assert "on cpu" in served.lines[0]
+
+
+@pytest.mark.parametrize(("text", "said"), [
+    ('[stages.0]\ndevice = "cuda:1"\n',
+     "stage 0 (thinker) replica 0: device cuda:1 asked for, but no CUDA device is available here"),
+    ('[stages.vocoder]\ndevice = "cpu"\n', "[stages.vocoder]: the pipeline has no such stage (its stages: 0 "
+     "thinker (omni-thinker), 1 talker (omni-talker), 2 token2wav (omni-token2wav)"),
+    ("[stages.talker]\nmax_batchs = 4\n", "[stages.talker]: 'max_batchs' is not a stage setting"),
+])
+def test_a_stage_config_that_does_not_fit_exits_2_before_any_worker(tiny_omni: Path, tmp_path: Path,
+                                                                     text: str, said: str) -> None:
+    placed = tmp_path / "stages.toml"
+    placed.write_text(text)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TMPDIR": str(tmp_path)}  # no GPU, on any host
+    proc = subprocess.run([sys.executable, "-m", "trio_orch.cli", "serve", str(tiny_omni), "--port", "0",
+                           "--stage-config", str(placed)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=HANG)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"error: {said}" in proc.stderr or f"{placed}: {said}" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "serving" not in proc.stdout
+    assert not list(tmp_path.glob("trio-orch-*"))  # no worker's private directory: none was started
+    assert not processes_naming(tmp_path)  # no process names the run's TMPDIR, as its workers' would
 
 
 def test_text_only_runs_the_thinker_only(served: Server) -> None:

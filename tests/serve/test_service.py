@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -287,14 +288,14 @@ def start_serve(*extra: str, env: dict[str, str] | None = None,
             break
         m = re.search(r"serving on (http://\S+)", line)
         if m:
+            # keep reading what it says (an access-log line per request) so it never blocks on a full pipe
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
             return proc, m.group(1)
     proc.kill()
     raise AssertionError("serve did not report its address")
 
 
 def stream_in_background(url: str, words: int) -> tuple[Any, list[Any]]:
-    import threading
-
     events: list[Any] = []
 
     def run() -> None:
@@ -310,7 +311,7 @@ def stream_in_background(url: str, words: int) -> tuple[Any, list[Any]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_drains_in_flight_requests_refuses_new_ones_and_exits_130(sig: int) -> None:
+def test_a_signal_drains_in_flight_requests_refuses_new_ones_and_exits_0(sig: int) -> None:
     proc, url = start_serve("--in-process")
     try:
         t, events = stream_in_background(url, 60)  # ~1.2 s of text
@@ -324,7 +325,7 @@ def test_a_signal_drains_in_flight_requests_refuses_new_ones_and_exits_130(sig: 
             assert r.headers["retry-after"] == "1"
         t.join(HANG)
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "stop"  # it finished
-        assert proc.wait(HANG) == 130
+        assert proc.wait(HANG) == 0  # a clean drain, as uvicorn's and vllm serve's
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -344,7 +345,7 @@ def test_a_second_signal_ends_the_drain_at_once(loop: str) -> None:
             r = c.post("/v1/chat/completions", json=chat("too late"))
             assert r.status_code == 503 and r.json()["error"]["code"] == "draining"
         proc.send_signal(signal.SIGINT)  # stop now: the stream gets its shutdown error
-        assert proc.wait(HANG) == 130
+        assert proc.wait(HANG) == 1  # the drain was cut short
         t.join(HANG)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown"
     finally:
@@ -363,7 +364,7 @@ def test_past_the_shutdown_timeout_in_flight_requests_get_their_shutdown_error(t
         proc.send_signal(signal.SIGTERM)
         t.join(HANG)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutdown"
-        assert proc.wait(HANG) == 130
+        assert proc.wait(HANG) == 1  # the drain ran out of time: cut short
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -381,7 +382,7 @@ def test_drain_with_worker_processes_leaves_nothing_behind(tmp_path: Path) -> No
         with httpx.Client(base_url=url, timeout=HANG) as c:
             assert c.post("/v1/chat/completions", json=chat("hi")).status_code == 200
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(HANG * 3) == 130
+        assert proc.wait(HANG * 3) == 0
         wait_until(lambda: not any(worker_alive(p) for p in workers), "worker processes gone")
         assert sorted(p.name for p in tmp_path.iterdir()) == ["echo.toml"]  # no ipc file or log left
     finally:
@@ -414,7 +415,7 @@ def test_ctl_drives_the_trio_front_served_with_an_admin_token() -> None:
         with httpx.Client(base_url=url, timeout=HANG) as c:
             assert c.post("/v1/chat/completions", json=chat("after ctl")).status_code == 200
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(HANG) == 130
+        assert proc.wait(HANG) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -435,7 +436,8 @@ def test_stage_timings_reach_the_non_streamed_answer_as_an_extension() -> None:
 
 
 @pytest.mark.parametrize("phase", ["starting", "serving on"])
-def test_a_sigterm_at_any_point_of_startup_exits_130_too(phase: str) -> None:
+def test_a_sigterm_at_any_point_of_startup_exits_0_too(phase: str) -> None:
+    """Nothing was accepted yet (or nothing is in flight): a clean stop."""
     proc = subprocess.Popen([sys.executable, "-m", "trio_orch.cli", "serve", "--port", "0", "--in-process"],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -444,7 +446,7 @@ def test_a_sigterm_at_any_point_of_startup_exits_130_too(phase: str) -> None:
             if line.startswith(phase):
                 break
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(HANG) == 130
+        assert proc.wait(HANG) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

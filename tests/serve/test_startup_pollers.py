@@ -76,7 +76,7 @@ def test_pollers_that_left_during_startup_log_no_error(tmp_path: Path, loop: str
             wait_until(serving, "serve answers 200", hang=60)  # the queued connections were accepted
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
-        assert proc.returncode == 130, out
+        assert proc.returncode == 0, out  # a clean drain: nothing was in flight
     finally:
         if proc.poll() is None:
             proc.kill()

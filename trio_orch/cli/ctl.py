@@ -19,6 +19,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from stages.schema import positive_seconds_arg
 from trio_orch.serve.credentials import TOKEN_ENV, read_secret_file
 
 __all__ = ["configure", "request", "run"]
@@ -35,7 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "command line every user can read it in ps)")
     parser.add_argument("--token-file", default=None, metavar="FILE",
                         help="read the admin token from FILE (the token alone)")
-    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+    parser.add_argument("--timeout", type=positive_seconds_arg, default=None, metavar="S",
                         help="seconds each replica has to answer (default: the server's)")
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer as it is")
     sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)

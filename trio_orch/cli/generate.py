@@ -23,7 +23,7 @@ over TCP (docs/distributed.md); a stage with no local replica is waited for
 Everything that can be checked is checked before a worker starts (the
 prompt, ``--max-tokens``, where ``--out`` goes, the config): exit 2.
 SIGINT and SIGTERM stop it cleanly (workers stopped, ipc files removed)
-with exit code 130, like ``trio-orch serve``.
+with exit code 130, the shell's Ctrl-C code (``serve`` drains instead, and exits 0).
 """
 
 from __future__ import annotations
@@ -34,14 +34,13 @@ import os
 import signal
 import sys
 import time
-import wave
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 
-from stages.config import PIPELINES, PipelineConfig, builtin_config, load_config
+from stages.config import PIPELINES, PipelineConfig
 from stages.placement import check_devices, device_arg
 from stages.registry import (
     as_audio,
@@ -53,6 +52,7 @@ from stages.registry import (
     text_stage,
 )
 from stages.sampling_params import VOICES
+from stages.schema import seconds_arg
 from trio_orch.cli import EXIT_SIGNAL, text2image
 from trio_orch.cli.generate_stream import first_line, stream_input
 from trio_orch.cluster import distributed
@@ -60,20 +60,22 @@ from trio_orch.cluster.distributed import ReplicasMissing, head_options, open_he
 from trio_orch.cluster.launcher import Pipeline, WorkerStartupError
 from trio_orch.cluster.pool import StageTiming
 from trio_orch.cluster.ray_placement import PlacementError
+from trio_orch.openai.audio_out import FILE_SUFFIXES, check_audio_format, encode_audio, pcm16
 from trio_orch.openai.chat import check_max_tokens
 from trio_orch.openai.media import AUDIO_FORMATS, MediaPolicy, audio_clip, read_image_file
 from trio_orch.openai.sampling import SamplingError, map_sampling
 from trio_orch.openai.validation import BadRequest
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
-    checkpoint_pipeline,
+    add_stage_config_argument,
     checkpoint_template,
     model_dir,
+    pipeline_config,
 )
 from trio_orch.shell.orchestrator import Orchestrator, open_orchestrator
 from trio_orch.types import OrchError
 
-__all__ = ["configure", "read_media", "run", "write_wav"]
+__all__ = ["configure", "out_format", "read_media", "run", "write_audio"]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,7 +91,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="a built-in pipeline: speech (default), speech-pd (the thinker split into "
                              "prefill and decode stages), text2image")
     parser.add_argument("--out", default=None,
-                        help="file to write: the WAV (default out.wav), or the PNG (default out.png)")
+                        help="file to write: the audio (default out.wav; its suffix names the format: "
+                             ".wav, .flac, .opus or .ogg, .mp3, .aac, or .pcm for the bare 16-bit samples), "
+                             "or the PNG (default out.png)")
     parser.add_argument("--async-chunk", action="store_true", default=None,
                         help="stream chunks stage to stage (first audio comes earlier)")
     parser.add_argument("--replicas", type=int, default=None, help="worker processes per stage")
@@ -98,6 +102,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "the config's; cpu). A worker on cuda:N sees only that GPU (docs/models.md)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage pipeline)")
+    add_stage_config_argument(parser)
     parser.add_argument("--image", dest="image_files", action="append", default=[], metavar="FILE",
                         help="an image to send with the prompt (repeatable; the pipeline needs an "
                              "image-encoder stage: --pipeline omni-in)")
@@ -136,7 +141,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**dict.fromkeys(IMAGE_OPTIONS))  # None: not given (speech pipelines refuse them)
     add_model_arguments(parser, positional=False)
     distributed.add_arguments(parser)
-    parser.add_argument("--join-timeout", type=float, default=120.0, metavar="S",
+    parser.add_argument("--join-timeout", type=seconds_arg, default=120.0, metavar="S",
                         help="with --listen: seconds to wait until every stage has a replica (a stage "
                              "with no local one waits for one to join) before sending the request")
     parser.add_argument("--max-retries", type=int, default=None, metavar="N",
@@ -155,26 +160,28 @@ def _image_defaults() -> dict[str, Any]:
     return {k: v for k, v in vars(parser.parse_args([])).items() if k in IMAGE_OPTIONS}
 
 
-def write_wav(path: str, pcm: np.ndarray, sample_rate: int) -> None:
-    """Write mono float PCM in [-1, 1] as a 16-bit WAV file."""
-    data = (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2")
-    with wave.open(path, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(data.tobytes())
+def write_audio(path: str, pcm: np.ndarray, sample_rate: int, fmt: str = "wav") -> None:
+    """Write mono float PCM in [-1, 1] as a file in ``fmt`` (the server's encoder: the same bytes as
+    its answer in that format)."""
+    Path(path).write_bytes(encode_audio(pcm16(pcm), sample_rate, fmt))
+
+
+def out_format(path: str | None) -> str:
+    """The audio format ``--out`` names by its suffix (WAV for none); ValueError for one not written
+    here, as the server's 400 says it."""
+    suffix = Path(path or "out.wav").suffix.lower() or ".wav"
+    if suffix not in FILE_SUFFIXES:
+        raise ValueError(f"--out {path}: {suffix} names no audio format this writes (name the file "
+                         f"{', '.join(FILE_SUFFIXES)})")
+    try:
+        return check_audio_format(FILE_SUFFIXES[suffix], "--out")
+    except BadRequest as exc:
+        raise ValueError(str(exc).replace("'--out'", f"--out {path}")) from None
 
 
 def _config(args: argparse.Namespace) -> PipelineConfig:
-    if args.config and args.pipeline:
-        raise ValueError("give --config or --pipeline, not both")
     args.model_dir = model_dir(args)
-    if args.model_dir:
-        cfg = checkpoint_pipeline(args.model_dir, args)
-    else:
-        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-    cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
-                             max_retries=args.max_retries)
+    cfg = pipeline_config(args)  # the checkpoint's, --config's or built-in; --stage-config over it
     if _makes_images(cfg):
         if cfg.async_chunk or args.compare or args.stream_input:
             raise ValueError("an image pipeline runs whole requests stage by stage: --async-chunk, "
@@ -369,12 +376,12 @@ async def _generate(args: argparse.Namespace, cfg: PipelineConfig, pipe: Pipelin
         audio = np.concatenate(pcm)
         out = args.out or "out.wav"
         try:
-            write_wav(out, audio, rate)
+            write_audio(out, audio, rate, args.audio_format)
         except OSError as exc:
             print(f"error: cannot write {out}: {exc}", file=sys.stderr)
             return 1, None
         print(f"wrote {out}: {len(audio) / rate:.2f} s of audio, {rate} Hz mono 16-bit, "
-              f"{len(audio)} samples")
+              f"{len(audio)} samples, as {args.audio_format}")
     return 0, (t_audio - t0) * 1000 if t_audio is not None else None
 
 
@@ -396,7 +403,7 @@ async def _run_once(args: argparse.Namespace, cfg: PipelineConfig) -> tuple[int,
                 rc, pcm, rate = await stream_input(cfg, orch, args.sampling, first=args.first_line,
                                                    priority=args.priority)
                 if pcm is not None:
-                    write_wav(out, pcm, rate)
+                    write_audio(out, pcm, rate, args.audio_format)
                     print(f"wrote {out}: {len(pcm) / rate:.2f} s of audio", file=sys.stderr)
                 return rc, None
             return await _generate(args, cfg, pipe, orch)
@@ -433,6 +440,7 @@ async def _job(args: argparse.Namespace) -> int:
             args.image, args.sampling = text2image.request_from_args(args), None
         else:
             args.image, args.sampling = None, request_sampling(args, cfg)  # checked before any worker starts
+            args.audio_format = out_format(args.out)
         _, local = head_options(args, cfg)  # --listen, --keys, stages without a local replica
         check_devices(local.devices())  # every local replica's device exists here
         args.media = read_media(args, cfg)

@@ -10,16 +10,20 @@ imports no command module; ``trio-orch NAME ...`` imports that one alone, so
 a broken or slow command never gets in the way of another.
 
 Exit codes, the same for every command: 0 done, 1 failed, 2 bad command
-line or config, :data:`EXIT_SIGNAL` (130) stopped by Ctrl-C -- and, for
-``generate`` and ``serve``, by SIGTERM too (``serve`` drains first).
+line or config (an argument nobody takes: one line, with the nearest flag),
+:data:`EXIT_SIGNAL` (130) stopped by Ctrl-C -- and, for ``generate``, by
+SIGTERM too.  ``serve`` exits as uvicorn and ``vllm serve`` do: 0 after a
+signal's clean drain, 1 when the drain was cut short.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import importlib.metadata
 import logging
+import re
 import signal
 import sys
 import threading
@@ -37,10 +41,13 @@ log = logging.getLogger("trio_orch.cli")
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """A subcommand: the module that implements it and its one-line help."""
+    """A subcommand: the module that implements it and its one-line help; ``interrupted``: its exit code
+    when SIGINT or SIGTERM stops it before it takes them over (the shell's Ctrl-C code; ``serve``: 0, as
+    after its drain -- nothing was accepted yet)."""
 
     module: str
     help: str
+    interrupted: int = EXIT_SIGNAL
 
 
 #: the product's own subcommands
@@ -52,7 +59,8 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("trio_orch.cli.generate",
                         "text + speech (WAV) for a prompt through the ZMQ stage workers"),
     "serve": Command("trio_orch.serve.command",
-                     "serve the pipeline over HTTP: OpenAI-style chat completions with audio"),
+                     "serve the pipeline over HTTP in OpenAI's and vLLM's dialect (a 'vllm serve' launch "
+                     "line works)", interrupted=0),
     "worker": Command("trio_orch.cli.worker",
                       "a stage replica that joins a running orchestrator over TCP (--head)"),
     "keys": Command("trio_orch.cli.keys", "make the CurveZMQ key pairs of a head and its workers"),
@@ -77,10 +85,19 @@ def commands() -> dict[str, Command]:
     return found
 
 
-def build_parser(available: dict[str, Command], configure: str | None = None) -> argparse.ArgumentParser:
-    """The parser; only ``configure`` (a command name) gets its options, by importing its module."""
-    parser = argparse.ArgumentParser(
-        prog="trio-orch",
+class Parser(argparse.ArgumentParser):
+    """The ``trio-orch`` parser; ``subcommands`` maps each command's name to its own parser."""
+
+    subcommands: dict[str, argparse.ArgumentParser]
+
+
+def build_parser(available: dict[str, Command], configure: str | None = None) -> Parser:
+    """The parser; only ``configure`` (a command name) gets its options, by importing its module.
+
+    No option is ever taken for a longer one it begins (``allow_abbrev=False``): ``serve --model X``
+    is never ``--model-name X``."""
+    parser = Parser(
+        prog="trio-orch", allow_abbrev=False,
         description=(
             "trio-orch: a Trio (structured concurrency) orchestrator for multi-stage inference "
             "pipelines (thinker -> talker -> vocoder), with ZeroMQ stage workers, an asyncio "
@@ -92,8 +109,10 @@ def build_parser(available: dict[str, Command], configure: str | None = None) ->
                         help="more log output (-v info, -vv debug)")
     parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.subcommands = {}
     for name, cmd in available.items():
-        p = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        p = parser.subcommands[name] = sub.add_parser(name, help=cmd.help, description=cmd.help,
+                                                      allow_abbrev=False)
         p.add_argument("-v", "--verbose", action="count", default=0, dest="sub_verbose",
                        help=argparse.SUPPRESS)
         if name == configure:
@@ -111,24 +130,29 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (130), not with
-    # a bare kill -- and so until the command takes SIGTERM over (serve drains), which it does only
-    # once it has parsed and checked its options: the handler stays until the command returns.
+    # Importing a command takes a while: a SIGTERM meanwhile ends us like Ctrl-C (its exit code: the
+    # command's ``interrupted``), not with a bare kill -- and so until the command takes SIGTERM over
+    # (serve drains), which it does only once it has parsed and checked its options: the handler stays
+    # until the command returns.
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm_as_ctrl_c) if main_thread else None
+    interrupted = EXIT_SIGNAL
     try:
         try:
             argv = list(sys.argv[1:] if argv is None else argv)
             available = commands()
             chosen = next((a for a in argv if not a.startswith("-")), None)
             parser = build_parser(available, configure=chosen if chosen in available else None)
-            args = parser.parse_args(argv)
+            args, extra = parser.parse_known_args(argv)
+            if extra:
+                return _unrecognized(parser, args.command, extra)
             if not args.command:
                 parser.print_help()
                 return 2
             verbosity = args.verbose + getattr(args, "sub_verbose", 0)
             level = logging.WARNING if verbosity == 0 else logging.INFO if verbosity == 1 else logging.DEBUG
             logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+            interrupted = available[args.command].interrupted
             module = importlib.import_module(available[args.command].module)
             return int(module.run(args) or 0)
         finally:
@@ -136,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 signal.signal(signal.SIGTERM, previous)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return EXIT_SIGNAL
+        return interrupted
 
 
 def program() -> int:
@@ -157,6 +181,21 @@ def program() -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return main()
+
+
+#: a flag in a usage line
+_FLAG = re.compile(r"(?<![\w-])(--?[A-Za-z][\w-]*)")
+
+
+def _unrecognized(parser: Parser, command: str | None, extra: list[str]) -> int:
+    """One line for arguments nobody took, with the nearest flag of the command when one is close."""
+    own = parser.subcommands.get(command or "", parser)
+    flags = _FLAG.findall(own.format_usage())  # the flags it shows (a hidden one is never suggested)
+    first = next((a for a in extra if a.startswith("-")), extra[0]).split("=")[0]
+    near = difflib.get_close_matches(first, flags, n=1, cutoff=0.6)
+    hint = f" (did you mean {near[0]}?)" if near else f" (see '{own.prog} --help')"
+    print(f"{own.prog}: error: unrecognized arguments: {' '.join(extra)}{hint}", file=sys.stderr)
+    return 2
 
 
 def _sigterm_as_ctrl_c(signum: int, frame: object) -> None:

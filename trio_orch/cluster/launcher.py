@@ -479,6 +479,7 @@ async def open_pipeline(config: PipelineConfig, *, handle_sigterm: bool = True,
                     workers.append(h)
                     plans.append((h, _worker_argv(config, k, r, st, addr, tmpdir, inbox_host)))
             for k in range(len(pools) - 1):
+                pools[k + 1].upstream = pools[k]  # its hand-offs are timed from this stage's finish
                 if config.hands_off(k):
                     pools[k].downstream = pools[k + 1]  # async-chunk, or a KV handoff (PD)
             async with trio.open_nursery() as starters:  # start all workers at once

@@ -124,6 +124,13 @@ class ReplicaPool:
         #: (reported by the workers with each request's finishing output)
         self.queue_seconds = Histogram(STAGE_TIME_BUCKETS)
         self.compute_seconds = Histogram(STAGE_TIME_BUCKETS)
+        #: the stage before this one (set by the launcher): a request it finished and this stage got
+        #: next has its hand-off timed, from its finishing output here to its submit there
+        self.upstream: ReplicaPool | None = None
+        #: seconds from the upstream stage's finishing output of a request to its submit here (the
+        #: head's hand-off: the forward, the routing decision, the encoding)
+        self.transfer_seconds = Histogram(STAGE_TIME_BUCKETS)
+        self._input_bytes_before = 0  # what replaced replicas' clients had sent (the counter goes on)
         #: set by the orchestrator that routes through this pool: replicas join it through its core
         self.join_gate: Any = None
         #: slots a supervisor gave up (no restart will come) -> why, for ``/health``
@@ -186,10 +193,16 @@ class ReplicaPool:
         if idx not in self._evicted:
             self._evict(idx, reason, self._late)
         client.replica = idx
+        self._input_bytes_before += self.replicas[idx].input_bytes
         self.replicas[idx] = client
         self._evicted.discard(idx)
         self._replicas_changed()
         self._wake()
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of the requests' inputs sent to this stage's replicas so far (replaced ones too)."""
+        return self._input_bytes_before + sum(c.input_bytes for c in self.replicas)
 
     def cordon(self, idx: int) -> None:
         """Stop placing new requests on replica ``idx`` (it keeps its current ones)."""
@@ -433,8 +446,12 @@ class ReplicaPool:
         self._bound[request_id] = idx
         self._load[idx] += 1
         self.placements[idx] += 1
-        self._remember(request_id, StageTiming(idx, time.perf_counter(),
-                                               retried_from=self._died.pop(request_id, None)))
+        now = time.perf_counter()
+        retried_from = self._died.pop(request_id, None)
+        self._remember(request_id, StageTiming(idx, now, retried_from=retried_from))
+        up = self.upstream.timings.get(request_id) if self.upstream is not None else None
+        if up is not None and up.t_done is not None and retried_from is None:
+            self.transfer_seconds.observe(now - up.t_done)  # a hand-off (no prewarm submit, no failover)
         if resumable:
             self._segments[request_id] = [1, False]
         return idx, downstream

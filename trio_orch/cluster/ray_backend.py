@@ -2,9 +2,11 @@
 
 Each actor (:class:`ReplicaActor`, in its replica's placement-group bundle:
 the stage's ``resources`` from the config, e.g. ``num_gpus``, ``num_cpus``
-defaulting to 1, and its ``label_selector``; see
-:mod:`trio_orch.cluster.ray_placement`) runs one ``python -m stages.headless``
-process that registers with the head like any remote worker, under a member
+defaulting to 1, a GPU for a replica placed on CUDA, and its
+``label_selector``; see :mod:`trio_orch.cluster.ray_placement`) runs one
+``python -m stages.headless`` process (:func:`worker_launch`: on its
+replica's device -- ``cuda:0``, the GPU Ray gave the actor, or ``cpu``
+seeing no GPU) that registers with the head like any remote worker, under a member
 id the backend chose (how it knows which member is which actor's).  Each
 actor -- a replacement too -- gets a key pair of its own that opens the head's
 registration once (:meth:`~trio_orch.cluster.registrar.Registrar.one_time_key`:
@@ -54,7 +56,7 @@ if TYPE_CHECKING:  # an actor imports this module on its node: only what Replica
     from trio_orch.cluster.registrar import Registrar
     from trio_orch.cluster.supervisor import Supervisor
 
-__all__ = ["CONFIG_ENV", "ReplicaActor", "keys_text", "open_ray_replicas"]
+__all__ = ["CONFIG_ENV", "ReplicaActor", "keys_text", "open_ray_replicas", "worker_launch"]
 
 log = logging.getLogger("trio_orch.cluster.ray_backend")
 
@@ -66,6 +68,17 @@ def keys_text(worker: Keypair, head: bytes) -> str:
     """What a Ray worker asks for over ``--keys-fd``: its key pair and the head's public key (JSON, Z85)."""
     return json.dumps({"public": worker.public.decode(), "secret": worker.secret.decode(),
                        "head": head.decode()})
+
+
+def worker_launch(bundle: Bundle, head: str, member_id: str,
+                  config_json: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and the (non-secret) variables of the worker a replica's actor starts: its
+    stage, the head it joins, the member id it registers under, the device its bundle gives it
+    (:meth:`~trio_orch.cluster.ray_placement.Bundle.worker_device`), the pipeline config."""
+    device, env = bundle.worker_device()
+    argv = [sys.executable, "-m", "stages.headless", "--stage", str(bundle.stage_id), "--head", head,
+            "--device", device, "--member-id", member_id]
+    return argv, {CONFIG_ENV: config_json, **env}
 
 
 class ReplicaActor:
@@ -142,11 +155,10 @@ async def open_ray_replicas(cfg: PipelineConfig, registrar: Registrar, address: 
         started_ray = True
     actor_cls = ray.remote(ReplicaActor)
     head, head_key = registrar.address, registrar.keys.keypair.public
-    env = {CONFIG_ENV: json.dumps(to_dict(cfg))}
+    config_json = json.dumps(to_dict(cfg))
 
     def launch(bundle: Bundle, scheduling: Any, member_id: str) -> Any:
-        argv = [sys.executable, "-m", "stages.headless", "--stage", str(bundle.stage_id), "--head", head,
-                "--device", cfg.device, "--member-id", member_id]
+        argv, env = worker_launch(bundle, head, member_id, config_json)
         keys = keys_text(registrar.one_time_key(), head_key)
         return actor_cls.options(scheduling_strategy=scheduling, **bundle.actor_options()).remote(
             argv, keys, env)

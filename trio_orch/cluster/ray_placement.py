@@ -3,7 +3,16 @@
 Each replica is one *bundle* -- what its actor reserves on a node: the
 stage's ``resources`` (``num_cpus``, default 1; ``num_gpus``; any custom
 resource, e.g. one only the GPU nodes have) and its ``label_selector`` (Ray
-node labels its node must carry).  The bundles go into placement groups by
+node labels its node must carry).  A replica whose device (its own, its
+stage's or the pipeline's: :meth:`~stages.config.PipelineConfig.replica_device`)
+is CUDA reserves a GPU too -- ``num_gpus`` when the stage says it (a fraction
+shares one), else 1 -- and its worker is told ``cuda:0``: Ray picks the GPU
+on the node and sets the actor's ``CUDA_VISIBLE_DEVICES`` to it, which the
+worker inherits, so it sees that GPU alone (the ``N`` of ``cuda:N`` does not
+choose a GPU of a Ray node: Ray does).  A CPU replica's worker is started with
+``CUDA_VISIBLE_DEVICES`` empty: Ray leaves the variable as the node had it
+for an actor that reserves no GPU, and the worker must not see the node's
+GPUs (:meth:`Bundle.worker_device`).  The bundles go into placement groups by
 ``[pipeline] placement_scope``: one group for the whole pipeline
 (``"pipeline"``, the default) or one per stage (``"stage"``), each with
 ``[pipeline] placement_strategy`` (Ray's ``PACK``, ``SPREAD``,
@@ -31,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stages.config import PipelineConfig
+from stages.placement import VISIBLE, cuda_index
 
 __all__ = ["STRATEGIES", "Bundle", "Group", "Node", "PlacementError", "cluster_nodes", "matches", "plan",
            "short", "unfit", "unplaced"]
@@ -55,10 +65,25 @@ class Bundle:
     stage_label: str
     resources: Mapping[str, float]
     label_selector: Mapping[str, str] = field(default_factory=dict)
+    #: the device the config asks for this replica (cpu, cuda, cuda:N)
+    device: str = "cpu"
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_id} ({self.stage_label}) replica {self.replica}"
+
+    def worker_device(self) -> tuple[str, dict[str, str]]:
+        """What this replica's worker is told (``--device``) and the variables it is started with.
+
+        On CUDA: ``cuda:0`` and nothing set -- Ray sets ``CUDA_VISIBLE_DEVICES``
+        of an actor that reserves GPUs to the GPU(s) of its bundle, and the
+        worker inherits the actor's environment.  On the CPU: ``cpu`` and
+        ``CUDA_VISIBLE_DEVICES`` empty -- Ray leaves an actor without GPUs
+        the node's variable, which would let the worker see every GPU.
+        """
+        if cuda_index(self.device) is None:
+            return "cpu", {VISIBLE: ""}
+        return "cuda:0", {}
 
     def actor_options(self) -> dict[str, Any]:
         """``ray.remote`` options of an actor that takes this whole bundle."""
@@ -94,10 +119,16 @@ class Node:
         return f"{self.address} ({self.node_id[:8]})"
 
 
-def _bundle_resources(resources: Mapping[str, float], where: str) -> dict[str, float]:
+def _bundle_resources(resources: Mapping[str, float], where: str, device: str = "cpu") -> dict[str, float]:
     out: dict[str, float] = {"CPU": 1.0}
+    if cuda_index(device) is not None:
+        out["GPU"] = 1.0  # a CUDA replica reserves its GPU (the stage's num_gpus, if given, says how much)
     for key, amount in resources.items():
         out[_BUILTIN.get(key, key)] = float(amount)
+    if cuda_index(device) is not None and out["GPU"] <= 0:
+        raise ValueError(f"{where}: device {device} needs a GPU, but num_gpus is {out['GPU']:g}: Ray would "
+                         "give its actor none (leave num_gpus out for one GPU, or give a fraction to share "
+                         "one)")
     out = {k: v for k, v in out.items() if v > 0}
     if not out:
         raise ValueError(f"{where}: a replica must reserve some resource on its node (num_cpus is 0 and "
@@ -106,13 +137,20 @@ def _bundle_resources(resources: Mapping[str, float], where: str) -> dict[str, f
 
 
 def plan(cfg: PipelineConfig) -> list[Group]:
-    """The placement groups of ``cfg``'s replicas (ValueError naming a stage that reserves nothing)."""
+    """The placement groups of ``cfg``'s replicas (ValueError naming a stage that reserves nothing, or a
+    CUDA replica whose resources give it no GPU)."""
     if cfg.placement_strategy not in STRATEGIES:
         raise ValueError(f"placement_strategy {cfg.placement_strategy!r}: one of {', '.join(STRATEGIES)}")
     per_stage: list[list[Bundle]] = []
     for k, st in enumerate(cfg.stages):
-        res = _bundle_resources(st.resources, f"stage {k} ({st.label}) resources")
-        per_stage.append([Bundle(k, r, st.label, res, dict(st.label_selector)) for r in range(st.replicas)])
+        bundles = []
+        for r in range(st.replicas):
+            device = cfg.replica_device(k, r)
+            where = f"stage {k} ({st.label}) replica {r}" if isinstance(st.device, list) else \
+                f"stage {k} ({st.label})"
+            res = _bundle_resources(st.resources, f"{where} resources", device)
+            bundles.append(Bundle(k, r, st.label, res, dict(st.label_selector), device))
+        per_stage.append(bundles)
     if cfg.placement_scope == "stage":
         return [Group(f"stage {k} ({cfg.stages[k].label})", cfg.placement_strategy, tuple(b))
                 for k, b in enumerate(per_stage) if b]

@@ -68,6 +68,7 @@ from stages.wire import (
     Update,
     WireCodec,
     WireError,
+    frames_nbytes,
 )
 from trio_orch.types import StageDied, StageOutput, StageUnavailable
 
@@ -151,11 +152,10 @@ class ZmqStageClient:
         self.dead_reason: str | None = None
         self.dead_event = trio.Event()
         self.closed = False
-        self.garbage_frames = 0
-        self.oversized_messages = 0
+        self.garbage_frames = self.oversized_messages = 0
         self.max_message_bytes = max_message_bytes
-        self.messages_in = 0
-        self.messages_out = 0
+        self.messages_in = self.messages_out = 0
+        self.input_bytes = 0  #: bytes of the requests' inputs (submits, input segments) encoded for it
         self.last_heard = trio.current_time()
         # Outbound: other tasks put encoded messages in this channel and wake the owner; the
         # owner alone sends them.  ``_stalled`` holds the one message the high-water mark refused.
@@ -455,6 +455,7 @@ class ZmqStageClient:
         if self._held:
             self._release_held()  # the submits held before it go first
         frames = self.out_codec.encode(msg)
+        self.input_bytes += frames_nbytes(frames) if type(msg) in (Submit, Update) else 0
         if self._waiting_fd and self._stalled is None and not self._queued and not self.closed:
             try:
                 self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
@@ -472,9 +473,10 @@ class ZmqStageClient:
     def _release_held(self) -> None:
         """Queue the held submits as one message (one ``Submit`` if alone), ahead of anything after."""
         held, self._held = self._held, []
-        msg = held[0] if len(held) == 1 else Submits(held)
+        frames = self.out_codec.encode(held[0] if len(held) == 1 else Submits(held))
+        self.input_bytes += frames_nbytes(frames)
         self._queued += 1
-        self._out_send.send_nowait(self.out_codec.encode(msg))
+        self._out_send.send_nowait(frames)
 
     def _check_alive(self) -> None:
         if self.closed:

@@ -321,9 +321,9 @@ def capacity(state: CoreState) -> int | None:
     for k in range(state.num_stages):
         limit = stage_limit(state, k)
         if limit is None:
-            return None
+            return state.max_running
         total += limit
-    return total
+    return total if state.max_running is None else min(total, state.max_running)
 
 
 def has_room(state: CoreState, final_stage_id: int) -> bool:
@@ -332,8 +332,12 @@ def has_room(state: CoreState, final_stage_id: int) -> bool:
     A started request holds room on every stage of its path (0..final)
     until it finishes that stage or ends, so what a stage has admitted
     includes work still upstream of it: nothing starts that a later stage
-    would have to queue beyond its bound.
+    would have to queue beyond its bound.  And no more than ``max_running``
+    requests are started at once, whatever their paths (vLLM's
+    ``max_num_seqs``).
     """
+    if state.max_running is not None and len(state.requests) >= state.max_running:
+        return False
     claims = state.claims
     for k in range(final_stage_id + 1):
         limit = stage_limit(state, k)

@@ -190,6 +190,7 @@ class CoreState:
         prewarm_fn: PrewarmFn | None = None,
         check_sampling: Callable[[int, Any], Any] | None = None,
         max_inflight: Sequence[int | None] | None = None,
+        max_running: int | None = None,
         max_retries: int = 1,
         priority_aging: float = 1.0,
     ) -> None:
@@ -201,6 +202,9 @@ class CoreState:
         bad = sorted(k for k in finals if not (isinstance(k, int) and 0 <= k < num_stages))
         if bad:
             raise ValueError(f"final_stage_ids {bad} out of range: stages are 0..{num_stages - 1}")
+        if max_running is not None and (isinstance(max_running, bool) or not isinstance(max_running, int)
+                                        or max_running < 1):
+            raise ValueError(f"max_running must be None or an int >= 1, got {max_running!r}")
         if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries must be an int >= 0, got {max_retries!r}")
         if isinstance(priority_aging, bool) or not isinstance(priority_aging, (int, float)) \
@@ -229,6 +233,8 @@ class CoreState:
         self.replicas_total = [1] * num_stages
         #: admission bound per stage, per live replica (None: no bound); see ``has_room``
         self.max_inflight: list[int | None] = self.check_max_inflight(max_inflight, num_stages)
+        #: the most started requests at once, whatever their path (None: no bound); see ``has_room``
+        self.max_running = max_running
         #: per stage, the started requests that still have to pass it (submitted or not yet)
         self.claims = [0] * num_stages
         self.accepting = True

@@ -97,6 +97,10 @@ class EngineStatistics:
     duration: Mapping[str, HistogramSnapshot] = field(default_factory=dict)  #: terminal kind -> e2e time
     stage_queue: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
     stage_compute: Mapping[int, HistogramSnapshot] = field(default_factory=dict)  #: worker-reported
+    #: stage k -> seconds from stage k-1's finishing output of a request to its submit to stage k
+    stage_transfer: Mapping[int, HistogramSnapshot] = field(default_factory=dict)
+    #: stage k -> bytes of the inputs sent to its workers (from stage k-1's outputs, for k >= 1)
+    stage_input_bytes: Mapping[int, int] = field(default_factory=dict)
     #: stage -> each replica slot's state (``ready``, ``suspect``, ``restarting``, ``given_up``, ... with
     #: ``reason``), from stage clients that keep replicas (a replica pool); absent for the others
     replica_states: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)

@@ -90,11 +90,14 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
     """A snapshot for /health and /metrics; must run in the orchestrator's thread.
 
     Stage clients that keep more (a :class:`~trio_orch.cluster.pool.ReplicaPool`:
-    requests per replica, worker-reported queue and compute times) add it.
+    requests per replica, worker-reported queue and compute times, hand-offs
+    from the stage before) add it.
     """
     by_replica: dict[tuple[int, str], int] = {}
     queue: dict[int, HistogramSnapshot] = {}
     compute: dict[int, HistogramSnapshot] = {}
+    transfer: dict[int, HistogramSnapshot] = {}
+    input_bytes: dict[int, int] = {}
     states: dict[int, tuple[Mapping[str, Any], ...]] = {}
     if orch is not None:
         for k, stage in enumerate(orch.stages):
@@ -105,6 +108,8 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
                 by_replica[(k, str(replica))] = int(n)
             queue[k] = stage.queue_seconds.snapshot()
             compute[k] = stage.compute_seconds.snapshot()
+            transfer[k] = stage.transfer_seconds.snapshot()
+            input_bytes[k] = stage.input_bytes
     return EngineStatistics(
         running=alive and orch is not None and orch.running,
         admission_waiting=admission_waiting,
@@ -120,6 +125,8 @@ def collect_stats(orch: Orchestrator | None, demux: Demux, admission_waiting: in
         duration=MappingProxyType({k: h.snapshot() for k, h in sorted(demux.duration.items())}),
         stage_queue=MappingProxyType(queue),
         stage_compute=MappingProxyType(compute),
+        stage_transfer=MappingProxyType(transfer),
+        stage_input_bytes=MappingProxyType(input_bytes),
         replica_states=MappingProxyType(states),
     )
 

@@ -70,13 +70,13 @@ class ThreadEngine:
                  close_timeout: float = 10.0, request_queue_size: int = 256,
                  shutdown_grace: float = 2.0, request_timeout: float | None = None,
                  admission_timeout: float | None = None, max_waiting: int | None = None,
-                 max_inflight: Sequence[int | None] | None = None,
+                 max_inflight: Sequence[int | None] | None = None, max_running: int | None = None,
                  name: str = "trio-orch-engine") -> None:
         #: the engine this adapter hosts (lives in the Trio thread)
         self.engine = TrioEngine(pipeline, request_queue_size=request_queue_size,
                                  shutdown_grace=shutdown_grace, request_timeout=request_timeout,
                                  admission_timeout=admission_timeout, max_waiting=max_waiting,
-                                 max_inflight=max_inflight)
+                                 max_inflight=max_inflight, max_running=max_running)
         self.startup_timeout = startup_timeout
         self.close_timeout = close_timeout
         self.name = name

@@ -62,9 +62,9 @@ class TrioEngine(ControlPlane):
     """The engine; see the module docstring.
 
     ``pipeline`` is a :data:`~trio_orch.engine.base.PipelineFactory`.
-    ``request_queue_size``, ``shutdown_grace``, ``request_timeout`` and
-    ``max_inflight`` go to the :class:`Orchestrator` (the pipeline's own
-    options come on top).  ``admission_timeout`` and ``max_waiting`` bound how
+    ``request_queue_size``, ``shutdown_grace``, ``request_timeout``,
+    ``max_inflight`` and ``max_running`` go to the :class:`Orchestrator` (the
+    pipeline's own options come on top).  ``admission_timeout`` and ``max_waiting`` bound how
     long and how many requests wait for room in the request channel; past
     them a request is shed with :class:`Overloaded` (None: no bound, callers
     wait -- backpressure).  See :mod:`trio_orch.engine.admitter`.
@@ -80,13 +80,15 @@ class TrioEngine(ControlPlane):
     def __init__(self, pipeline: PipelineFactory, *, request_queue_size: int = 256,
                  shutdown_grace: float = 2.0, request_timeout: float | None = None,
                  admission_timeout: float | None = None, max_waiting: int | None = None,
-                 max_inflight: Sequence[int | None] | None = None) -> None:
+                 max_inflight: Sequence[int | None] | None = None, max_running: int | None = None) -> None:
         self._pipeline = pipeline
         self._orch_options: dict[str, Any] = {"request_queue_size": request_queue_size,
                                               "shutdown_grace": shutdown_grace}
         if request_timeout is not None:
             self._orch_options["request_timeout"] = request_timeout
         self._max_inflight = max_inflight  # the engine's bound wins over the pipeline's
+        if max_running is not None:
+            self._orch_options["max_running"] = max_running
         self._demux = Demux()
         self._demux.timings_of = self._timings_of
         self._admitter = Admitter(self._demux, timeout=admission_timeout, max_waiting=max_waiting)
@@ -574,7 +576,8 @@ class TrioEngine(ControlPlane):
 async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int = 256,
                            shutdown_grace: float = 2.0, request_timeout: float | None = None,
                            admission_timeout: float | None = None, max_waiting: int | None = None,
-                           max_inflight: Sequence[int | None] | None = None) -> AsyncIterator[TrioEngine]:
+                           max_inflight: Sequence[int | None] | None = None,
+                           max_running: int | None = None) -> AsyncIterator[TrioEngine]:
     """``async with open_trio_engine(factory) as engine``: the engine in the caller's Trio run.
 
     The options are :class:`TrioEngine`'s.  Leaving the block shuts the
@@ -583,7 +586,7 @@ async def open_trio_engine(pipeline: PipelineFactory, *, request_queue_size: int
     """
     engine = TrioEngine(pipeline, request_queue_size=request_queue_size, shutdown_grace=shutdown_grace,
                         request_timeout=request_timeout, admission_timeout=admission_timeout,
-                        max_waiting=max_waiting, max_inflight=max_inflight)
+                        max_waiting=max_waiting, max_inflight=max_inflight, max_running=max_running)
     async with trio.open_nursery() as nursery:
         await nursery.start(engine.run)
         try:

@@ -20,7 +20,7 @@ aborts its request in the orchestrator.  ``/health`` says ``ok``,
 ``draining`` or ``down``.
 
 With an API key (``serve --api-key``) every route but ``/health``,
-``/metrics``, ``/version`` and ``/ping`` needs ``Authorization: Bearer KEY``
+``/metrics``, ``/version``, ``/ping``, ``/openapi.json`` and ``/docs`` needs ``Authorization: Bearer KEY``
 (:class:`~trio_orch.http.auth.ApiKeyAuth`, asked before anything else,
 WebSocket handshakes included); ``/admin/...`` keeps its own token.  A
 request naming a model that is not served here is a 404 ``model_not_found``
@@ -29,24 +29,28 @@ request naming a model that is not served here is a 404 ``model_not_found``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import BaseRoute
+from starlette.routing import BaseRoute, Match, Route, WebSocketRoute
 
 from stages.registry import text_stage
 from trio_orch.engine.api import EngineClient
+from trio_orch.http.access import VLLM_CORS, AccessLog, Cors, RootPath
 from trio_orch.http.auth import AdminAuth, ApiKeyAuth, WebSocketGuard
-from trio_orch.http.limits import Guard, HTTPLimits, LimitsMiddleware, Shedder
+from trio_orch.http.limits import UNMATCHED, Guard, HTTPLimits, LimitsMiddleware, Scope, Shedder
+from trio_orch.http.logs import guard_logs
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.http.routes.admin import admin_routes
 from trio_orch.http.routes.chat import CHAT, chat_route
 from trio_orch.http.routes.completions import COMPLETIONS, completions_route
 from trio_orch.http.routes.images import IMAGES, image_route
+from trio_orch.http.routes.openapi import openapi_routes
 from trio_orch.http.routes.realtime import realtime_route
 from trio_orch.http.routes.speech import SPEECH, speech_route
 from trio_orch.http.routes.status import status_routes
@@ -56,15 +60,40 @@ from trio_orch.openai.protocol import ServedModels
 from trio_orch.openai.tokenizer import context_length
 from trio_orch.openai.validation import error_body
 
-__all__ = ["GENERATION_PATHS", "create_app"]
+__all__ = ["GENERATION_PATHS", "RouteLabels", "create_app"]
 
 #: the POST routes that start work in the engine: the Shedder refuses them before their body is read
 GENERATION_PATHS = frozenset({CHAT, IMAGES, COMPLETIONS, SPEECH})
 
 
-async def _http_error(request: Request, exc: Exception) -> Response:
-    assert isinstance(exc, HTTPException)
-    return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
+class RouteLabels:
+    """A request's ``route`` label for metrics and log lines: the path template of the route it
+    matches (``/v1/models/{name:path}``), else :data:`~trio_orch.http.limits.UNMATCHED`.
+
+    Never the raw path: a client could then add a series to ``/metrics`` (and a line to the log) with
+    every request it makes to a path of its own choosing.
+    """
+
+    def __init__(self, routes: Sequence[BaseRoute]) -> None:
+        self.routes = [r for r in routes if isinstance(r, Route | WebSocketRoute)]
+        self.exact = {r.path for r in self.routes if "{" not in r.path}
+
+    def __call__(self, scope: Scope) -> str:
+        path = scope.get("path", "")
+        if path in self.exact:
+            return str(path)
+        return next((r.path for r in self.routes if r.matches(scope)[0] is not Match.NONE), UNMATCHED)
+
+
+def _http_errors(front: FrontMetrics, route_of: RouteLabels
+                 ) -> Callable[[Request, Exception], Awaitable[Response]]:
+    """Starlette's own refusals (404 no such route, 405 no such method), OpenAI-shaped and counted."""
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        front.count(route_of(request.scope), exc.status_code)
+        return JSONResponse(error_body(exc.detail, "invalid_request_error"), status_code=exc.status_code)
+
+    return http_error
 
 
 def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-orch",
@@ -72,7 +101,8 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
                outputs: Sequence[str] | None = None, limits: HTTPLimits | None = None,
                front: FrontMetrics | None = None, token_limit: int | None = None,
                stage_names: Sequence[str] | None = None, admin_token: str | None = None,
-               api_key: str | None = None, chat_input: ChatInput | None = None) -> Starlette:
+               api_key: str | None = None, chat_input: ChatInput | None = None, access_log: bool = True,
+               cors: Cors | None = VLLM_CORS, root_path: str = "", docs: bool = True) -> Starlette:
     """The whole ASGI app over a started engine (either kind: the thread bridge or the in-loop one).
 
     ``extra_metrics()`` returns more counters for ``/metrics`` (the supervisor's
@@ -87,11 +117,16 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
     first is the one answers carry); ``api_key`` guards every route but the
     open ones (:class:`ApiKeyAuth`); ``chat_input``: the chat template and
     media limits (default: the default template), taking the media the
-    pipeline's stages encode.
+    pipeline's stages encode.  Around every route: one access-log line per
+    request (``access_log``), CORS as vLLM's flags say (``cors``; None: no
+    CORS headers), ``root_path`` as the path prefix a proxy may add
+    (:mod:`trio_orch.http.access`); ``/openapi.json`` and ``/docs`` describe
+    the routes (unless ``docs`` is false: ``serve --disable-fastapi-docs``).
     """
     limits = limits or HTTPLimits()
     front = front if front is not None else FrontMetrics()
     models = ServedModels(model_name, max_model_len=context_length(engine, outputs))  # created: now
+    front.serve_model(models.name, models.max_model_len)  # the vLLM families' label and token buckets
     auth = AdminAuth(admin_token) if admin_token else None
     guards: tuple[Guard, ...] = tuple(g for g in (ApiKeyAuth(api_key) if api_key else None, auth)
                                       if g is not None)
@@ -111,9 +146,22 @@ def create_app(engine: EngineClient, *, model_name: str | Sequence[str] = "trio-
                        extra_metrics=extra_metrics),
         *admin_routes(engine, auth),
     ]
+    if docs:
+        routes += openapi_routes(routes, api_key=api_key is not None, root_path=root_path)
     shedder = Shedder(lambda: engine.shedding, GENERATION_PATHS, front, engine.retry_after,
                       capacity=lambda: engine.capacity)
-    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error},
-                     middleware=[Middleware(WebSocketGuard, guards=guards, front=front),
+    around: list[Middleware] = []  # outermost first
+    if access_log:
+        around.append(Middleware(AccessLog))
+    if root_path:
+        around.append(Middleware(RootPath, root_path=root_path))
+    if cors is not None:
+        around.append(Middleware(CORSMiddleware, allow_origins=cors.origins, allow_methods=cors.methods,
+                                 allow_headers=cors.headers, allow_credentials=cors.credentials))
+    route_of = RouteLabels(routes)
+    guard_logs()  # a client's text escaped in every line the front writes; floods of refusals limited
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_errors(front, route_of)},
+                     middleware=[*around,
+                                 Middleware(WebSocketGuard, guards=guards, front=front, route_of=route_of),
                                  Middleware(LimitsMiddleware, limits=limits, front=front, shedder=shedder,
-                                            guards=guards)])
+                                            guards=guards, route_of=route_of)])

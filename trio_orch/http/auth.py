@@ -14,7 +14,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trio_orch.http.limits import Guard, Receive, Refusal, Scope, Send, json_response
+from trio_orch.http.limits import UNMATCHED, Guard, Receive, Refusal, RouteLabel, Scope, Send, json_response
+from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 
 __all__ = ["ADMIN_PREFIX", "AdminAuth", "ApiKeyAuth", "WebSocketGuard"]
@@ -34,7 +35,7 @@ class ApiKeyAuth:
     Unlike vLLM, which guards ``/v1`` only, a new route is guarded unless listed.
     """
 
-    OPEN = frozenset({"/health", "/metrics", "/version", "/ping"})
+    OPEN = frozenset({"/health", "/metrics", "/version", "/ping", "/openapi.json", "/docs"})
     MESSAGE = "a valid API key is required: send 'Authorization: Bearer KEY'"
 
     def __init__(self, key: str) -> None:
@@ -55,10 +56,12 @@ class WebSocketGuard:
     """The guards for WebSocket handshakes (:class:`LimitsMiddleware` applies them to HTTP requests):
     a refusal is the handshake's HTTP answer, with its OpenAI-shaped body."""
 
-    def __init__(self, app: Callable[..., Any], guards: Sequence[Guard], front: FrontMetrics) -> None:
+    def __init__(self, app: Callable[..., Any], guards: Sequence[Guard], front: FrontMetrics,
+                 route_of: RouteLabel = lambda scope: UNMATCHED) -> None:
         self.app = app
         self.guards = guards
         self.front = front
+        self.route_of = route_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -66,9 +69,9 @@ class WebSocketGuard:
                 refusal = guard(scope)
                 if refusal is not None:
                     await receive()  # websocket.connect
-                    self.front.count(str(scope.get("path", "")), refusal.status)
-                    log.warning("refused a WebSocket session at %s (%d): %s", scope.get("path"),
-                                refusal.status, refusal.message)
+                    route = self.route_of(scope)
+                    self.front.count(route, refusal.status)
+                    log_refusal(route, refusal.status, refusal.message)
                     headers, data = json_response(refusal.status, refusal.body(), refusal.headers)
                     await send({"type": "websocket.http.response.start", "status": refusal.status,
                                 "headers": headers})

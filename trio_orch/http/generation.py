@@ -29,16 +29,35 @@ from starlette.responses import JSONResponse, Response
 
 from trio_orch.engine.api import AcceptedRequest, EngineClient, EngineClosed, Overloaded
 from trio_orch.http.limits import HTTPLimits
+from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.streaming import SSEResponse, until_done_or_gone
 from trio_orch.openai.validation import BadRequest, decode, error_body, parse_json_body
 from trio_orch.types import OrchError, OrchOutput
 
-__all__ = ["OpenAIRoute", "orch_error_status"]
+__all__ = ["REQUESTS_LOGGER", "CutPrompt", "OpenAIRoute", "orch_error_status"]
 
 log = logging.getLogger("trio_orch.http")
+#: one line per admitted request (its id, route, prompt and sampling), as vLLM's request log: off unless
+#: ``serve --enable-log-requests`` lets this logger through
+REQUESTS_LOGGER = "trio_orch.requests"
+request_log = logging.getLogger(REQUESTS_LOGGER)
 
 S = TypeVar("S", bound=msgspec.Struct)
+
+
+class CutPrompt(logging.Filter):
+    """``serve --max-log-len N``: a request-log line's prompt (its third argument) cut to N characters."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str):
+            record.args = (*args[:2], args[2][:self.limit], *args[3:])
+        return True
 
 #: an error terminal's kind -> the status of a request that ended in it before anything was sent
 _STATUS = {"timeout": 504, "shutdown": 503, "stage_unavailable": 503, "replica_died": 503, "aborted": 499}
@@ -71,8 +90,7 @@ class OpenAIRoute:
               code: str | None = None, retry_after: float | None = None) -> JSONResponse:
         self.front.count(self.path, status)
         if status < 500:
-            log.log(logging.INFO if status == 429 else logging.WARNING, "refused a request to %s (%d): %s",
-                    self.path, status, message)
+            log_refusal(self.path, status, message, logging.INFO if status == 429 else logging.WARNING)
         headers = {"retry-after": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
         return JSONResponse(error_body(message, kind, param, code), status_code=status, headers=headers)
 
@@ -117,6 +135,10 @@ class OpenAIRoute:
             return self.error(400, str(exc))
         if handle.rejection is not None:
             return self.failed(handle.rejection)
+        if request_log.isEnabledFor(logging.INFO):
+            text = prompt.get("text") if isinstance(prompt, dict) else prompt  # a chat's media stay out
+            request_log.info("received request %s (%s): prompt: %r, sampling: %s, priority: %d",
+                             handle.request_id, self.path, text, sampling, priority)
         return handle
 
     def client_left(self) -> None:

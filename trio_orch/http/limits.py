@@ -11,7 +11,12 @@ over ``max_body_bytes`` at once (413), reads the body within
 forever) and stops reading as soon as it passes the limit (413); the route
 then gets the buffered body.  At most ``max_body_reads`` bodies are read at
 once (the others wait, unread, within their ``body_timeout``): that bounds
-the memory a flood of uploads takes, apart from admission.  A POST to a
+the memory a flood of uploads takes, apart from admission.  A read slot is
+held only while the body flows (:class:`BodyRate`): after a first window, a
+body that brings less than ``min_body_rate`` bytes a second over a window
+of ``body_rate_window`` seconds (or less than its rest, whichever is
+smaller) is refused with 408 -- otherwise 32 clients sending a byte a
+second would hold every slot for ``body_timeout`` and stall every POST.  A POST to a
 generation route is refused with 429 before its body is read while the
 engine sheds, or once the requests already read and on their way to the
 engine fill its capacity -- an upload in progress, or a request the route
@@ -39,18 +44,19 @@ from __future__ import annotations
 import json
 import logging
 import math
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 
+from stages.schema import NonNegativeInt, PositiveInt, PositiveSeconds, check_fields
+from trio_orch.http.logs import log_refusal
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.openai.validation import error_body
 
-__all__ = ["Guard", "HTTPLimits", "LimitsMiddleware", "RateLimitFilter", "Refusal", "Scope", "Shedder",
-           "json_response"]
+__all__ = ["UNMATCHED", "BodyRate", "Guard", "HTTPLimits", "LimitsMiddleware", "Refusal", "RouteLabel",
+           "Scope", "Shedder", "json_response"]
 
 log = logging.getLogger("trio_orch.http")
 
@@ -76,6 +82,11 @@ class Refusal:
 
 #: asked first for every HTTP request: a :class:`Refusal` answers it before any other check
 Guard = Callable[[Scope], Refusal | None]
+#: a request's ``route`` label (metrics, log lines): its matched route's path template, else
+#: :data:`UNMATCHED` -- never the raw path, which a client could make new for every request
+RouteLabel = Callable[[Scope], str]
+#: the route label of a request that matches no route
+UNMATCHED = "unmatched"
 
 
 @dataclass(frozen=True)
@@ -87,29 +98,25 @@ class HTTPLimits:
     maps them to its server's settings); the others by :class:`LimitsMiddleware`
     and the request parser.  ``max_connections`` None: the serve command derives
     it from the process's file-descriptor limit, the same for either server.
+    Each field's range is its annotation (:mod:`stages.schema`'s: a time is a
+    finite number of seconds), checked when the limits are made.
     """
 
-    max_body_bytes: int = 4 << 20
-    max_body_reads: int = 32
-    max_prompt_chars: int = 32_000
-    max_json_depth: int = 32
-    body_timeout: float = 30.0
-    header_timeout: float = 10.0
-    keep_alive_timeout: float = 5.0
-    max_connections: int | None = None
-    backlog: int = 2048
-    max_head_bytes: int = 64 << 10
+    max_body_bytes: PositiveInt = 4 << 20
+    max_body_reads: PositiveInt = 32
+    max_prompt_chars: PositiveInt = 32_000
+    max_json_depth: PositiveInt = 32
+    body_timeout: PositiveSeconds = 30.0
+    header_timeout: PositiveSeconds = 10.0
+    keep_alive_timeout: PositiveSeconds = 5.0
+    max_connections: PositiveInt | None = None
+    backlog: PositiveInt = 2048
+    max_head_bytes: PositiveInt = 64 << 10
+    min_body_rate: NonNegativeInt = 1024  #: bytes a second a body must keep up (0: no minimum)
+    body_rate_window: PositiveSeconds = 2.0  #: the window it is measured over, after a first one
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_body_reads", "max_prompt_chars", "max_json_depth", "backlog",
-                     "max_head_bytes"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
-        for name in ("body_timeout", "header_timeout", "keep_alive_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.max_connections is not None and self.max_connections < 1:
-            raise ValueError(f"max_connections must be >= 1, got {self.max_connections!r}")
+        check_fields(self)
 
 
 def json_response(status: int, body: Any, headers: dict[str, str] | None = None) -> tuple[list[Any], bytes]:
@@ -157,6 +164,45 @@ class Shedder:
         return True
 
 
+class BodyRate:
+    """Whether a body still flows: the minimum receive rate of :class:`LimitsMiddleware`.
+
+    The first window is free (a client's first bytes may come late); from
+    then on each window of ``window`` seconds must bring ``rate * window``
+    bytes, or the rest of a body of known length if that is less.  nginx's
+    and hypercorn's per-read timeouts do the same for a sender that stalls;
+    a rate also catches one that trickles a byte at a time.
+    """
+
+    def __init__(self, rate: int, window: float, now: float, remaining: int | None = None) -> None:
+        self.rate = rate
+        self.window = window
+        self.remaining = remaining  #: bytes still to come, if the length was declared
+        self.deadline = now + 2 * window  #: when the current window ends
+        self.counted = 0  #: bytes in the current window
+
+    @property
+    def on(self) -> bool:
+        return self.rate > 0
+
+    def received(self, size: int, now: float) -> None:
+        if self.remaining is not None:
+            self.remaining -= size
+        if now >= self.deadline - self.window:  # the first window's bytes count for nothing
+            self.counted += size
+
+    def window_ended(self) -> bool:
+        """At :attr:`deadline`: whether the window brought enough (then the next one starts)."""
+        needed = self.rate * self.window
+        if self.remaining is not None:
+            needed = min(needed, max(self.remaining, 0))
+        if self.counted < needed:
+            return False
+        self.counted = 0
+        self.deadline += self.window
+        return True
+
+
 class _Refused(Exception):
     def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
@@ -169,15 +215,18 @@ class _ClientLeft(Exception):
 
 
 class LimitsMiddleware:
-    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route."""
+    """See the module docstring.  ``front`` counts refusals, 500s and disconnects by route, the label
+    ``route_of(scope)`` gives (the app's route table; without one, :data:`UNMATCHED`)."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], limits: HTTPLimits, front: FrontMetrics,
-                 shedder: Shedder | None = None, guards: tuple[Guard, ...] = ()) -> None:
+                 shedder: Shedder | None = None, guards: tuple[Guard, ...] = (),
+                 route_of: RouteLabel = lambda scope: UNMATCHED) -> None:
         self.app = app
         self.limits = limits
         self.front = front
         self.shedder = shedder
         self.guards = guards
+        self.route_of = route_of
         #: bodies being read at once: bounds their memory, apart from admission (the Shedder's count)
         self.reading = anyio.Semaphore(limits.max_body_reads)
 
@@ -191,21 +240,21 @@ class LimitsMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket" and self.front.draining:
-            await self._refuse_websocket(scope.get("path", ""), receive, send)
+            await self._refuse_websocket(self.route_of(scope), receive, send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope.get("path", "")
+        route = scope.get("path", "")  # what is decided on; counts and lines use its label (route_of)
         for guard in self.guards:  # authentication before anything that could tell the caller more
             refusal = guard(scope)
             if refusal is not None:
                 await self._discard_body(scope, receive)
-                await self._refuse(send, route, refusal)
+                await self._refuse(send, scope, refusal)
                 return
         if self.front.draining and scope.get("method") == "POST" and route in self.generation_paths:
             await self._discard_body(scope, receive)  # before the shedder: not a 429, nothing parsed
-            await self._refuse(send, route, self.DRAINING)
+            await self._refuse(send, scope, self.DRAINING)
             return
         shedder = self.shedder
         counted = scope.get("method") == "POST" and shedder is not None and route in shedder.paths
@@ -217,11 +266,11 @@ class LimitsMiddleware:
             except _Refused as exc:
                 if exc.status != 408:  # a slow client is not waited for twice
                     await self._discard_body(scope, receive)
-                await self._refuse(send, route, Refusal(exc.status, str(exc), exc.code))
+                await self._refuse(send, scope, Refusal(exc.status, str(exc), exc.code))
                 return
             except _ClientLeft:
                 self.front.disconnects += 1
-                log.info("a client disconnected during its upload to %s", route)
+                log.info("a client disconnected during its upload to %s", self.route_of(scope))
                 return
             receive = self._replay(body, receive)
         # On its way to the engine only once its body is in: an upload (valid or not) holds no
@@ -232,7 +281,7 @@ class LimitsMiddleware:
                 return
             self.front.pending += 1
         try:
-            await self._serve(scope, receive, send, route)
+            await self._serve(scope, receive, send)
         finally:
             if counted:
                 self.front.pending -= 1
@@ -250,7 +299,7 @@ class LimitsMiddleware:
         await send({"type": "http.response.body", "body": shedder.body, "more_body": False})
         return True
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = False
 
         async def tracking_send(message: AsgiMessage) -> None:
@@ -262,10 +311,10 @@ class LimitsMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except Exception as exc:
-            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"), route,
-                      type(exc).__name__, exc, exc_info=exc)
+            log.error("unexpected error while serving %s %s: %s: %s", scope.get("method"),
+                      self.route_of(scope), type(exc).__name__, exc, exc_info=exc)
             if not started:
-                await self._refuse(send, route, Refusal(500, "internal server error: the error was logged",
+                await self._refuse(send, scope, Refusal(500, "internal server error: the error was logged",
                                                         "internal_error", "server_error"))
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
@@ -283,7 +332,14 @@ class LimitsMiddleware:
         try:
             with anyio.fail_after(self.limits.body_timeout):
                 async with self.reading:  # past max_body_reads, an upload waits for a slot, unread
-                    return await self._receive_body(receive, limit)
+                    rate = BodyRate(self.limits.min_body_rate, self.limits.body_rate_window,
+                                    anyio.current_time(), int(declared) if declared and declared.isdigit()
+                                    else None)
+                    self.front.body_reads += 1
+                    try:
+                        return await self._receive_body(receive, limit, rate)
+                    finally:
+                        self.front.body_reads -= 1
         except TimeoutError:
             raise _Refused(408, f"the request body did not arrive within {self.limits.body_timeout:g}s",
                            "request_timeout") from None
@@ -315,12 +371,22 @@ class LimitsMiddleware:
                     return
 
     @staticmethod
-    async def _receive_body(receive: Receive, limit: int) -> bytes:
-        """The whole body (as one bytes), or 413 as soon as it passes ``limit``."""
+    async def _receive_body(receive: Receive, limit: int, rate: BodyRate) -> bytes:
+        """The whole body (as one bytes), or 413 as soon as it passes ``limit``, 408 once it is too slow."""
         chunks: list[bytes] = []
         size = 0
         while True:
-            message = await receive()
+            if rate.on:
+                with anyio.move_on_after(rate.deadline - anyio.current_time()) as scope:
+                    message = await receive()
+                if scope.cancelled_caught:
+                    if not rate.window_ended():
+                        raise _Refused(408, f"the request body came slower than {rate.rate} bytes/s over "
+                                            f"{rate.window:g}s", "request_timeout")
+                    continue
+                rate.received(len(message.get("body", b"")), anyio.current_time())
+            else:
+                message = await receive()
             if message["type"] == "http.disconnect":
                 raise _ClientLeft()
             chunk = message.get("body", b"")
@@ -354,43 +420,13 @@ class LimitsMiddleware:
         await send({"type": "websocket.http.response.start", "status": 503, "headers": headers})
         await send({"type": "websocket.http.response.body", "body": data, "more_body": False})
 
-    async def _refuse(self, send: Send, route: str, refusal: Refusal) -> None:
+    async def _refuse(self, send: Send, scope: Scope, refusal: Refusal) -> None:
         status = refusal.status
+        route = self.route_of(scope)
         self.front.count(route, status)
         if status < 500 and status != 429:  # shedding is counted, not logged line by line
-            log.warning("refused a request to %s (%d): %s", route, status, refusal.message)
+            log_refusal(route, status, refusal.message)
         headers, data = json_response(status, refusal.body(),
                                       {"connection": "close"} if status in (408, 413) else refusal.headers)
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data, "more_body": False})
-
-
-class RateLimitFilter(logging.Filter):
-    """Let through at most one record per ``interval`` seconds for each message in ``floods``.
-
-    The next one that passes says how many were suppressed.  Other records
-    pass untouched.
-    """
-
-    def __init__(self, floods: tuple[str, ...], interval: float = 10.0) -> None:
-        super().__init__()
-        self.floods = floods
-        self.interval = interval
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage()
-        key = next((f for f in self.floods if f in text), None)
-        if key is None:
-            return True
-        now = time.monotonic()
-        if now - self._last.get(key, -self.interval) < self.interval:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return False
-        self._last[key] = now
-        n = self._suppressed.pop(key, 0)
-        if n:
-            record.msg = f"{text} ({n} more like this in the last {self.interval:g}s were not logged)"
-            record.args = ()
-        return True

@@ -8,7 +8,9 @@ scrape (in the orchestrator's thread), and :class:`EngineCollector` turns
 that snapshot into metric families.  ``prometheus_client`` writes the text,
 so types, ``_total`` suffixes, label escaping and histogram series are right
 by construction.  :data:`FAMILIES` lists every family (the README's list and
-the tests read it).
+the tests read it); vLLM's families (``vllm:*``, with a ``model_name``
+label) come from the same snapshot and the same front counts
+(:mod:`trio_orch.http.vllm_metrics`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from prometheus_client.utils import floatToGoString
 
 from stages.control import METHODS as RPC_METHODS
 from trio_orch.histogram import RTF_BUCKETS, Histogram, HistogramSnapshot
+from trio_orch.http.vllm_metrics import RequestStats, RequestTimer, VllmCollector
 from trio_orch.types import ERROR_KINDS
 
 if TYPE_CHECKING:
@@ -101,6 +104,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "text tokens sent to clients, by the stage that generated them (usage's completion_tokens)"),
     "trio_orch_request_success": ("counter",
         "answered requests by finish reason (stop, length; abort: the client left first)"),
+    "trio_orch_http_body_reads": ("gauge",
+        "request bodies being read now (each holds one of --max-body-reads slots)"),
     "trio_orch_http_client_disconnects": ("counter",
         "clients that left before their answer (request aborted) or during their upload"),
     "trio_orch_dispatch_latency_seconds": ("histogram",
@@ -115,6 +120,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "the workers)"),
     "trio_orch_stage_compute_seconds": ("histogram",
         "seconds a request spent in a stage worker's batch (reported by the workers)"),
+    "trio_orch_stage_transfer_seconds": ("histogram",
+        "seconds from a request's finishing output of one stage to its submit to the next (the "
+        "head's hand-off: the forward, the routing decision, the encoding), by edge"),
+    "trio_orch_stage_transfer_bytes": ("counter",
+        "bytes of the inputs the head sent a stage's workers, made of the stage before's outputs, "
+        "by edge"),
     "trio_orch_audio_real_time_factor": ("histogram",
         "seconds from a request's arrival to its last audio output per second of audio (< "
         "1: faster than real time)"),
@@ -131,6 +142,7 @@ class FrontMetrics:
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  #: (route, status) -> count
     disconnects: int = 0
+    body_reads: int = 0  #: request bodies being read now (holding a read slot)
     #: POSTs to a generation route let in and not answered yet (the Shedder's count of those on their way)
     pending: int = 0
     shed: int = 0  #: refused by the front itself while the engine was shedding (counted as overloaded)
@@ -140,7 +152,21 @@ class FrontMetrics:
     generation_tokens: dict[int, int] = field(default_factory=dict)  #: stage -> tokens sent to clients
     #: finish reason -> answered requests (the reasons listed are shown from the start, at 0)
     finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    model_name: str = "trio-orch"  #: the ``model_name`` label of the ``vllm:*`` families
+    #: the per-request histograms of the ``vllm:*`` families (:meth:`serve_model` sizes them)
+    per_request: RequestStats = field(default_factory=RequestStats)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def serve_model(self, name: str, max_model_len: int | None) -> None:
+        """The served model: its name labels the ``vllm:*`` families, its context sizes the token
+        buckets (called once, before any request)."""
+        self.model_name = name
+        self.per_request = RequestStats(max_model_len)
+
+    def timer(self, t_open: float) -> RequestTimer:
+        """A text request's timer (arrived at ``t_open``, ``time.perf_counter``) for the ``vllm:*``
+        per-request histograms."""
+        return RequestTimer(self.per_request, t_open)
 
     def expect_stage(self, stage: int) -> None:
         """Show ``stage``'s generated tokens from the start (at 0), before any request."""
@@ -294,6 +320,9 @@ class EngineCollector(Collector):
             c = _counter("trio_orch_http_client_disconnects")
             c.add_metric([], self.front.disconnects)
             yield c
+            g = _gauge("trio_orch_http_body_reads")
+            g.add_metric([], self.front.body_reads)
+            yield g
         for name, (help_text, values) in self.extra.items():
             items = sorted(values.items())
             labels = [k for k, _ in items[0][0]] if items else []
@@ -353,6 +382,14 @@ class EngineCollector(Collector):
                          {(str(k),): h for k, h in st.stage_queue.items()})
         yield _histogram("trio_orch_stage_compute_seconds", ["stage"],
                          {(str(k),): h for k, h in st.stage_compute.items()})
+        edge = ["from_stage", "to_stage"]
+        yield _histogram("trio_orch_stage_transfer_seconds", edge,
+                         {(str(k - 1), str(k)): h for k, h in st.stage_transfer.items() if k > 0})
+        c = _counter("trio_orch_stage_transfer_bytes", edge)
+        for k, n in sorted(st.stage_input_bytes.items()):
+            if k > 0:
+                c.add_metric([str(k - 1), str(k)], n)
+        yield c
         if self.front is not None:
             yield _histogram("trio_orch_audio_real_time_factor", [], {(): self.front.rtf.snapshot()})
 
@@ -368,4 +405,6 @@ def render(stats: EngineStatistics, front: FrontMetrics | None = None, extra: Ex
         front = FrontMetrics.summed([stats.fronts], draining=front.draining if front is not None else False)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats, front, extra, outputs))
+    if front is not None:
+        registry.register(VllmCollector(stats, front))
     return generate_latest(registry)

@@ -4,6 +4,7 @@ The request schemas (:mod:`.protocol`) and the one validator that reads them
 (:mod:`.validation`: the JSON body, the schema, every refusal a ``BadRequest``
 naming the field); how request fields become each stage's sampling
 parameters (:mod:`.sampling`); images and audio in a chat (:mod:`.media`);
+the audio the server sends, in every format, from one encoder (:mod:`.audio_out`);
 the chat template (:mod:`.chat_template`); the chat request and its answer
 (:mod:`.chat`), the text completion (:mod:`.completions`), speech
 (:mod:`.speech`) and image requests (:mod:`.images`); the pipeline's

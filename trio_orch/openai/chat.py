@@ -28,7 +28,8 @@ Text comes from stage outputs ``{"text": str}`` (or a plain str), audio from
 that output modality (:mod:`stages.registry`), or by shape when undeclared.  Audio goes out as OpenAI's
 audio output does: streaming ``delta.audio = {id, data}`` with base64 16-bit
 little-endian PCM; non-streaming ``message.audio = {id, data, expires_at,
-transcript}`` with a base64 WAV (or raw pcm16 if asked).  For an audio
+transcript}`` with a base64 file in ``audio.format`` (:mod:`trio_orch.openai.audio_out`:
+``wav``, the default, ``flac``, ``opus``, ``mp3``, ``aac`` or raw ``pcm16``).  For an audio
 request each streamed text piece is also in ``delta.audio.transcript``, as
 OpenAI's audio streaming puts it.  ``model`` in every answer is the first
 served model name, never an echo of the request's.
@@ -37,10 +38,8 @@ served model name, never an echo of the request's.
 from __future__ import annotations
 
 import base64
-import io
 import secrets
 import time
-import wave
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,6 +51,7 @@ from stages.sampling_params import StageParams
 from stages.validation import type_name
 from trio_orch.engine.api import EngineClient
 from trio_orch.openai import sampling as openai_sampling
+from trio_orch.openai.audio_out import check_audio_format, encode_audio, pcm16
 from trio_orch.openai.chat_template import ChatInput
 from trio_orch.openai.media import (
     AudioClip,
@@ -69,7 +69,7 @@ from trio_orch.openai.validation import BadRequest, decode
 from trio_orch.types import OrchOutput
 
 __all__ = ["ChatRequest", "ChatStream", "check_max_tokens", "final_stage_for", "map_chat_sampling",
-           "parse_chat_request", "pcm16", "read_chat_request", "wav_bytes"]
+           "parse_chat_request", "read_chat_request"]
 
 
 def check_max_tokens(value: Any, param: str = "max_tokens") -> int:
@@ -87,7 +87,7 @@ class ChatRequest:
     prompt: str
     stream: bool = False
     audio: bool = False
-    audio_format: str = "wav"
+    audio_format: str = "wav"  #: a key of :data:`~trio_orch.openai.audio_out.AUDIO_OUT` (pcm16: "pcm")
     voice: str = "alloy"
     max_tokens: int | None = None
     include_usage: bool = False
@@ -215,6 +215,7 @@ def parse_chat_request(body: Any, models: ServedModels, max_prompt_chars: int | 
     if r.stream and want_audio and fmt != "pcm16":
         raise BadRequest("streamed audio is 16-bit PCM: use \"audio\": {\"format\": \"pcm16\"} with stream",
                          "audio.format")
+    fmt = check_audio_format(fmt, "audio.format", pcm="pcm16") if want_audio else "wav"
     prompt = chat.template.render(messages, add_generation_prompt=add_generation_prompt)
     if max_prompt_chars is not None and len(prompt) > max_prompt_chars:
         raise BadRequest(f"the messages make a prompt of {len(prompt)} characters, over the limit of "
@@ -283,20 +284,6 @@ def map_chat_sampling(req: ChatRequest, stages: Sequence[StageParams] | None, *,
             final_stage_id=final_stage_id)
     except openai_sampling.SamplingError as exc:
         raise BadRequest(str(exc), exc.param) from None
-
-
-def pcm16(pcm: np.ndarray) -> bytes:
-    return (np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()
-
-
-def wav_bytes(pcm16_data: bytes, sample_rate: int) -> bytes:
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(sample_rate)
-        w.writeframes(pcm16_data)
-    return buf.getvalue()
 
 
 @dataclass
@@ -425,8 +412,7 @@ class ChatStream:
         text = "".join(self.text)
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.req.audio:
-            raw = b"".join(self.audio)
-            data = wav_bytes(raw, self.sample_rate) if self.req.audio_format == "wav" else raw
+            data = encode_audio(b"".join(self.audio), self.sample_rate, self.req.audio_format)
             message["audio"] = {"id": self.audio_id, "data": base64.b64encode(data).decode("ascii"),
                                 "expires_at": self.created + 3600, "transcript": text}
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.req.model,

@@ -267,7 +267,11 @@ async def _fetch(client: Any, url: str, policy: MediaPolicy, param: str) -> byte
 
 
 def read_image_file(path: Path, policy: MediaPolicy, param: str, *, anywhere: bool = False) -> np.ndarray:
-    """A local image file -> pixels; only inside the allowed directory unless ``anywhere`` (the CLI's own)."""
+    """A local image file -> pixels; only inside the allowed directory unless ``anywhere`` (the CLI's own).
+
+    A path holding a NUL byte names no file (the OS would refuse it): a 400 before it is resolved."""
+    if "\0" in str(path):
+        raise BadRequest(f"'{param}': a file path may not hold a NUL byte", param)
     if not anywhere:
         root = policy.allowed_local_media_path
         if root is None:

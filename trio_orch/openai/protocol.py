@@ -16,18 +16,20 @@ another is a 404 ``model_not_found`` (OpenAI's and vLLM's answer).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from msgspec import Meta, Struct
 
+from trio_orch.openai.audio_out import ChatAudioFormat, SpeechFormat, check_audio_format
 from trio_orch.openai.validation import BadRequest, Unsupported
 
 __all__ = ["MAX_SPEECH_INPUT", "MAX_TOKENS", "UNSUPPORTED", "AudioOptions", "ChatCompletionRequest",
-           "CompletionRequest", "ContentPart", "DetokenizeRequest", "ImageGenerationRequest", "Message",
-           "OpenAIRequest", "Scheduled", "Seed", "ServedModels", "SpeechRequest", "StreamOptions",
-           "TokenizeRequest", "Voice"]
+           "CompletionRequest", "ContentPart", "Count", "DetokenizeRequest", "ImageGenerationRequest",
+           "Int64", "Message", "OpenAIRequest", "Scheduled", "Seed", "ServedModels", "SpeechRequest",
+           "StreamOptions", "TokenizeRequest", "Voice"]
 
 #: the largest token budget a request may ask for (a 32-bit count: the stages' own caps apply below it)
 MAX_TOKENS = 2**31 - 1
@@ -54,9 +56,21 @@ UNSUPPORTED: Unsupported = {
 
 
 # ---------------------------------------------------------------- the schemas
+# Every integer field has a range, so that no value reaches a stage that the wire cannot carry or the
+# stage cannot mean (a priority of 10**20 once came back as a 503 from the encoder): a 400 naming it.
 TokenBudget = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
-Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1, description="an integer that fits in a signed 64-bit "
-                                                                  "integer")]
+#: any integer the wire carries (msgpack's signed 64 bits)
+Int64 = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1, description="an integer that fits in a signed 64-bit "
+                                                                   "integer")]
+Seed = Int64
+#: how many of something a request asks for (choices, denoising steps): 1 up to a 32-bit count
+Count = Annotated[int, Meta(ge=1, le=MAX_TOKENS)]
+#: a number of tokens that may be 0
+TokenCount = Annotated[int, Meta(ge=0, le=MAX_TOKENS)]
+#: log-probabilities per token (OpenAI's bound)
+LogprobCount = Annotated[int, Meta(ge=0, le=20)]
+#: a float that is a number (JSON's 1e400 is inf to Python)
+Finite = Annotated[float, Meta(ge=-sys.float_info.max, le=sys.float_info.max, description="a finite number")]
 Role = Literal["system", "developer", "user", "assistant"]
 #: a speaker's name: which names a pipeline takes is its stages' (``voice``), checked against them
 Voice = Annotated[str, Meta(min_length=1, max_length=64)]
@@ -70,7 +84,7 @@ class Scheduled(Struct, kw_only=True):
     """What every generation route takes: ``priority``, an int, lower values served first (vLLM's
     convention; default 0).  Anything else (``"high"``, 1.5, true) is a 400 naming it."""
 
-    priority: int = 0
+    priority: Int64 = 0
 
 
 class OpenAIRequest(Scheduled, kw_only=True):
@@ -85,16 +99,16 @@ class OpenAIRequest(Scheduled, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    n: int | None = None
+    n: Count | None = None
     max_tokens: TokenBudget | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
-    top_k: int | None = None
-    min_tokens: int | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=MAX_TOKENS)] | None = None  # -1 or 0: all (vLLM's)
+    min_tokens: TokenCount | None = None
     stop: str | list[str] | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    frequency_penalty: Finite | None = None
+    presence_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
     seed: Seed | None = None
     #: the extension: stage (kind or index) -> that stage's parameters, checked per stage
     stage_sampling: dict[str, Any] | None = None
@@ -133,7 +147,7 @@ class Message(Struct, kw_only=True):
 
 class AudioOptions(Struct, kw_only=True):
     voice: Voice | None = None
-    format: Literal["wav", "pcm16"] | None = None
+    format: ChatAudioFormat | None = None
 
 
 class ChatCompletionRequest(OpenAIRequest, kw_only=True):
@@ -144,7 +158,7 @@ class ChatCompletionRequest(OpenAIRequest, kw_only=True):
     audio: AudioOptions | None = None
     max_completion_tokens: TokenBudget | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: LogprobCount | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -160,8 +174,8 @@ class CompletionRequest(OpenAIRequest, kw_only=True):
 
     prompt: str | list[str]
     echo: bool = False
-    best_of: int | None = None
-    logprobs: int | None = None
+    best_of: Count | None = None
+    logprobs: LogprobCount | None = None
     suffix: str | None = None
 
     def text(self, max_chars: int | None) -> str:
@@ -199,7 +213,7 @@ class SpeechRequest(Scheduled, kw_only=True):
     instructions: str | None = None
     seed: Seed | None = None
     stage_sampling: dict[str, Any] | None = None
-    response_format: Literal["wav", "pcm"] = "wav"
+    response_format: SpeechFormat = "wav"
 
     def check(self, max_chars: int | None) -> None:
         """BadRequest naming the first field this server cannot honour."""
@@ -208,6 +222,7 @@ class SpeechRequest(Scheduled, kw_only=True):
         if max_chars is not None and len(self.input) > max_chars:
             raise BadRequest(f"'input' has {len(self.input)} characters, over the limit of {max_chars}",
                              "input", code="context_length_exceeded")
+        check_audio_format(self.response_format, "response_format")
         if self.stream_format == "sse" and self.response_format != "pcm":
             raise BadRequest("streamed events carry pcm: use \"response_format\": \"pcm\" with "
                              "\"stream_format\": \"sse\"", "response_format")
@@ -221,14 +236,14 @@ class ImageGenerationRequest(Scheduled, kw_only=True):
 
     prompt: str
     model: str | None = None
-    n: int | None = None
+    n: Count | None = None
     size: str = "256x256"
     response_format: str | None = None
     user: str | None = None
     negative_prompt: str | None = None
-    guidance_scale: float = 4.0
-    num_inference_steps: int = 8
-    seed: int = 0
+    guidance_scale: Finite = 4.0
+    num_inference_steps: Count = 8
+    seed: Seed = 0
 
     #: this route's own table: ``response_format`` means an image encoding here, not chat's text format
     UNSUPPORTED: ClassVar[Unsupported] = {

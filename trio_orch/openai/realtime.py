@@ -9,6 +9,8 @@ fields of OpenAI's GA Realtime API (``response.created``, output item and
 content part events, ``response.output_text.delta`` or
 ``response.output_audio_transcript.delta`` + ``response.output_audio.delta``,
 their ``.done`` events, ``response.done`` with its ``status``, ``error``).
+The audio goes out in the session's (or the response's) output format: 24 kHz
+PCM or G.711 at 8 kHz, encoded by :class:`~trio_orch.openai.audio_out.AudioStream`.
 
 What the pipeline makes of it: a session runs **one resumable request**,
 started by its first response; every later response is the next input
@@ -44,8 +46,8 @@ from trio_orch.openai.realtime_events import (
     check_limit,
     check_modalities,
     error_event,
+    output_format,
     parse_frame,
-    pcm16_base64,
 )
 from trio_orch.openai.sampling import SamplingError, map_sampling
 from trio_orch.types import Message, OrchError
@@ -128,6 +130,7 @@ class RealtimeSession:
         self.modalities = ["audio"] if self.has_audio else ["text"]
         self.instructions = ""
         self.voice: str | None = None
+        self.output_format = "audio/pcm"  # a key of REALTIME_OUT; a response may ask for another
         self.max_output_tokens: int | str = "inf"
         self.items: dict[str, dict[str, Any]] = {}  # id -> item, in conversation order (the last MAX_ITEMS)
         self.pending: list[str] = []  # ids of the items no response has taken yet
@@ -187,11 +190,12 @@ class RealtimeSession:
         if cfg.get("tools"):
             raise Refused("unsupported_value", "tools are not supported", "session.tools")
         modalities, voice, limit = self.modalities, self.voice, self.max_output_tokens
+        fmt = self.output_format
         if "output_modalities" in cfg:
             modalities = self._modalities(cfg["output_modalities"], "session.output_modalities")
         audio = cfg.get("audio")
         if audio is not None:
-            voice = check_audio(audio, voice, "session.audio")
+            voice, fmt = check_audio(audio, voice, fmt, "session.audio")
         if "max_output_tokens" in cfg:
             limit = check_limit(cfg["max_output_tokens"], "session.max_output_tokens")
         if "model" in cfg and self.served is not None and cfg["model"] not in self.served:
@@ -207,6 +211,7 @@ class RealtimeSession:
                                             "is cancelled or fails)", "session")
         self._sampling(modalities, voice, limit)  # refused here if the pipeline cannot honour them
         self.modalities, self.voice, self.max_output_tokens = modalities, voice, limit
+        self.output_format = fmt  # not fixed while a request is live: it shapes only the encoding
         self.instructions = cfg.get("instructions", self.instructions)
         if isinstance(cfg.get("model"), str):
             self.model = cfg["model"]
@@ -280,7 +285,9 @@ class RealtimeSession:
                 params["output_modalities"], "response.output_modalities") != self.modalities:
             raise Refused("unsupported_value", "a response has the session's output_modalities: change them "
                                                "with session.update", "response.output_modalities")
-        if "audio" in params and check_audio(params["audio"], self.voice, "response.audio") != self.voice:
+        voice, fmt = (check_audio(params["audio"], self.voice, self.output_format, "response.audio")
+                      if "audio" in params else (self.voice, self.output_format))
+        if voice != self.voice:
             raise Refused("unsupported_value", "a response has the session's voice: change it with "
                                                "session.update", "response.audio.output.voice")
         if "max_output_tokens" in params and check_limit(
@@ -322,7 +329,7 @@ class RealtimeSession:
             self.request.instructions = self.instructions
         previous = next(reversed(self.items), None)
         self.response = Response(rid, self._id("item"), self.request.segments, list(self.modalities),
-                                 self._resource_extras(metadata), previous)
+                                 self._resource_extras(metadata, fmt), previous, fmt)
         self._remember(self.response.item("in_progress"))
         self.request.segments += 1
         return self.response.created(self._event), [action]
@@ -383,7 +390,7 @@ class RealtimeSession:
         elif text is None and r.modalities == ["audio"]:
             audio = as_audio(modality, m.data)
             if audio is not None and len(audio[0]):
-                events.append(r.audio_delta(self._event, m.stage_id, pcm16_base64(audio[0])))
+                events += r.audio_delta(self._event, *audio)
         if m.segment_done or m.finished:
             events += r.stage_done(self._event, m.stage_id, m.stage_id == self.text_stage)
             if r.closed >= req.expected or m.finished:
@@ -412,9 +419,9 @@ class RealtimeSession:
                 self._ignored.add((where, name))
                 log.info("realtime session %s: %s.%s is not supported; ignored", self.session_id, where, name)
 
-    def _resource_extras(self, metadata: dict[str, Any] | None) -> dict[str, Any]:
+    def _resource_extras(self, metadata: dict[str, Any] | None, fmt: str) -> dict[str, Any]:
         return {"conversation_id": f"conv_{self.session_id}", "output_modalities": list(self.modalities),
-                "audio": {"output": {"format": AUDIO_FORMAT, "voice": self.voice}},
+                "audio": {"output": {"format": output_format(fmt), "voice": self.voice}},
                 "max_output_tokens": self.max_output_tokens, "metadata": metadata}
 
     def describe(self) -> dict[str, Any]:
@@ -422,7 +429,7 @@ class RealtimeSession:
         return {"type": "realtime", "object": "realtime.session", "id": self.session_id, "model": self.model,
                 "output_modalities": list(self.modalities), "instructions": self.instructions,
                 "audio": {"input": {"format": AUDIO_FORMAT, "turn_detection": None},
-                          "output": {"format": AUDIO_FORMAT, "voice": self.voice}},
+                          "output": {"format": output_format(self.output_format), "voice": self.voice}},
                 "max_output_tokens": self.max_output_tokens, "tools": [], "tool_choice": "auto",
                 "max_event_bytes": self.max_event_bytes, "max_input_chars": self.max_input_chars}
 

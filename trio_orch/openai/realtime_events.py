@@ -17,9 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from trio_orch.openai.audio_out import REALTIME_OUT, AudioStream
+
 __all__ = ["AUDIO_FORMAT", "CLIENT_EVENTS", "SAMPLE_RATE", "UNSUPPORTED_EVENTS", "Refused", "Response",
-           "check_audio", "check_item", "check_limit", "check_modalities", "error_event", "parse_frame",
-           "pcm16_base64"]
+           "check_audio", "check_item", "check_limit", "check_modalities", "error_event", "output_format",
+           "parse_frame"]
 
 #: the session's event maker: ``make(type, **fields)`` -> the event, its ``event_id`` assigned
 MakeEvent = Callable[..., dict[str, Any]]
@@ -35,8 +37,8 @@ UNSUPPORTED_EVENTS = {
     "conversation.item.truncate": "items cannot be truncated: the pipeline has heard them already",
     "output_audio_buffer.clear": "output_audio_buffer.clear is for WebRTC/SIP sessions only",
 }
-SAMPLE_RATE = 24000  # the audio: base64 16-bit little-endian mono PCM ("audio/pcm", 24 kHz)
-AUDIO_FORMAT = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+SAMPLE_RATE = 24000  # "audio/pcm": base64 16-bit little-endian mono PCM at 24 kHz, the API's only rate
+AUDIO_FORMAT = {"type": "audio/pcm", "rate": SAMPLE_RATE}  # the input's (audio input is refused) and default
 _PARTS = {"user": ("input_text",), "system": ("input_text",), "assistant": ("output_text", "text")}
 
 
@@ -76,9 +78,9 @@ def parse_frame(frame: str | bytes, max_bytes: int) -> dict[str, Any]:
                                        f"{', '.join(CLIENT_EVENTS)})", "type")
     return event
 
-def pcm16_base64(pcm: np.ndarray) -> str:
-    """Float samples in [-1, 1] -> base64 16-bit little-endian PCM (an ``output_audio.delta``)."""
-    return base64.b64encode((np.clip(pcm, -1.0, 1.0) * 32767).astype("<i2").tobytes()).decode("ascii")
+def output_format(kind: str) -> dict[str, Any]:
+    """An output format's object, as the session and response resources show it."""
+    return {"type": kind, "rate": SAMPLE_RATE} if kind == "audio/pcm" else {"type": kind}
 
 
 def check_item(item: Any) -> tuple[dict[str, Any], str]:
@@ -124,22 +126,29 @@ def check_modalities(mods: Any, *, text: bool, audio: bool, param: str) -> list[
                   "[\"text\"]", param)
 
 
-def check_audio(audio: Any, voice: str | None, param: str) -> str | None:
-    """An ``audio`` setting: the output format must be ours; returns the voice (``voice`` if unset)."""
+def check_audio(audio: Any, voice: str | None, fmt: str, param: str) -> tuple[str | None, str]:
+    """An ``audio`` setting -> its voice and output format's type (``voice`` and ``fmt`` where unset).
+    The formats are :data:`~trio_orch.openai.audio_out.REALTIME_OUT`'s (libsndfile writes G.711 in
+    every build, so none is missing here)."""
     if not isinstance(audio, dict):
         raise Refused("invalid_value", "audio must be an object", param)
     out = audio.get("output") or {}
     if not isinstance(out, dict):
         raise Refused("invalid_value", "audio.output must be an object", f"{param}.output")
-    fmt = out.get("format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type", "audio/pcm") != "audio/pcm"
-                            or fmt.get("rate", SAMPLE_RATE) != SAMPLE_RATE):
-        raise Refused("unsupported_value", "the output audio is 16-bit PCM at 24 kHz: format "
-                      "{\"type\": \"audio/pcm\", \"rate\": 24000}", f"{param}.output.format")
+    given = out.get("format")
+    if given is not None:
+        kind = given.get("type", "audio/pcm") if isinstance(given, dict) else None
+        rate = given.get("rate", SAMPLE_RATE) if isinstance(given, dict) else None
+        if kind not in REALTIME_OUT or (kind == "audio/pcm" and rate != SAMPLE_RATE):
+            raise Refused("unsupported_value", f"the output audio format {given!r} is not one of "
+                          "{\"type\": \"audio/pcm\", \"rate\": 24000} (16-bit PCM), "
+                          "{\"type\": \"audio/pcmu\"} (G.711 mu-law, 8 kHz) or "
+                          "{\"type\": \"audio/pcma\"} (G.711 A-law, 8 kHz)", f"{param}.output.format")
+        fmt = kind
     v = out.get("voice", voice)
     if v is not None and not isinstance(v, str):
         raise Refused("unsupported_value", "voice must be the name of a voice", f"{param}.output.voice")
-    return v
+    return v, fmt
 
 
 def check_limit(value: Any, param: str) -> int | str:
@@ -161,7 +170,8 @@ class Response:
     """One response in progress: its ids, what it has streamed, which stages closed its segment."""
 
     def __init__(self, response_id: str, item_id: str, segment: int, modalities: list[str],
-                 extras: dict[str, Any], previous_item_id: str | None) -> None:
+                 extras: dict[str, Any], previous_item_id: str | None,
+                 audio_format: str = "audio/pcm") -> None:
         self.id = response_id
         self.previous_item_id = previous_item_id  # the conversation's last item when the response began
         self.item_id = item_id
@@ -173,6 +183,8 @@ class Response:
         self.closed: set[int] = set()  # final stages that finished the segment
         self.text_done = False
         self.audio_done = modalities != ["audio"]
+        self.audio_format = audio_format  # a key of REALTIME_OUT
+        self.stream: AudioStream | None = None  # the audio's encoder, from the first audio
 
     @property
     def audio(self) -> bool:
@@ -214,8 +226,16 @@ class Response:
         kind = "response.output_audio_transcript.delta" if self.audio else "response.output_text.delta"
         return make(kind, **self._where(), delta=text)
 
-    def audio_delta(self, make: MakeEvent, stage: int, pcm16_b64: str) -> dict[str, Any]:
-        return make("response.output_audio.delta", **self._where(), delta=pcm16_b64)
+    def audio_delta(self, make: MakeEvent, pcm: np.ndarray, sample_rate: int) -> list[dict[str, Any]]:
+        """Float samples in [-1, 1] -> the ``output_audio.delta`` of what they complete in the response's
+        format (none where they complete no sample yet: G.711's 8 kHz takes three of 24 kHz's)."""
+        if self.stream is None:
+            self.stream = AudioStream(REALTIME_OUT[self.audio_format], sample_rate)
+        return self._audio(make, self.stream.encode(pcm))
+
+    def _audio(self, make: MakeEvent, data: bytes) -> list[dict[str, Any]]:
+        return [make("response.output_audio.delta", **self._where(),
+                     delta=base64.b64encode(data).decode("ascii"))] if data else []
 
     def _text_done(self, make: MakeEvent) -> list[dict[str, Any]]:
         if self.text_done:
@@ -230,7 +250,8 @@ class Response:
         if self.audio_done:
             return []
         self.audio_done = True
-        return [make("response.output_audio.done", **self._where())]
+        tail = self._audio(make, self.stream.flush()) if self.stream is not None else []
+        return [*tail, make("response.output_audio.done", **self._where())]
 
     def stage_done(self, make: MakeEvent, stage: int, text_stage: bool) -> list[dict[str, Any]]:
         """A final stage finished the segment: the text (or the audio) of the response is complete."""

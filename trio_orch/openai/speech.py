@@ -4,13 +4,15 @@ The request (:class:`~trio_orch.openai.protocol.SpeechRequest`): ``input``
 (the text, 1..4096 characters), ``voice`` (a speaker of the pipeline's:
 ``stages.sampling_params.VOICES`` for the built-in vocoder, a checkpoint's own
 for Qwen2.5-Omni), ``response_format`` (``"wav"``, the
-default here, or ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
-24 kHz for the built-in vocoder, as OpenAI's), ``speed`` (0.25..4: the audio
+default here; ``"pcm"``: 16-bit little-endian mono at the pipeline's rate,
+24 kHz for the built-in vocoder, as OpenAI's; ``"flac"``, ``"opus"`` (Ogg),
+``"mp3"`` and ``"aac"``, encoded by :mod:`trio_orch.openai.audio_out`; one
+whose encoder is not installed is a 400 naming the field and the format), ``speed`` (0.25..4: the audio
 is resampled, so its pitch moves with it), ``stream_format`` (``"audio"``:
 the file's bytes; ``"sse"``: ``speech.audio.delta`` events of base64 pcm, then
 ``speech.audio.done`` with usage), ``model`` (optional; if given, a served
 name), and the ``seed`` and ``stage_sampling`` extensions.  ``instructions``
-and the other formats (mp3, opus, aac, flac) are 400s naming the field.
+is a 400 naming the field.
 
 How the input reaches the speech stages depends on the pipeline
 (:class:`SpeechPlan`, decided once from its stages as the stage registry
@@ -44,38 +46,32 @@ import numpy as np
 from stages.registry import as_audio, says, text_stage
 from trio_orch.engine.api import EngineClient
 from trio_orch.openai import sampling as openai_sampling
-from trio_orch.openai.chat import pcm16
+from trio_orch.openai.audio_out import Resampler, pcm16
 from trio_orch.openai.protocol import ServedModels, SpeechRequest
 from trio_orch.openai.tokenizer import prompt_token_count, stage_tokenizer
 from trio_orch.openai.validation import BadRequest
 from trio_orch.types import OrchOutput
 
-__all__ = ["FORMATS", "PROMPTS", "Speech", "SpeechPlan", "Speed"]
+__all__ = ["PROMPTS", "Speech", "SpeechPlan", "Speed"]
 
-#: response_format -> the answer's content type
-FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm"}
 #: the one-character prompts a thinker told what to say may start from, the first its tokenizer reads
 PROMPTS = (" ", ".", "a", "\n")
 
 
 class Speed:
-    """Audio played ``factor`` times as fast, chunk by chunk: linear resampling, continuous across chunks."""
+    """Audio played ``factor`` times as fast, chunk by chunk (its pitch moves with it): resampled by the
+    factor with the one :class:`~trio_orch.openai.audio_out.Resampler`, so continuous across chunks and
+    low-pass filtered when sped up; :meth:`flush` gives its last samples once the audio has ended."""
 
     def __init__(self, factor: float) -> None:
         self.factor = factor
-        self.pos = 0.0  # where the next output sample falls, counted from the last sample kept
-        self.last: np.ndarray | None = None  # the previous chunk's last sample
+        self.resampler = Resampler(factor, 1.0) if factor != 1.0 else None
 
     def __call__(self, pcm: np.ndarray) -> np.ndarray:
-        if self.factor == 1.0 or not len(pcm):
-            return pcm
-        x = pcm if self.last is None else np.concatenate([self.last, pcm])
-        span = len(x) - 1
-        n = int((span - self.pos) // self.factor) + 1 if span >= self.pos else 0
-        at = self.pos + self.factor * np.arange(n)
-        self.pos += n * self.factor - span
-        self.last = x[-1:]
-        return np.interp(at, np.arange(len(x)), x).astype(np.float32)
+        return pcm if self.resampler is None else self.resampler.feed(pcm)
+
+    def flush(self) -> np.ndarray:
+        return np.zeros(0, np.float32) if self.resampler is None else self.resampler.flush()
 
 
 @dataclass
@@ -89,15 +85,19 @@ class Speech:
     chunks: int = 0
 
     def add(self, m: OrchOutput) -> bytes:
-        """Absorb one output; its audio as pcm16 (b"" if it carries none)."""
+        """Absorb one output; its audio as pcm16 (b"" if it carries none), and, on the request's last
+        output, the speed change's last samples."""
         modality = self.outputs[m.stage_id] if self.outputs is not None else "data"
         audio = as_audio(modality, m.data)
-        if audio is None or not len(audio[0]):
-            return b""
-        pcm, self.sample_rate = audio
-        data = pcm16(self.speed(pcm))
-        self.chunks += 1
-        self.pieces.append(data)
+        data = b""
+        if audio is not None and len(audio[0]):
+            pcm, self.sample_rate = audio
+            data = pcm16(self.speed(pcm))
+            self.chunks += 1
+        if m.finished:
+            data += pcm16(self.speed.flush())
+        if data:
+            self.pieces.append(data)
         return data
 
 

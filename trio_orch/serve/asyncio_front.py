@@ -13,7 +13,8 @@ uvicorn's 503), ``backlog`` -> ``backlog``, ``keep_alive_timeout`` ->
 ``max_body_bytes`` -> ``ws_max_size`` (a WebSocket frame, as the lean server
 bounds a message); ``header_timeout`` is the
 :class:`~trio_orch.serve.connection_limits.HeadDeadline` on its H11
-protocol.  Everything uvicorn-specific lives here and in
+protocol, which also keeps the lean server's framing rules and lingering close
+(:class:`~trio_orch.serve.connection_limits.FrontH11Protocol`).  Everything uvicorn-specific lives here and in
 :mod:`trio_orch.serve.connection_limits` (the app itself is server-neutral).
 
 Drain: :class:`DrainingServer` takes SIGINT and SIGTERM over from uvicorn.
@@ -37,7 +38,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import uvicorn
@@ -45,9 +46,10 @@ import uvicorn
 from trio_orch.engine import EngineStartupError, ThreadEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
+from trio_orch.serve import throughput
 from trio_orch.serve.connection_limits import HeadDeadline, quiet_floods
 from trio_orch.serve.listener import close_spare, spare
-from trio_orch.serve.options import ServeOptions, ServeOutcome
+from trio_orch.serve.options import ServeOptions, ServeOutcome, unfinished
 from trio_orch.serve.signals import signal_name
 
 __all__ = ["FRONT", "DrainingServer", "HTTPServer", "serve", "server_config"]
@@ -92,14 +94,16 @@ class DrainingServer(uvicorn.Server):
 
 
 def server_config(app: Any, limits: HTTPLimits, deadline: HeadDeadline, *, log_level: str,
-                  graceful_timeout: float = 5.0) -> uvicorn.Config:
-    """uvicorn's settings for ``limits`` (see the module docstring); no lifespan, no server header."""
+                  graceful_timeout: float = 5.0, ssl: Mapping[str, Any] | None = None) -> uvicorn.Config:
+    """uvicorn's settings for ``limits`` (see the module docstring); no lifespan, no server header, no
+    access log of uvicorn's own (the app writes one line per request on either front); ``ssl``:
+    uvicorn's ``ssl_*`` settings."""
     return uvicorn.Config(app, http=deadline.protocol_class(), log_level=log_level, lifespan="off",
                           limit_concurrency=limits.max_connections, backlog=limits.backlog,
                           timeout_keep_alive=limits.keep_alive_timeout,  # type: ignore[arg-type]  # a float is fine
                           h11_max_incomplete_event_size=limits.max_head_bytes, server_header=False,
-                          ws_max_size=limits.max_body_bytes,
-                          timeout_graceful_shutdown=max(1, round(graceful_timeout)))
+                          ws_max_size=limits.max_body_bytes, access_log=False,
+                          timeout_graceful_shutdown=max(1, round(graceful_timeout)), **(ssl or {}))
 
 
 class HTTPServer:
@@ -111,10 +115,12 @@ class HTTPServer:
     """
 
     def __init__(self, sock: socket.socket, limits: HTTPLimits, *, log_level: str = "warning",
-                 graceful_timeout: float = 5.0, on_signal: Callable[[int], None] | None = None) -> None:
+                 graceful_timeout: float = 5.0, on_signal: Callable[[int], None] | None = None,
+                 ssl: Mapping[str, Any] | None = None) -> None:
         self.sock = sock
         self.limits = limits
         self.log_level = log_level
+        self.ssl = ssl
         self.graceful_timeout = graceful_timeout
         self.on_signal = on_signal or (lambda signum: None)
         self.deadline = HeadDeadline(limits.header_timeout)
@@ -135,7 +141,7 @@ class HTTPServer:
     def serve(self, app: Any) -> None:
         """Serve ``app`` until :meth:`stop` (blocks: uvicorn's own asyncio loop, in this thread)."""
         config = server_config(app, self.limits, self.deadline, log_level=self.log_level,
-                               graceful_timeout=self.graceful_timeout)
+                               graceful_timeout=self.graceful_timeout, ssl=self.ssl)
         self._server = DrainingServer(config, self.on_signal)
         if self._stop:  # asked to stop before it ran
             self._server.should_exit = True
@@ -191,12 +197,17 @@ def serve(options: ServeOptions) -> ServeOutcome:
             out.died = engine.closed_reason or "its thread exited"
             server.stop()
 
-    server = HTTPServer(options.sock, options.limits, log_level=options.log_level, on_signal=on_signal)
+    server = HTTPServer(options.sock, options.limits, log_level=options.log_level, on_signal=on_signal,
+                        ssl=options.ssl)
     app = options.make_app(engine, front, server.counters)
     quiet_floods()
     for sig in (signal.SIGINT, signal.SIGTERM):  # until uvicorn takes them over (and after it gives back)
         signal.signal(sig, on_signal)
     threading.Thread(target=watch_engine, daemon=True, name="trio-orch-engine-watch").start()
+    served = threading.Event()  # set once the server stopped: the throughput line stops with it
+    if options.stats_interval:
+        threading.Thread(target=throughput.run_thread, args=(engine, front, served, options.stats_interval),
+                         daemon=True, name="trio-orch-throughput").start()
     host, port = options.sock.getsockname()[:2]
     options.announce(host, port, FRONT)
     out.served = True
@@ -204,8 +215,10 @@ def serve(options: ServeOptions) -> ServeOutcome:
         server.serve(app)
     finally:
         stopping.set()
+        served.set()
         print("stopping the engine ...", flush=True)
         _close(engine)
+        out.unfinished = unfinished(engine)
     return out
 
 

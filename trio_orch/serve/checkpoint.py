@@ -19,13 +19,13 @@ import argparse
 import logging
 from typing import Any
 
-from stages.config import PipelineConfig, checkpoint_config
+from stages.config import PipelineConfig, builtin_config, checkpoint_config, load_config
 from stages.hf.checkpoint import DTYPES, load_checkpoint
 from stages.hf.tokenizer import require_transformers
 from trio_orch.openai.chat_template import ChatTemplate
 
-__all__ = ["add_model_arguments", "checkpoint_pipeline", "checkpoint_template", "describe", "model_dir",
-           "resolve_model"]
+__all__ = ["add_model_arguments", "add_stage_config_argument", "checkpoint_pipeline", "checkpoint_template",
+           "describe", "model_dir", "pipeline_config", "resolve_model"]
 
 log = logging.getLogger("trio_orch.serve.checkpoint")
 
@@ -86,6 +86,38 @@ def checkpoint_pipeline(path: str, args: argparse.Namespace) -> PipelineConfig:
     except ImportError as exc:
         raise ValueError(str(exc)) from None
     return cfg
+
+
+def add_stage_config_argument(parser: argparse.ArgumentParser) -> None:
+    """``--stage-config FILE``: per-stage settings over the pipeline the other flags chose."""
+    parser.add_argument("--stage-config", default=None, metavar="FILE",
+                        help="TOML of per-stage settings laid over the pipeline (a checkpoint's, "
+                             "--config's or --pipeline's), as vLLM-Omni's stage configs: [stages.NAME] "
+                             "tables (a stage by name, kind or index) with device, replicas, max_batch, "
+                             "model options..., and an optional [pipeline] table; --device and --replicas "
+                             "still win (docs/models.md: Placement)")
+
+
+def pipeline_config(args: argparse.Namespace) -> PipelineConfig:
+    """The pipeline the command line asks for (``args.model_dir`` resolved already), every check made
+    before any worker starts: ValueError naming the flag, the file or the key."""
+    if args.config and args.pipeline:
+        raise ValueError("give --config or --pipeline, not both")
+    if args.model_dir:
+        cfg = checkpoint_pipeline(args.model_dir, args)
+    else:
+        cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
+    if args.stage_config:
+        from stages.overlay import apply_overlay, load_overlay
+
+        try:
+            cfg = apply_overlay(cfg, load_overlay(args.stage_config))
+        except ValueError as exc:
+            msg = str(exc)
+            raise ValueError(msg if msg.startswith(("cannot read", "stage config")) else
+                             f"stage config {args.stage_config}: {msg}") from None
+    return cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
+                              max_retries=args.max_retries)
 
 
 def checkpoint_template(path: str) -> ChatTemplate | None:

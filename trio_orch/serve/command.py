@@ -17,10 +17,16 @@ requests answer 503 ``draining``; the listening socket stays open so a load
 balancer sees it), lets in-flight requests finish for up to
 ``--shutdown-timeout`` seconds, gives the rest their ``shutdown`` terminal,
 stops the workers, then the HTTP server.  A second signal ends the drain at
-once; a third exits without waiting.  Exit codes: 0 normal end, 1 the engine
-failed (at startup or on its own while serving), 2 bad command line or
-config, 130 stopped by SIGINT or SIGTERM (the same for both, and the same
-as ``trio-orch generate``).
+once; a third exits without waiting.  Exit codes, as uvicorn's and ``vllm
+serve``'s (the same for both fronts): 0 stopped after a clean drain (every
+request in flight answered; also a stop before anything was served), 1 the
+drain was cut short (a second signal, or requests still in flight at
+``--shutdown-timeout``) or the engine failed (at startup or on its own while
+serving), 2 bad command line or config.
+
+vLLM's own flags, under their names and meanings, are
+:mod:`trio_orch.serve.vllm_flags`'s; so is the refusal of those that mean
+nothing here.
 """
 
 from __future__ import annotations
@@ -41,25 +47,30 @@ from typing import Any
 from stages.config import PIPELINES
 from stages.placement import check_devices, device_arg
 from stages.registry import outputs_of, text_stage
+from stages.schema import positive_seconds_arg, seconds_arg
 from trio_orch.cluster.distributed import add_arguments as add_distributed_arguments
 from trio_orch.engine import EngineClient
 from trio_orch.engine.base import as_spec
+from trio_orch.http.access import ACCESS_LOGGER
 from trio_orch.http.app import create_app
+from trio_orch.http.generation import REQUESTS_LOGGER, CutPrompt
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.openai.chat_template import ChatInput, ChatTemplate
 from trio_orch.openai.media import MediaPolicy
-from trio_orch.serve import credentials
+from trio_orch.serve import credentials, vllm_flags
 from trio_orch.serve.checkpoint import (
     add_model_arguments,
-    checkpoint_pipeline,
+    add_stage_config_argument,
     checkpoint_template,
     describe,
+    pipeline_config,
     resolve_model,
 )
 from trio_orch.serve.connection_limits import default_max_connections
 from trio_orch.serve.options import ServeOptions, ServeOutcome
-from trio_orch.serve.signals import EXIT_SIGNAL
+from trio_orch.serve.throughput import INTERVAL, STATS_LOGGER
+from trio_orch.serve.vllm_flags import Refused, ServerFlags
 
 __all__ = ["DEFAULT_LOOP", "configure", "front_app", "parse", "run"]
 
@@ -72,21 +83,23 @@ log = logging.getLogger("trio_orch.serve")
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Serve the pipeline over HTTP in the OpenAI chat-completions shape: POST /v1/chat/completions "
-        "(stream: true for server-sent events; modalities [\"text\"] or [\"text\", \"audio\"], audio as "
-        "base64 16-bit PCM at 24 kHz), the /v1/realtime WebSocket session (OpenAI's Realtime "
-        "protocol, as the openai SDK's realtime.connect speaks it: text in, text and audio out), "
-        "GET /v1/models, GET /health, GET /metrics (Prometheus), GET /version, GET /ping "
-        "(vLLM's and OpenAI's dialect, --served-model-name and --api-key as vLLM's: "
-        "docs/openai-compat.md). --loop trio: the HTTP server "
+        "Serve the pipeline over HTTP in OpenAI's and vLLM's dialect (docs/openai-compat.md): "
+        "POST /v1/chat/completions (stream: true for server-sent events; modalities [\"text\"] or "
+        "[\"text\", \"audio\"], audio as base64 16-bit PCM at 24 kHz), POST /v1/completions, "
+        "POST /v1/audio/speech, POST /v1/images/generations (an image pipeline), POST /tokenize and "
+        "/detokenize, the /v1/realtime WebSocket session (OpenAI's Realtime protocol, as the openai "
+        "SDK's realtime.connect speaks it), GET /v1/models, /health, /metrics (Prometheus, vLLM's "
+        "vllm:* names too), /version, /ping, /openapi.json and /docs. A 'vllm serve' launch line "
+        "works with the command's name changed: vLLM's flags below keep their meaning, one that means "
+        "nothing here is an error saying why, $VLLM_API_KEY is read. --loop trio: the HTTP server "
         "(Starlette on the project's lean Trio server) runs in the orchestrator's own Trio run; "
         "--loop asyncio (default): "
         "uvicorn on asyncio in the main thread, the orchestrator in a Trio thread. "
         "Default pipeline: the stage-worker processes thinker -> talker -> code2wav (random-weight toys); "
         "'serve MODEL_DIR' serves a local Hugging Face checkpoint instead, as 'vllm serve' does "
         "(docs/models.md). SIGTERM or Ctrl-C "
-        "drains (see --shutdown-timeout); exit codes: 0 ok, 1 engine failure, 2 usage, 130 stopped by "
-        "a signal.")
+        "drains (see --shutdown-timeout); exit codes: 0 stopped after a clean drain, 1 the drain was cut "
+        "short or the engine failed, 2 usage or config error.")
     parser.allow_abbrev = False  # --model is never a prefix of --model-name, nor any flag of another
     add_model_arguments(parser, positional=True)
     parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
@@ -95,19 +108,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
-    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                         help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
                              "runs the orchestrator and its workers and serves no HTTP; N processes it "
                              "launches serve the app on the same port, each talking to it over ZeroMQ, so "
                              "HTTP, JSON and SSE work spreads over N cores (--loop trio only; default 1: "
                              "one process does everything; docs/operating.md)")
-    parser.add_argument("--http-server", action=_Removed, help=argparse.SUPPRESS,
-                        removed="--loop trio serves with the project's lean HTTP server, the only one "
-                                "it has now (docs/operating.md)")
+    parser.add_argument("--http-server", action=Refused, says="was removed", help=argparse.SUPPRESS,
+                        why="--loop trio serves with the project's lean HTTP server, the only one "
+                            "it has now (docs/operating.md)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     parser.add_argument("--config", default=None, metavar="FILE",
                         help="pipeline config TOML (default: the built-in 3-stage worker pipeline)")
+    add_stage_config_argument(parser)
     parser.add_argument("--pipeline", choices=list(PIPELINES), default=None,
                         help="a built-in pipeline: speech (default), speech-pd, text2image (serves POST "
                              "/v1/images/generations), omni-in (chat with images and audio in, text out); "
@@ -128,28 +142,29 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "trio-orch; --model-name is the same flag)")
     api_key, admin_token = credentials.SECRETS
     credentials.add_arguments(parser, api_key, "require 'Authorization: Bearer KEY' on every route but "
-                              "/health, /metrics, /version and /ping, else 401 (/admin keeps its own token)",
-                              "open")
+                              "/health, /metrics, /version, /ping, /openapi.json and /docs (and CORS "
+                              "preflights), else 401 (/admin keeps its own token)", "open")
     credentials.add_arguments(parser, admin_token, "serve the control plane under /admin/... (stats, pause, "
                               "sleep, weight reload, profiling; 'trio-orch ctl' is its client), each call "
                               "needing 'Authorization: Bearer TOKEN'", "no /admin")
-    parser.add_argument("--request-timeout", type=float, default=300.0,
+    parser.add_argument("--request-timeout", type=seconds_arg, default=300.0,
                         help="seconds a request may take in the orchestrator before it ends with a "
                              "timeout error and is aborted on every stage (default 300; 0: no limit)")
-    parser.add_argument("--startup-timeout", type=float, default=120.0,
+    parser.add_argument("--startup-timeout", type=positive_seconds_arg, default=120.0,
                         help="seconds to wait for the pipeline to become ready (default 120)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+    parser.add_argument("--shutdown-timeout", type=seconds_arg, default=30.0,
                         help="on SIGTERM/SIGINT, seconds in-flight requests may still take before they "
                              "get their shutdown error (default 30)")
     parser.add_argument("--max-restarts", type=int, default=5,
                         help="restarts of one worker replica within --restart-window before it is "
                              "given up (default 5; see docs/fault-tolerance.md)")
-    parser.add_argument("--restart-window", type=float, default=60.0,
+    parser.add_argument("--restart-window", type=positive_seconds_arg, default=60.0,
                         help="seconds of the restart-intensity window (default 60)")
     parser.add_argument("--max-retries", type=int, default=None, metavar="N",
                         help="times a request is resent when the replica holding it dies before "
                              "answering it (default: the config's [pipeline] max_retries, 1; 0: off)")
     add_distributed_arguments(parser)
+    vllm_flags.add_arguments(parser)
     a = parser.add_argument_group("admission control (see README: Operating it)")
     a.add_argument("--max-inflight", type=int, default=None, metavar="N",
                    help="admitted requests per live replica that may still have to pass a stage, for "
@@ -158,11 +173,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a.add_argument("--request-queue-size", type=int, default=32,
                    help="admitted requests that may wait for room to start (default 32; 0: none -- a "
                         "request that cannot start at once is shed)")
-    a.add_argument("--priority-aging", type=float, default=None, metavar="SECONDS",
+    a.add_argument("--priority-aging", type=positive_seconds_arg, default=None, metavar="SECONDS",
                    help="seconds of waiting in the start queue that count as one priority level: a "
                         "request of priority p is passed only by more urgent ones (priority q) queued "
                         "less than (p - q + 1) x this after it, so none starves (default 1)")
-    a.add_argument("--admission-timeout", type=float, default=0.0,
+    a.add_argument("--admission-timeout", type=seconds_arg, default=0.0,
                    help="seconds a request may wait for a place in that queue before it is shed with "
                         "429 (default 0: shed at once; a short wait smooths bursts, admitted requests "
                         "pay for it in latency)")
@@ -178,16 +193,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--max-body-reads", type=int, default=d.max_body_reads,
                    help="request bodies read at once; the others wait, unread, within --body-timeout "
                         f"(bounds the memory of an upload flood; default {d.max_body_reads})")
-    h.add_argument("--body-timeout", type=float, default=d.body_timeout,
+    h.add_argument("--body-timeout", type=positive_seconds_arg, default=d.body_timeout,
                    help=f"seconds to receive a request body, else 408 (default {d.body_timeout:g})")
-    h.add_argument("--header-timeout", type=float, default=d.header_timeout,
+    h.add_argument("--min-body-rate", type=int, default=d.min_body_rate, metavar="BYTES_PER_S",
+                   help="bytes a second a request body must keep up, measured over "
+                        f"{d.body_rate_window:g}s windows after the first, else 408 and its read slot "
+                        f"freed (a slow sender cannot hold one; 0: no minimum; default {d.min_body_rate})")
+    h.add_argument("--header-timeout", type=positive_seconds_arg, default=d.header_timeout,
                    help="seconds a connection may take to send a complete request head, from connecting "
                         "or from its previous answer, before it is closed (default "
                         f"{d.header_timeout:g})")
-    h.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout,
+    h.add_argument("--keep-alive-timeout", type=positive_seconds_arg, default=d.keep_alive_timeout,
                    help=f"seconds an idle keep-alive connection is kept (default {d.keep_alive_timeout:g})")
     h.add_argument("--max-head-bytes", type=int, default=d.max_head_bytes,
-                   help=f"largest request head (request line and headers), else 400 (default "
+                   help=f"largest request head (request line and headers), else 431 (default "
                         f"{d.max_head_bytes})")
     h.add_argument("--backlog", type=int, default=d.backlog,
                    help=f"connections the kernel queues before they are accepted (default {d.backlog})")
@@ -195,9 +214,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                    help="open connections; past it a new request gets 503 (--loop asyncio: uvicorn's "
                         "limit_concurrency, which counts requests in progress too; --loop trio: the "
                         "lean server's own count; default: the file-descriptor limit minus 1024)")
-    h.add_argument("--max-accept-wait", action=_Removed, help=argparse.SUPPRESS,
-                   removed="it went with the acceptor process that applied it; the shedder still "
-                           "answers 429 before a request body is read (docs/operating.md)")
+    h.add_argument("--max-accept-wait", action=Refused, says="was removed", help=argparse.SUPPRESS,
+                   why="it went with the acceptor process that applied it; the shedder still "
+                       "answers 429 before a request body is read (docs/operating.md)")
     c = parser.add_argument_group("chat input (docs/openai-compat.md: Chat templates, images and audio)")
     c.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template that makes the messages one prompt, as vLLM's flag: a file, "
@@ -212,20 +231,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "URLs are refused: send data: URLs)")
 
 
-class _Removed(argparse.Action):
-    """A flag that no longer exists: a usage error (exit 2) that says why, never silently ignored."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, removed: str, **kwargs: Any) -> None:
-        super().__init__(option_strings, dest, nargs="?", **kwargs)
-        self.removed = removed
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        parser.error(f"{option_string} was removed: {self.removed}")
-
-
-def _check_args(args: argparse.Namespace) -> HTTPLimits:
-    """The HTTP limits from the command line (``max_connections`` resolved); ValueError for a bad value."""
+def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
+    """The HTTP limits from the command line (``max_connections`` resolved) and vLLM's server flags;
+    ValueError for a bad value."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535 (0: a free one), got {args.port}")
     if args.request_queue_size < 0:
@@ -234,11 +242,6 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
         raise ValueError("--max-inflight must be >= 0 (0: no bound)")
     if args.max_retries is not None and args.max_retries < 0:
         raise ValueError("--max-retries must be >= 0 (0: no failover)")
-    if args.priority_aging is not None and not args.priority_aging > 0:
-        raise ValueError("--priority-aging must be > 0 seconds")
-    for name in ("admission_timeout", "shutdown_timeout", "request_timeout"):
-        if getattr(args, name) < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
     if args.api_server_count < 1:
@@ -248,14 +251,18 @@ def _check_args(args: argparse.Namespace) -> HTTPLimits:
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
+    flags = vllm_flags.check(args)
+    if args.seed is not None and args.in_process:
+        raise ValueError("--seed seeds a worker pipeline: the in-process toy pipeline has none")
     credentials.resolve(args)  # the API key and admin token: flag, file, systemd credential, environment
     # one limit on connections for either server: the flag's, else what the fd limit leaves room for
     max_connections = args.max_connections or default_max_connections()
     return HTTPLimits(max_body_bytes=args.max_body_bytes, max_body_reads=args.max_body_reads,
                       max_prompt_chars=args.max_prompt_chars,
-                      body_timeout=args.body_timeout, header_timeout=args.header_timeout,
+                      body_timeout=args.body_timeout, min_body_rate=args.min_body_rate,
+                      header_timeout=args.header_timeout,
                       keep_alive_timeout=args.keep_alive_timeout, max_connections=max_connections,
-                      backlog=args.backlog, max_head_bytes=args.max_head_bytes)
+                      backlog=args.backlog, max_head_bytes=args.max_head_bytes), flags
 
 
 def _chat_input(args: argparse.Namespace) -> ChatInput:
@@ -300,6 +307,8 @@ class _Pipeline:
         self.supervisor: Any = None
         self.registrar: Any = None
         if args.in_process:
+            if args.stage_config:
+                raise ValueError("--stage-config places worker stages: --in-process has none")
             from trio_orch.testing.toy_pipeline import toy_pipeline
 
             self.factory: Any = toy_pipeline()
@@ -312,18 +321,12 @@ class _Pipeline:
             self.max_inflight: list[int | None] = [bound] * 3
             self._aging(args)
             return
-        from stages.config import builtin_config, load_config
         from trio_orch.cluster.distributed import head_options, open_head_pipeline
         from trio_orch.cluster.supervisor import RestartPolicy
 
-        if args.config and args.pipeline:
-            raise ValueError("give --config or --pipeline, not both")
-        if args.model_dir:
-            cfg = checkpoint_pipeline(args.model_dir, args)
-        else:
-            cfg = load_config(args.config) if args.config else builtin_config(args.pipeline or "speech")
-        cfg = cfg.with_overrides(async_chunk=args.async_chunk, replicas=args.replicas, device=args.device,
-                                 max_retries=args.max_retries)
+        cfg = pipeline_config(args)  # the checkpoint's, --config's or built-in; --stage-config over it
+        if args.seed is not None:
+            cfg = cfg.with_overrides(seed=args.seed)  # vLLM's --seed
         policy = RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window)
         opts, local_cfg = head_options(args, cfg)
         check_devices(local_cfg.devices())  # every local replica's device exists here: exit 2 if not
@@ -371,9 +374,18 @@ class _Pipeline:
 
 def run(args: argparse.Namespace) -> int:
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)  # until serving: a SIGTERM is a Ctrl-C (exit 130)
+        signal.signal(signal.SIGTERM, _interrupt)  # until serving: a SIGTERM is a Ctrl-C (nothing to drain)
     try:
-        limits = _check_args(args)
+        return _run(args)
+    except KeyboardInterrupt:  # before anything was served: nothing was accepted, nothing lost
+        print("interrupted before serving: stopped", file=sys.stderr, flush=True)
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """``run`` once SIGTERM is a Ctrl-C: check, listen, start the front, map its outcome to the exit code."""
+    try:
+        limits, flags = _check_args(args)
         pipeline = _Pipeline(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -387,21 +399,19 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         print(f"error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
-    level = logging.getLogger().getEffectiveLevel()
+    _configure_logging(flags)
     options = ServeOptions(
-        pipeline=pipeline.factory, make_app=partial(_app, args, pipeline, limits), sock=sock, limits=limits,
-        startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
-        announce=partial(_announce, pipeline), engine=_engine_options(args, pipeline),
-        log_level="info" if level <= logging.INFO else "warning")
+        pipeline=pipeline.factory, make_app=partial(_app, args, pipeline, limits, flags), sock=sock,
+        limits=limits, startup_timeout=args.startup_timeout, shutdown_timeout=args.shutdown_timeout,
+        announce=partial(_announce, pipeline, args.api_key is not None, flags),
+        engine=_engine_options(args, pipeline), log_level=args.uvicorn_log_level,
+        stats_interval=INTERVAL if flags.log_stats else None, ssl=flags.ssl)
     print(f"starting {pipeline.what} ...", flush=True)
     try:
         if args.api_server_count > 1:
             out = _serve_with_fronts(args, options)
         else:  # each front imports its own server only when it runs
             out = importlib.import_module(f"trio_orch.serve.{args.loop}_front").serve(options)
-    except KeyboardInterrupt:
-        print("interrupted: stopped", file=sys.stderr, flush=True)
-        return EXIT_SIGNAL
     finally:
         sock.close()
     return _exit_code(out)
@@ -429,29 +439,48 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def front_app(args: argparse.Namespace) -> tuple[HTTPLimits, Callable[..., Any]]:
     """The HTTP limits and the app factory (``make_app(engine, front, server_counters)``) of ``args``:
     what an API-server process serves, the same app as a single-process ``serve`` (ValueError if bad)."""
-    limits = _check_args(args)
+    limits, flags = _check_args(args)
     pipeline = _Pipeline(args)
-    return limits, partial(_app, args, pipeline, limits)
+    return limits, partial(_app, args, pipeline, limits, flags)
 
 
 def _exit_code(out: ServeOutcome) -> int:
-    """What the command says, and its exit code, for how a front's run ended (the same for both)."""
+    """What the command says, and its exit code, for how a front's run ended (the same for both):
+    uvicorn's and vLLM's -- 0 after a clean drain, 1 for a drain cut short or an engine failure."""
     if out.startup_error is not None:
         print(f"error: {out.startup_error}", file=sys.stderr)
         return 1
     if not out.served:
         print("interrupted while starting: stopped", file=sys.stderr, flush=True)
-        return EXIT_SIGNAL
+        return 0  # nothing was accepted, nothing was lost
     if out.died is not None:
         print(f"error: the engine stopped on its own ({out.died}); the server stopped with it",
               file=sys.stderr)
         return 1
+    if out.unfinished or len(out.stopped_by) > 1:
+        why = "a second signal" if len(out.stopped_by) > 1 else "--shutdown-timeout"
+        print(f"stopped: the drain was cut short by {why}: {out.unfinished} request(s) ended unanswered "
+              "(their terminal: shutdown)", file=sys.stderr, flush=True)
+        return 1
     print("stopped", flush=True)
-    return EXIT_SIGNAL if out.stopped_by else 0
+    return 0
 
 
-def _app(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, engine: EngineClient,
-         front: FrontMetrics, server_counters: Callable[[], ExtraCounters]) -> Any:
+def _configure_logging(flags: ServerFlags) -> None:
+    """vLLM's logging flags: the HTTP server's level (the access log's too), the request log and its
+    length, the throughput line (at info, as vLLM's, whatever -v says)."""
+    level = flags.log_level
+    for name in ("uvicorn", "uvicorn.error", "trio_orch.serve.trio_http", ACCESS_LOGGER):
+        logging.getLogger(name).setLevel(level)
+    logging.getLogger(STATS_LOGGER).setLevel(logging.INFO)
+    requests = logging.getLogger(REQUESTS_LOGGER)
+    requests.setLevel(logging.INFO if flags.log_requests else logging.WARNING)
+    if flags.max_log_len is not None:
+        requests.addFilter(CutPrompt(flags.max_log_len))
+
+
+def _app(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, flags: ServerFlags,
+         engine: EngineClient, front: FrontMetrics, server_counters: Callable[[], ExtraCounters]) -> Any:
     """The one app both fronts serve (:func:`~trio_orch.http.app.create_app`), from the command line."""
     def extra_metrics() -> ExtraCounters:
         return {**pipeline.extra_metrics(), **server_counters()}
@@ -459,20 +488,31 @@ def _app(args: argparse.Namespace, pipeline: _Pipeline, limits: HTTPLimits, engi
     return create_app(engine, model_name=args.served_model_name, extra_metrics=extra_metrics,
                       outputs=pipeline.outputs, limits=limits, front=front,
                       token_limit=pipeline.token_limit(engine), stage_names=pipeline.names,
-                      admin_token=args.admin_token, api_key=args.api_key, chat_input=pipeline.chat_input)
+                      admin_token=args.admin_token, api_key=args.api_key, chat_input=pipeline.chat_input,
+                      access_log=flags.access_log, cors=flags.cors, root_path=flags.root_path,
+                      docs=flags.docs)
 
 
-def _announce(pipeline: _Pipeline, host: str, port: int, front: str) -> None:
+def _announce(pipeline: _Pipeline, api_key: bool, flags: ServerFlags, host: str, port: int,
+              front: str) -> None:
+    """Where it serves, whether the API is open, and its routes."""
     images = pipeline.outputs is not None and "image" in pipeline.outputs
-    route = "/v1/images/generations" if images else "/v1/chat/completions"
-    print(f"serving on http://{host}:{port}  (POST {route}, WS /v1/realtime, GET /health, "
-          f"GET /metrics; {front}; Ctrl-C or SIGTERM drains and stops)", flush=True)
+    work = ("POST /v1/images/generations" if images else
+            "POST /v1/chat/completions, /v1/completions, /v1/audio/speech, /tokenize, /detokenize; "
+            "WS /v1/realtime")
+    access = ("the API needs its key: 'Authorization: Bearer KEY'" if api_key else
+              "the API is OPEN: no API key (--api-key-file FILE or $VLLM_API_KEY sets one)")
+    scheme = "https" if flags.ssl else "http"
+    docs = ", /openapi.json, /docs" if flags.docs else ""
+    print(f"serving on {scheme}://{host}:{port}{flags.root_path}  ({front}; {access})\n"
+          f"  {work}\n"
+          f"  GET /v1/models, /health, /metrics{docs}; Ctrl-C or SIGTERM drains and stops", flush=True)
 
 
 def _engine_options(args: argparse.Namespace, pipeline: _Pipeline) -> dict[str, Any]:
     return {"request_queue_size": args.request_queue_size, "request_timeout": args.request_timeout or None,
             "admission_timeout": args.admission_timeout, "max_waiting": args.request_queue_size,
-            "max_inflight": pipeline.max_inflight}
+            "max_inflight": pipeline.max_inflight, "max_running": args.max_num_seqs}
 
 
 def _interrupt(signum: int, frame: Any) -> None:

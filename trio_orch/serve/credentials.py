@@ -9,7 +9,10 @@ Each secret comes from the first of these that gives it:
    ``$CREDENTIALS_DIRECTORY/admin-token`` (:data:`CREDENTIAL_FILES`; a unit's
    ``LoadCredential=api-key:/etc/trio-orch/api-key`` puts them there, readable
    by the service alone);
-4. the environment: ``$TRIO_ORCH_API_KEY`` / ``$TRIO_ORCH_ADMIN_TOKEN``.
+4. the environment: ``$TRIO_ORCH_API_KEY`` / ``$TRIO_ORCH_ADMIN_TOKEN``;
+5. for the API key, vLLM's variable last: ``$VLLM_API_KEY`` (a launch
+   script written for ``vllm serve`` keeps working; with both variables set
+   and different, ``$TRIO_ORCH_API_KEY`` wins and a warning says so).
 
 A file holds the secret alone; one trailing newline is dropped.  Prefer a
 file (2. or 3.) to the environment: ``serve`` locks itself down and goes on
@@ -40,6 +43,7 @@ __all__ = [
     "CREDENTIAL_FILES",
     "SECRETS",
     "TOKEN_ENV",
+    "VLLM_API_KEY_ENV",
     "Secret",
     "add_arguments",
     "read_secret_file",
@@ -50,6 +54,8 @@ log = logging.getLogger("trio_orch.serve.credentials")
 
 #: the environment variable ``serve`` reads the API key from when nothing before it gives one
 API_KEY_ENV = "TRIO_ORCH_API_KEY"
+#: vLLM's variable for the API key, read after :data:`API_KEY_ENV`
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
 #: the environment variable ``serve`` and ``ctl`` read the admin token from when nothing before it gives one
 TOKEN_ENV = "TRIO_ORCH_ADMIN_TOKEN"
 
@@ -65,7 +71,8 @@ class Secret:
     what: str  #: what it is called in messages
     option: str  #: ``--api-key``; the file option is this plus ``-file``
     credential: str  #: its file name under ``$CREDENTIALS_DIRECTORY``
-    env: str  #: the environment variable read last
+    env: str  #: the environment variable read after the files
+    also: tuple[str, ...] = ()  #: more variables read after ``env``, in order (another server's names)
 
     @property
     def file_option(self) -> str:
@@ -77,7 +84,7 @@ class Secret:
 
 
 SECRETS = (
-    Secret("api_key", "API key", "--api-key", "api-key", API_KEY_ENV),
+    Secret("api_key", "API key", "--api-key", "api-key", API_KEY_ENV, (VLLM_API_KEY_ENV,)),
     Secret("admin_token", "admin token", "--admin-token", "admin-token", TOKEN_ENV),
 )
 #: the credential names a systemd unit gives ``serve`` (``LoadCredential=NAME:PATH``)
@@ -88,9 +95,10 @@ def add_arguments(parser: argparse.ArgumentParser, secret: Secret, help: str, un
     """``--NAME`` and ``--NAME-file`` of ``secret``; ``help`` says what it does, ``unset`` what happens
     without it."""
     metavar = secret.what.split()[-1].upper()
+    variables = ", else ".join(f"${v}" for v in (secret.env, *secret.also))
     parser.add_argument(secret.option, dest=secret.dest, default=None, metavar=metavar,
                         help=f"{help}. Taken from here, else {secret.file_option}, else systemd's credential "
-                             f"${CREDENTIALS_DIRECTORY}/{secret.credential}, else ${secret.env}; none: "
+                             f"${CREDENTIALS_DIRECTORY}/{secret.credential}, else {variables}; none: "
                              f"{unset}. Prefer a file: every user can read a command line in ps "
                              "(docs/operating.md: Secrets)")
     parser.add_argument(secret.file_option, dest=secret.file_dest, default=None, metavar="FILE",
@@ -131,7 +139,13 @@ def _one(args: argparse.Namespace, secret: Secret, environ: Mapping[str, str]) -
     directory = environ.get(CREDENTIALS_DIRECTORY)
     if directory and (Path(directory) / secret.credential).exists():
         return read_secret_file(Path(directory) / secret.credential, secret.what)
-    return environ.get(secret.env) or None
+    found = [(v, environ[v]) for v in (secret.env, *secret.also) if environ.get(v)]
+    if not found:
+        return None
+    if len({value for _, value in found}) > 1:
+        log.warning("$%s and $%s hold different %ss: $%s is used", found[0][0], found[1][0], secret.what,
+                    found[0][0])
+    return found[0][1]
 
 
 def resolve(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> None:

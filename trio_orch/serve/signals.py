@@ -11,6 +11,7 @@ import signal
 __all__ = ["EXIT_SIGNAL", "signal_name"]
 
 #: the exit code of a command stopped by SIGINT (or SIGTERM): 128 + SIGINT, the shell's Ctrl-C code
+#: (``generate``; ``serve`` drains and exits 0, or 1 when the drain was cut short)
 EXIT_SIGNAL = 130
 
 

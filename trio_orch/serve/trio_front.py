@@ -46,9 +46,9 @@ import trio
 from trio_orch.engine import EngineStartupError, TrioEngine
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
-from trio_orch.serve import trio_http
+from trio_orch.serve import throughput, trio_http
 from trio_orch.serve.listener import close_spare, spare
-from trio_orch.serve.options import ServeOptions, ServeOutcome
+from trio_orch.serve.options import ServeOptions, ServeOutcome, unfinished
 from trio_orch.serve.signals import signal_name
 from trio_orch.serve.trio_http import ServerState
 
@@ -158,6 +158,9 @@ async def _serve(options: ServeOptions, out: ServeOutcome) -> None:
             out.served = True
             host, port = options.sock.getsockname()[:2]
             options.announce(host, port, FRONT)
+            if options.stats_interval:
+                root.start_soon(throughput.run_trio, engine, front, options.stats_interval)
             await engine_done.wait()
+            out.unfinished = unfinished(engine)
             await server_done.wait()  # stopped with the engine: the server bounds this by graceful_timeout
-            root.cancel_scope.cancel()  # the signal watcher
+            root.cancel_scope.cancel()  # the signal watcher and the throughput line

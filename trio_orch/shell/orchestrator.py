@@ -79,7 +79,9 @@ class Orchestrator:
     and per live replica, the started requests that still have to pass that
     stage (None: no bound); an accepted request waits until the core says
     there is room on its whole path, so under load the queue fills and
-    :meth:`add_request` waits (backpressure).  Stage clients that report their
+    :meth:`add_request` waits (backpressure).  ``max_running`` bounds the
+    started requests, whatever their paths (vLLM's ``max_num_seqs``; None:
+    no bound).  Stage clients that report their
     replicas (:class:`~trio_orch.types.ReplicatedStageClient`) keep the core's
     availability and bounds in step with the replicas that are ready.
     ``max_retries``: how many times a request is failed over -- resent to its
@@ -106,6 +108,7 @@ class Orchestrator:
         check_sampling: Callable[[int, Any], Any] | None = None,
         rpc_timeout: float = 5.0,
         max_inflight: Sequence[int | None] | None = None,
+        max_running: int | None = None,
         max_retries: int = 1,
         priority_aging: float = 1.0,
     ) -> None:
@@ -114,7 +117,7 @@ class Orchestrator:
         Router.check_timeout(request_timeout)
         router = Router(len(stages), final_stage_ids, async_chunk=async_chunk, forward_fn=forward_fn,
                         prewarm_fn=prewarm_fn, check_sampling=check_sampling, max_inflight=max_inflight,
-                        max_retries=max_retries, priority_aging=priority_aging)
+                        max_running=max_running, max_retries=max_retries, priority_aging=priority_aging)
         self._state = state = ShellState(router, stages, queue_size=request_queue_size,
                                          shutdown_grace=shutdown_grace, rpc_timeout=rpc_timeout)
         self.router = router

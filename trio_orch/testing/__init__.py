@@ -14,8 +14,9 @@ from trio_orch.testing.doubles import (
     TerminalLedger,
     child_pids,
     fd_count,
+    processes_naming,
     worker_alive,
 )
 
 __all__ = ["LeakProbe", "Misbehaviour", "PushScriptedStage", "ScriptedStage", "StageRecord", "SubmitHook",
-           "TerminalLedger", "child_pids", "fd_count", "worker_alive"]
+           "TerminalLedger", "child_pids", "fd_count", "processes_naming", "worker_alive"]

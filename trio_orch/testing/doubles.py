@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import trio
@@ -38,6 +39,7 @@ __all__ = [
     "TerminalLedger",
     "child_pids",
     "fd_count",
+    "processes_naming",
     "worker_alive",
 ]
 
@@ -442,6 +444,20 @@ def child_pids(pid: int | None = None) -> set[int]:
         except OSError:
             pass
     return pids
+
+
+def processes_naming(text: str | Path) -> list[int]:
+    """Live processes whose command line contains ``text`` (e.g. the TMPDIR a run's workers put their
+    ipc directory under: every worker of that run names it), from /proc."""
+    needle = str(text).encode()
+    out = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and needle in (d / "cmdline").read_bytes():
+                out.append(int(d.name))
+        except OSError:
+            continue
+    return out
 
 
 def fd_count() -> int:

@@ -43,6 +43,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from stages.control import UNKNOWN_METHOD
+from stages.schema import NonNegativeInt, PositiveSeconds
 from trio_orch.engine.api import ControlError, EngineClient, EngineClosed
 from trio_orch.http.auth import ADMIN_PREFIX, AdminAuth
 from trio_orch.openai.validation import BadRequest, decode, error_body, parse_json_body
@@ -50,15 +51,16 @@ from trio_orch.types import RpcResult
 
 __all__ = ["ROUTES", "admin_routes"]
 
-Seconds = Annotated[float, Meta(gt=0)]
 Text = Annotated[str, Meta(min_length=1)]
+#: a path on the workers' hosts: no NUL byte (no OS takes one)
+PathText = Annotated[str, Meta(min_length=1, pattern="^[^\x00]*$", description="a path without NUL bytes")]
 
 
 class _Replicas(Struct, forbid_unknown_fields=True, kw_only=True):
     """What every route that asks replicas takes."""
 
-    stage_ids: list[int] | None = None
-    timeout: Seconds | None = None
+    stage_ids: list[NonNegativeInt] | None = None
+    timeout: PositiveSeconds | None = None
 
 
 class _Rpc(_Replicas, kw_only=True):
@@ -77,21 +79,21 @@ class _Resume(Struct, forbid_unknown_fields=True):
 
 class _Sleep(_Replicas, kw_only=True):
     level: Literal[1, 2] = 1
-    drain_timeout: Seconds | None = None
+    drain_timeout: PositiveSeconds | None = None
 
 
 class _Reload(_Replicas, kw_only=True):
-    path: Text
-    drain_timeout: Seconds | None = None
+    path: PathText
+    drain_timeout: PositiveSeconds | None = None
 
 
 class _StartProfile(_Replicas, kw_only=True):
-    dir: Text
+    dir: PathText
 
 
 class _Abort(Struct, forbid_unknown_fields=True, kw_only=True):
     request_id: Text
-    timeout: Seconds | None = None
+    timeout: PositiveSeconds | None = None
 
 
 class UnknownMethod(Exception):

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -26,6 +27,7 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.streaming import sse
+from trio_orch.http.vllm_metrics import RequestTimer
 from trio_orch.openai.chat import ChatRequest, ChatStream, read_chat_request
 from trio_orch.openai.chat_template import ChatInput
 from trio_orch.openai.protocol import ServedModels
@@ -54,15 +56,23 @@ def chat_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[
     def failure(code: str, message: str) -> bytes:
         return sse(error_body(message, "server_error", code=code))
 
+    def finished(cs: ChatStream, handle: AcceptedRequest, timer: RequestTimer) -> None:
+        """The request ended with a finish reason: its real-time factor, reason and vLLM histograms."""
+        observe_rtf(cs, handle)
+        front.count_finished(cs.finish_reason())
+        timer.finish(prompt_tokens=cs.usage()["prompt_tokens"], max_tokens=cs.req.max_tokens,
+                     token_limit=token_limit, timings=handle.timings)
+
     def events(req: ChatRequest, handle: AcceptedRequest) -> AsyncIterator[bytes]:
         cs = ChatStream(req, outputs, token_limit)
+        timer = front.timer(handle.t_open)
 
         def render(m: OrchOutput) -> bytes:
             chunk = cs.add(m)
+            timer.saw(cs.text_outputs)
             out = sse(chunk) if chunk is not None else b""
             if m.finished:
-                observe_rtf(cs, handle)
-                front.count_finished(cs.finish_reason())
+                finished(cs, handle, timer)
                 out += sse(cs.last_chunk())
                 if req.include_usage:
                     out += sse(cs.usage_chunk())
@@ -74,15 +84,23 @@ def chat_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[
     async def answer(req: ChatRequest, handle: AcceptedRequest) -> dict[str, Any] | OrchError:
         """The non-streamed completion, or the request's error terminal."""
         cs = ChatStream(req, outputs, token_limit)
+        timer = front.timer(handle.t_open)
+
+        def absorb(m: OrchOutput) -> None:
+            cs.add(m)
+            timer.saw(cs.text_outputs)
+
         try:
-            err = await route.collect(handle, cs.add)
+            err = await route.collect(handle, absorb)
         finally:  # cancelled too (the client left): what was generated counts
             count_tokens(cs)
         if err is not None:
             return err
-        observe_rtf(cs, handle)
-        out = cs.completion(cs.timings(handle.t_open, time.perf_counter(), handle.timings))
-        front.count_finished(cs.finish_reason())
+        timings = cs.timings(handle.t_open, time.perf_counter(), handle.timings)
+        # an audio answer is encoded (an Opus, MP3 or AAC encoder may take a while): off the event loop
+        out = (await anyio.to_thread.run_sync(cs.completion, timings) if req.audio
+               else cs.completion(timings))
+        finished(cs, handle, timer)
         return out
 
     async def handle(request: Request) -> Response:
@@ -93,7 +111,7 @@ def chat_route(engine: EngineClient, *, models: ServedModels, outputs: Sequence[
         except BadRequest as exc:
             return route.bad(exc)
         admitted = await route.admit(req.payload(), final_stage_id=req.final_stage_id, sampling=req.sampling,
-                                     want_timings=not req.stream, priority=req.priority)
+                                     want_timings=True, priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
         if req.stream:

@@ -37,6 +37,7 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.streaming import sse
+from trio_orch.http.vllm_metrics import RequestTimer
 from trio_orch.openai import sampling as openai_sampling
 from trio_orch.openai.completions import TextCompletion
 from trio_orch.openai.protocol import CompletionRequest, ServedModels
@@ -61,12 +62,21 @@ def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Se
     def failure(code: str, message: str) -> bytes:
         return sse(error_body(message, "server_error", code=code))
 
+    def finished(tc: TextCompletion, handle: AcceptedRequest, timer: RequestTimer) -> None:
+        """The request ended with a finish reason: the reason, and its vLLM histograms."""
+        front.count_finished(tc.finish_reason())
+        timer.finish(prompt_tokens=tc.usage()["prompt_tokens"], max_tokens=tc.max_tokens,
+                     token_limit=tc.token_limit, timings=handle.timings)
+
     def stream(req: CompletionRequest, tc: TextCompletion, handle: AcceptedRequest) -> AsyncIterator[bytes]:
+        timer = front.timer(handle.t_open)
+
         def render(m: OrchOutput) -> bytes:
             text = tc.add(m)
+            timer.saw(tc.tokens)
             out = sse(tc.chunk(text)) if text else b""
             if m.finished:
-                front.count_finished(tc.finish_reason())
+                finished(tc, handle, timer)
                 out += sse(tc.chunk("", tc.finish_reason()))
                 if req.include_usage:
                     out += sse(tc.usage_chunk())
@@ -76,13 +86,19 @@ def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Se
                           last=DONE, on_end=partial(count_tokens, tc))
 
     async def collect(req: CompletionRequest, tc: TextCompletion, handle: AcceptedRequest) -> Any:
+        timer = front.timer(handle.t_open)
+
+        def absorb(m: OrchOutput) -> None:
+            tc.add(m)
+            timer.saw(tc.tokens)
+
         try:
-            err = await route.collect(handle, tc.add)
+            err = await route.collect(handle, absorb)
         finally:
             count_tokens(tc)
         if err is not None:
             return err
-        front.count_finished(tc.finish_reason())
+        finished(tc, handle, timer)
         return JSONResponse(tc.completion(req.echo))
 
     def read(raw: bytes) -> tuple[CompletionRequest, str, str, int, dict[int, dict[str, Any]], int | None]:
@@ -108,7 +124,8 @@ def completions_route(engine: EngineClient, *, models: ServedModels, outputs: Se
             req, model, prompt, k, sampling, prompt_tokens = read(await request.body())
         except BadRequest as exc:
             return route.bad(exc)
-        admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling, priority=req.priority)
+        admitted = await route.admit(prompt, final_stage_id=k, sampling=sampling, want_timings=True,
+                                     priority=req.priority)
         if isinstance(admitted, Response):
             return admitted
         tc = TextCompletion(model, prompt, k, req.max_tokens, token_limit, outputs,

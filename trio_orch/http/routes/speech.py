@@ -5,9 +5,11 @@ The request and how it enters the pipeline are :mod:`trio_orch.openai.speech`'s
 its stage-0 input and per-stage parameters).  The answer: ``pcm`` streams as
 the vocoder makes it (a chunked body, one piece per dispatcher batch; a
 request that fails midway ends its body early, and says so in the log);
-``wav`` is sent whole (its header holds its length); ``stream_format: sse``
-sends ``speech.audio.delta`` events of base64 pcm, then ``speech.audio.done``
-with usage.
+``wav``, ``flac``, ``opus``, ``mp3`` and ``aac`` are sent whole, encoded once the
+audio is all there (:func:`~trio_orch.openai.audio_out.encode_audio`, in a
+worker thread: the event loop never waits on an encoder); ``stream_format:
+sse`` sends ``speech.audio.delta`` events of base64 pcm, then
+``speech.audio.done`` with usage.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import AsyncIterator, Sequence
 from functools import partial
 from typing import Any
 
+import anyio
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,9 +30,9 @@ from trio_orch.http.generation import OpenAIRoute
 from trio_orch.http.limits import HTTPLimits
 from trio_orch.http.metrics import FrontMetrics
 from trio_orch.http.streaming import sse
-from trio_orch.openai.chat import wav_bytes
+from trio_orch.openai.audio_out import AUDIO_OUT, encode_audio
 from trio_orch.openai.protocol import ServedModels, SpeechRequest
-from trio_orch.openai.speech import FORMATS, Speech, SpeechPlan, Speed
+from trio_orch.openai.speech import Speech, SpeechPlan, Speed
 from trio_orch.openai.validation import BadRequest, error_body
 from trio_orch.types import OrchOutput
 
@@ -77,9 +80,8 @@ def speech_route(engine: EngineClient, *, models: ServedModels, outputs: Sequenc
         err = await route.collect(handle, partial(audio_of, sp))
         if err is not None:
             return err
-        raw = b"".join(sp.pieces)
-        body = wav_bytes(raw, sp.sample_rate) if fmt == "wav" else raw
-        return Response(body, media_type=FORMATS[fmt])
+        body = await anyio.to_thread.run_sync(encode_audio, b"".join(sp.pieces), sp.sample_rate, fmt)
+        return Response(body, media_type=AUDIO_OUT[fmt].content_type)
 
     async def handle(request: Request) -> Response:
         try:
@@ -96,7 +98,8 @@ def speech_route(engine: EngineClient, *, models: ServedModels, outputs: Sequenc
         if req.stream_format == "sse":
             return route.stream(events(sp, admitted, checked.input_tokens))
         if req.response_format == "pcm":
-            return route.stream(route.body(admitted, partial(audio_of, sp), cut), FORMATS["pcm"])
+            pcm = route.body(admitted, partial(audio_of, sp), cut)
+            return route.stream(pcm, AUDIO_OUT["pcm"].content_type)
         answer = await route.wait(partial(whole, req.response_format, sp, admitted), request)
         return answer if answer.status_code != 200 else route.ok(answer)
 

@@ -49,7 +49,7 @@ from trio_orch.cluster.credentials import LaunchCredentials
 from trio_orch.cluster.supervisor import RestartPolicy
 from trio_orch.engine import EngineStartupError, TrioEngine
 from trio_orch.serve.fronts.host import EngineHost, FrontSlot
-from trio_orch.serve.options import ServeOptions, ServeOutcome
+from trio_orch.serve.options import ServeOptions, ServeOutcome, unfinished
 from trio_orch.serve.signals import signal_name
 
 __all__ = ["FRONT", "FrontsConfig", "serve"]
@@ -96,6 +96,7 @@ async def _serve(options: ServeOptions, fronts: FrontsConfig, out: ServeOutcome)
                     try:
                         await engine.run(task_status=task_status)
                     finally:
+                        out.unfinished = unfinished(engine)
                         if not out.stopped_by and out.served and out.died is None:
                             out.died = engine.closed_reason or "its orchestrator stopped"
                         root.cancel_scope.cancel()

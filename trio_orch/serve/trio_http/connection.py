@@ -23,8 +23,7 @@ from typing import Any
 
 import trio
 
-from trio_orch.http.limits import json_response
-from trio_orch.openai.validation import error_body
+from trio_orch.serve.framing import error_answer, error_code
 from trio_orch.serve.trio_http.config import MAX_DRAIN_BYTES, ServerState
 from trio_orch.serve.trio_http.protocol import (
     CLOSED,
@@ -34,7 +33,6 @@ from trio_orch.serve.trio_http.protocol import (
     RequestHead,
     RequestReader,
     response_head,
-    simple_response,
 )
 from trio_orch.serve.trio_http.transport import Transport
 from trio_orch.serve.trio_http.websocket import serve_websocket
@@ -59,23 +57,17 @@ def asgi_scope(kind: str, head: RequestHead, server: Any, client: Any) -> dict[s
     return scope
 
 
-def error_answer(status: int, message: str, code: str, kind: str = "invalid_request_error",
-                 extra: dict[str, str] | None = None) -> bytes:
-    """A whole JSON error answer in the app's shape (OpenAI's ``{"error": ...}``), closing."""
-    headers, body = json_response(status, error_body(message, kind, None, code), extra)
-    return simple_response(status, body, extra=[kv for kv in headers
-                                                if kv[0] not in (b"content-type", b"content-length")])
-
-
 class _Cycle:
     """One request and its response, as the connection's task and the app's tasks see it."""
 
-    __slots__ = ("body_done", "complete", "continued", "framing", "gone", "head", "pending", "started",
-                 "watching")
+    __slots__ = ("bad_body", "body_done", "complete", "continued", "framing", "gone", "head", "left",
+                 "pending", "started", "watching")
 
     def __init__(self, head: RequestHead) -> None:
         self.head = head
         self.body_done = False
+        self.left = False  #: the client closed its side or went away before the response was complete
+        self.bad_body: BadRequest | None = None  #: the body broke its framing (a malformed chunk): a 400
         self.pending: bytes | None = None  #: body bytes that came with the head, for the first receive
         self.continued = False  #: the 100 Continue went out
         self.started = False
@@ -161,8 +153,8 @@ class HTTPConnection:
             except BadRequest as exc:
                 self.state.bad_requests += 1
                 log.debug("a bad request (%d): %s", exc.status, exc)
-                code = "request_header_too_large" if exc.status == 431 else "bad_request"
-                await self.transport.write(error_answer(exc.status, f"malformed request: {exc}", code))
+                await self.transport.write(error_answer(exc.status, f"malformed request: {exc}",
+                                                        error_code(exc.status)))
                 await self.transport.close()
                 return None
             if isinstance(event, RequestHead):
@@ -213,6 +205,14 @@ class HTTPConnection:
         finally:
             self._end(cycle)
         if not cycle.started:
+            if cycle.bad_body is not None:  # the app was told http.disconnect; the client gets its 400
+                self.state.bad_requests += 1
+                await self.transport.write(error_answer(400, f"malformed request body: {cycle.bad_body}",
+                                                        "bad_request"))
+                return False
+            if cycle.left:  # the app was told http.disconnect (and logged the leave): nobody to answer
+                log.debug("the client left before its answer to %s %s", head.method, head.path)
+                return False
             log.error("the ASGI app returned without a response to %s %s", head.method, head.path)
             await self.transport.write(error_answer(
                 500, "internal server error: the app sent no response", "internal_error", "server_error"))
@@ -251,12 +251,14 @@ class HTTPConnection:
                     data = self._take_body(cycle)
                 except BadRequest as exc:
                     log.debug("a bad request body: %s", exc)
+                    cycle.bad_body = exc
                     self.eof = True  # nothing more can be read from this connection
                     break
                 if data or cycle.body_done:
                     return {"type": "http.request", "body": data, "more_body": not cycle.body_done}
                 chunk = await self.transport.recv()
-                if not chunk:  # the client left during its upload
+                if not chunk:  # the client left during its upload (or closed its side short of the body)
+                    cycle.left = True
                     self._feed(b"")
                     break
                 self._feed(chunk)
@@ -283,6 +285,7 @@ class HTTPConnection:
                     ahead += len(chunk)
                     self._feed(chunk)
                     if not chunk:
+                        cycle.left = not cycle.complete
                         self._end(cycle)
         finally:  # also when the caller's own scope cancels it (a peek at "disconnected yet?")
             cycle.watching = None

@@ -1,15 +1,17 @@
 """The sans-I/O half of the lean server: request heads in (through h11), response framing out (by hand).
 
 Parsing stays with h11 -- the same parser uvicorn uses, with its
-head-size bound and its error hints (400, 431) -- but h11 is asked only
-about the client's side.  A response is framed here: one status line and the
+head-size bound and its error hints (400, 431), and the framing rules both
+fronts add to it (:class:`~trio_orch.serve.framing.StrictConnection`: 400 for
+Content-Length with Transfer-Encoding, 505 for an unknown version) -- but h11
+is asked only about the client's side.  A response is framed here: one status line and the
 headers, then each body chunk as the app hands it over (``content-length``
 when the app gave one, chunked for HTTP/1.1 otherwise, close-delimited for
 HTTP/1.0; no body for HEAD, 1xx, 204 and 304).  That is the point of the
 lean server: a streamed chunk costs one small ``bytes`` formatting here and
 one write, instead of an h11 event, a lock and a checkpoint per chunk.
 
-Each request cycle gets a fresh :class:`h11.Connection` fed with what the
+Each request cycle gets a fresh h11 connection fed with what the
 previous one had not parsed yet (:class:`RequestReader`), so the client's
 side never waits on a server-side h11 state this module does not keep.
 Nothing here touches a socket: it is unit-tested on bytes alone.
@@ -18,16 +20,15 @@ Nothing here touches a socket: it is unit-tested on bytes alone.
 from __future__ import annotations
 
 import enum
-import http
-import time
 from dataclasses import dataclass
-from email.utils import formatdate
 from urllib.parse import unquote
 
 import h11
 
+from trio_orch.serve.framing import StrictConnection, http_date, status_line
+
 __all__ = ["CLOSED", "END", "NEED_DATA", "BadRequest", "Framing", "Headers", "Mode", "RequestHead",
-           "RequestReader", "http_date", "parse_head", "response_head", "simple_response", "status_line"]
+           "RequestReader", "parse_head", "response_head"]
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -39,12 +40,12 @@ NEED_DATA = "need-data"
 CLOSED = "closed"
 
 _NO_BODY_STATUSES = frozenset({204, 304})
-_STATUS_LINES: dict[int, bytes] = {}
 _BAD_HEADER_BYTES = (b"\r", b"\n", b"\0")
 
 
 class BadRequest(Exception):
-    """What h11 refuses from a client: answer ``status`` (400; 431 for a head too large), then close."""
+    """What h11 refuses from a client: answer ``status`` (400; 431 for a head too large; 501, 505), then
+    close."""
 
     def __init__(self, status: int, reason: str) -> None:
         super().__init__(reason)
@@ -107,7 +108,7 @@ class RequestReader:
 
     def __init__(self, max_head_bytes: int) -> None:
         self.max_head_bytes = max_head_bytes
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=max_head_bytes)
+        self._conn = StrictConnection(max_head_bytes)
         self.buffered = 0  #: bytes fed since the cycle began (a head in progress if > 0)
 
     def feed(self, data: bytes) -> None:
@@ -128,9 +129,6 @@ class RequestReader:
         if isinstance(event, h11.Data):
             return bytes(event.data)
         if isinstance(event, h11.Request):
-            # h11 bounds a head still incomplete; one that came whole in a single read is measured here
-            if self.buffered - len(self._conn.trailing_data[0]) > self.max_head_bytes:
-                raise BadRequest(431, f"the request head is over {self.max_head_bytes} bytes")
             return parse_head(event)
         if isinstance(event, h11.EndOfMessage):
             return END
@@ -147,35 +145,12 @@ class RequestReader:
     def next_cycle(self) -> None:
         """Start on the next request, keeping what is already buffered for it."""
         data, closed = self._conn.trailing_data
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.max_head_bytes)
+        self._conn = StrictConnection(self.max_head_bytes)
         self.buffered = 0
         if data:
             self.feed(bytes(data))
         if closed:
             self._conn.receive_data(b"")
-
-
-def status_line(status: int) -> bytes:
-    line = _STATUS_LINES.get(status)
-    if line is None:
-        try:
-            phrase = http.HTTPStatus(status).phrase
-        except ValueError:
-            phrase = ""
-        line = _STATUS_LINES[status] = f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
-    return line
-
-
-_date_cache: tuple[int, bytes] = (0, b"")
-
-
-def http_date() -> bytes:
-    """The ``Date`` header's value, formatted once a second."""
-    global _date_cache
-    now = int(time.time())
-    if _date_cache[0] != now:
-        _date_cache = (now, formatdate(now, usegmt=True).encode())
-    return _date_cache[1]
 
 
 class Mode(enum.Enum):
@@ -259,12 +234,3 @@ def response_head(status: int, headers: Headers, request: RequestHead, *, keep_a
         out.append(b"connection: keep-alive\r\n")
     out.append(b"\r\n")
     return b"".join(out), Framing(mode, keep_alive, length or 0)
-
-
-def simple_response(status: int, body: bytes, content_type: bytes = b"application/json",
-                    extra: Headers | None = None) -> bytes:
-    """A whole answer the server gives itself (400, 431, 500, 503): always ``connection: close``."""
-    head = [status_line(status), b"content-type: %b\r\n" % content_type,
-            b"content-length: %d\r\n" % len(body), b"date: %b\r\n" % http_date()]
-    head += [b"%b: %b\r\n" % kv for kv in extra or ()]
-    return b"".join([*head, b"connection: close\r\n\r\n", body])

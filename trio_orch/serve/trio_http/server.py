@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from trio_orch.http.limits import RateLimitFilter
+from trio_orch.http.logs import RateLimitFilter
 from trio_orch.serve.trio_http.config import ServerState
 from trio_orch.serve.trio_http.connection import ASGIApp, HTTPConnection
 from trio_orch.serve.trio_http.transport import Transport

@@ -18,11 +18,10 @@ import socket
 
 import trio
 
+from trio_orch.serve.framing import LINGER_BYTES, LINGER_SECONDS
+
 __all__ = ["Transport"]
 
-#: how long a closing connection keeps reading (and dropping) its client's input, so the close is no reset
-LINGER_SECONDS = 1.0
-LINGER_BYTES = 1 << 20
 #: reads in a row that may find bytes waiting before one yields to the other tasks
 READS_WITHOUT_WAIT = 16
 

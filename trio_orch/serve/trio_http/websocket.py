@@ -8,7 +8,11 @@ draining, the realtime route's 400/404).  Once accepted, one reader task
 turns frames into ``websocket.receive`` messages on a small channel (a
 client outpacing the app waits on it), answers pings and the client's
 close, and ends the session with ``websocket.disconnect``.  A message over
-the limits' ``max_body_bytes`` closes the session with 1009.  A ``send`` after the
+the limits' ``max_body_bytes`` closes the session with 1009 -- at the frame's
+header when the frame alone announces more (:class:`FrameLimit`), so a
+client cannot hold the session waiting for an impossible length -- and a
+frame wsproto cannot parse with its close code (1002 for a protocol error),
+a close frame sent either way before the connection ends.  A ``send`` after the
 session ended raises :class:`OSError` (the app's ``WebSocketDisconnect``).
 On a cancel (the server's shutdown deadline) the client gets a 1001 close
 frame if the socket takes it at once.
@@ -32,10 +36,13 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.extensions import Extension
+from wsproto.frame_protocol import CloseReason, Opcode, RsvBits
 from wsproto.utilities import LocalProtocolError, RemoteProtocolError
 
 from trio_orch.http.limits import HTTPLimits
-from trio_orch.serve.trio_http.protocol import RequestHead, simple_response
+from trio_orch.serve.framing import simple_response
+from trio_orch.serve.trio_http.protocol import RequestHead
 from trio_orch.serve.trio_http.transport import Transport
 
 __all__ = ["SessionGone", "WebSocketSession", "serve_websocket"]
@@ -43,6 +50,32 @@ __all__ = ["SessionGone", "WebSocketSession", "serve_websocket"]
 log = logging.getLogger("trio_orch.serve.trio_http")
 
 MESSAGE_TOO_BIG = 1009
+
+
+class FrameLimit(Extension):
+    """The message limit applied at each frame's header: a frame announcing more is refused (1009).
+
+    wsproto's extension hook is the one place a frame's length is seen
+    before its payload.  Always on, never negotiated: its name is in no
+    handshake, and it claims no reserved bit.
+    """
+
+    name = "trio-orch-frame-limit"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def enabled(self) -> bool:
+        return True
+
+    def offer(self) -> bool:  # a client's side: never offered
+        return False
+
+    def frame_inbound_header(self, proto: Any, opcode: Opcode, rsv: RsvBits, payload_length: int
+                             ) -> CloseReason | RsvBits:
+        if payload_length > self.limit:
+            return CloseReason.MESSAGE_TOO_BIG
+        return RsvBits(False, False, False)
 
 
 class SessionGone(OSError):
@@ -140,7 +173,8 @@ class WebSocketSession:
         elif kind == "websocket.accept":
             self._handshake_open(kind)
             await self._write(AcceptConnection(subprotocol=message.get("subprotocol"),
-                                               extra_headers=list(message.get("headers") or ())))
+                                               extra_headers=list(message.get("headers") or ()),
+                                               extensions=[FrameLimit(self.limits.max_body_bytes)]))
             self.accepted = True
             assert self.nursery is not None
             self.nursery.start_soon(self._read)
@@ -210,6 +244,9 @@ class WebSocketSession:
                                            "reason": event.reason or ""}
                         if self.ws.state is ConnectionState.REMOTE_CLOSING:
                             await self._write(event.response())
+                        elif self.ws.state is ConnectionState.OPEN:  # a frame that failed to parse
+                            log.debug("a WebSocket protocol error (%d): %s", event.code, event.reason)
+                            await self._close(event.code, event.reason)
                         self.ended = True
                         return
                 data = await self.transport.recv()
