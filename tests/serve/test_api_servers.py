@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +115,9 @@ def stream(url: str, prompt: str = "hello there") -> tuple[str, bool]:
     return "".join(text), True
 
 
-def run_streams(url: str, n: int, prompt: str = "hello there") -> list[tuple[str, bool]]:
+def run_streams(url: str, n: int, prompt: str = "hello there",
+                during: Callable[[], object] | None = None) -> list[tuple[str, bool]]:
+    """``n`` streams at once, each on a connection of its own; ``during()`` runs while they stream."""
     results: list[Any] = [None] * n
 
     def one(i: int) -> None:
@@ -123,6 +126,8 @@ def run_streams(url: str, n: int, prompt: str = "hello there") -> list[tuple[str
     threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
+    if during is not None:
+        during()
     for t in threads:
         t.join(HANG * 3)
     return results
@@ -164,18 +169,12 @@ def test_the_sdk_streams_through_two_fronts_and_metrics_count_every_request_once
 def test_a_front_killed_mid_stream_comes_back_and_its_requests_end_aborted_once(head: Head) -> None:
     before = head.fronts()
     victim = sorted(before)[0]
-    results: list[Any] = [None] * 32
 
-    def one(i: int) -> None:
-        results[i] = stream(head.url, LONG)
+    def kill() -> None:
+        wait_until(lambda: head.metric("trio_orch_active_requests") >= 32, "32 streams open in the head")
+        os.kill(victim, signal.SIGKILL)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: head.metric("trio_orch_active_requests") >= 32, "32 streams open in the head")
-    os.kill(victim, signal.SIGKILL)
-    for t in threads:
-        t.join(HANG * 3)
+    results = run_streams(head.url, 32, LONG, during=kill)
     dropped = sum(1 for _, ok in results if not ok)
     completed = [text for text, ok in results if ok]
     assert 0 < dropped < 32  # the victim held some, the other front the rest
@@ -191,18 +190,12 @@ def test_a_front_killed_mid_stream_comes_back_and_its_requests_end_aborted_once(
 
 def test_sigterm_to_the_process_group_drains_both_fronts_and_leaves_nothing(head: Head) -> None:
     fronts = head.fronts()
-    results: list[Any] = [None] * 16
 
-    def one(i: int) -> None:
-        results[i] = stream(head.url, LONG)
+    def terminate() -> None:
+        wait_until(lambda: head.metric("trio_orch_active_requests") >= 16, "16 streams open in the head")
+        os.killpg(head.proc.pid, signal.SIGTERM)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(16)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: head.metric("trio_orch_active_requests") >= 16, "16 streams open in the head")
-    os.killpg(head.proc.pid, signal.SIGTERM)
-    for t in threads:
-        t.join(HANG * 3)
+    results = run_streams(head.url, 16, LONG, during=terminate)
     assert all(ok and text == "You said: " + LONG for text, ok in results), results
     code = head.proc.wait(HANG * 3)
     assert code == 0, "".join(head.lines)  # a clean drain
