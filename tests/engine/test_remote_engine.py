@@ -220,3 +220,19 @@ async def test_statistics_carry_every_fronts_http_counters_summed_by_the_head() 
         stats = await a.stats_async()
         assert FrontMetrics.summed([stats.fronts]).requests == {("/v1/chat/completions", 200): 2}
 
+
+async def test_a_resumable_request_takes_its_segments_through_the_front() -> None:
+    stage = ScriptedStage(0)
+    async with served(static_pipeline([stage], {0})) as (_engine, _host, (remote,)):
+        handle = await remote.add_request_async("first", resumable=True)
+        await handle.update("second")
+        await handle.update("third", final=True)
+        await trio_until(lambda: stage.final_updates == [handle.request_id], "the last segment on the stage")
+        assert stage.resumable == [handle.request_id]
+        assert [seg for _, seg in stage.updates] == ["second", "third"]
+        with pytest.raises(ValueError):  # an unknown request: the head's error, raised in the front
+            await remote.update_request_async("nobody", "x")
+        handle.abort()
+        got = [m async for m in handle]
+        assert isinstance(got[-1], OrchError) and got[-1].kind == "aborted"
+
