@@ -45,13 +45,21 @@ def alive(pid: int) -> bool:
         return False
 
 
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 class Head:
     """``trio-orch serve --api-server-count 2`` in a session of its own, read until it serves."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, *args: str, env: dict[str, str] | None = None,
+                 pipeline: tuple[str, ...] = ("--in-process",)) -> None:
         self.dirs_before = set(glob.glob("/tmp/trio-orch-fronts-*"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", "--in-process", "--loop",
+            [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", *pipeline, "--loop",
              "trio", "--api-server-count", "2", *args], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True, start_new_session=True, env={**os.environ, **(env or {})})
@@ -77,7 +85,7 @@ class Head:
 
     def fronts(self) -> set[int]:
         """The fronts serving now (each launched process's fresh child, the one that serves)."""
-        return {serving_pid(p) for p in child_pids(self.head) if alive(p)} - {self.head}
+        return {serving_pid(p) for p in child_pids(self.head) if alive(p) and b"fronts.process" in cmdline(p)}
 
     def ready(self) -> set[int]:
         """The serving pids of every front the head said was ready, restarted ones included."""
@@ -244,6 +252,43 @@ def test_a_front_that_keeps_dying_is_given_up_and_the_server_stops_with_exit_1()
         h.reader.join(HANG)
         assert any("given up" in line for line in h.lines), "".join(h.lines)
         assert not [p for p in child_pids(h.head) if alive(p)]
+    finally:
+        h.close()
+
+
+def listening_inodes(pid: int, port: int) -> set[str]:
+    """The inodes of the TCP sockets listening on ``port`` that process ``pid`` holds."""
+    listening = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for row in f.readlines()[1:]:
+                cols = row.split()
+                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                    listening.add(cols[9])
+    held = set()
+    for fd in glob.glob(f"/proc/{pid}/fd/*"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:[") and target[8:-1] in listening:
+                held.add(target[8:-1])
+    return held
+
+
+def test_with_real_workers_only_the_fronts_hold_the_listening_socket(tmp_path: Path) -> None:
+    from bench.perf.serving import echo_pipeline_file
+
+    config = echo_pipeline_file(3, str(tmp_path))
+    h = Head(pipeline=("--config", config))
+    try:
+        port = int(h.url.rsplit(":", 1)[1])
+        fronts = h.fronts()
+        workers = [serving_pid(p) for p in child_pids(h.head) if b"stages.worker" in cmdline(p)]
+        assert len(workers) == 3 and len(fronts) == 2
+        assert all(listening_inodes(f, port) for f in fronts)  # each front accepts on it
+        assert not [w for w in workers if listening_inodes(w, port)]  # no worker inherited it
+        chat = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text", "audio"]}
+        r = httpx.post(h.url + "/v1/chat/completions", timeout=HANG, json=chat)
+        assert r.status_code == 200, r.text
     finally:
         h.close()
 
