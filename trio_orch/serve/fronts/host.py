@@ -130,6 +130,7 @@ class FrontSlot:
             self.host.retired.append(self.counts)
             self.counts = None
         self._counting.clear()
+        self.link.clear()
         self._scope = trio.CancelScope()
         self.hello = trio.Event()
         self.pid = None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     return int(trio.run(_serve, given, own.listen_fd))
 
 
-async def _serve(given: dict, listen_fd: int) -> int:
+async def _serve(given: dict[str, Any], listen_fd: int) -> int:
     import logging
     import os
     import shutil

@@ -236,6 +236,10 @@ class Link:
         self._wake: trio.CancelScope | None = None
         self.garbage = 0
 
+    def clear(self) -> None:
+        """Drop what is queued and not sent (its peer is gone: a new one must not get it)."""
+        self._queue.clear()
+
     def send(self, msg: msgspec.Struct) -> None:
         """Queue ``msg`` for the owner to send (any task of the owner's run; never blocks)."""
         self._queue.append(self._out.encode(msg))
