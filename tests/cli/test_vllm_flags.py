@@ -19,6 +19,7 @@ from trio_orch.http.access import Cors
 from trio_orch.http.generation import CutPrompt
 from trio_orch.serve import vllm_flags
 from trio_orch.serve.checkpoint import resolve_model
+from trio_orch.serve.command import front_app
 from trio_orch.serve.vllm_flags import REFUSED
 
 #: a stock vLLM launch line, as a team runs ``vllm serve`` today
@@ -155,6 +156,12 @@ def test_api_server_count_is_vllms_flag_and_more_than_one_needs_the_trio_front(
     assert serve_args("-asc", "3").api_server_count == 3 and serve_args().api_server_count == 1
     assert main(["serve", "--api-server-count", "2", "--loop", "asyncio"]) == 2
     assert "--api-server-count > 1 runs Trio fronts: give --loop trio" in capsys.readouterr().err
+    args = serve_args("--api-server-count", "2", "--in-process")
+    front_app(args)  # what checks the command line
+    assert args.loop == "trio"  # without --loop, the fronts' loop
+    args = serve_args("--in-process")
+    front_app(args)
+    assert args.loop == "asyncio"
     assert main(["serve", "--api-server-count", "0"]) == 2
     assert "--api-server-count must be >= 1" in capsys.readouterr().err
 

@@ -59,8 +59,8 @@ class Head:
                  pipeline: tuple[str, ...] = ("--in-process",)) -> None:
         self.dirs_before = set(glob.glob("/tmp/trio-orch-fronts-*"))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", *pipeline, "--loop",
-             "trio", "--api-server-count", "2", *args], cwd=ROOT, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "trio_orch.cli", "-v", "serve", "--port", "0", *pipeline,
+             "--api-server-count", "2", *args], cwd=ROOT, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True, start_new_session=True, env={**os.environ, **(env or {})})
         assert self.proc.stdout is not None

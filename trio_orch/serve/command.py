@@ -102,7 +102,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "short or the engine failed, 2 usage or config error.")
     parser.allow_abbrev = False  # --model is never a prefix of --model-name, nor any flag of another
     add_model_arguments(parser, positional=True)
-    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
+    parser.set_defaults(loop_given=False)
+    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP, action=_Given,
                         help="trio: the project's lean HTTP/1.1 + WebSocket server (h11, wsproto; each "
                              "streamed chunk written straight to the socket) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
@@ -112,8 +113,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
                              "runs the orchestrator and its workers and serves no HTTP; N processes it "
                              "launches serve the app on the same port, each talking to it over ZeroMQ, so "
-                             "HTTP, JSON and SSE work spreads over N cores (--loop trio only; default 1: "
-                             "one process does everything; docs/operating.md)")
+                             "HTTP, JSON and SSE work spreads over N cores (Trio fronts: --loop trio, "
+                             "the default then; default 1: one process does everything; "
+                             "docs/operating.md)")
     parser.add_argument("--http-server", action=Refused, says="was removed", help=argparse.SUPPRESS,
                         why="--loop trio serves with the project's lean HTTP server, the only one "
                             "it has now (docs/operating.md)")
@@ -231,6 +233,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "URLs are refused: send data: URLs)")
 
 
+class _Given(argparse.Action):
+    """Store the value and remember it was given (``loop_given``): a default may follow other flags."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.loop_given = True
+
+
 def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
     """The HTTP limits from the command line (``max_connections`` resolved) and vLLM's server flags;
     ValueError for a bad value."""
@@ -247,7 +258,9 @@ def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
     if args.api_server_count > 1 and args.loop != "trio":
-        raise ValueError("--api-server-count > 1 runs Trio fronts: give --loop trio")
+        if args.loop_given:
+            raise ValueError("--api-server-count > 1 runs Trio fronts: give --loop trio (or no --loop)")
+        args.loop = "trio"  # API-server processes are Trio fronts: the default follows
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
