@@ -42,6 +42,16 @@ async def await_until(pred: Callable[[], bool], what: str = "condition", hang: f
         await asyncio.sleep(POLL)
 
 
+async def trio_until(pred: Callable[[], bool], what: str = "condition", hang: float = HANG) -> None:
+    """:func:`wait_until` for a Trio test whose condition is reached across a socket or another thread
+    (a message through the kernel, the ZAP handler's thread): the run keeps running while it waits."""
+    end = time.monotonic() + hang
+    while not pred():
+        if time.monotonic() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await trio.sleep(POLL)
+
+
 def settle(engine: Any) -> None:
     """Return once every task in the thread adapter's Trio run waits: what was posted to it so far
     (requests, updates, aborts) has been taken up as far as it can go.  No polling: the run's own

@@ -66,6 +66,17 @@ class Histogram:
         self.count += 1
         self.sum += value
 
+    def add(self, snap: HistogramSnapshot) -> None:
+        """Add the observations of ``snap`` (another histogram's, with the same buckets) to this one."""
+        if len(snap.buckets) != len(self.counts):
+            raise ValueError(f"cannot add {len(snap.buckets)} buckets to a histogram of {len(self.counts)}")
+        previous = 0
+        for i, (_bound, cumulative) in enumerate(snap.buckets):
+            self.counts[i] += cumulative - previous
+            previous = cumulative
+        self.count += snap.count
+        self.sum += snap.sum
+
     def snapshot(self) -> HistogramSnapshot:
         counts = list(self.counts)  # one C-level copy; the totals are recomputed from it
         out: list[tuple[float, int]] = []

@@ -43,7 +43,8 @@ class _ObservedStage:
     """A stage client that declares it reports timings (:class:`ObservedStageClient`): only ``timing_of``
     is read here."""
 
-    queue_seconds = compute_seconds = None
+    queue_seconds = compute_seconds = transfer_seconds = None
+    input_bytes = 0
 
     def __init__(self, t_first: float | None) -> None:
         self.timing = SimpleNamespace(t_first=t_first)

@@ -19,6 +19,7 @@ from trio_orch.http.access import Cors
 from trio_orch.http.generation import CutPrompt
 from trio_orch.serve import vllm_flags
 from trio_orch.serve.checkpoint import resolve_model
+from trio_orch.serve.command import front_app
 from trio_orch.serve.vllm_flags import REFUSED
 
 #: a stock vLLM launch line, as a team runs ``vllm serve`` today
@@ -61,7 +62,7 @@ def test_a_stock_vllm_launch_line_parses_with_vllms_meaning() -> None:
     assert not more.docs and flags.docs
 
 
-@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"], ["--api-server-count", "4"],
+@pytest.mark.parametrize("argv", [["--tensor-parallel-size", "2"], ["-tp", "4"],
                                   ["--data-parallel-size", "2"], ["--gpu-memory-utilization", "0.9"],
                                   ["--enable-prefix-caching"], ["--quantization", "awq"],
                                   ["--trust-remote-code"]])
@@ -148,3 +149,19 @@ def test_a_signal_before_the_command_takes_signals_over_exits_with_its_code(
     monkeypatch.setattr(module, "run", interrupted)
     assert main([command, "hi"] if command == "generate" else [command]) == code
     assert "interrupted" in capsys.readouterr().err
+
+
+def test_api_server_count_is_vllms_flag_and_more_than_one_needs_the_trio_front(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert serve_args("-asc", "3").api_server_count == 3 and serve_args().api_server_count == 1
+    assert main(["serve", "--api-server-count", "2", "--loop", "asyncio"]) == 2
+    assert "--api-server-count > 1 runs Trio fronts: give --loop trio" in capsys.readouterr().err
+    args = serve_args("--api-server-count", "2", "--in-process")
+    front_app(args)  # what checks the command line
+    assert args.loop == "trio"  # without --loop, the fronts' loop
+    args = serve_args("--in-process")
+    front_app(args)
+    assert args.loop == "asyncio"
+    assert main(["serve", "--api-server-count", "0"]) == 2
+    assert "--api-server-count must be >= 1" in capsys.readouterr().err
+

@@ -90,8 +90,16 @@ def test_after_the_drain_a_connection_is_refused_never_reset_or_left_hanging(loo
                     outcomes[seen] += 1
                 time.sleep(0.01)
 
+        def took_the_signal() -> bool:  # until the server's loop handles it, a probe is still answered 200
+            seen = probe(port)
+            if seen == "answered 200":
+                return False
+            outcomes[seen] += 1
+            return True
+
         probers = [threading.Thread(target=keep_probing, daemon=True) for _ in range(3)]
         proc.send_signal(signal.SIGTERM)
+        wait_until(took_the_signal, "the server to take SIGTERM")
         for t in probers:
             t.start()
         streamer.join(60)

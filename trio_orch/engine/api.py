@@ -104,6 +104,9 @@ class EngineStatistics:
     #: stage -> each replica slot's state (``ready``, ``suspect``, ``restarting``, ``given_up``, ... with
     #: ``reason``), from stage clients that keep replicas (a replica pool); absent for the others
     replica_states: Mapping[int, tuple[Mapping[str, Any], ...]] = field(default_factory=dict)
+    #: the HTTP counters of every API-server process, summed by the head (``serve --api-server-count``;
+    #: the shape of ``FrontMetrics.counts``); None where one process serves HTTP and counts them itself
+    fronts: Mapping[str, Any] | None = None
 
     @property
     def queued_requests(self) -> int:

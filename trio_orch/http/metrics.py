@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
@@ -198,6 +198,35 @@ class FrontMetrics:
         with self._lock:  # a front may count from more than one thread
             self.requests[key] = self.requests.get(key, 0) + 1
 
+    def counts(self) -> dict[str, Any]:
+        """Its counters as plain data (what an API-server process hands the head to sum)."""
+        with self._lock:
+            return {"requests": [[route, status, n] for (route, status), n in self.requests.items()],
+                    "disconnects": self.disconnects, "pending": self.pending, "shed": self.shed,
+                    "rtf": self.rtf.snapshot(), "prompt_tokens": self.prompt_tokens,
+                    "generation_tokens": dict(self.generation_tokens), "finished": dict(self.finished)}
+
+    @classmethod
+    def summed(cls, counts: Iterable[Mapping[str, Any]], *, draining: bool = False) -> FrontMetrics:
+        """The sum of several fronts' :meth:`counts` (the whole server's, for ``/metrics``)."""
+        out = cls(draining=draining)
+        for c in counts:
+            for route, status, n in c["requests"]:
+                out.requests[(route, status)] = out.requests.get((route, status), 0) + n
+            out.disconnects += c["disconnects"]
+            out.pending += c["pending"]
+            out.shed += c["shed"]
+            rtf = c["rtf"]
+            if isinstance(rtf, Mapping):  # as it crossed a process boundary: plain data
+                rtf = HistogramSnapshot(tuple((le, n) for le, n in rtf["buckets"]), rtf["sum"], rtf["count"])
+            out.rtf.add(rtf)
+            out.prompt_tokens += c["prompt_tokens"]
+            for k, n in c["generation_tokens"].items():
+                out.generation_tokens[int(k)] = out.generation_tokens.get(int(k), 0) + n
+            for reason, n in c["finished"].items():
+                out.finished[reason] = out.finished.get(reason, 0) + n
+        return out
+
     def count_shed(self, route: str, n: int = 1) -> None:
         """``n`` requests the front refused itself because the engine would shed them (429s)."""
         with self._lock:
@@ -367,7 +396,13 @@ class EngineCollector(Collector):
 
 def render(stats: EngineStatistics, front: FrontMetrics | None = None, extra: ExtraCounters | None = None,
            outputs: Sequence[str] | None = None) -> bytes:
-    """The Prometheus text exposition of one snapshot (a fresh registry per scrape)."""
+    """The Prometheus text exposition of one snapshot (a fresh registry per scrape).
+
+    A snapshot that carries the fronts' counters (``stats.fronts``: the sum over every API-server
+    process, taken by the head) shows those instead of ``front``'s own.
+    """
+    if stats.fronts is not None:
+        front = FrontMetrics.summed([stats.fronts], draining=front.draining if front is not None else False)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(EngineCollector(stats, front, extra, outputs))
     if front is not None:

@@ -72,7 +72,7 @@ from trio_orch.serve.options import ServeOptions, ServeOutcome
 from trio_orch.serve.throughput import INTERVAL, STATS_LOGGER
 from trio_orch.serve.vllm_flags import Refused, ServerFlags
 
-__all__ = ["DEFAULT_LOOP", "configure", "run"]
+__all__ = ["DEFAULT_LOOP", "configure", "front_app", "parse", "run"]
 
 #: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: docs/operating.md)
 DEFAULT_LOOP = "asyncio"
@@ -102,12 +102,20 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "short or the engine failed, 2 usage or config error.")
     parser.allow_abbrev = False  # --model is never a prefix of --model-name, nor any flag of another
     add_model_arguments(parser, positional=True)
-    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP,
+    parser.set_defaults(loop_given=False)
+    parser.add_argument("--loop", choices=["trio", "asyncio"], default=DEFAULT_LOOP, action=_Given,
                         help="trio: the project's lean HTTP/1.1 + WebSocket server (h11, wsproto; each "
                              "streamed chunk written straight to the socket) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
                              f"thread bridge (default {DEFAULT_LOOP}; see docs/operating.md: Two fronts)")
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                        help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
+                             "runs the orchestrator and its workers and serves no HTTP; N processes it "
+                             "launches serve the app on the same port, each talking to it over ZeroMQ, so "
+                             "HTTP, JSON and SSE work spreads over N cores (Trio fronts: --loop trio, "
+                             "the default then; default 1: one process does everything; "
+                             "docs/operating.md)")
     parser.add_argument("--http-server", action=Refused, says="was removed", help=argparse.SUPPRESS,
                         why="--loop trio serves with the project's lean HTTP server, the only one "
                             "it has now (docs/operating.md)")
@@ -225,6 +233,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "URLs are refused: send data: URLs)")
 
 
+class _Given(argparse.Action):
+    """Store the value and remember it was given (``loop_given``): a default may follow other flags."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.loop_given = True
+
+
 def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
     """The HTTP limits from the command line (``max_connections`` resolved) and vLLM's server flags;
     ValueError for a bad value."""
@@ -238,6 +255,12 @@ def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
         raise ValueError("--max-retries must be >= 0 (0: no failover)")
     if args.replicas is not None and args.replicas < 1:
         raise ValueError("--replicas must be >= 1")
+    if args.api_server_count < 1:
+        raise ValueError("--api-server-count must be >= 1")
+    if args.api_server_count > 1 and args.loop != "trio":
+        if args.loop_given:
+            raise ValueError("--api-server-count > 1 runs Trio fronts: give --loop trio (or no --loop)")
+        args.loop = "trio"  # API-server processes are Trio fronts: the default follows
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
@@ -397,13 +420,41 @@ def _run(args: argparse.Namespace) -> int:
         engine=_engine_options(args, pipeline), log_level=args.uvicorn_log_level,
         stats_interval=INTERVAL if flags.log_stats else None, ssl=flags.ssl)
     print(f"starting {pipeline.what} ...", flush=True)
-    # each front imports its own server only when it runs
-    front = importlib.import_module(f"trio_orch.serve.{args.loop}_front")
     try:
-        out = front.serve(options)
+        if args.api_server_count > 1:
+            out = _serve_with_fronts(args, options)
+        else:  # each front imports its own server only when it runs
+            out = importlib.import_module(f"trio_orch.serve.{args.loop}_front").serve(options)
     finally:
         sock.close()
     return _exit_code(out)
+
+
+def _serve_with_fronts(args: argparse.Namespace, options: ServeOptions) -> ServeOutcome:
+    """The head of ``--api-server-count N``: the engine here, N launched processes serving the app."""
+    from trio_orch.cluster.supervisor import RestartPolicy
+    from trio_orch.serve.fronts import head
+
+    argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
+    fronts = head.FrontsConfig(args.api_server_count, argv, args.api_key, args.admin_token,
+                               RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window),
+                               log_level=logging.getLogger().getEffectiveLevel())
+    return head.serve(options, fronts)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """``serve``'s arguments parsed as the command does (an API-server process builds its app from them)."""
+    parser = argparse.ArgumentParser(prog="trio-orch serve")
+    configure(parser)
+    return parser.parse_args(argv)
+
+
+def front_app(args: argparse.Namespace) -> tuple[HTTPLimits, Callable[..., Any]]:
+    """The HTTP limits and the app factory (``make_app(engine, front, server_counters)``) of ``args``:
+    what an API-server process serves, the same app as a single-process ``serve`` (ValueError if bad)."""
+    limits, flags = _check_args(args)
+    pipeline = _Pipeline(args)
+    return limits, partial(_app, args, pipeline, limits, flags)
 
 
 def _exit_code(out: ServeOutcome) -> int:

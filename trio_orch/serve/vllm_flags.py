@@ -40,7 +40,6 @@ ONLY_ONE = {
     "--tensor-parallel-size": ("-tp", _ONE_PROCESS),
     "--pipeline-parallel-size": ("-pp", _ONE_PROCESS),
     "--data-parallel-size": ("-dp", _ONE_PROCESS),
-    "--api-server-count": ("-asc", "one HTTP front serves every request here (--loop picks which)"),
 }
 
 #: vLLM flags that ask for what is done here anyway: accepted, and nothing changes -> why

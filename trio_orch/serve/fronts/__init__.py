@@ -1,0 +1,1 @@
+"""API-server processes: the head's engine served over ZMQ (host) to fronts that run the HTTP app (remote)."""
