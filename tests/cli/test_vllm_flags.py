@@ -160,6 +160,9 @@ def test_api_server_count_is_vllms_flag_and_its_fronts_run_either_loop(
     args = serve_args("--api-server-count", "2", "--in-process", "--loop", "asyncio")
     front_app(args)
     assert args.loop == "asyncio"  # as given: the fronts serve with uvicorn
+    # TLS is the asyncio front's: the fronts' default loop (trio) refuses it, as one process's does
+    assert main(["serve", "--api-server-count", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]) == 2
+    assert "does not speak TLS: use --loop asyncio" in capsys.readouterr().err
     args = serve_args("--in-process")
     front_app(args)
     assert args.loop == "asyncio"
