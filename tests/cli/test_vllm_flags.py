@@ -161,7 +161,8 @@ def test_api_server_count_is_vllms_flag_and_its_fronts_run_either_loop(
     front_app(args)
     assert args.loop == "asyncio"  # as given: the fronts serve with uvicorn
     # TLS is the asyncio front's: the fronts' default loop (trio) refuses it, as one process's does
-    assert main(["serve", "--api-server-count", "2", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]) == 2
+    tls = ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
+    assert main(["serve", "--api-server-count", "2", *tls]) == 2
     assert "does not speak TLS: use --loop asyncio" in capsys.readouterr().err
     args = serve_args("--in-process")
     front_app(args)
