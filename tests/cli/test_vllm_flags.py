@@ -151,14 +151,19 @@ def test_a_signal_before_the_command_takes_signals_over_exits_with_its_code(
     assert "interrupted" in capsys.readouterr().err
 
 
-def test_api_server_count_is_vllms_flag_and_more_than_one_needs_the_trio_front(
+def test_api_server_count_is_vllms_flag_and_its_fronts_run_either_loop(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert serve_args("-asc", "3").api_server_count == 3 and serve_args().api_server_count == 1
-    assert main(["serve", "--api-server-count", "2", "--loop", "asyncio"]) == 2
-    assert "--api-server-count > 1 runs Trio fronts: give --loop trio" in capsys.readouterr().err
     args = serve_args("--api-server-count", "2", "--in-process")
     front_app(args)  # what checks the command line
     assert args.loop == "trio"  # without --loop, the fronts' loop
+    args = serve_args("--api-server-count", "2", "--in-process", "--loop", "asyncio")
+    front_app(args)
+    assert args.loop == "asyncio"  # as given: the fronts serve with uvicorn
+    # TLS is the asyncio front's: the fronts' default loop (trio) refuses it, as one process's does
+    tls = ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem"]
+    assert main(["serve", "--api-server-count", "2", *tls]) == 2
+    assert "does not speak TLS: use --loop asyncio" in capsys.readouterr().err
     args = serve_args("--in-process")
     front_app(args)
     assert args.loop == "asyncio"

@@ -7,11 +7,15 @@ handler); ``tests/serve/test_api_servers.py`` runs them as processes.
 
 from __future__ import annotations
 
+import asyncio
 import os
+import queue
 import shutil
 import tempfile
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -21,9 +25,10 @@ import zmq
 
 from stages.auth import Authenticator, Security
 from tests.engine.test_engine_api import declared, kind, shape
-from tests.waiting import trio_until
+from tests.waiting import await_until, trio_until
 from trio_orch import OrchError, OrchOutput
-from trio_orch.engine import EngineClient, EngineClosed, Overloaded, TrioEngine, static_pipeline
+from trio_orch.engine import EngineClient, EngineClosed, Overloaded, ThreadEngine, TrioEngine, static_pipeline
+from trio_orch.engine.bridge import HostedEngine
 from trio_orch.http.metrics import FrontMetrics, render
 from trio_orch.serve.fronts.host import EngineHost
 from trio_orch.serve.fronts.remote import RemoteEngine
@@ -32,9 +37,10 @@ from trio_orch.testing.toy_pipeline import toy_pipeline
 
 
 @asynccontextmanager
-async def served(factory: Any, fronts: int = 1, **engine_options: Any
+async def served(factory: Any, fronts: int = 1, connect: bool = True, **engine_options: Any
                  ) -> AsyncIterator[tuple[TrioEngine, EngineHost, list[RemoteEngine]]]:
-    """An engine, its host with ``fronts`` slots, and a connected :class:`RemoteEngine` per slot."""
+    """An engine, its host with ``fronts`` slots, and a :class:`RemoteEngine` per slot (connected in this
+    run, unless ``connect`` is false: then whoever hosts it runs it)."""
     directory = tempfile.mkdtemp(prefix="trio-orch-test-")
     ctx = zmq.Context()
     security = Security.new_pipeline()
@@ -53,7 +59,7 @@ async def served(factory: Any, fronts: int = 1, **engine_options: Any
                                       name=f"front {slot.index}")
                 remotes.append(remote)
             nursery.start_soon(host.watch_state)
-            for remote in remotes:
+            for remote in remotes if connect else ():
                 with trio.fail_after(10):
                     await nursery.start(remote.run)
             yield engine, host, remotes
@@ -77,6 +83,26 @@ def test_the_remote_engine_satisfies_the_protocol_member_by_member() -> None:
                 continue
             assert kind(got) == kind(member), name
             assert shape(got) == shape(member), name
+        remote.sock.close()
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_both_engines_have_what_the_thread_adapter_needs_of_a_hosted_engine() -> None:
+    """``HostedEngine`` declares it; the adapter hosts either engine, so each has it, member by member."""
+    ctx = zmq.Context()
+    try:
+        remote = RemoteEngine(ctx, "ipc:///nonexistent")
+        for engine in (TrioEngine(static_pipeline([ScriptedStage(0)], {0})), remote):
+            assert isinstance(engine, HostedEngine)
+            for name, member in declared(HostedEngine).items():
+                got = getattr(engine, name)
+                if isinstance(member, property):
+                    assert not callable(got), name
+                    continue
+                what = (type(engine).__name__, name)
+                assert kind(got) == kind(member), what
+                assert [p[:2] for p in shape(got)] == [p[:2] for p in shape(member)], what
         remote.sock.close()
     finally:
         ctx.destroy(linger=0)
@@ -235,4 +261,74 @@ async def test_a_resumable_request_takes_its_segments_through_the_front() -> Non
         handle.abort()
         got = [m async for m in handle]
         assert isinstance(got[-1], OrchError) and got[-1].kind == "aborted"
+
+
+
+def test_the_thread_adapter_hosts_a_remote_engine_for_asyncio_code() -> None:
+    """``serve --api-server-count N --loop asyncio``: the front's RemoteEngine runs in the adapter's Trio
+    thread, its asyncio forms as a local engine's; the head is another Trio run (here a thread)."""
+    stage = ScriptedStage(0)
+    handed: queue.SimpleQueue[Any] = queue.SimpleQueue()
+    done = threading.Event()
+
+    async def head() -> None:
+        async with served(static_pipeline([stage], {0}), connect=False) as (engine, host, (remote,)):
+            handed.put((trio.lowlevel.current_trio_token(), engine, host, remote))
+            await trio.to_thread.run_sync(done.wait)
+
+    thread = threading.Thread(target=trio.run, args=(head,))
+    thread.start()
+    token, head_engine, host, remote = handed.get(timeout=30)
+
+    def emit(rid: str, data: Any, finished: bool = False) -> None:
+        trio.from_thread.run(partial(stage.emit, rid, data, finished=finished), trio_token=token)
+
+    async def use(engine: ThreadEngine) -> None:
+        # a stream: the head's batches reach this loop, the terminal last
+        gen = engine.generate_batches("hi")
+        first = asyncio.ensure_future(gen.__anext__())
+        await await_until(lambda: bool(stage.submissions), "the submit on the stage")
+        rid = stage.submissions[0][0]
+        emit(rid, np.ones(3, dtype=np.int16))
+        assert np.array_equal((await first)[0].data, np.ones(3, dtype=np.int16))
+        emit(rid, "done", finished=True)
+        assert (await gen.__anext__())[-1].finished
+        # a resumable request's segments, then an abort: one aborted terminal
+        handle = await engine.add_request_async("first", resumable=True, want_timings=True)
+        assert handle.rejection is None and handle.request_id != rid
+        await handle.update("second", final=True)
+        await await_until(lambda: stage.final_updates == [handle.request_id], "the segment on the stage")
+        engine.abort(handle.request_id)
+        got = [m async for m in handle]
+        assert isinstance(got[-1], OrchError) and got[-1].kind == "aborted"
+        # a client that leaves early: the head aborts its request
+        left = engine.generate_batches("x")
+        pending = asyncio.ensure_future(left.__anext__())
+        await await_until(lambda: len(stage.submissions) == 3, "the third submit")
+        pending.cancel()
+        await await_until(lambda: head_engine.demux.terminals_by_kind.get("aborted") == 2, "its abort")
+        with pytest.raises(ValueError, match="final_stage_id"):  # the head's refusal, raised here
+            await engine.add_request_async("x", final_stage_id=5)
+        stats = await engine.stats_async()
+        assert stats.admitted == 3 and stats.terminals_by_kind == {"finished": 1, "aborted": 2}
+        await engine.pause_async("keep")  # the control plane, through the adapter's executor form
+        await await_until(lambda: engine.paused == "keep", "the pause pushed to the front")
+        await engine.resume_async()
+
+    try:
+        engine = ThreadEngine.hosting(remote, startup_timeout=30, name="front 0")
+        engine.start()
+        try:
+            assert engine.running and engine.final_stage_ids == {0}
+            asyncio.run(use(engine))
+            assert host.slots[0].requests == 4 and not host.slots[0].handles  # each ended in the head
+        finally:
+            engine.close()
+        assert not engine.thread_alive
+        with pytest.raises(EngineClosed):
+            engine.abort("any")
+    finally:
+        done.set()
+        thread.join(30)
+    assert not thread.is_alive()
 

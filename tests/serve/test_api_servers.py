@@ -5,7 +5,10 @@ a while: one word each 20 ms) and serves no HTTP; the fronts it launched share
 the port.  The official ``openai`` SDK streams against the port; a front
 killed with ``kill -9`` comes back while the head stays up, its streams drop
 and each ends ``aborted`` in the head, once; SIGTERM to the head's whole
-process group drains both fronts' streams, and nothing is left.
+process group drains both fronts' streams, and nothing is left.  Each of
+these runs with either ``--loop`` (the fronts' server: the lean Trio one, or
+uvicorn with the remote engine behind the thread adapter); TLS with the
+asyncio fronts.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import contextlib
 import glob
 import os
 import re
+import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,6 +37,9 @@ from tests.waiting import HANG, wait_until
 from trio_orch.testing import child_pids
 
 pytestmark = pytest.mark.slow
+
+#: a front that added requests, on /metrics
+COUNTED = re.compile(r'api_server_requests_total\{front="(\d)"\} [1-9]')
 
 #: a message the toy thinker answers word by word: about 1.3 s of stream at 20 ms a word
 LONG = " ".join(f"w{i}" for i in range(60))
@@ -67,7 +75,7 @@ class Head:
         self.lines: list[str] = []
         for line in self.proc.stdout:
             self.lines.append(line)
-            m = re.search(r"serving on (http://\S+)", line)
+            m = re.search(r"serving on (https?://\S+)", line)
             if m:
                 self.url = m.group(1)
                 break
@@ -141,9 +149,9 @@ def run_streams(url: str, n: int, prompt: str = "hello there",
     return results
 
 
-@pytest.fixture
-def head() -> Any:
-    h = Head()
+@pytest.fixture(params=["trio", "asyncio"])
+def head(request: pytest.FixtureRequest) -> Any:
+    h = Head("--loop", request.param)
     try:
         yield h
     finally:
@@ -217,6 +225,31 @@ def test_a_head_killed_with_kill_9_takes_its_fronts_and_their_ipc_files_along(he
     os.kill(head.head, signal.SIGKILL)
     wait_until(lambda: not [p for p in fronts if alive(p)], "the fronts gone with their head")
     wait_until(lambda: set(glob.glob("/tmp/trio-orch-fronts-*")) <= head.dirs_before, "the ipc files removed")
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+def test_asyncio_fronts_speak_tls_on_the_shared_port(tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    h = Head("--loop", "asyncio", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert))
+    try:
+        assert h.url.startswith("https://127.0.0.1:") and "asyncio fronts" in "".join(h.lines)
+        verify = ssl.create_default_context(cafile=cert)
+        chat = {"messages": [{"role": "user", "content": "hi"}]}
+        end = time.monotonic() + HANG * 3
+        seen: set[str] = set()
+        while seen != {"0", "1"}:  # fresh connections until both fronts answered some
+            assert time.monotonic() < end, "the requests never landed on both fronts"
+            r = httpx.post(h.url + "/v1/chat/completions", json=chat, timeout=HANG, verify=verify)
+            assert r.status_code == 200, r.text
+            text = httpx.get(h.url + "/metrics", timeout=HANG, verify=verify).text
+            seen = {m.group(1) for m in COUNTED.finditer(text)}
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(h.url.replace("https://", "http://") + "/health", timeout=HANG)
+    finally:
+        h.close()
 
 
 def test_the_fronts_get_the_api_key_from_the_head_not_from_their_environment() -> None:

@@ -34,13 +34,13 @@ import threading
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from functools import partial
 from time import monotonic
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import trio
 
 from trio_orch.engine.api import EngineClosed, EngineStartupError, EngineStatistics
 from trio_orch.engine.base import PipelineFactory, collect_stats, unwrap
-from trio_orch.engine.demux import ACK, WITHDRAWN, AsyncioStream, SyncStream
+from trio_orch.engine.demux import ACK, WITHDRAWN, AsyncioStream, Demux, Stream, SyncStream
 from trio_orch.engine.derived import blocking, on_asyncio, passthrough
 from trio_orch.engine.handles import (
     AsyncRequestHandle,
@@ -52,9 +52,45 @@ from trio_orch.engine.handles import (
 from trio_orch.engine.trio_engine import TrioEngine
 from trio_orch.types import Message
 
-__all__ = ["ThreadEngine"]
+__all__ = ["HostedEngine", "ThreadEngine"]
 
 log = logging.getLogger("trio_orch.engine.bridge")
+
+
+@runtime_checkable
+class HostedEngine(Protocol):
+    """What the adapter needs of the engine it hosts, beyond the engine's seam (``EngineClient``).
+
+    :class:`~trio_orch.engine.trio_engine.TrioEngine` has it, and so has an
+    API-server process's :class:`~trio_orch.serve.fronts.remote.RemoteEngine`
+    (``serve --api-server-count N --loop asyncio``): its run (``run``, ended
+    by ``request_stop``), a stream registry fed from its run (``open``, into
+    its ``demux``), and its run's token (``call_soon``, ``run_in_trio``).
+    """
+
+    async def run(self, *, task_status: Any = ...) -> None: ...
+    def request_stop(self, drain: float | None = None) -> None: ...
+    def mark_dead(self, reason: str) -> None: ...
+    @property
+    def running(self) -> bool: ...
+    @property
+    def closed_reason(self) -> str | None: ...
+    @property
+    def failure(self) -> BaseException | None: ...
+    @property
+    def demux(self) -> Demux: ...
+    def open(self, cls: type[Any], prompt: Any, request_id: str | None = None,
+             final_stage_id: int | None = None, request_timeout: float | None = None,
+             resumable: bool = False, **kw: Any) -> Any: ...
+    def abort(self, request_id: str) -> None: ...
+    def client_gone(self, s: Stream) -> None: ...
+    def withdraw(self, s: Stream) -> None: ...
+    def post_update(self, request_id: str, segment: Any, final: bool = False) -> Any: ...
+    def stats(self) -> EngineStatistics: ...
+    async def stats_async(self, timeout: float = 5.0) -> EngineStatistics: ...
+    def control_orchestrator(self) -> object: ...
+    def call_soon(self, fn: Any, *args: Any) -> None: ...
+    def run_in_trio(self, async_fn: Any, *args: Any) -> Any: ...
 
 
 class ThreadEngine:
@@ -62,8 +98,9 @@ class ThreadEngine:
 
     ``pipeline`` and the admission and orchestrator options are
     :class:`~trio_orch.engine.trio_engine.TrioEngine`'s (``engine`` is that
-    engine).  ``startup_timeout`` bounds :meth:`start`; ``close_timeout``
-    bounds :meth:`close` (beyond any drain).
+    engine); :meth:`hosting` hosts an engine built elsewhere instead.
+    ``startup_timeout`` bounds :meth:`start`; ``close_timeout`` bounds
+    :meth:`close` (beyond any drain).
     """
 
     def __init__(self, pipeline: PipelineFactory, *, startup_timeout: float = 60.0,
@@ -72,11 +109,24 @@ class ThreadEngine:
                  admission_timeout: float | None = None, max_waiting: int | None = None,
                  max_inflight: Sequence[int | None] | None = None, max_running: int | None = None,
                  name: str = "trio-orch-engine") -> None:
+        self._host(TrioEngine(pipeline, request_queue_size=request_queue_size,
+                              shutdown_grace=shutdown_grace, request_timeout=request_timeout,
+                              admission_timeout=admission_timeout, max_waiting=max_waiting,
+                              max_inflight=max_inflight, max_running=max_running),
+                   startup_timeout, close_timeout, name)
+
+    @classmethod
+    def hosting(cls, engine: HostedEngine, *, startup_timeout: float = 60.0, close_timeout: float = 10.0,
+                name: str = "trio-orch-engine") -> ThreadEngine:
+        """The adapter around ``engine``, built elsewhere (an API-server process's remote engine): its
+        ``run`` goes in the adapter's Trio thread, as the engine's own does."""
+        self = cls.__new__(cls)
+        self._host(engine, startup_timeout, close_timeout, name)
+        return self
+
+    def _host(self, engine: HostedEngine, startup_timeout: float, close_timeout: float, name: str) -> None:
         #: the engine this adapter hosts (lives in the Trio thread)
-        self.engine = TrioEngine(pipeline, request_queue_size=request_queue_size,
-                                 shutdown_grace=shutdown_grace, request_timeout=request_timeout,
-                                 admission_timeout=admission_timeout, max_waiting=max_waiting,
-                                 max_inflight=max_inflight, max_running=max_running)
+        self.engine: Any = engine
         self.startup_timeout = startup_timeout
         self.close_timeout = close_timeout
         self.name = name
@@ -318,7 +368,8 @@ class ThreadEngine:
         await asyncio.wrap_future(self.engine.post_update(request_id, segment, final))
 
     async def stats_async(self, timeout: float = 5.0) -> EngineStatistics:
-        """A metrics snapshot, awaited on an asyncio loop without blocking it (nor an executor thread)."""
+        """A metrics snapshot, awaited on an asyncio loop without blocking it (nor an executor thread):
+        the engine's ``stats_async`` runs as a task of its Trio run."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[EngineStatistics] = loop.create_future()
 
@@ -326,10 +377,11 @@ class ThreadEngine:
             if not fut.done():
                 fut.set_exception(exc) if exc is not None else fut.set_result(value)
 
-        def collect() -> None:  # in the Trio thread
+        async def collect() -> None:  # in the Trio thread
             try:
-                value, exc = self.engine.stats(), None
-            except BaseException as e:
+                with trio.fail_after(timeout):
+                    value, exc = await self.engine.stats_async(timeout), None
+            except BaseException as e:  # a system task must not raise
                 value, exc = None, e
             try:
                 loop.call_soon_threadsafe(settle, value, exc)
@@ -337,9 +389,9 @@ class ThreadEngine:
                 pass
 
         try:
-            self.engine.call_soon(collect)
+            self.engine.call_soon(trio.lowlevel.spawn_system_task, collect)
             return await asyncio.wait_for(fut, timeout)
-        except (EngineClosed, TimeoutError):
+        except (EngineClosed, TimeoutError, trio.TooSlowError):
             return collect_stats(None, self.engine.demux, 0, False)
 
     # the control plane, for asyncio

@@ -113,9 +113,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
                              "runs the orchestrator and its workers and serves no HTTP; N processes it "
                              "launches serve the app on the same port, each talking to it over ZeroMQ, so "
-                             "HTTP, JSON and SSE work spreads over N cores (Trio fronts: --loop trio, "
-                             "the default then; default 1: one process does everything; "
-                             "docs/operating.md)")
+                             "HTTP, JSON and SSE work spreads over N cores (each serves the app with "
+                             "--loop; --loop trio is the default then; default 1: one process does "
+                             "everything; docs/operating.md)")
     parser.add_argument("--http-server", action=Refused, says="was removed", help=argparse.SUPPRESS,
                         why="--loop trio serves with the project's lean HTTP server, the only one "
                             "it has now (docs/operating.md)")
@@ -257,10 +257,8 @@ def _check_args(args: argparse.Namespace) -> tuple[HTTPLimits, ServerFlags]:
         raise ValueError("--replicas must be >= 1")
     if args.api_server_count < 1:
         raise ValueError("--api-server-count must be >= 1")
-    if args.api_server_count > 1 and args.loop != "trio":
-        if args.loop_given:
-            raise ValueError("--api-server-count > 1 runs Trio fronts: give --loop trio (or no --loop)")
-        args.loop = "trio"  # API-server processes are Trio fronts: the default follows
+    if args.api_server_count > 1 and not args.loop_given:
+        args.loop = "trio"  # API-server processes are Trio fronts unless --loop asyncio says otherwise
     if args.served_model_name is not None and not all(args.served_model_name):
         raise ValueError("--served-model-name: a name may not be empty")
     resolve_model(args)
@@ -354,9 +352,10 @@ class _Pipeline:
         @asynccontextmanager
         async def factory() -> AsyncIterator[Any]:
             # dead or hung local workers are restarted; with --listen, replicas may join over TCP;
-            # --loop trio takes SIGTERM in its own run (a drain)
+            # --loop trio, and a head of API-server processes, take SIGTERM in their own run (a drain)
+            own_run = args.loop == "trio" or args.api_server_count > 1
             async with open_head_pipeline(local_cfg, opts, full_config=cfg, policy=policy,
-                                          handle_sigterm=args.loop != "trio") as pipe:
+                                          handle_sigterm=not own_run) as pipe:
                 self.supervisor = pipe.supervisor
                 self.registrar = pipe.registrar
                 yield pipe
@@ -438,7 +437,7 @@ def _serve_with_fronts(args: argparse.Namespace, options: ServeOptions) -> Serve
     argv = sys.argv[sys.argv.index("serve") + 1:] if "serve" in sys.argv else []
     fronts = head.FrontsConfig(args.api_server_count, argv, args.api_key, args.admin_token,
                                RestartPolicy(max_restarts=args.max_restarts, window=args.restart_window),
-                               log_level=logging.getLogger().getEffectiveLevel())
+                               log_level=logging.getLogger().getEffectiveLevel(), loop=args.loop)
     return head.serve(options, fronts)
 
 
@@ -449,12 +448,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def front_app(args: argparse.Namespace) -> tuple[HTTPLimits, Callable[..., Any]]:
-    """The HTTP limits and the app factory (``make_app(engine, front, server_counters)``) of ``args``:
-    what an API-server process serves, the same app as a single-process ``serve`` (ValueError if bad)."""
+def front_app(args: argparse.Namespace) -> tuple[HTTPLimits, Callable[..., Any], dict[str, Any] | None]:
+    """The HTTP limits, the app factory (``make_app(engine, front, server_counters)``) and uvicorn's TLS
+    settings (``--loop asyncio``; None: plain HTTP) of ``args``: what an API-server process serves, the
+    same app as a single-process ``serve`` (ValueError if bad)."""
     limits, flags = _check_args(args)
     pipeline = _Pipeline(args)
-    return limits, partial(_app, args, pipeline, limits, flags)
+    return limits, partial(_app, args, pipeline, limits, flags), flags.ssl
 
 
 def _exit_code(out: ServeOutcome) -> int:

@@ -1,5 +1,8 @@
 """``serve --api-server-count N`` (N > 1): a head runs the engine and N API-server processes, no HTTP.
 
+The head is one Trio run whatever ``--loop`` says; ``--loop`` picks the
+server each front runs (:mod:`.process`).
+
 One Trio run, one root nursery: the engine (:class:`~trio_orch.engine.TrioEngine`:
 pipeline, workers, orchestrator), the :class:`~.host.EngineHost` with one
 guarded socket per front, and a supervisor task per front slot
@@ -56,8 +59,8 @@ __all__ = ["FRONT", "FrontsConfig", "serve"]
 
 log = logging.getLogger("trio_orch.serve.fronts")
 
-#: how this front names itself when it announces where it serves
-FRONT = "Trio fronts"
+#: how the head names its fronts when it announces where they serve (by their ``--loop``)
+FRONT = {"trio": "Trio fronts", "asyncio": "asyncio fronts"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,7 @@ class FrontsConfig:
     admin_token: str | None
     policy: RestartPolicy
     log_level: int = logging.WARNING
+    loop: str = "trio"  #: the fronts' ``--loop`` (they read it from ``argv``; the head names them by it)
 
 
 def serve(options: ServeOptions, fronts: FrontsConfig) -> ServeOutcome:
@@ -142,7 +146,8 @@ async def _serve(options: ServeOptions, fronts: FrontsConfig, out: ServeOutcome)
                     return
                 out.served = True
                 host_addr, port = options.sock.getsockname()[:2]
-                options.announce(host_addr, port, f"{FRONT}: {fronts.count} API-server processes")
+                what = f"{FRONT[fronts.loop]}: {fronts.count} API-server processes"
+                options.announce(host_addr, port, what)
         if run.failed is not None and not out.served:
             out.startup_error = EngineStartupError(run.failed)
     finally:

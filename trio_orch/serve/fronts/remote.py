@@ -12,7 +12,15 @@ leaving a request before its terminal tells the head, which aborts it.
 
 It runs in the front's Trio run (``serve --loop trio``): start
 :meth:`RemoteEngine.run` with ``nursery.start``; it returns from ``start``
-once the head welcomed it.
+once the head welcomed it.  With ``--loop asyncio`` the thread adapter
+(:class:`~trio_orch.engine.ThreadEngine`, :meth:`~trio_orch.engine.ThreadEngine.hosting`)
+runs it in a Trio thread, as it runs the engine itself in a single-process
+``serve``: for that it has what the adapter needs of a hosted engine
+(:class:`~trio_orch.engine.bridge.HostedEngine`) -- its run's token
+(:meth:`call_soon`, :meth:`run_in_trio`), :meth:`request_stop`, and
+:meth:`open`, which registers a stream of the adapter's (an asyncio one) in
+this engine's own :class:`~trio_orch.engine.demux.Demux`, so the head's
+batches reach the asyncio loop as a local engine's outputs do.
 """
 
 from __future__ import annotations
@@ -20,9 +28,11 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import trio
 import zmq
@@ -36,6 +46,8 @@ from trio_orch.engine.api import (
     Overloaded,
     StageIds,
 )
+from trio_orch.engine.base import collect_stats
+from trio_orch.engine.demux import ACK, ADMITTED, DONE, WITHDRAWN, Demux, Stream
 from trio_orch.engine.handles import messages
 from trio_orch.http.metrics import ExtraCounters, FrontMetrics
 from trio_orch.serve.fronts.host import TIMINGS
@@ -63,6 +75,8 @@ from trio_orch.serve.fronts.wire import (
 from trio_orch.types import Message, OrchError, RpcResult
 
 __all__ = ["RemoteEngine", "RemoteRequest"]
+
+S = TypeVar("S", bound=Stream)
 
 
 class RemoteRequest:
@@ -183,6 +197,13 @@ class RemoteEngine:
         self._stage_params: list[StageParams] | None = None
         self._welcomed = trio.Event()
         self._lost: str | None = None
+        self._demux = Demux()  # the streams of a hosting adapter (open), by the head's request id
+        self._opening: dict[int, Stream] = {}  # call -> a stream whose Add the head has not answered yet
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._run_thread: int | None = None
+        self._scope: trio.CancelScope | None = None
+        self._nursery: trio.Nursery | None = None
+        self._stop = False
         #: this front's HTTP counters, handed to the head when it asks (it sums them for ``/metrics``)
         self.front: FrontMetrics | None = None
         #: requests each front added, as the head counted them at its last answer (``/metrics`` shows them)
@@ -196,17 +217,23 @@ class RemoteEngine:
 
     # ------------------------------------------------------------------ the run
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Connect, say hello, serve the socket until cancelled; ``started`` once the head welcomed us."""
+        """Connect, say hello, serve the socket until cancelled (or :meth:`request_stop`); ``started``
+        once the head welcomed us."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._run_thread = threading.get_ident()
         self.sock.connect(self.address)
         try:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._link.run)
-                self._link.send(Hello(os.getpid()))
-                await self._welcomed.wait()
-                task_status.started()
+            with trio.CancelScope() as self._scope:
+                if self._stop:
+                    self._scope.cancel()
+                async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
+                    nursery.start_soon(self._link.run)
+                    self._link.send(Hello(os.getpid()))
+                    await self._welcomed.wait()
+                    task_status.started()
         finally:
-            self._lost = f"{self.name}: its connection to the head closed"
-            self._fail_all(EngineClosed(self._lost))
+            self.mark_dead(f"{self.name}: its connection to the head closed")
             self.sock.close(linger=0)
 
     def _on_message(self, msg: Any) -> None:
@@ -216,8 +243,16 @@ class RemoteEngine:
             r = self._requests.get(msg.request_id)
             if r is not None:
                 r.put([from_wire(m) for m in msg.msgs], unpack(msg.timings, TIMINGS) if msg.timings else None)
+                return
+            s = self._demux.streams.get(msg.request_id)
+            if s is not None:
+                if msg.timings:
+                    s.timings = unpack(msg.timings, TIMINGS)
+                self._demux.sink([from_wire(m) for m in msg.msgs])  # type: ignore[misc]
         elif isinstance(msg, State):
             self._state = msg
+        elif isinstance(msg, (Accepted, Refused)) and msg.call in self._opening:
+            self._opened(self._opening.pop(msg.call), msg)
         elif isinstance(msg, Accepted):
             w = self._waiting.pop(msg.call, None)
             if w is None:  # its caller left meanwhile: the head must not keep it
@@ -243,6 +278,9 @@ class RemoteEngine:
             r = self._requests.pop(msg.request_id, None)
             if r is not None:
                 r.put(EngineClosed(msg.message))
+            s = self._demux.streams.get(msg.request_id)
+            if s is not None:
+                self._demux.fail(s, EngineClosed(msg.message))
         elif isinstance(msg, Welcome):
             self._welcome = msg
             self._state = msg.state
@@ -253,6 +291,10 @@ class RemoteEngine:
         for r in self._requests.values():
             r.put(exc)
         self._requests.clear()
+        opening, self._opening = self._opening, {}
+        for s in opening.values():
+            self._demux.fail(s, exc)
+        self._demux.sweep("shutdown", f"the engine stopped: {exc}")
         for w in self._waiting.values():
             w.answer = Refused(0, "closed", str(exc))
             w.event.set()
@@ -277,6 +319,153 @@ class RemoteEngine:
     async def _call(self, method: str, kind: Any, **kwargs: Any) -> Any:
         reply: Reply = await self._ask(lambda call: Call(call, method, kwargs))
         return unpack(reply.result, kind) if reply.result else None
+
+    # ------------------------------------------------------------------ hosted by the thread adapter
+    def request_stop(self, drain: float | None = None) -> None:
+        """End :meth:`run` (any thread): the front drains its HTTP side itself, so ``drain`` is not used."""
+        self._stop = True
+        if self._scope is not None:
+            self._post_quiet(self._scope.cancel)
+
+    def mark_dead(self, reason: str) -> None:
+        """Refuse everything from now on; every open request ends (the first reason given stays)."""
+        if self._lost is None:
+            self._lost = reason
+        self._fail_all(EngineClosed(self._lost))
+
+    @property
+    def failure(self) -> BaseException | None:
+        """Nothing crashes here that the run does not raise itself."""
+        return None
+
+    @property
+    def demux(self) -> Demux:
+        """The streams of a hosting adapter, and their dispatch latency."""
+        return self._demux
+
+    def control_orchestrator(self) -> None:
+        """EngineClosed at once when the head's connection is gone (the control plane's first check)."""
+        if self._lost is not None:
+            raise EngineClosed(self._lost)
+
+    def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` in this engine's run soon (any thread; never blocks)."""
+        if self._token is None or self._lost is not None:
+            raise EngineClosed(self._lost or f"{self.name}: not connected to the head yet")
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            raise EngineClosed(f"{self.name}: its run has ended") from None
+
+    def run_in_trio(self, async_fn: Callable[..., Any], *args: Any) -> Any:
+        """Await ``async_fn(*args)`` in this engine's run and return its result (plain threads only)."""
+        if self._token is None or self._lost is not None:
+            raise EngineClosed(self._lost or f"{self.name}: not connected to the head yet")
+        try:
+            return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+        except trio.RunFinishedError:
+            raise EngineClosed(f"{self.name}: its run has ended") from None
+
+    def _post_quiet(self, fn: Callable[..., object], *args: Any) -> None:
+        """Run ``fn(*args)`` in the run: now when called there, else posted; silent when the run is gone."""
+        if threading.get_ident() == self._run_thread:
+            fn(*args)
+            return
+        if self._token is not None:
+            try:
+                self._token.run_sync_soon(fn, *args)
+            except trio.RunFinishedError:
+                pass
+
+    def open(self, cls: type[S], prompt: Any, request_id: str | None = None,
+             final_stage_id: int | None = None, request_timeout: float | None = None,
+             resumable: bool = False, **kw: Any) -> S:
+        """A ``cls`` stream for a new request, added in the head (any thread); see
+        :meth:`TrioEngine.open <trio_orch.engine.trio_engine.TrioEngine.open>`.  Its id is the head's: it
+        is registered under it once the head accepted the request."""
+        if kw.pop("companions", None):
+            raise ValueError("companion requests are not served through an API-server process")
+        if self._lost is not None:
+            raise EngineClosed(self._lost)
+        s = cls(request_id or "", prompt, final_stage_id, request_timeout, resumable=bool(resumable), **kw)
+        self.call_soon(self._open_cb, s)
+        return s
+
+    def _open_cb(self, s: Stream) -> None:
+        if self._lost is not None:
+            self._demux.fail(s, EngineClosed(self._lost))
+            return
+        call = next(self._calls)
+        self._opening[call] = s
+        self._link.send(Add(call, s.prompt, s.request_id or None, s.final_stage_id, s.timeout, s.resumable,
+                            s.sampling, s.want_timings, s.priority))
+
+    def _opened(self, s: Stream, answer: Accepted | Refused) -> None:
+        """The head's answer to ``s``'s Add: registered (then the ACK, or its rejection), or refused."""
+        if isinstance(answer, Refused):
+            self._demux.fail(s, _error(answer))
+            return
+        if answer.rejection is None and (s.detached or s.withdrawn):  # its caller left meanwhile
+            self._link.send(Abort(answer.request_id, gone=True))
+            s.state = DONE
+            return
+        s.request_id = answer.request_id
+        self._demux.register(s)  # the head's ids are unique
+        s.state = ADMITTED
+        if answer.rejection is not None:
+            self._demux.end(s, from_wire(answer.rejection))  # type: ignore[arg-type]
+        elif s.want_ack:
+            self._demux.put(s, ACK)
+
+    def client_gone(self, s: Stream) -> None:
+        """A stream's consumer left before its terminal (any thread): the head aborts the request."""
+        if s.state != DONE:
+            s.detached = True
+            self._post_quiet(self._gone_cb, s)
+
+    def _gone_cb(self, s: Stream) -> None:
+        if s.state == ADMITTED and self._lost is None:  # else the head's answer to its Add aborts it
+            self._link.send(Abort(s.request_id, gone=True))
+
+    def withdraw(self, s: Stream) -> None:
+        """A plain thread gave up waiting for ``s``'s admission: WITHDRAWN, or the ACK if it came first."""
+        s.withdrawn = True
+        self._post_quiet(self._withdraw_cb, s)
+
+    def _withdraw_cb(self, s: Stream) -> None:
+        if s.state != DONE and s.state != ADMITTED:  # still waiting for the head's answer (which aborts it)
+            self._demux.put(s, WITHDRAWN)
+
+    def post_update(self, request_id: str, segment: Any, final: bool = False) -> Future[None]:
+        """:meth:`update_request_async` from another thread, answered through the future."""
+        fut: Future[None] = Future()
+
+        async def update() -> None:
+            if not fut.set_running_or_notify_cancel():
+                return  # withdrawn before it was taken up
+            try:
+                await self.update_request_async(request_id, segment, final=final)
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)
+
+        def spawn() -> None:
+            if self._nursery is None or self._lost is not None:
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(EngineClosed(self._lost or f"{self.name}: not running"))
+                return
+            self._nursery.start_soon(update)
+
+        self.call_soon(spawn)
+        return fut
+
+    def stats(self) -> EngineStatistics:
+        """A metrics snapshot from the head (plain threads); an idle one when the head is gone."""
+        try:
+            return self.run_in_trio(self.stats_async)
+        except (EngineClosed, trio.TooSlowError):
+            return collect_stats(None, self._demux, 0, False)
 
     # ------------------------------------------------------------------ requests' side
     def left(self, request_id: str) -> None:
@@ -357,9 +546,10 @@ class RemoteEngine:
         await self._ask(lambda call: Update(call, request_id, segment, final))
 
     def abort(self, request_id: str) -> None:
+        """Abort a request from any thread, without waiting."""
         if self._lost is not None:
             raise EngineClosed(self._lost)
-        self._link.send(Abort(request_id))
+        self._post_quiet(self._link.send, Abort(request_id))
 
     async def abort_confirmed_async(self, request_id: str, timeout: float | None = None) -> list[RpcResult]:
         return await self._call("abort_confirmed_async", list[RpcResult], request_id=request_id,
