@@ -119,7 +119,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "first line is read: no input at all is an error, exit 2)")
     s = parser.add_argument_group(
         "sampling", "each goes to the stages it concerns: text parameters to the stage that gives the "
-                    "text, --seed and --voice to every stage that takes them (see the README)")
+                    "text, --seed and --voice to every stage that takes them (see docs/sampling.md)")
     s.add_argument("--max-tokens", type=int, default=None,
                    help="most text tokens the thinker generates (default and cap: its config, 48)")
     s.add_argument("--temperature", type=float, default=None, help="text temperature (0: greedy)")

@@ -7,7 +7,7 @@ stage pools and the HTTP front count into plain integers and lock-free
 scrape (in the orchestrator's thread), and :class:`EngineCollector` turns
 that snapshot into metric families.  ``prometheus_client`` writes the text,
 so types, ``_total`` suffixes, label escaping and histogram series are right
-by construction.  :data:`FAMILIES` lists every family (the README's list and
+by construction.  :data:`FAMILIES` lists every family (docs/operating.md's list and
 the tests read it); vLLM's families (``vllm:*``, with a ``model_name``
 label) come from the same snapshot and the same front counts
 (:mod:`trio_orch.http.vllm_metrics`).

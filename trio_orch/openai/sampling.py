@@ -13,7 +13,7 @@ Used by ``trio-orch serve`` (:func:`chat_sampling`, through
 Over HTTP each field's type (and OpenAI's range, where it fixes one) is the
 request schema's (:mod:`trio_orch.openai.protocol`); what is checked here is what
 only the pipeline knows: which stage takes the parameter, and its own range.
-The README has the table.
+docs/sampling.md has the table (Over HTTP).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ from trio_orch.serve.vllm_flags import Refused, ServerFlags
 
 __all__ = ["DEFAULT_LOOP", "configure", "front_app", "parse", "run"]
 
-#: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: README)
+#: the front ``serve`` runs without ``--loop`` (chosen from ``trio-orch bench --serving``: docs/operating.md)
 DEFAULT_LOOP = "asyncio"
 
 log = logging.getLogger("trio_orch.serve")
@@ -108,7 +108,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "streamed chunk written straight to the socket) runs inside the "
                              "orchestrator's own Trio run, no thread between them; asyncio: uvicorn on "
                              "asyncio in the main thread, the orchestrator in a Trio thread behind the "
-                             f"thread bridge (default {DEFAULT_LOOP}; see README: Serving fronts)")
+                             f"thread bridge (default {DEFAULT_LOOP}; see docs/operating.md: Two fronts)")
     parser.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                         help="HTTP front processes (API servers), as vLLM's flag: with N > 1 this process "
                              "runs the orchestrator and its workers and serves no HTTP; N processes it "
@@ -167,7 +167,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "answering it (default: the config's [pipeline] max_retries, 1; 0: off)")
     add_distributed_arguments(parser)
     vllm_flags.add_arguments(parser)
-    a = parser.add_argument_group("admission control (see README: Operating it)")
+    a = parser.add_argument_group("admission control (see docs/operating.md)")
     a.add_argument("--max-inflight", type=int, default=None, metavar="N",
                    help="admitted requests per live replica that may still have to pass a stage, for "
                         "every stage (default: each stage's max_inflight, else its max_batch, 32; "
