@@ -79,7 +79,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="concurrent streaming clients of the serving benchmark (default 64)")
     parser.add_argument("--readme", type=Path, default=None,
                         help="also put the table between the '<!-- bench:begin -->' and "
-                             "'<!-- bench:end -->' markers of this file (e.g. README.md)")
+                             "'<!-- bench:end -->' markers of this file (a page of yours; the run "
+                             "of record lives in docs/performance.md)")
 
 
 def _pick(arg: str | None, known: dict[str, Any], what: str) -> list[str]:
