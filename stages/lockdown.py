@@ -183,15 +183,20 @@ def _fork_fresh() -> None:
     stand_in, parent = os.getpid(), os.getppid()
     same_group = _terminal_foreground()
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STAND_IN_SIGNALS)  # none is lost around the fork
+    # a SIGCHLD ignored by whoever launched us would have the kernel reap the child behind the stand-in's
+    # back (its waitpid then fails): the stand-in takes the default, the child gets the launcher's back
+    launcher_chld = signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     try:
         with warnings.catch_warnings():  # an idle pool of a library (OpenBLAS's) is fork-safe
             warnings.simplefilter("ignore", DeprecationWarning)
             child = os.fork()
     except OSError:
+        signal.signal(signal.SIGCHLD, launcher_chld if launcher_chld is not None else signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
     if child == 0:
         _fresh = True
+        signal.signal(signal.SIGCHLD, launcher_chld if launcher_chld is not None else signal.SIG_DFL)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)  # the stand-in killed: so are we (as if we were it)
         if not same_group:
             with contextlib.suppress(OSError):  # a group of its own: a signal to the stand-in's group

@@ -140,6 +140,26 @@ def test_a_fresh_lock_down_goes_on_in_a_child_whose_stand_in_passes_signals_on_a
     assert not Path(f"/proc/{child}").exists()  # and it was reaped
 
 
+def test_a_stand_in_whose_launcher_ignores_sigchld_still_waits_for_its_child_and_ends_as_it_ends() -> None:
+    """Launched with SIGCHLD ignored (the kernel would reap the fresh child unseen), the stand-in still
+    sees its child's exit and passes signals on; the child keeps the launcher's SIGCHLD disposition."""
+    code = ("import signal, sys, time\n"
+            "from stages.lockdown import lock_down\n"
+            "lock_down(fresh=True)\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(7))\n"
+            "print(signal.getsignal(signal.SIGCHLD) == signal.SIG_IGN, flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGCHLD, signal.SIG_IGN))
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "True"  # the child: as launched
+    child = serving_pid(proc.pid)
+    assert child != proc.pid
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(HANG) == 7
+    assert not Path(f"/proc/{child}").exists()
+
+
 TERMINAL = ("import os, signal, sys\n"
             "from stages.lockdown import lock_down\n"
             "lock_down(fresh=True)\n"
