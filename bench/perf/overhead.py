@@ -326,7 +326,8 @@ def run(args: argparse.Namespace, checkpoint: str, progress: Any = print) -> dic
                             for c in args.levels} for front in FRONTS}
         out: dict[str, Any] = {"results": results, "overhead": overhead}
         if args.py_spy:
-            worst = max(args.levels, key=lambda c: max(overhead[f][str(c)]["cpu_overhead"] for f in FRONTS))
+            worst = max(args.levels,
+                        key=lambda c: max(overhead[f][str(c)]["cpu_overhead"] or 0.0 for f in FRONTS))
             out["profile"] = {"level": worst, "seconds": args.py_spy,
                               **{f: _profile(fronts[f], worst, args) for f in FRONTS}}
         return out
@@ -414,6 +415,11 @@ def _pair(a: Any, b: Any) -> str:
     return f"{a} / {b}"
 
 
+def _pct(x: float | None) -> str:
+    """A signed percentage, or n/a where the run could not compute it (a measure that came out empty)."""
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
 def markdown(out: dict[str, Any]) -> str:
     """The run as tables: per front and level, served against alone; where it goes; a line on the run."""
     s, res = out["settings"], out["results"]
@@ -426,7 +432,7 @@ def markdown(out: dict[str, Any]) -> str:
             sv, al, ov = res[front][c], res["alone"][c], out["overhead"][front][c]
             rounds = ", ".join(f"{x:+.1%}" for x in ov["overhead_rounds"])
             lines.append(f"| {front} | {c} | {_pair(sv['tokens_per_s'], al['tokens_per_s'])} "
-                         f"| **{ov['overhead']:+.1%}** ({rounds}) | **{ov['cpu_overhead']:+.1%}** "
+                         f"| **{_pct(ov['overhead'])}** ({rounds}) | **{_pct(ov['cpu_overhead'])}** "
                          f"| {_pair(sv['ttft_p50_ms'], al['ttft_p50_ms'])} "
                          f"| {_pair(sv['ttft_p99_ms'], al['ttft_p99_ms'])} "
                          f"| {_pair(sv['itl_p50_ms'], al['itl_p50_ms'])} "
